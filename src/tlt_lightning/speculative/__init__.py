@@ -1,6 +1,7 @@
-"""Pure speculative-decoding math: sampling distributions and lossless draft verification."""
+"""Pure speculative-decoding math: sampling distributions, lossless draft verification, strategies."""
 
 from tlt_lightning.speculative.sampling import SamplingParams, sample, sampling_probs
+from tlt_lightning.speculative.strategy import SDStrategy, StrategyChooser
 from tlt_lightning.speculative.verify import (
     SiblingRule,
     VerifyResult,
@@ -11,8 +12,10 @@ from tlt_lightning.speculative.verify import (
 )
 
 __all__ = [
+    "SDStrategy",
     "SamplingParams",
     "SiblingRule",
+    "StrategyChooser",
     "VerifyResult",
     "sample",
     "sampling_probs",

@@ -1,0 +1,28 @@
+# The two commands of the README. Both install first (idempotent, ~2 minutes on a fresh machine).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+THREADS ?= 1
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup demo test test-fast bench-rollout
+
+setup:
+	VENV=$(VENV) bash scripts/setup.sh
+
+## Main job on its embedded default (real SmolLM2-135M, reasoning-gym prompts, CPU).
+demo: setup
+	$(VENV)/bin/tlt-lightning --threads $(THREADS) bench rollout --batch-sizes 1 8 32 \
+		--max-new-tokens 64 --long-tail-requests 64 --long-tail-max-new 256 --repeats 1 \
+		--json runs/demo/rollout.json
+
+## The whole test suite (fast tests on tiny random models, slow ones on the real model).
+test: setup
+	$(PY) -m pytest -m "not gpu" -q
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow and not gpu" -q
+
+## The full rollout benchmark summarised in docs/benchmarks.md.
+bench-rollout: setup
+	$(VENV)/bin/tlt-lightning --threads $(THREADS) bench rollout --json docs/results/rollout.json \
+		--plot docs/img/rollout.png

@@ -1,0 +1,1 @@
+"""Benchmarks behind `tlt-lightning bench ...`: each writes JSON and a PNG."""

@@ -1,0 +1,54 @@
+"""Shared benchmark plumbing: machine description, task prompts, interleaved timing, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["machine_info", "median", "task_prompts", "timed", "write_json"]
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on (no host names or paths)."""
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "processor": platform.processor() or platform.machine(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """Run ``fn`` and return its result and wall-clock seconds."""
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def task_prompts(tokenizer: Any, task: str, count: int, seed: int = 0) -> list[list[int]]:
+    """``count`` real task prompts rendered with the model's chat template."""
+    from tlt_lightning.rl.tasks import TaskConfig, TaskDataset
+
+    dataset = TaskDataset(TaskConfig(name=task, size=count, seed=seed), tokenizer)
+    return [list(dataset[i].input_ids) for i in range(count)]
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path

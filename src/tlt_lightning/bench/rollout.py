@@ -1,0 +1,178 @@
+"""``tlt-lightning bench rollout``: the engine against HF ``generate`` on the same prompts and sampling.
+
+Two workloads:
+
+* fixed batches (1, 8, 32, 128 by default), greedy, ``--max-new-tokens`` each: throughput of both,
+  measured alternately (A B A B ...) so machine noise hits both alike, and whether the outputs are
+  identical token for token;
+* the long tail: ``--long-tail-requests`` task prompts sampled at temperature 1 up to
+  ``--long-tail-max-new`` tokens, as an RL rollout does: response-length percentiles, the idle
+  fraction a static batch would waste, and throughput of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlt_lightning.bench.common import machine_info, median, task_prompts, timed, write_json
+from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
+
+__all__ = ["add_arguments", "hf_generate", "length_summary", "run"]
+
+
+def hf_generate(model, tokenizer, prompts: list[list[int]], config: RolloutConfig, seed: int) -> list[list[int]]:
+    """HF ``generate`` on a left-padded batch; returns each response up to and including its EOS."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = torch.tensor(p)
+        attention[i, width - len(p) :] = 1
+    kwargs: dict[str, Any] = {"do_sample": False}
+    if not config.sampling.greedy:
+        kwargs = {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k}
+        torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids, attention_mask=attention, max_new_tokens=config.max_new_tokens,
+            pad_token_id=pad, **kwargs,
+        )
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    responses = []
+    for row in out[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        responses.append(row[:end])
+    return responses
+
+
+def length_summary(lengths: torch.Tensor) -> dict[str, float]:
+    """Percentiles of response lengths, and the row-steps a static batch would leave idle."""
+    f = lengths.float()
+    return {
+        "p50": float(f.quantile(0.5)),
+        "p90": float(f.quantile(0.9)),
+        "max": float(f.max()),
+        "mean": float(f.mean()),
+        "idle_fraction_static_batch": float(1 - f.mean() / f.max()),
+    }
+
+
+def _compare(engine: RolloutEngine, model, tokenizer, prompts, repeats: int, seed: int) -> dict[str, Any]:
+    """Engine vs HF on one workload, alternating runs; throughput medians and output agreement."""
+    ours, theirs, result, hf_out = [], [], None, None
+    for r in range(repeats):
+        gen = torch.Generator().manual_seed(seed + r)
+        result, t = timed(lambda: engine.generate(prompts, generator=gen))
+        ours.append(result.stats.generated_tokens / t)
+        hf_out, t = timed(lambda: hf_generate(model, tokenizer, prompts, engine.config, seed + r))
+        theirs.append(sum(len(x) for x in hf_out) / t)
+    same = sum(r.token_ids.tolist() == h for r, h in zip(result.rollouts, hf_out))
+    return {
+        "tokens_per_s": median(ours),
+        "hf_tokens_per_s": median(theirs),
+        "speedup_vs_hf": median(ours) / median(theirs),
+        "runs_tokens_per_s": ours,
+        "runs_hf_tokens_per_s": theirs,
+        "identical_outputs": same,
+        "requests": len(prompts),
+        "result": result,
+    }
+
+
+def plot(long_tail: RolloutResult, batches: list[dict[str, Any]], path: Path) -> Path:
+    """Response-length histogram, per-request timeline of the long-tail run, throughput per batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.5))
+    lengths = long_tail.lengths.numpy()
+    a.hist(lengths, bins=30, color="tab:blue")
+    a.set(xlabel="response length (tokens)", ylabel="requests", title="Long-tail rollout: lengths")
+    order = sorted(range(len(long_tail.rollouts)), key=lambda i: long_tail.rollouts[i].finish_time)
+    for y, i in enumerate(order):
+        r = long_tail.rollouts[i]
+        b.barh(y, r.finish_time - r.first_token_time, left=r.first_token_time, height=1.0, color="tab:orange")
+    b.set(xlabel="seconds", ylabel="request (by finish time)", title="Per-request timeline")
+    labels = [str(x["batch_size"]) for x in batches]
+    xs = range(len(batches))
+    c.bar([x - 0.2 for x in xs], [x["tokens_per_s"] for x in batches], width=0.4, label="RolloutEngine")
+    c.bar([x + 0.2 for x in xs], [x["hf_tokens_per_s"] for x in batches], width=0.4, label="HF generate")
+    c.set_xticks(list(xs), labels)
+    c.set(xlabel="batch size (greedy)", ylabel="tokens / s", title="Throughput")
+    c.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
+    p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 128])
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per request, fixed-batch workload")
+    p.add_argument("--long-tail-requests", type=int, default=128, help="0 skips the long-tail workload")
+    p.add_argument("--long-tail-max-new", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=2, help="alternating runs per workload (medians reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="runs/bench/rollout.json", help="where to write the results")
+    p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    loaded = load_model(args.model, dtype=args.dtype)
+    if loaded.tokenizer is None:
+        raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    target = HFTarget(model)
+    count = max([*args.batch_sizes, args.long_tail_requests, 1])
+    prompts = task_prompts(tokenizer, args.task, count, seed=args.seed)
+    greedy = RolloutEngine(target, RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=0.0))
+
+    batches = []
+    for bs in args.batch_sizes:
+        print(f"[bench rollout] batch {bs}, greedy, {args.max_new_tokens} new tokens ...", flush=True)
+        out = _compare(greedy, model, tokenizer, prompts[:bs], args.repeats, args.seed)
+        out.pop("result")
+        batches.append({"batch_size": bs, **out})
+        print(f"  engine {out['tokens_per_s']:.1f} tok/s, HF {out['hf_tokens_per_s']:.1f} tok/s, "
+              f"x{out['speedup_vs_hf']:.2f}, identical {out['identical_outputs']}/{bs}", flush=True)
+
+    long_tail = None
+    payload: dict[str, Any] = {
+        "benchmark": "rollout",
+        "command": "tlt-lightning bench rollout " + " ".join(getattr(args, "argv", [])),
+        "model": args.model, "dtype": args.dtype, "task": args.task, "machine": machine_info(),
+        "batches": batches,
+    }
+    if args.long_tail_requests:
+        n = args.long_tail_requests
+        sampled = RolloutEngine(target, replace(greedy.config, max_new_tokens=args.long_tail_max_new, temperature=1.0))
+        print(f"[bench rollout] long tail: {n} requests, T=1, up to {args.long_tail_max_new} tokens ...", flush=True)
+        out = _compare(sampled, model, tokenizer, prompts[:n], args.repeats, args.seed)
+        long_tail = out.pop("result")
+        out.pop("identical_outputs")  # sampled with different RNGs: lengths differ, only speed compares
+        payload["long_tail"] = {**out, "lengths": length_summary(long_tail.lengths),
+                                "max_new_tokens": args.long_tail_max_new}
+        print(f"  engine {out['tokens_per_s']:.1f} tok/s, HF {out['hf_tokens_per_s']:.1f} tok/s, "
+              f"x{out['speedup_vs_hf']:.2f}; lengths {payload['long_tail']['lengths']}", flush=True)
+
+    json_path = write_json(args.json, payload)
+    if long_tail is not None:
+        plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
+        payload["plot"] = str(plot(long_tail, batches, plot_path))
+        write_json(json_path, payload)
+    print(f"[bench rollout] wrote {json_path}", flush=True)
+    return payload

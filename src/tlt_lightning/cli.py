@@ -1,0 +1,59 @@
+"""``tlt-lightning``: benchmarks and tools on the command line.
+
+    tlt-lightning bench rollout [--json PATH] ...   engine vs HF generate, long-tail workload
+    tlt-lightning models                              list the registry
+
+Every subcommand takes ``--threads`` (torch intra-op threads; on shared 2-core machines one
+thread is often faster than two) before the subcommand name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from tlt_lightning.bench import rollout as bench_rollout
+
+    parser = argparse.ArgumentParser(prog="tlt-lightning", description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON + PNG)").add_subparsers(dest="bench", required=True)
+    bench_rollout.add_arguments(bench.add_parser("rollout", help="RolloutEngine vs HF generate"))
+
+    sub.add_parser("models", help="list registry model names")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    args.argv = argv
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may wait on a hub download
+    import torch
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.command == "models":
+        from tlt_lightning.models import available_models
+
+        print("\n".join(available_models()))
+    elif args.command == "bench" and args.bench == "rollout":
+        from tlt_lightning.bench import rollout
+
+        rollout.run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""SDStrategy: one speculative-decoding configuration, and the protocol of whatever chooses it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+__all__ = ["SDStrategy", "StrategyChooser"]
+
+
+@dataclass(frozen=True, order=True)
+class SDStrategy:
+    """How one speculative step drafts and verifies.
+
+    A chain is the special case ``topk == 1``: ``num_steps`` drafted tokens, all verified
+    (``num_draft_tokens == num_steps``). A tree expands the ``topk`` most likely children of the
+    best nodes for ``num_steps`` levels and verifies the ``num_draft_tokens`` best nodes.
+
+    Args:
+        num_steps: draft depth (drafter forward passes per step), ``>= 1``.
+        topk: children expanded per node, ``>= 1``.
+        num_draft_tokens: drafted tokens verified in one target forward, between ``num_steps``
+            and ``topk * num_steps``; for a chain it must equal ``num_steps``.
+
+    Example:
+        >>> SDStrategy(4, 1, 4).is_chain
+        True
+    """
+
+    num_steps: int
+    topk: int = 1
+    num_draft_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_steps, int) or self.num_steps < 1:
+            raise ValueError(f"num_steps must be an int >= 1, got {self.num_steps!r}")
+        if not isinstance(self.topk, int) or self.topk < 1:
+            raise ValueError(f"topk must be an int >= 1, got {self.topk!r}")
+        if self.num_draft_tokens is None:
+            object.__setattr__(self, "num_draft_tokens", self.num_steps if self.topk == 1 else 2 * self.num_steps)
+        n, lo, hi = self.num_draft_tokens, self.num_steps, self.topk * self.num_steps
+        if not isinstance(n, int) or not lo <= n <= hi:
+            raise ValueError(f"num_draft_tokens must be an int in [num_steps, topk * num_steps] = [{lo}, {hi}], got {n!r}")
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    def __str__(self) -> str:
+        return f"chain{self.num_steps}" if self.is_chain else f"tree{self.num_steps}x{self.topk}/{self.num_draft_tokens}"
+
+
+@runtime_checkable
+class StrategyChooser(Protocol):
+    """Picks the strategy for each decode step from the active batch size; learns from the outcome.
+
+    ``select`` returns an :class:`SDStrategy` or ``None`` (plain decoding for this step). ``update``
+    reports what the step achieved: ``accepted_tokens`` is the mean number of tokens each request
+    emitted, ``step_time`` the step's seconds.
+    """
+
+    def select(self, batch_size: int) -> SDStrategy | None: ...
+
+    def update(self, batch_size: int, arm: SDStrategy | None, accepted_tokens: float, step_time: float) -> None: ...

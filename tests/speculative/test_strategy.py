@@ -1,0 +1,35 @@
+import pytest
+
+from tlt_lightning.speculative import SDStrategy, StrategyChooser
+
+
+def test_chain_and_tree_defaults():
+    chain, tree = SDStrategy(4), SDStrategy(3, 2)
+    assert chain.is_chain and chain.num_draft_tokens == 4 and str(chain) == "chain4"
+    assert not tree.is_chain and tree.num_draft_tokens == 6 and str(tree) == "tree3x2/6"
+    assert len({SDStrategy(4), SDStrategy(4, 1, 4), SDStrategy(3, 2)}) == 2  # hashable, by value
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((0,), "num_steps must be an int >= 1, got 0"),
+        ((2, 0), "topk must be an int >= 1, got 0"),
+        ((2, 1, 3), r"num_draft_tokens must be an int in \[num_steps, topk \* num_steps\] = \[2, 2\], got 3"),
+        ((3, 4, 2), r"= \[3, 12\], got 2"),
+    ],
+)
+def test_invalid_strategies_name_the_field(args, match):
+    with pytest.raises(ValueError, match=match):
+        SDStrategy(*args)
+
+
+def test_protocol_is_structural():
+    class Always:
+        def select(self, batch_size):
+            return SDStrategy(2)
+
+        def update(self, batch_size, arm, accepted_tokens, step_time):
+            pass
+
+    assert isinstance(Always(), StrategyChooser)
