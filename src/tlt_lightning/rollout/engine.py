@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 import torch
@@ -44,20 +44,24 @@ class Emission(NamedTuple):
         counts: ``[n]`` int64 in ``1..m``.
         logprobs: ``[n, m]`` float32 log-probabilities under the sampling distribution.
         features: ``[n, m, C, H]`` target features at the positions that predicted them, or None.
+        strategy: the speculative strategy of the step, ``None`` for plain decoding.
     """
 
     tokens: torch.Tensor
     counts: torch.Tensor
     logprobs: torch.Tensor
     features: torch.Tensor | None
+    strategy: object | None = None
 
 
 @dataclass
 class ActiveBatch:
-    """The state of the active rows ``[0, n)`` of a rollout (row ``i`` serves request ``request[i]``).
+    """The state of a rollout: active rows ``[0, n)`` and per-request transcripts.
 
-    Invariant between steps: the cache holds each row's tokens up to, not including,
-    ``last_token[i]``, which the next step feeds.
+    Row ``i`` serves request ``request[i]``. Between steps the cache holds each row's tokens up
+    to, not including, ``last_token[i]``, which the next step feeds. Transcripts are indexed by
+    request and absolute position: ``seq[r, p]`` is token ``p`` (prompt, then response) and
+    ``features[r, p]`` the target's features at position ``p`` (they predicted ``seq[r, p + 1]``).
     """
 
     cache: KVCache
@@ -66,6 +70,10 @@ class ActiveBatch:
     generated: torch.Tensor  # [B] int64 tokens emitted so far per row
     limit: torch.Tensor  # [B] int64 max tokens this row may emit (max_new and context bound)
     n: int
+    seq: torch.Tensor  # [B, S] int64, by request
+    prompt_len: torch.Tensor  # [B] int64, by request
+    features: torch.Tensor | None = None  # [B, S, C, H], by request
+    aux_caches: list[KVCache] = field(default_factory=list)  # e.g. a drafter's: moved with the rows
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -78,14 +86,20 @@ class ActiveBatch:
         holes = finished[:keep].nonzero().squeeze(1)
         movers = (~finished[keep:]).nonzero().squeeze(1) + keep
         if holes.numel():
-            self.cache.move_rows(movers, holes)
+            for cache in (self.cache, *self.aux_caches):
+                cache.move_rows(movers, holes)
             for t in (self.request, self.last_token, self.generated, self.limit):
                 t[holes] = t[movers]
         self.n = keep
 
 
 class DecodeStep(Protocol):
-    """One decode step over the active rows; it also advances ``batch.cache.lengths``."""
+    """One decode step over the active rows; it also advances ``batch.cache.lengths``.
+
+    ``start`` is called once per rollout, after prefill, before the first step.
+    """
+
+    def start(self, batch: ActiveBatch) -> None: ...
 
     def __call__(self, batch: ActiveBatch, generator: torch.Generator | None) -> Emission: ...
 
@@ -102,6 +116,9 @@ class PlainStep:
 
     def __init__(self, target: TargetModel, config: RolloutConfig) -> None:
         self.target, self.config = target, config
+
+    def start(self, batch: ActiveBatch) -> None:
+        pass
 
     def __call__(self, batch: ActiveBatch, generator: torch.Generator | None) -> Emission:
         n, lengths = batch.n, batch.lengths
@@ -201,17 +218,8 @@ class RolloutEngine:
         ids = self._validate(prompts)
         step = step or PlainStep(self.target, cfg)
         device, B = self.target.device, len(ids)
-        prompt_len = torch.tensor([p.numel() for p in ids], device=device)
-        limit = (info.max_positions - prompt_len).clamp(max=cfg.max_new_tokens)
-        cache = self.target.new_cache(B, int(prompt_len.max()) + cfg.max_new_tokens + self.cache_margin)
-
-        # Per-request outputs, written in place as rows emit tokens.
-        tokens = torch.zeros(B, cfg.max_new_tokens, dtype=torch.long, device=device)
+        batch = self._new_batch(ids)
         logprobs = torch.zeros(B, cfg.max_new_tokens, dtype=torch.float32, device=device)
-        features = None
-        if cfg.feature_layers:
-            shape = (B, cfg.max_new_tokens, len(cfg.feature_layers), info.hidden_size)
-            features = torch.zeros(shape, dtype=self.target.dtype, device=device)
         first_time, finish_time = [0.0] * B, [0.0] * B
         finish_eos = torch.zeros(B, dtype=torch.bool, device=device)
         lengths = torch.zeros(B, dtype=torch.long, device=device)
@@ -219,13 +227,10 @@ class RolloutEngine:
 
         stats = RolloutStats()
         start = time.perf_counter()
-        batch = ActiveBatch(
-            cache, torch.arange(B, device=device), torch.zeros(B, dtype=torch.long, device=device),
-            torch.zeros(B, dtype=torch.long, device=device), limit, B,
-        )
-        emission = self._prefill(ids, prompt_len, cache, generator)
+        emission = self._prefill(ids, batch, generator)
         stats.prefill_time, stats.prefill_tokens = time.perf_counter() - start, B
         first_time[:] = [stats.prefill_time] * B
+        step.start(batch)
         bar = tqdm(total=B, desc="rollout", unit="req", disable=not progress, leave=False)
         from_step = False
         while True:
@@ -236,16 +241,17 @@ class RolloutEngine:
             is_eos = torch.isin(emission.tokens, eos) & (offs[None] < counts[:, None])
             hit_eos = is_eos.any(1)
             counts = torch.where(hit_eos, is_eos.int().argmax(1) + 1, counts)
-            valid = offs[None] < counts[:, None]
-            rows, cols = valid.nonzero(as_tuple=True)
-            dest = (req[rows], batch.generated[rows] + cols)
-            tokens[dest] = emission.tokens[rows, cols]
-            logprobs[dest] = emission.logprobs[rows, cols]
-            if features is not None:
-                features[dest] = emission.features[rows, cols].to(features.dtype)
+            rows, cols = (offs[None] < counts[:, None]).nonzero(as_tuple=True)
+            pos = batch.prompt_len[req[rows]] + batch.generated[rows] + cols  # absolute positions
+            batch.seq[req[rows], pos] = emission.tokens[rows, cols]
+            logprobs[req[rows], batch.generated[rows] + cols] = emission.logprobs[rows, cols]
+            if emission.features is not None and batch.features is not None:
+                batch.features[req[rows], pos - 1] = emission.features[rows, cols].to(batch.features.dtype)
             batch.generated[:n] += counts
             if from_step:
                 stats.step_tokens.append(int(counts.sum()))
+                if emission.strategy is not None:
+                    stats.accept_lengths = torch.cat([stats.accept_lengths, counts.cpu()])
             batch.last_token[:n] = emission.tokens.gather(1, (counts - 1)[:, None]).squeeze(1)
             finished = hit_eos | (batch.generated[:n] >= batch.limit[:n])
             if bool(finished.any()):
@@ -264,54 +270,68 @@ class RolloutEngine:
             emission = step(batch, generator)
             stats.step_times.append(time.perf_counter() - t0)
             stats.step_batch_sizes.append(n)
+            stats.step_speculative.append(emission.strategy is not None)
+            stats.step_strategies.append(emission.strategy)
             from_step = True
         bar.close()
         stats.total_time = time.perf_counter() - start
-        rollouts = [
-            Rollout(
+        rollouts = []
+        for i in range(B):
+            p, t = int(batch.prompt_len[i]), int(lengths[i])
+            rollouts.append(Rollout(
                 prompt_ids=ids[i],
-                token_ids=tokens[i, : lengths[i]].clone(),
-                logprobs=logprobs[i, : lengths[i]].clone(),
+                token_ids=batch.seq[i, p : p + t].clone(),
+                logprobs=logprobs[i, :t].clone(),
                 finish_reason="eos" if bool(finish_eos[i]) else "length",
                 first_token_time=first_time[i],
                 finish_time=finish_time[i],
-                features=features[i, : lengths[i]].clone() if features is not None else None,
-            )
-            for i in range(B)
-        ]
+                features=batch.features[i, p - 1 : p - 1 + t].clone() if batch.features is not None else None,
+            ))
         return RolloutResult(rollouts, stats)
 
-    def _prefill(
-        self, ids: list[torch.Tensor], prompt_len: torch.Tensor, cache: KVCache, generator: torch.Generator | None
-    ) -> Emission:
-        """Run the prompts through the target in chunks; sample each request's first token."""
-        cfg, device = self.config, prompt_len.device
-        emitted: list[Emission] = []
+    def _new_batch(self, ids: list[torch.Tensor]) -> ActiveBatch:
+        """Empty state for ``B`` prompts: cache, row bookkeeping and transcripts."""
+        cfg, info, device, B = self.config, self.target.info, self.target.device, len(ids)
+        prompt_len = torch.tensor([p.numel() for p in ids], device=device)
+        limit = (info.max_positions - prompt_len).clamp(max=cfg.max_new_tokens)
+        width = int(prompt_len.max()) + cfg.max_new_tokens
+        features = None
+        if cfg.feature_layers:
+            shape = (B, width, len(cfg.feature_layers), info.hidden_size)
+            features = torch.zeros(shape, dtype=self.target.dtype, device=device)
+        zeros = lambda: torch.zeros(B, dtype=torch.long, device=device)  # noqa: E731
+        return ActiveBatch(
+            cache=self.target.new_cache(B, width + self.cache_margin),
+            request=torch.arange(B, device=device), last_token=zeros(), generated=zeros(), limit=limit, n=B,
+            seq=torch.zeros(B, width, dtype=torch.long, device=device), prompt_len=prompt_len, features=features,
+        )
+
+    def _prefill(self, ids: list[torch.Tensor], batch: ActiveBatch, generator: torch.Generator | None) -> Emission:
+        """Run the prompts through the target in chunks; sample each request's first token.
+
+        Prompt tokens (and their features, when requested) go into the batch transcripts.
+        """
+        cfg, device = self.config, batch.seq.device
+        tokens, logprobs = [], []
         for start in range(0, len(ids), cfg.prefill_chunk):
             chunk = ids[start : start + cfg.prefill_chunk]
-            lens = prompt_len[start : start + len(chunk)]
+            lens = batch.prompt_len[start : start + len(chunk)]
             width = int(lens.max())
-            input_ids = torch.zeros(len(chunk), width, dtype=torch.long, device=device)
+            input_ids = batch.seq[start : start + len(chunk), :width]
             for i, p in enumerate(chunk):
                 input_ids[i, : p.numel()] = p
             positions = torch.arange(width, device=device).expand(len(chunk), width)
             slots = torch.arange(width, device=device)
             # Causal, and no row attends its own right padding.
             mask = (slots[None, None, :] <= slots[None, :, None]) & (slots[None, None, :] < lens[:, None, None])
-            rows = cache.view(start, start + len(chunk))
+            rows = batch.cache.view(start, start + len(chunk))
             out = self.target.forward(input_ids, positions, mask[:, None], rows, cfg.feature_layers)
-            last = lens - 1
-            hidden = out.hidden[torch.arange(len(chunk), device=device), last]
-            tokens, logprobs = sample_tokens(self.target.lm_head(hidden), cfg, generator)
-            rows.lengths[:] = lens
-            feats = None
             if out.features is not None:
-                feats = out.features[torch.arange(len(chunk), device=device), last][:, None]
-            ones = torch.ones_like(tokens)
-            emitted.append(Emission(tokens[:, None], ones, logprobs[:, None], feats))
-        return Emission(
-            torch.cat([e.tokens for e in emitted]),
-            torch.cat([e.counts for e in emitted]),
-            torch.cat([e.logprobs for e in emitted]),
-            torch.cat([e.features for e in emitted]) if cfg.feature_layers else None,
-        )
+                batch.features[start : start + len(chunk), :width] = out.features
+            hidden = out.hidden[torch.arange(len(chunk), device=device), lens - 1]
+            t, lp = sample_tokens(self.target.lm_head(hidden), cfg, generator)
+            rows.lengths[:] = lens
+            tokens.append(t)
+            logprobs.append(lp)
+        t, lp = torch.cat(tokens), torch.cat(logprobs)
+        return Emission(t[:, None], torch.ones_like(t), lp[:, None], None)
