@@ -48,6 +48,9 @@ def test_bad_mask_shape_is_rejected(tiny_llama):
 def test_feature_layer_presets():
     assert default_feature_layers(30) == (30,)
     assert default_feature_layers(30, "eagle3") == (2, 15, 27)
+    assert default_feature_layers(4, "eagle3") == (1, 2, 3)
+    with pytest.raises(ValueError, match="eagle3 features need a target with >= 4 layers, got 3"):
+        default_feature_layers(3, "eagle3")
     with pytest.raises(ValueError, match="kind must be"):
         default_feature_layers(30, "medusa")
 

@@ -49,12 +49,17 @@ class TargetInfo:
 def default_feature_layers(num_layers: int, kind: str = "eagle1") -> tuple[int, ...]:
     """Hidden-state indices a drafter reads (``0`` = embeddings, ``i`` = after layer ``i``, ``L`` = final).
 
-    ``"eagle1"``: the final normalised state. ``"eagle3"``: a low, a middle and a high layer, as EAGLE-3.
+    ``"eagle1"``: the final normalised state. ``"eagle3"``: a low, a middle and a high layer, as
+    EAGLE-3 does (``2, L // 2, L - 3``; ``1, L // 2, L - 1`` for models of fewer than 8 layers).
     """
     if kind == "eagle1":
         return (num_layers,)
     if kind == "eagle3":
-        return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 1))
+        if num_layers < 4:
+            raise ValueError(f"eagle3 features need a target with >= 4 layers, got {num_layers}")
+        if num_layers >= 8:
+            return (2, num_layers // 2, num_layers - 3)
+        return (1, num_layers // 2, num_layers - 1)
     raise ValueError(f"kind must be 'eagle1' or 'eagle3', got {kind!r}")
 
 

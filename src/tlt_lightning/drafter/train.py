@@ -1,0 +1,361 @@
+"""Training the drafter on the target's own rollouts: batches, one optimisation step, warm-up.
+
+Data: :meth:`RolloutEngine.generate` with ``RolloutConfig.feature_layers =
+drafter.config.rollout_feature_layers`` (the drafter's inputs, then the final state ``L``). For a
+rollout of ``T`` tokens, ``features[i]`` is the target's state at the position that predicted
+``token_ids[i]``. Sample ``i`` (``0 <= i <= T - 2``) is::
+
+    input  : token_ids[i], lift(features[i, :C])      (C = drafter inputs)
+    targets: final = features[i + 1, -1]              (EAGLE-1 feature loss)
+             softmax(lm_head(final))                  (the target's distribution of token i + 2)
+
+With ``unroll_steps = K > 1`` step ``k`` feeds sample ``i`` the drafter's step ``k-1`` output at
+sample ``i - 1`` instead of the true feature, exactly as the ``k``-th draft token at decode time,
+and predicts the same targets. Step ``k`` attends the true-feature keys up to sample ``i-k+1``
+and its own chain of drafted keys (EAGLE-3's "training-time test" mask), so training matches what
+the drafter sees with its KV cache while decoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from tqdm.auto import tqdm
+
+from tlt_lightning.drafter.config import DrafterConfig
+from tlt_lightning.drafter.losses import DrafterLoss
+from tlt_lightning.drafter.model import Drafter
+from tlt_lightning.models.target import TargetModel
+from tlt_lightning.rollout.types import Rollout
+
+__all__ = [
+    "ConcatCache",
+    "DrafterBatch",
+    "drafter_losses",
+    "drafter_train_step",
+    "evaluate_drafter",
+    "make_batches",
+    "unroll_mask",
+    "warmup_drafter",
+]
+
+
+@dataclass
+class DrafterBatch:
+    """``B`` right-padded sequences of ``S`` training samples.
+
+    Attributes:
+        tokens: ``[B, S]`` int64 input tokens (``token_ids[i]``).
+        features: ``[B, S, C, H]`` target features feeding the drafter (``features[i, :C]``).
+        target_hidden: ``[B, S, H]`` the target's final state at ``i + 1``.
+        positions: ``[B, S]`` int64 target positions of the input features (prompt length - 1 + i).
+        mask: ``[B, S]`` bool, True for real samples (False for padding).
+    """
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    target_hidden: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.mask.sum())
+
+    def to(self, device: torch.device | str) -> DrafterBatch:
+        return DrafterBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def _split(
+    rollout: Rollout, index: int, config: DrafterConfig, max_len: int | None
+) -> list[tuple[torch.Tensor, ...]]:
+    """The samples of one rollout as ``(tokens, features, target_hidden, positions)`` chunks."""
+    feats = rollout.features
+    if feats is None:
+        raise ValueError(
+            f"rollouts[{index}] has no features: generate with RolloutConfig.feature_layers="
+            f"{config.rollout_feature_layers} (drafter.config.rollout_feature_layers)"
+        )
+    C, H, T = config.num_features, config.hidden_size, rollout.length
+    final_in_inputs = config.feature_layers[-1] == config.num_target_layers
+    if (
+        feats.dim() != 3
+        or feats.shape[2] != H
+        or not (feats.shape[1] == C + 1 or (feats.shape[1] == C and final_in_inputs))
+    ):
+        raise ValueError(
+            f"rollouts[{index}].features must be [T, {C + 1}, {H}] (the drafter's feature layers "
+            f"{config.feature_layers} then the final state), got {list(feats.shape)}"
+        )
+    if T < 2:
+        return []
+    S = T - 1
+    start = rollout.prompt_ids.numel() - 1
+    sample = (
+        rollout.token_ids[:S],
+        feats[:S, :C],
+        feats[1:, -1],
+        torch.arange(start, start + S, device=feats.device),
+    )
+    step = max_len or S
+    return [tuple(t[i : i + step] for t in sample) for i in range(0, S, step)]
+
+
+def make_batches(
+    rollouts: Sequence[Rollout],
+    config: DrafterConfig,
+    batch_size: int,
+    shuffle: bool = True,
+    generator: torch.Generator | None = None,
+    max_len: int | None = None,
+) -> list[DrafterBatch]:
+    """Turn rollouts (with features) into padded training batches.
+
+    Args:
+        rollouts: rollouts generated with ``feature_layers = config.rollout_feature_layers``.
+        config: the drafter's config (which feature channels are inputs).
+        batch_size: sequences per batch.
+        shuffle: shuffle the sequences (with ``generator``) before batching.
+        generator: CPU random source for the shuffle.
+        max_len: split sequences longer than this many samples (bounds the padded width).
+
+    Returns:
+        Batches of at most ``batch_size`` sequences; rollouts with fewer than 2 tokens are skipped.
+
+    Example:
+        >>> # rollouts = engine.with_config(feature_layers=cfg.rollout_feature_layers).generate(prompts).rollouts
+        >>> # batches = make_batches(rollouts, cfg, batch_size=8)
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if max_len is not None and (not isinstance(max_len, int) or max_len <= 0):
+        raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
+    seqs = [chunk for i, r in enumerate(rollouts) for chunk in _split(r, i, config, max_len)]
+    if shuffle:
+        seqs = [seqs[i] for i in torch.randperm(len(seqs), generator=generator).tolist()]
+    batches = []
+    for start in range(0, len(seqs), batch_size):
+        group = seqs[start : start + batch_size]
+        S = max(s[0].shape[0] for s in group)
+        tokens, feats, final, pos = (
+            torch.zeros((len(group), S, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in group[0]
+        )
+        mask = torch.zeros(len(group), S, dtype=torch.bool, device=tokens.device)
+        for b, (tok, f, h, p) in enumerate(group):
+            n = tok.shape[0]
+            tokens[b, :n], feats[b, :n], final[b, :n], pos[b, :n], mask[b, :n] = tok, f, h, p, True
+            if n < S:  # padding continues the positions (any value works: it is masked)
+                pos[b, n:] = p[-1] + torch.arange(1, S - n + 1, device=p.device)
+        batches.append(DrafterBatch(tokens, feats, final, pos, mask))
+    return batches
+
+
+def unroll_mask(valid: torch.Tensor, step: int) -> torch.Tensor:
+    """Attention mask of draft step ``step`` over the keys of steps ``1..step`` (concatenated).
+
+    Query ``i`` of step ``k`` sees the step-1 keys ``j <= i - k + 1`` (true features) and, for each
+    step ``2 <= s <= k``, the one key ``j = i - (k - s)`` (its own chain of drafted tokens).
+
+    Args:
+        valid: ``[B, S]`` bool real samples (right padding).
+        step: ``k >= 1``.
+
+    Returns:
+        ``[B, 1, S, k * S]`` bool; every query sees at least itself.
+    """
+    S = valid.shape[1]
+    i = torch.arange(S, device=valid.device)[:, None]
+    j = torch.arange(S, device=valid.device)[None, :]
+    blocks = [((j <= i - (step - 1)) & valid[:, None, :])]
+    blocks += [(j == i - (step - s)).expand(valid.shape[0], S, S) for s in range(2, step + 1)]
+    mask = torch.cat(blocks, dim=-1)
+    mask[..., (step - 1) * S :] |= torch.eye(S, dtype=torch.bool, device=valid.device)
+    return mask[:, None]
+
+
+class ConcatCache:
+    """An autograd-safe drafter cache for unrolled training: each forward appends its keys/values.
+
+    Unlike :class:`~tlt_lightning.models.KVCache` it never writes in place (so gradients flow
+    through every step) and ignores positions: key slots are simply the concatenation of the
+    steps, as :func:`unroll_mask` expects.
+    """
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def begin_step(self, rows: int, positions: torch.Tensor) -> int:
+        return (0 if self.keys is None else self.keys.shape[2]) + positions.shape[1]
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: object,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            self.keys, self.values = key_states, value_states
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=2)
+            self.values = torch.cat([self.values, value_states], dim=2)
+        return self.keys, self.values
+
+
+def drafter_losses(
+    drafter: Drafter, target: TargetModel, batch: DrafterBatch, loss_cfg: DrafterLoss | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The (differentiable) loss of a batch and detached metrics (step-1 values plus per-step top-1).
+
+    Returns:
+        ``(loss, metrics)``; metrics hold ``feature_loss``, ``ce_loss``, ``top1`` (step 1) and
+        ``top1_step{k}`` for ``k >= 2``. The loss is the ``step_decay``-weighted mean over steps.
+
+    Memory: the target's logits of the ``N`` real samples, ``[N, V]``, are computed here (no_grad);
+    bound ``N`` with ``batch_size`` / ``max_len`` for large vocabularies.
+    """
+    cfg = loss_cfg or DrafterLoss.for_kind(drafter.config.kind)
+    batch = batch.to(drafter.device)
+    valid = batch.mask
+    with torch.no_grad():  # the target's next-token distribution, on real samples only
+        target_logits = target.lm_head(batch.target_hidden[valid])
+    target_hidden = batch.target_hidden[valid]
+    reduced = drafter.config.reduced_vocab
+    d2t, t2d = (drafter.d2t, drafter.t2d) if reduced else (None, None)
+    steps = cfg.unroll_steps
+    cache = ConcatCache() if steps > 1 else None
+    hidden_in = drafter.lift(batch.features)
+    sample_idx = torch.arange(valid.shape[1], device=valid.device)
+    total, weight_sum, metrics = 0.0, 0.0, {}
+    for k in range(1, steps + 1):
+        hidden_out = drafter(batch.tokens, hidden_in, batch.positions, unroll_mask(valid, k), cache)
+        # Step k needs k - 1 earlier samples to draft from: samples i < k - 1 do not exist at decode time.
+        in_step = (sample_idx >= k - 1)[None].expand_as(valid)[valid]
+        pred = hidden_out[valid]
+        out = cfg(pred, drafter.logits(pred), target_hidden, target_logits, in_step, d2t, t2d)
+        w = cfg.step_decay ** (k - 1)
+        total, weight_sum = total + w * out.loss, weight_sum + w
+        if k == 1:
+            metrics.update(feature_loss=out.feature_loss, ce_loss=out.ce_loss, top1=out.top1)
+        else:
+            metrics[f"top1_step{k}"] = out.top1
+        # The next draft token at sample i starts from this step's output at sample i - 1.
+        hidden_in = torch.cat([torch.zeros_like(hidden_out[:, :1]), hidden_out[:, :-1]], dim=1)
+    loss = total / weight_sum
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+def drafter_train_step(
+    drafter: Drafter,
+    target: TargetModel,
+    batch: DrafterBatch,
+    optimizer: torch.optim.Optimizer,
+    loss_cfg: DrafterLoss | None = None,
+    max_grad_norm: float | None = 1.0,
+) -> dict[str, float]:
+    """One optimisation step of the drafter on ``batch`` (the target is read, never updated).
+
+    Returns:
+        ``{"loss", "feature_loss", "ce_loss", "top1", ...}`` as floats (one sync per step).
+    """
+    drafter.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss, metrics = drafter_losses(drafter, target, batch, loss_cfg)
+    loss.backward()
+    if max_grad_norm is not None:
+        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(drafter.parameters(), max_grad_norm)
+    optimizer.step()
+    values = torch.stack([v.float() for v in metrics.values()]).tolist()
+    return dict(zip(metrics, values))
+
+
+@torch.no_grad()
+def evaluate_drafter(
+    drafter: Drafter,
+    target: TargetModel,
+    batches: Sequence[DrafterBatch],
+    loss_cfg: DrafterLoss | None = None,
+) -> dict[str, float]:
+    """Sample-weighted mean of :func:`drafter_losses`' metrics over ``batches`` (no update)."""
+    if not batches:
+        raise ValueError("batches is empty: nothing to evaluate")
+    sums: dict[str, float] = {}
+    total = 0
+    for batch in batches:
+        _, metrics = drafter_losses(drafter, target, batch, loss_cfg)
+        n = batch.num_samples
+        total += n
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value) * n
+    return {key: value / total for key, value in sums.items()}
+
+
+def warmup_drafter(
+    drafter: Drafter,
+    target: TargetModel,
+    rollouts: Sequence[Rollout],
+    steps: int,
+    lr: float = 1e-3,
+    batch_size: int = 8,
+    progress: bool = True,
+    loss_cfg: DrafterLoss | None = None,
+    seed: int = 0,
+    weight_decay: float = 0.0,
+    max_grad_norm: float | None = 1.0,
+    max_len: int | None = None,
+) -> list[dict[str, float]]:
+    """Train ``drafter`` for ``steps`` AdamW steps on ``rollouts`` (reshuffled every epoch).
+
+    Args:
+        drafter: the drafter to train (in place).
+        target: the target that produced the rollouts (its LM head gives the soft targets).
+        rollouts: rollouts with features (see :func:`make_batches`).
+        steps: optimisation steps.
+        lr: AdamW learning rate (cosine-decayed to 10% over ``steps``).
+        batch_size: sequences per step.
+        progress: show a tqdm bar with the loss and top-1 agreement.
+        loss_cfg: objective (default :meth:`DrafterLoss.for_kind`).
+        seed: shuffling seed.
+
+    Returns:
+        The metrics of every step (see :func:`drafter_train_step`).
+
+    Example:
+        >>> # history = warmup_drafter(drafter, target, result.rollouts, steps=200, lr=3e-3, batch_size=8)
+        >>> # history[-1]["top1"]
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    generator = torch.Generator().manual_seed(seed)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda t: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t / steps, 1.0)))
+    )
+
+    def epochs():
+        while True:
+            batches = make_batches(rollouts, drafter.config, batch_size, True, generator, max_len)
+            if not batches:
+                raise ValueError("no training samples: every rollout has fewer than 2 tokens")
+            yield from batches
+
+    history = []
+    bar = tqdm(total=steps, desc="drafter warm-up", disable=not progress, leave=False)
+    for batch in itertools.islice(epochs(), steps):
+        metrics = drafter_train_step(drafter, target, batch, optimizer, loss_cfg, max_grad_norm)
+        schedule.step()
+        history.append(metrics)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}", refresh=False)
+        bar.update()
+    bar.close()
+    return history

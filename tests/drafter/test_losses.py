@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tlt_lightning.drafter import DrafterLoss, feature_loss, soft_ce, top1_agreement
+
+
+def test_feature_loss_hand_computed():
+    pred = torch.tensor([[0.0, 3.0], [1.0, 1.0]])
+    target = torch.tensor([[0.5, 0.0], [1.0, 1.0]])
+    # Row 0: 0.5 * 0.5^2 = 0.125 and 3 - 0.5 = 2.5 -> 1.3125; row 1: 0.
+    assert feature_loss(pred, target).item() == pytest.approx(1.3125 / 2)
+    assert feature_loss(pred, target, torch.tensor([True, False])).item() == pytest.approx(1.3125)
+    assert feature_loss(pred, target, torch.tensor([False, False])).item() == 0.0
+
+
+def test_soft_ce_hand_computed():
+    draft = torch.tensor([[0.0, math.log(3.0)]])  # q = [1/4, 3/4]
+    target = torch.tensor([[0.0, 0.0]])  # p = [1/2, 1/2]
+    expected = -(0.5 * math.log(0.25) + 0.5 * math.log(0.75))
+    assert soft_ce(draft, target).item() == pytest.approx(expected, rel=1e-6)
+    # Reduced vocabulary: the target is restricted to the draft tokens and renormalised.
+    target_full = torch.tensor([[0.0, 5.0, 0.0]])
+    t2d = torch.tensor([True, False, True])
+    assert soft_ce(draft, target_full, t2d=t2d).item() == pytest.approx(expected, rel=1e-6)
+    # The minimum is the entropy, reached when the drafter matches the target.
+    assert soft_ce(target, target).item() == pytest.approx(math.log(2.0), rel=1e-6)
+
+
+def test_soft_ce_mask_and_shape_error():
+    draft = torch.tensor([[0.0, 0.0], [10.0, -10.0]])
+    target = torch.tensor([[0.0, 0.0], [-10.0, 10.0]])
+    assert soft_ce(draft, target, torch.tensor([True, False])).item() == pytest.approx(
+        math.log(2.0), rel=1e-6
+    )
+    with pytest.raises(
+        ValueError, match=r"draft logits \[2, 2\] do not match the \(restricted\) target logits \[2, 3\]"
+    ):
+        soft_ce(draft, torch.zeros(2, 3))
+
+
+def test_top1_agreement_with_d2t():
+    draft = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])  # argmax draft ids 1, 0, 1
+    d2t = torch.tensor([2, 3])  # draft 0 -> target 2, draft 1 -> target 4
+    target = torch.zeros(3, 6)
+    target[0, 4] = target[1, 2] = target[2, 5] = 1.0  # agree, agree, disagree
+    assert top1_agreement(draft, target, d2t=d2t).item() == pytest.approx(2 / 3)
+    assert top1_agreement(draft, target, torch.tensor([True, False, True]), d2t).item() == pytest.approx(0.5)
+
+
+def test_drafter_loss_combines_with_weights():
+    pred, tgt = torch.tensor([[0.0, 3.0]]), torch.tensor([[0.5, 0.0]])
+    draft, target = torch.tensor([[0.0, math.log(3.0)]]), torch.tensor([[0.0, 0.0]])
+    ce = -(0.5 * math.log(0.25) + 0.5 * math.log(0.75))
+    out = DrafterLoss()(pred, draft, tgt, target)
+    assert out.loss.item() == pytest.approx(1.3125 + 0.1 * ce, rel=1e-6)
+    assert out.feature_loss.item() == pytest.approx(1.3125) and out.ce_loss.item() == pytest.approx(
+        ce, rel=1e-6
+    )
+    assert out.top1.item() == 0.0  # the target's tie resolves to token 0, the drafter picks 1
+    eagle3 = DrafterLoss.for_kind("eagle3")(pred, draft, tgt, target)
+    assert eagle3.loss.item() == pytest.approx(ce, rel=1e-6) and eagle3.feature_loss.item() == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"feature_weight": -1.0}, r"feature_weight must be a number >= 0, got -1.0"),
+        ({"feature_weight": 0.0, "ce_weight": 0.0}, "both 0"),
+        ({"unroll_steps": 0}, r"unroll_steps must be an int >= 1, got 0"),
+        ({"step_decay": 1.5}, r"step_decay must be in \(0, 1\], got 1.5"),
+    ],
+)
+def test_drafter_loss_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DrafterLoss(**kwargs)
+    with pytest.raises(ValueError, match="kind must be 'eagle1' or 'eagle3'"):
+        DrafterLoss.for_kind("eagle2")

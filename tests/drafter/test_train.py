@@ -1,0 +1,190 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tlt_lightning.drafter import (
+    ConcatCache,
+    DrafterConfig,
+    DrafterLoss,
+    drafter_losses,
+    drafter_train_step,
+    evaluate_drafter,
+    make_batches,
+    unroll_mask,
+    warmup_drafter,
+)
+from tlt_lightning.rollout.engine import causal_decode_mask
+from tlt_lightning.rollout.types import Rollout
+
+from .conftest import generate_rollouts, make_drafter
+
+H = 64
+
+
+def fake_rollout(T: int, prompt_len: int, channels: int, seed: int = 0) -> Rollout:
+    g = torch.Generator().manual_seed(seed)
+    return Rollout(
+        prompt_ids=torch.arange(prompt_len),
+        token_ids=torch.randint(0, 128, (T,), generator=g),
+        logprobs=torch.zeros(T),
+        finish_reason="length",
+        first_token_time=0.0,
+        finish_time=0.0,
+        features=torch.randn(T, channels, H, generator=g),
+    )
+
+
+def test_make_batches_aligns_inputs_and_targets(qwen2):
+    cfg = DrafterConfig.from_target(qwen2, "eagle3")
+    a, b, short = fake_rollout(5, 3, 4, 0), fake_rollout(3, 2, 4, 1), fake_rollout(1, 2, 4, 2)
+    (batch,) = make_batches([a, b, short], cfg, batch_size=4, shuffle=False)
+    assert batch.tokens.shape == (2, 4) and batch.features.shape == (2, 4, 3, H)
+    assert batch.mask.tolist() == [[True] * 4, [True, True, False, False]]
+    assert batch.tokens[0].equal(a.token_ids[:4]) and batch.tokens[1, :2].equal(b.token_ids[:2])
+    assert batch.features[0].equal(a.features[:4, :3])  # the drafter's three input layers
+    assert batch.target_hidden[0].equal(a.features[1:, 3])  # the final state one position later
+    assert batch.target_hidden[1, :2].equal(b.features[1:, 3])
+    assert batch.positions.tolist() == [[2, 3, 4, 5], [1, 2, 3, 4]]  # prompt_len - 1 + i
+    assert batch.num_samples == 6
+
+
+def test_make_batches_eagle1_reads_single_final_channel_and_splits(llama):
+    cfg = DrafterConfig.from_target(llama, "eagle1")
+    assert cfg.rollout_feature_layers == (4,)
+    r = fake_rollout(7, 2, 1)
+    batches = make_batches([r], cfg, batch_size=1, shuffle=False, max_len=4)
+    assert [b.tokens.shape[1] for b in batches] == [4, 2]
+    assert batches[1].features[0, :, 0].equal(r.features[4:6, 0])
+    assert batches[1].target_hidden[0].equal(r.features[5:7, 0]) and batches[1].positions.tolist() == [[5, 6]]
+    # The brief's layout (inputs + final again) works too.
+    r2 = fake_rollout(4, 2, 2)
+    (b2,) = make_batches([r2], cfg, 1, shuffle=False)
+    assert b2.features[0, :, 0].equal(r2.features[:3, 0]) and b2.target_hidden[0].equal(r2.features[1:, 1])
+
+
+def test_make_batches_errors(llama):
+    cfg = DrafterConfig.from_target(llama, "eagle3")
+    r = fake_rollout(4, 2, 4)
+    r.features = None
+    with pytest.raises(
+        ValueError,
+        match=r"rollouts\[0\] has no features: generate with RolloutConfig.feature_layers=\(1, 2, 3, 4\)",
+    ):
+        make_batches([r], cfg, 2)
+    with pytest.raises(ValueError, match=r"rollouts\[0\].features must be \[T, 4, 64\].*got \[4, 2, 64\]"):
+        make_batches([fake_rollout(4, 2, 2)], cfg, 2)
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        make_batches([], cfg, 0)
+
+
+def test_unroll_mask_matches_decode_time_visibility():
+    valid = torch.tensor([[True, True, True, True]])
+    m1 = unroll_mask(valid, 1)[0, 0]
+    assert m1.equal(torch.ones(4, 4, dtype=torch.bool).tril())
+    m2 = unroll_mask(valid, 2)[0, 0].int()
+    # Query i of step 2 sees true keys j <= i - 1 and its own step-2 key.
+    assert m2.tolist() == [
+        [0, 0, 0, 0, 1, 0, 0, 0],
+        [1, 0, 0, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 0, 0, 1],
+    ]
+    m3 = unroll_mask(torch.tensor([[True, True, True, False]]), 3)[0, 0].int()
+    assert m3[3].tolist() == [1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1]  # a padded query still sees itself
+    assert m3[2].tolist() == [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_unrolled_training_equals_cached_decoding(llama, kind):
+    """Step 2 of the unroll is exactly what the drafter computes for its 2nd draft token with a KV cache."""
+    d = make_drafter(llama, kind).eval()
+    S = 6
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 128, (1, S), generator=g)
+    g_in = d.lift(torch.randn(1, S, d.config.num_features, H, generator=g)).detach()
+    positions = torch.arange(S)[None] + 2
+    valid = torch.ones(1, S, dtype=torch.bool)
+    with torch.no_grad():
+        cache = ConcatCache()
+        h1 = d(tokens, g_in, positions, unroll_mask(valid, 1), cache)
+        shifted = torch.cat([torch.zeros_like(h1[:, :1]), h1[:, :-1]], 1)
+        h2 = d(tokens, shifted, positions, unroll_mask(valid, 2), cache)
+        for i in range(1, S):
+            kv = d.new_cache(1, 16)
+            # Committed context: samples 0..i-1 with their true features (slots 2..i+1).
+            mask = causal_decode_mask(torch.tensor([2]), i, i + 2) & (torch.arange(i + 2) >= 2)
+            kv.lengths[0] = 2
+            first = d(tokens[:, :i], g_in[:, :i], positions[:, :i], mask, kv)
+            kv.lengths[0] = i + 2
+            mask = causal_decode_mask(kv.lengths[:1], 1, i + 3) & (torch.arange(i + 3) >= 2)
+            second = d(tokens[:, i : i + 1], first[:, -1:], positions[:, i : i + 1], mask, kv)
+            torch.testing.assert_close(second[0, 0], h2[0, i], rtol=1e-5, atol=1e-5)
+
+
+def test_train_step_returns_floats_and_leaves_target_alone(qwen2):
+    d = make_drafter(qwen2, "eagle3", draft_vocab_size=64)
+    rollouts = generate_rollouts(qwen2, d.config, prompts=4, tokens=8)
+    counts = torch.bincount(torch.cat([r.token_ids for r in rollouts]), minlength=128)
+    d.set_draft_vocab(counts)
+    (batch,) = make_batches(rollouts, d.config, 4)
+    before = {k: v.clone() for k, v in qwen2.state_dict().items()}
+    opt = torch.optim.AdamW(d.parameters(), lr=1e-3)
+    metrics = drafter_train_step(d, qwen2, batch, opt, DrafterLoss.for_kind("eagle3", unroll_steps=3))
+    assert set(metrics) == {
+        "loss",
+        "feature_loss",
+        "ce_loss",
+        "top1",
+        "top1_step2",
+        "top1_step3",
+        "grad_norm",
+    }
+    assert all(isinstance(v, float) for v in metrics.values()) and metrics["loss"] > 0
+    assert all(v.equal(qwen2.state_dict()[k]) for k, v in before.items())
+    assert all(p.grad is None for p in qwen2.parameters())
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "unroll"), [("tiny-llama", "eagle1", 1), ("tiny-qwen2", "eagle3", 2)]
+)
+def test_warmup_learns_the_target(llama, qwen2, name, kind, unroll):
+    target = llama if name == "tiny-llama" else qwen2
+    d = make_drafter(target, kind)
+    rollouts = generate_rollouts(target, d.config, prompts=16, tokens=32)
+    loss_cfg = DrafterLoss.for_kind(kind, unroll_steps=unroll)
+    batches = make_batches(rollouts, d.config, 8, shuffle=False)
+    initial = evaluate_drafter(d, target, batches, loss_cfg)
+    history = warmup_drafter(
+        d, target, rollouts, steps=100, lr=3e-3, batch_size=8, progress=False, loss_cfg=loss_cfg
+    )
+    final = evaluate_drafter(d, target, batches, loss_cfg)
+    assert len(history) == 100 and history[-1]["loss"] < history[0]["loss"]
+    assert final["loss"] < 0.8 * initial["loss"]
+    assert initial["top1"] < 0.1 and final["top1"] > initial["top1"] + 0.3
+    if unroll > 1:
+        assert final["top1_step2"] > initial["top1_step2"] + 0.3
+
+
+def test_warmup_validation(llama):
+    d = make_drafter(llama)
+    with pytest.raises(ValueError, match="steps must be a positive int, got 0"):
+        warmup_drafter(d, llama, [], steps=0)
+    with pytest.raises(ValueError, match="no training samples"):
+        warmup_drafter(d, llama, [fake_rollout(1, 2, 1)], steps=1, progress=False)
+    with pytest.raises(ValueError, match="batches is empty"):
+        evaluate_drafter(d, llama, [])
+
+
+def test_losses_ignore_padding(llama):
+    d = make_drafter(llama)
+    a, b = fake_rollout(6, 2, 1, 0), fake_rollout(3, 2, 1, 1)
+    (both,) = make_batches([a, b], d.config, 2, shuffle=False)
+    (alone,) = make_batches([b], d.config, 1, shuffle=False)
+    (only_a,) = make_batches([a], d.config, 1, shuffle=False)
+    with torch.no_grad():
+        _, m_both = drafter_losses(d, llama, both)
+        _, m_b = drafter_losses(d, llama, alone)
+        _, m_a = drafter_losses(d, llama, only_a)
+    expected = (m_a["ce_loss"] * 5 + m_b["ce_loss"] * 2) / 7
+    torch.testing.assert_close(m_both["ce_loss"], expected)

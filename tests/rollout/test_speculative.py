@@ -1,0 +1,145 @@
+"""Speculative rollouts are lossless: same tokens under greedy, same distribution under sampling."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tlt_lightning.drafter import Drafter, DrafterConfig
+from tlt_lightning.models import HFTarget
+from tlt_lightning.rollout import RolloutConfig, RolloutEngine
+from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
+from tlt_lightning.speculative import SamplingParams, SDStrategy, sampling_probs
+
+from tests.rollout.test_engine import random_prompts
+
+BOS = 1
+
+
+class OracleDrafter:
+    """Drafts with the target itself, so its draft distribution equals the target's.
+
+    A pair at drafter position ``p`` is ``(f_p, x_{p+1})``: the oracle reads ``x_{p+1}`` at target
+    position ``p + 1`` in a full target cache of its own. It needs ``x_0``, which it takes to be
+    ``BOS``: the prompts of the tests using it start with ``BOS``.
+    """
+
+    def __init__(self, target: HFTarget) -> None:
+        self.target = target
+        self.config = SimpleNamespace(feature_layers=(target.info.num_layers,))
+
+    def new_cache(self, max_batch, max_len):
+        return self.target.new_cache(max_batch, max_len + 1)
+
+    def lift(self, features):
+        return features[..., 0, :]
+
+    def to_target_vocab(self, x, fill=0.0):
+        return x
+
+    def logits(self, hidden):
+        return self.target.lm_head(hidden)
+
+    def __call__(self, tokens, hidden_in, positions, attention_mask, cache):
+        scratch = cache.max_len - 1  # padding of the catch-up writes here: leave it there
+        positions = torch.where(positions == scratch, positions, positions + 1)
+        first = bool((positions[:, 0] == 1).all())
+        if first:  # the first catch-up: every row starts at position 0 with BOS
+            tokens = torch.cat([torch.full_like(tokens[:, :1], BOS), tokens], 1)
+            positions = torch.cat([torch.zeros_like(positions[:, :1]), positions], 1)
+        slots = torch.arange(int(positions.max()) + 1)
+        mask = (slots[None, None, :] <= positions[:, :, None])[:, None]
+        hidden = self.target.forward(tokens, positions, mask, cache).hidden
+        return hidden[:, 1:] if first else hidden
+
+
+def no_eos(target: HFTarget) -> HFTarget:
+    target.model.generation_config.eos_token_id = target.model.config.eos_token_id = None
+    return HFTarget(target.model)
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("depth", [1, 4])
+def test_greedy_equals_plain_with_a_random_drafter(tiny_target, kind, depth):
+    """64 requests x 200 tokens: a drafter that is almost always wrong changes nothing."""
+    drafter = Drafter(DrafterConfig.from_target(tiny_target, kind=kind), tiny_target)
+    prompts = random_prompts(64, seed=11)
+    config = RolloutConfig(max_new_tokens=200, temperature=0)
+    plain = RolloutEngine(tiny_target, config).generate(prompts)
+    spec = SpeculativeRolloutLoop(tiny_target, drafter, config, FixedChooser(SDStrategy(depth)), threshold=1000)
+    result = spec.generate(prompts)
+    assert all(s.token_ids.tolist() == p.token_ids.tolist() for s, p in zip(result.rollouts, plain.rollouts))
+    assert all(result.stats.step_speculative)
+    assert result.stats.accept_lengths.numel() > 0
+
+
+@pytest.mark.parametrize("depth", [2, 5])
+def test_oracle_drafter_accepts_everything(tiny_llama, depth):
+    target = no_eos(tiny_llama)
+    prompts = [[BOS, *p] for p in random_prompts(6, seed=12)]
+    config = RolloutConfig(max_new_tokens=1 + 4 * (depth + 1), temperature=1.0)
+    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(SDStrategy(depth)), threshold=100)
+    result = loop.generate(prompts, generator=torch.Generator().manual_seed(0))
+    assert (result.stats.accept_lengths == depth + 1).all()
+    assert result.stats.num_steps == 4
+
+
+def test_threshold_switches_speculation_on_in_the_tail(tiny_llama):
+    drafter = Drafter(DrafterConfig.from_target(tiny_llama), tiny_llama)
+    # Long prompts in a 512-token context: each request's own limit makes the batch shrink step by step.
+    prompts = [[5] * (470 + 3 * i) for i in range(12)]
+    config = RolloutConfig(max_new_tokens=40, temperature=1.0)
+    loop = SpeculativeRolloutLoop(tiny_llama, drafter, config, FixedChooser(SDStrategy(3)), threshold=6)
+    stats = loop.generate(prompts, generator=torch.Generator().manual_seed(1)).stats
+    for size, spec in zip(stats.step_batch_sizes, stats.step_speculative):
+        assert spec == (size < 6)
+    assert any(stats.step_speculative) and not all(stats.step_speculative)
+
+
+def tiny_vocab_target(vocab: int = 6) -> HFTarget:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = model.config.eos_token_id = None
+    return HFTarget(model)
+
+
+def exact_joint(target: HFTarget, prompt: list[int], params: SamplingParams, length: int) -> torch.Tensor:
+    """``[V] * length`` exact law of the first ``length`` sampled tokens, by enumeration."""
+    V = target.info.vocab_size
+    joint = torch.ones(())
+    seqs = [[]]
+    for _ in range(length):
+        batch = torch.tensor([prompt + s for s in seqs])
+        with torch.no_grad():
+            logits = target.model(batch).logits[:, -1]
+        probs = sampling_probs(logits, params).double()  # [len(seqs), V]
+        joint = (joint.reshape(-1, 1) * probs).reshape(-1)
+        seqs = [s + [v] for s in seqs for v in range(V)]
+    return joint.reshape([V] * length)
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (1.0, 0.9), (0.7, 1.0)])
+def test_sampling_is_exact_end_to_end(temperature, top_p):
+    """Chi-square: the joint law of tokens 2-3 (produced by speculative steps) equals the target's."""
+    target = tiny_vocab_target()
+    drafter = Drafter(DrafterConfig.from_target(target), target)  # random: many rejections
+    params = SamplingParams(temperature, top_p)
+    prompt, n = [1, 4, 2], 20_000
+    config = RolloutConfig(max_new_tokens=3, temperature=temperature, top_p=top_p, prefill_chunk=n)
+    loop = SpeculativeRolloutLoop(target, drafter, config, FixedChooser(SDStrategy(2)), threshold=n + 1)
+    result = loop.generate([prompt] * n, generator=torch.Generator().manual_seed(3))
+    assert all(result.stats.step_speculative)
+    tokens = torch.stack([r.token_ids for r in result.rollouts])  # [n, 3]
+    V = target.info.vocab_size
+    expected = exact_joint(target, prompt, params, 3).sum(0).reshape(-1)  # tokens 2 and 3
+    observed = torch.bincount(tokens[:, 1] * V + tokens[:, 2], minlength=V * V).double()
+    keep = expected > 0
+    assert observed[~keep].sum() == 0, "a token outside the top-p nucleus was emitted"
+    _, pvalue = chisquare(observed[keep].numpy(), (expected[keep] / expected[keep].sum() * n).numpy())
+    assert pvalue > 1e-3
