@@ -1,6 +1,7 @@
 """``tlt-lightning``: benchmarks and tools on the command line.
 
     tlt-lightning bench rollout [--json PATH] ...   engine vs HF generate, long-tail workload
+    tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning models                              list the registry
 
 Every subcommand takes ``--threads`` (torch intra-op threads; on shared 2-core machines one
@@ -20,6 +21,7 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     from tlt_lightning.bench import rollout as bench_rollout
+    from tlt_lightning.recipes import drafter_warmup
 
     parser = argparse.ArgumentParser(prog="tlt-lightning", description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -27,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (JSON + PNG)").add_subparsers(dest="bench", required=True)
     bench_rollout.add_arguments(bench.add_parser("rollout", help="RolloutEngine vs HF generate"))
+
+    drafter = sub.add_parser("drafter", help="drafter tools").add_subparsers(dest="drafter", required=True)
+    drafter_warmup.add_arguments(drafter.add_parser("warmup", help="train a drafter on the target's rollouts"))
 
     sub.add_parser("models", help="list registry model names")
     return parser
@@ -52,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tlt_lightning.bench import rollout
 
         rollout.run(args)
+    elif args.command == "drafter" and args.drafter == "warmup":
+        from tlt_lightning.recipes import drafter_warmup
+
+        drafter_warmup.run(args)
     return 0
 
 

@@ -128,10 +128,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=2, help="alternating runs per workload (medians reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="runs/bench/rollout.json", help="where to write the results")
+    sd = p.add_argument_group("speculative decoding (--speculative)")
+    sd.add_argument("--speculative", action="store_true", help="compare plain decoding with speculative decoding")
+    sd.add_argument("--drafter", default=None, help="drafter checkpoint directory (from `drafter warmup`)")
+    sd.add_argument("--depth", type=int, default=4, help="drafted tokens per step (chain)")
+    sd.add_argument("--threshold", type=int, default=32, help="speculate below this many active requests")
+    sd.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the comparison")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.speculative:
+        from tlt_lightning.bench import speculative
+
+        return speculative.run(args)
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")

@@ -1,0 +1,164 @@
+"""``tlt-lightning bench rollout --speculative``: plain engine vs lossless speculative decoding.
+
+Same prompts, same sampling (temperature 1 by default, as RL rollouts), runs alternated
+(plain, SD, plain, SD, ...) so machine noise hits both alike; medians reported.
+
+* fixed batches (1, 8, 32, 128): speculation on at every step, throughput and mean accept length;
+* the long-tail rollout (``--long-tail-requests`` prompts, up to ``--long-tail-max-new`` tokens):
+  speculation switches on below ``--threshold`` active requests; total rollout time of both;
+* batch 1 peer: HF ``generate`` with prompt-lookup decoding, HF's built-in speculative method
+  that needs no assistant model (no smaller model of the same family exists for SmolLM2).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlt_lightning.bench.common import machine_info, median, task_prompts, timed, write_json
+from tlt_lightning.drafter import load_drafter
+from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
+from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
+from tlt_lightning.speculative import SDStrategy
+
+__all__ = ["run"]
+
+
+def _pair(plain: RolloutEngine, spec: SpeculativeRolloutLoop, prompts, repeats: int, seed: int) -> dict[str, Any]:
+    """Alternate plain and speculative rollouts of ``prompts``; medians of tokens/s and times."""
+    rows: dict[str, list[float]] = {"plain_tps": [], "sd_tps": [], "plain_s": [], "sd_s": [], "accept": [],
+                                    "sd_step_fraction": []}
+    last: RolloutResult | None = None
+    for r in range(repeats):
+        a, ta = timed(lambda: plain.generate(prompts, generator=torch.Generator().manual_seed(seed + r)))
+        b, tb = timed(lambda: spec.generate(prompts, generator=torch.Generator().manual_seed(seed + r)))
+        rows["plain_tps"].append(a.stats.generated_tokens / ta)
+        rows["sd_tps"].append(b.stats.generated_tokens / tb)
+        rows["plain_s"].append(ta)
+        rows["sd_s"].append(tb)
+        rows["accept"].append(b.stats.mean_accept_length)
+        rows["sd_step_fraction"].append(sum(b.stats.step_speculative) / max(1, b.stats.num_steps))
+        last = b
+    out = {
+        "requests": len(prompts),
+        "plain_tokens_per_s": median(rows["plain_tps"]),
+        "sd_tokens_per_s": median(rows["sd_tps"]),
+        "speedup_tokens_per_s": median(rows["sd_tps"]) / median(rows["plain_tps"]),
+        "plain_seconds": median(rows["plain_s"]),
+        "sd_seconds": median(rows["sd_s"]),
+        "mean_accept_length": median(rows["accept"]),
+        "sd_step_fraction": median(rows["sd_step_fraction"]),
+        "runs": rows,
+    }
+    return out | {"_last": last}
+
+
+def _prompt_lookup_peer(model, prompt: list[int], max_new: int, seed: int) -> float:
+    """HF generate with prompt-lookup decoding at batch 1, temperature 1; tokens/s."""
+    torch.manual_seed(seed)
+    ids = torch.tensor([prompt])
+    out, t = timed(lambda: model.generate(ids, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=max_new,
+                                          prompt_lookup_num_tokens=4))
+    return (out.shape[1] - len(prompt)) / t
+
+
+def plot(results: dict[str, Any], long_tail: RolloutResult | None, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3 if long_tail is not None else 1, figsize=(16 if long_tail else 6, 4.5))
+    axes = axes if long_tail is not None else [axes]
+    batches = results["batches"]
+    xs = range(len(batches))
+    a = axes[0]
+    a.bar([x - 0.2 for x in xs], [b["plain_tokens_per_s"] for b in batches], width=0.4, label="plain")
+    a.bar([x + 0.2 for x in xs], [b["sd_tokens_per_s"] for b in batches], width=0.4, label="speculative")
+    for x, b in zip(xs, batches):
+        a.text(x + 0.2, b["sd_tokens_per_s"], f"x{b['speedup_tokens_per_s']:.2f}\nacc {b['mean_accept_length']:.2f}",
+               ha="center", va="bottom", fontsize=8)
+    a.set_xticks(list(xs), [str(b["requests"]) for b in batches])
+    a.set(xlabel="batch size (speculation on every step)", ylabel="tokens / s", title="Throughput, T=1")
+    a.legend()
+    if long_tail is not None:
+        stats = long_tail.stats
+        b = axes[1]
+        hist = torch.bincount(stats.accept_lengths).tolist() if stats.accept_lengths.numel() else []
+        b.bar(range(len(hist)), hist)
+        b.set(xlabel="tokens emitted per request per speculative step", ylabel="count",
+              title="Long tail: accept-length histogram")
+        c = axes[2]
+        times = torch.tensor(stats.step_times).cumsum(0).tolist()
+        c.plot(times, stats.step_batch_sizes, lw=1, label="active requests")
+        spec_t = [t for t, s in zip(times, stats.step_speculative) if s]
+        spec_n = [n for n, s in zip(stats.step_batch_sizes, stats.step_speculative) if s]
+        c.scatter(spec_t, spec_n, s=4, color="tab:red", label="speculative step")
+        c.set(xlabel="seconds", ylabel="active requests", title="Long tail: batch over time (SD run)")
+        c.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.drafter:
+        raise ValueError("--speculative needs --drafter DIR (train one with `tlt-lightning drafter warmup`)")
+    loaded = load_model(args.model, dtype=args.dtype)
+    if loaded.tokenizer is None:
+        raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
+    target = HFTarget(loaded.model)
+    drafter = load_drafter(args.drafter, target).eval()
+    strategy = SDStrategy(args.depth)
+    count = max([*args.batch_sizes, args.long_tail_requests, 1])
+    prompts = task_prompts(loaded.tokenizer, args.task, count, seed=args.seed)
+    cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    plain = RolloutEngine(target, cfg)
+    payload: dict[str, Any] = {
+        "benchmark": "rollout-speculative",
+        "command": "tlt-lightning bench rollout " + " ".join(getattr(args, "argv", [])),
+        "model": args.model, "dtype": args.dtype, "task": args.task, "drafter": str(args.drafter),
+        "strategy": str(strategy), "temperature": args.temperature, "machine": machine_info(), "batches": [],
+    }
+    for bs in args.batch_sizes:
+        print(f"[bench speculative] batch {bs}, T={args.temperature}, {args.max_new_tokens} new tokens ...", flush=True)
+        spec = SpeculativeRolloutLoop(target, drafter, cfg, FixedChooser(strategy), threshold=bs + 1)
+        out = _pair(plain, spec, prompts[:bs], args.repeats, args.seed)
+        out.pop("_last")
+        payload["batches"].append(out)
+        print(f"  plain {out['plain_tokens_per_s']:.1f} tok/s, SD {out['sd_tokens_per_s']:.1f} tok/s, "
+              f"x{out['speedup_tokens_per_s']:.2f}, accept {out['mean_accept_length']:.2f}", flush=True)
+        if bs == 1:
+            peer = [_prompt_lookup_peer(loaded.model, prompts[0], args.max_new_tokens, args.seed + r)
+                    for r in range(args.repeats)]
+            payload["hf_prompt_lookup_batch1_tokens_per_s"] = median(peer)
+            print(f"  HF prompt-lookup (batch 1) {median(peer):.1f} tok/s", flush=True)
+
+    long_tail = None
+    if args.long_tail_requests:
+        n = args.long_tail_requests
+        lt_cfg = RolloutConfig(max_new_tokens=args.long_tail_max_new, temperature=args.temperature)
+        print(f"[bench speculative] long tail: {n} requests, up to {args.long_tail_max_new} tokens, "
+              f"SD below {args.threshold} active ...", flush=True)
+        spec = SpeculativeRolloutLoop(target, drafter, lt_cfg, FixedChooser(strategy), threshold=args.threshold)
+        out = _pair(RolloutEngine(target, lt_cfg), spec, prompts[:n], args.repeats, args.seed)
+        long_tail = out.pop("_last")
+        out["speedup_rollout_time"] = out["plain_seconds"] / out["sd_seconds"]
+        out["threshold"] = args.threshold
+        out["accept_length_histogram"] = torch.bincount(long_tail.stats.accept_lengths).tolist()
+        payload["long_tail"] = out
+        print(f"  plain {out['plain_seconds']:.1f} s, SD {out['sd_seconds']:.1f} s, "
+              f"x{out['speedup_rollout_time']:.2f}, accept {out['mean_accept_length']:.2f}", flush=True)
+
+    json_path = write_json(args.json, payload)
+    plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
+    payload["plot"] = str(plot(payload, long_tail, plot_path))
+    write_json(json_path, payload)
+    print(f"[bench speculative] wrote {json_path}", flush=True)
+    return payload

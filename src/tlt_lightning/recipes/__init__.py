@@ -1,0 +1,1 @@
+"""Recipes: commands that compose engine, drafter and tasks (the CLI runs them)."""

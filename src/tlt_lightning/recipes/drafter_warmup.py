@@ -1,0 +1,136 @@
+"""``tlt-lightning drafter warmup``: train a drafter from the target's own rollouts on a task.
+
+The target samples responses to task prompts (temperature 1, as in RL), the rollout engine keeps
+the hidden states of the forward passes it already runs, and the drafter learns to predict the
+target's next feature and next-token distribution from them. A held-out tenth of the rollouts
+measures top-1 agreement before and after. Output: ``model.safetensors`` + ``drafter_config.json``
+(loadable with :func:`~tlt_lightning.drafter.load_drafter`), ``warmup.json`` and ``warmup.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlt_lightning.bench.common import machine_info, task_prompts, write_json
+from tlt_lightning.drafter import (
+    Drafter,
+    DrafterConfig,
+    DrafterLoss,
+    evaluate_drafter,
+    make_batches,
+    save_drafter,
+    warmup_drafter,
+)
+from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.rollout import Rollout, RolloutConfig, RolloutEngine
+
+__all__ = ["add_arguments", "collect_rollouts", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
+    p.add_argument("--task", default="basic_arithmetic", help="reasoning-gym task for the prompts")
+    p.add_argument("--prompts", type=int, default=256, help="task prompts to sample")
+    p.add_argument("--samples", type=int, default=1, help="responses per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--kind", default="eagle1", choices=["eagle1", "eagle3"])
+    p.add_argument("--draft-vocab", type=int, default=8192, help="0 = the full vocabulary")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--max-len", type=int, default=256, help="samples per sequence (longer ones are cut)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--unroll", type=int, default=1, help="multi-step unroll during training")
+    p.add_argument("--rollout-batch", type=int, default=64, help="requests per rollout call")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/drafter/warmup", help="output directory")
+
+
+def collect_rollouts(
+    engine: RolloutEngine, prompts: list[list[int]], chunk: int, seed: int
+) -> tuple[list[Rollout], float]:
+    """Sample every prompt in chunks of ``chunk`` requests; returns the rollouts and seconds taken."""
+    rollouts: list[Rollout] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), chunk):
+        gen = torch.Generator().manual_seed(seed + i)
+        rollouts += engine.generate(prompts[i : i + chunk], generator=gen, progress=True).rollouts
+        done = len(rollouts)
+        tokens = sum(r.length for r in rollouts)
+        print(f"  rollouts {done}/{len(prompts)}, {tokens} tokens, {time.perf_counter() - start:.0f} s", flush=True)
+    return rollouts, time.perf_counter() - start
+
+
+def plot(history: list[dict[str, float]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = range(1, len(history) + 1)
+    a.plot(steps, [h["loss"] for h in history], lw=0.8)
+    a.set(xlabel="step", ylabel="loss", title="Drafter warm-up loss", yscale="log")
+    b.plot(steps, [h["top1"] for h in history], lw=0.8)
+    b.set(xlabel="step", ylabel="top-1 agreement (train batch)", title="Top-1 agreement with the target")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("prompts", "samples", "max_new_tokens", "steps", "batch_size", "rollout_batch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    loaded = load_model(args.model)
+    if loaded.tokenizer is None:
+        raise ValueError(f"--model {args.model!r} has no tokenizer: warm-up samples real task prompts")
+    target = HFTarget(loaded.model)
+    config = DrafterConfig.from_target(target, kind=args.kind, draft_vocab_size=args.draft_vocab or None)
+    prompts = task_prompts(loaded.tokenizer, args.task, args.prompts, seed=args.seed)
+    prompts = [p for p in prompts for _ in range(args.samples)]
+    engine = RolloutEngine(target, RolloutConfig(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        feature_layers=config.rollout_feature_layers,
+    ))
+    print(f"[drafter warmup] sampling {len(prompts)} rollouts of {args.model} on {args.task} ...", flush=True)
+    rollouts, rollout_s = collect_rollouts(engine, prompts, args.rollout_batch, args.seed)
+    held_out = max(1, len(rollouts) // 10)
+    train, valid = rollouts[held_out:], rollouts[:held_out]
+
+    counts = torch.bincount(torch.cat([r.token_ids for r in train]), minlength=target.info.vocab_size)
+    drafter = Drafter(config, target, token_counts=counts if config.reduced_vocab else None)
+    loss_cfg = DrafterLoss.for_kind(args.kind, unroll_steps=args.unroll)
+    valid_batches = make_batches(valid, config, args.batch_size, shuffle=False, max_len=args.max_len)
+    before = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
+    print(f"[drafter warmup] {drafter.num_trainable_parameters() / 1e6:.2f}M trainable parameters "
+          f"(target {sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M); "
+          f"training {args.steps} steps on {sum(r.length for r in train)} tokens ...", flush=True)
+    start = time.perf_counter()
+    history = warmup_drafter(drafter, target, train, args.steps, lr=args.lr, batch_size=args.batch_size,
+                             loss_cfg=loss_cfg, seed=args.seed, max_len=args.max_len)
+    train_s = time.perf_counter() - start
+    after = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
+    out = Path(args.out)
+    save_drafter(drafter, out)
+    coverage = float(counts[drafter.draft_ids.cpu()].sum() / counts.sum()) if config.reduced_vocab else 1.0
+    payload = {
+        "command": "tlt-lightning drafter warmup " + " ".join(getattr(args, "argv", [])),
+        "model": args.model, "task": args.task, "kind": args.kind, "machine": machine_info(),
+        "rollouts": len(rollouts), "train_tokens": sum(r.length for r in train),
+        "rollout_seconds": rollout_s, "train_seconds": train_s,
+        "trainable_parameters": drafter.num_trainable_parameters(),
+        "draft_vocab": config.draft_vocab, "draft_vocab_token_coverage": coverage,
+        "held_out_before": before, "held_out_after": after,
+        "final_train_metrics": history[-1],
+    }
+    write_json(out / "warmup.json", payload)
+    plot(history, out / "warmup.png")
+    print(f"[drafter warmup] held-out top-1 {before['top1']:.3f} -> {after['top1']:.3f}; saved to {out}", flush=True)
+    return payload

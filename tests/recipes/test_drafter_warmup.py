@@ -1,0 +1,37 @@
+import json
+
+import pytest
+
+from tlt_lightning.cli import main
+from tlt_lightning.drafter import load_drafter
+from tlt_lightning.models import HFTarget, load_model
+
+
+@pytest.mark.slow
+def test_warmup_then_speculative_bench_on_the_real_model(tmp_path):
+    """The two commands chained on SmolLM2 with tiny settings: artefacts exist and reload."""
+    out = tmp_path / "drafter"
+    main(["--threads", "1", "drafter", "warmup", "--task", "countdown", "--prompts", "12", "--max-new-tokens", "24",
+          "--steps", "15", "--rollout-batch", "6", "--draft-vocab", "2048", "--out", str(out)])
+    report = json.loads((out / "warmup.json").read_text())
+    assert report["rollouts"] == 12 and report["draft_vocab"] == 2048
+    assert 0 < report["draft_vocab_token_coverage"] <= 1
+    assert report["final_train_metrics"]["loss"] < report["held_out_before"]["loss"] * 10
+    assert (out / "warmup.png").stat().st_size > 5_000
+    drafter = load_drafter(out, HFTarget(load_model("smollm2-135m").model))
+    assert drafter.config.draft_vocab == 2048
+
+    path = tmp_path / "sd.json"
+    main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "2",
+          "--max-new-tokens", "12", "--long-tail-requests", "4", "--long-tail-max-new", "16", "--threshold", "5",
+          "--repeats", "1", "--json", str(path)])
+    data = json.loads(path.read_text())
+    batch = data["batches"][0]
+    assert batch["requests"] == 2 and batch["sd_step_fraction"] == 1.0 and batch["mean_accept_length"] >= 1
+    assert data["long_tail"]["threshold"] == 5 and data["long_tail"]["sd_step_fraction"] == 1.0
+    assert path.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_warmup_rejects_bad_counts():
+    with pytest.raises(ValueError, match="--steps must be >= 1, got 0"):
+        main(["drafter", "warmup", "--steps", "0", "--model", "tiny-llama"])
