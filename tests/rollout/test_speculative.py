@@ -39,19 +39,30 @@ class OracleDrafter:
     def to_target_vocab(self, x, fill=0.0):
         return x
 
+    def draft_to_target(self, ids):
+        return ids
+
     def logits(self, hidden):
         return self.target.lm_head(hidden)
 
-    def __call__(self, tokens, hidden_in, positions, attention_mask, cache):
+    def __call__(self, tokens, hidden_in, positions, attention_mask, cache, slots=None):
         scratch = cache.max_len - 1  # padding of the catch-up writes here: leave it there
-        positions = torch.where(positions == scratch, positions, positions + 1)
+        if slots is None:
+            slots = positions
+        shifted = torch.where(slots == scratch, slots, slots + 1)
+        positions = positions + 1
         first = bool((positions[:, 0] == 1).all())
         if first:  # the first catch-up: every row starts at position 0 with BOS
             tokens = torch.cat([torch.full_like(tokens[:, :1], BOS), tokens], 1)
             positions = torch.cat([torch.zeros_like(positions[:, :1]), positions], 1)
-        slots = torch.arange(int(positions.max()) + 1)
-        mask = (slots[None, None, :] <= positions[:, :, None])[:, None]
-        hidden = self.target.forward(tokens, positions, mask, cache).hidden
+            shifted = torch.cat([torch.zeros_like(shifted[:, :1]), shifted], 1)
+            attention_mask = torch.cat([attention_mask[:, :, :1], attention_mask], 2)
+        # The caller's mask is over its slots; ours are one further, with slot 0 = BOS always visible.
+        mask = torch.cat([torch.ones_like(attention_mask[..., :1]), attention_mask], -1)
+        mask = mask[..., : int(shifted.max()) + 1]
+        if first:
+            mask[:, :, 0, 1:] = False
+        hidden = self.target.forward(tokens, positions, mask, cache, slots=shifted).hidden
         return hidden[:, 1:] if first else hidden
 
 
@@ -61,29 +72,47 @@ def no_eos(target: HFTarget) -> HFTarget:
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("depth", [1, 4])
-def test_greedy_equals_plain_with_a_random_drafter(tiny_target, kind, depth):
+@pytest.mark.parametrize("arm", [SDStrategy(1), SDStrategy(4), SDStrategy(3, 3, 6)], ids=str)
+def test_greedy_equals_plain_with_a_random_drafter(tiny_target, kind, arm):
     """64 requests x 200 tokens: a drafter that is almost always wrong changes nothing."""
-    drafter = Drafter(DrafterConfig.from_target(tiny_target, kind=kind), tiny_target)
+    drafter = Drafter(DrafterConfig.from_target(tiny_target, kind=kind, draft_vocab_size=96), tiny_target)
     prompts = random_prompts(64, seed=11)
     config = RolloutConfig(max_new_tokens=200, temperature=0)
     plain = RolloutEngine(tiny_target, config).generate(prompts)
-    spec = SpeculativeRolloutLoop(tiny_target, drafter, config, FixedChooser(SDStrategy(depth)), threshold=1000)
+    spec = SpeculativeRolloutLoop(tiny_target, drafter, config, FixedChooser(arm), threshold=1000)
     result = spec.generate(prompts)
     assert all(s.token_ids.tolist() == p.token_ids.tolist() for s, p in zip(result.rollouts, plain.rollouts))
     assert all(result.stats.step_speculative)
     assert result.stats.accept_lengths.numel() > 0
 
 
-@pytest.mark.parametrize("depth", [2, 5])
-def test_oracle_drafter_accepts_everything(tiny_llama, depth):
+@pytest.mark.parametrize(("arm", "temperature"), [(SDStrategy(2), 1.0), (SDStrategy(5), 1.0), (SDStrategy(3), 0.0)])
+def test_oracle_drafter_accepts_everything(tiny_llama, arm, temperature):
+    """Chain drafts sampled from the target's own distribution are always accepted."""
     target = no_eos(tiny_llama)
     prompts = [[BOS, *p] for p in random_prompts(6, seed=12)]
-    config = RolloutConfig(max_new_tokens=1 + 4 * (depth + 1), temperature=1.0)
-    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(SDStrategy(depth)), threshold=100)
+    depth = arm.num_steps
+    config = RolloutConfig(max_new_tokens=1 + 4 * (depth + 1), temperature=temperature)
+    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(arm), threshold=100)
     result = loop.generate(prompts, generator=torch.Generator().manual_seed(0))
     assert (result.stats.accept_lengths == depth + 1).all()
     assert result.stats.num_steps == 4
+    plain = RolloutEngine(target, config).generate(prompts, generator=torch.Generator().manual_seed(0))
+    if temperature == 0:
+        assert all(a.token_ids.tolist() == b.token_ids.tolist() for a, b in zip(plain.rollouts, result.rollouts))
+
+
+@pytest.mark.parametrize("arm", [SDStrategy(3, 2, 4), SDStrategy(4, 3, 12)], ids=str)
+def test_oracle_drafter_trees_accept_their_argmax_path(tiny_llama, arm):
+    """Under greedy, a tree from the target's own distribution is accepted along its argmax path:
+    fully whenever the pruned tree kept that path, which a wide tree nearly always does."""
+    target = no_eos(tiny_llama)
+    prompts = [[BOS, *p] for p in random_prompts(6, seed=12)]
+    config = RolloutConfig(max_new_tokens=40, temperature=0)
+    result = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(arm), threshold=100).generate(prompts)
+    plain = RolloutEngine(target, config).generate(prompts)
+    assert all(a.token_ids.tolist() == b.token_ids.tolist() for a, b in zip(plain.rollouts, result.rollouts))
+    assert result.stats.accept_lengths.float().mean() >= 0.7 * (arm.num_steps + 1)
 
 
 def test_threshold_switches_speculation_on_in_the_tail(tiny_llama):
@@ -125,14 +154,15 @@ def exact_joint(target: HFTarget, prompt: list[int], params: SamplingParams, len
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (1.0, 0.9), (0.7, 1.0)])
-def test_sampling_is_exact_end_to_end(temperature, top_p):
+@pytest.mark.parametrize("arm", [SDStrategy(2), SDStrategy(2, 2, 3)], ids=str)
+def test_sampling_is_exact_end_to_end(temperature, top_p, arm):
     """Chi-square: the joint law of tokens 2-3 (produced by speculative steps) equals the target's."""
     target = tiny_vocab_target()
     drafter = Drafter(DrafterConfig.from_target(target), target)  # random: many rejections
     params = SamplingParams(temperature, top_p)
     prompt, n = [1, 4, 2], 20_000
     config = RolloutConfig(max_new_tokens=3, temperature=temperature, top_p=top_p, prefill_chunk=n)
-    loop = SpeculativeRolloutLoop(target, drafter, config, FixedChooser(SDStrategy(2)), threshold=n + 1)
+    loop = SpeculativeRolloutLoop(target, drafter, config, FixedChooser(arm), threshold=n + 1)
     result = loop.generate([prompt] * n, generator=torch.Generator().manual_seed(3))
     assert all(result.stats.step_speculative)
     tokens = torch.stack([r.token_ids for r in result.rollouts])  # [n, 3]

@@ -213,6 +213,7 @@ class Drafter(nn.Module):
         positions: torch.Tensor,
         attention_mask: torch.Tensor,
         cache: AttentionCache | None = None,
+        slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One drafter pass over ``q`` new positions of ``n`` rows.
 
@@ -220,11 +221,14 @@ class Drafter(nn.Module):
             tokens: ``[n, q]`` int64 input tokens (the token following each input feature).
             hidden_in: ``[n, q, H]`` :meth:`lift` of the target features, or the drafter's own
                 previous output (later draft steps).
-            positions: ``[n, q]`` int64 rotary positions (with a cache also the cache slots).
+            positions: ``[n, q]`` int64 rotary positions (with a cache also the cache slots,
+                unless ``slots`` is given).
             attention_mask: ``[n, 1, q, kv_len]`` bool, True where a query may attend a key;
                 ``kv_len = q`` without a cache, ``positions.max() + 1`` with a :class:`KVCache`.
                 Every query must see at least one key (e.g. itself).
             cache: the drafter's cache (:meth:`new_cache`); ``None`` in training.
+            slots: ``[n, q]`` int64 cache slots when they differ from ``positions`` (tree drafting:
+                siblings share a position but not a slot).
 
         Returns:
             ``[n, q, H]`` output hidden: the predicted next feature (EAGLE-1) or the pre-norm state
@@ -236,7 +240,7 @@ class Drafter(nn.Module):
             raise ValueError(f"hidden_in must be [n, q, H] = {[n, q, H]}, got {list(hidden_in.shape)}")
         if positions.shape != (n, q):
             raise ValueError(f"positions must be [n, q] = {[n, q]}, got {list(positions.shape)}")
-        kv_len = cache.begin_step(n, positions) if cache is not None else q
+        kv_len = cache.begin_step(n, positions if slots is None else slots) if cache is not None else q
         if attention_mask.shape != (n, 1, q, kv_len):
             raise ValueError(
                 f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, q, kv_len]}, got {list(attention_mask.shape)}"

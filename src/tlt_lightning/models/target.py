@@ -85,6 +85,7 @@ class TargetModel(Protocol):
         attention_mask: torch.Tensor,
         cache: KVCache,
         feature_layers: tuple[int, ...] = (),
+        slots: torch.Tensor | None = None,
     ) -> TargetOutput: ...
 
 
@@ -159,22 +160,25 @@ class HFTarget(nn.Module):
         attention_mask: torch.Tensor,
         cache: KVCache,
         feature_layers: tuple[int, ...] = (),
+        slots: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Run new tokens through the model, writing their keys/values into ``cache``.
 
         Args:
             input_ids: ``[n, q]`` new tokens of the first ``n`` cache rows.
-            positions: ``[n, q]`` their positions; they are also their cache slots.
+            positions: ``[n, q]`` their rotary positions; also their cache slots unless ``slots`` is given.
             attention_mask: ``[n, 1, q, kv_len]`` bool, True where a query may attend a key slot,
                 ``kv_len = positions.max() + 1``.
             cache: the rows' cache.
             feature_layers: hidden-state indices to return (see :func:`default_feature_layers`).
+            slots: ``[n, q]`` cache slots, when they differ from the positions (tree verification:
+                siblings share a position, not a slot). ``kv_len = slots.max() + 1`` then.
 
         Returns:
             The final hidden states and the requested features, ``[n, q, H]`` / ``[n, q, C, H]``.
         """
         n = input_ids.shape[0]
-        kv_len = cache.begin_step(n, positions)
+        kv_len = cache.begin_step(n, positions if slots is None else slots)
         if attention_mask.shape != (n, 1, input_ids.shape[1], kv_len):
             raise ValueError(
                 f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, input_ids.shape[1], kv_len]}, "

@@ -27,7 +27,7 @@ from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.target import TargetModel
 from tlt_lightning.rollout.engine import ActiveBatch, Emission, PlainStep, RolloutEngine, causal_decode_mask
 from tlt_lightning.rollout.types import RolloutConfig, RolloutResult
-from tlt_lightning.speculative import SDStrategy, StrategyChooser, sample, sampling_probs, verify_chain
+from tlt_lightning.speculative import SDStrategy, StrategyChooser, sample, sampling_probs, verify_chain, verify_tree
 
 __all__ = ["FixedChooser", "SpeculativeRolloutLoop", "SpeculativeStep"]
 
@@ -99,8 +99,10 @@ class SpeculativeStep:
             raise ValueError(f"strategy {arm} drafts deeper than max_depth={self.max_depth}")
         if arm is None:
             emission = self.plain(batch, generator)
-        else:
+        elif arm.is_chain:
             emission = self._chain(batch, arm, generator)
+        else:
+            emission = self._tree(batch, arm, generator)
         if n < self.threshold:
             elapsed = time.perf_counter() - start
             self.chooser.update(n, arm, float(emission.counts.float().mean()), elapsed)
@@ -166,6 +168,103 @@ class SpeculativeStep:
         if self.config.sampling.greedy:
             logprobs = torch.zeros_like(logprobs)
         return Emission(emitted, counts, logprobs, out.features, strategy=arm)
+
+
+    def _tree(self, batch: ActiveBatch, arm: SDStrategy, generator: torch.Generator | None) -> Emission:
+        """Grow a draft tree (EAGLE-2 style), verify its best nodes in one target forward.
+
+        Each of ``arm.num_steps`` levels expands the ``topk`` best nodes of the previous level into
+        their ``topk`` most likely children and keeps the ``topk`` best by cumulative draft
+        log-probability; the ``num_draft_tokens`` best nodes overall form the tree that is verified.
+        Children are a deterministic function of the drafter (top-k of its raw distribution), so
+        :func:`~tlt_lightning.speculative.verify_tree` with ``siblings="deterministic"`` keeps the
+        output distribution exactly the target's, at any temperature.
+        """
+        n, k, depth, N = batch.n, arm.topk, arm.num_steps, arm.num_draft_tokens
+        device = batch.cache.lengths.device
+        L = batch.lengths.clone()
+        rows = torch.arange(n, device=device)
+        hidden = self._catch_up(batch)
+        P = k * depth  # pool: level-major, k nodes per level
+        tokens = torch.zeros(n, P, dtype=torch.long, device=device)
+        parents = torch.full((n, P), -1, dtype=torch.long, device=device)
+        scores = torch.zeros(n, P, device=device)
+        anc = torch.zeros(n, P, P, dtype=torch.bool, device=device)  # anc[i, a, b]: b is a or its ancestor
+        level = torch.arange(k, device=device)
+        logp = self.drafter.logits(hidden).float().log_softmax(-1)  # [n, Vd]
+        scores[:, :k], top = logp.topk(k, dim=-1)
+        tokens[:, :k] = self.drafter.draft_to_target(top)
+        anc[:, level, level] = True
+        parent_hidden = hidden[:, None].expand(n, k, hidden.shape[-1])
+        for d in range(1, depth):
+            idx = level + (d - 1) * k  # the frontier
+            slots = L[:, None] + idx[None]
+            kv_len = int(L.max()) + d * k
+            key = torch.arange(kv_len, device=device)
+            in_tree = key[None, :] - L[:, None]  # [n, kv]: pool index of each slot (< 0: committed)
+            sees_node = anc[:, idx].gather(2, in_tree.clamp(0, P - 1)[:, None].expand(n, k, kv_len))
+            mask = torch.where((in_tree < 0)[:, None], True, sees_node & (in_tree < d * k)[:, None])[:, None]
+            positions = (L + d - 1)[:, None].expand(n, k)
+            out = self.drafter(tokens[:, idx], parent_hidden, positions, mask, self.dcache, slots=slots)
+            logp = self.drafter.logits(out).float().log_softmax(-1)  # [n, k, Vd]
+            cand = (scores[:, idx, None] + logp).flatten(1)
+            best, flat = cand.topk(k, dim=-1)
+            parent_local, child = flat // logp.shape[-1], flat % logp.shape[-1]
+            new = level + d * k
+            tokens[:, new] = self.drafter.draft_to_target(child)
+            scores[:, new] = best
+            parents[:, new] = idx[parent_local]
+            anc[:, new] = anc[rows[:, None], idx[parent_local]]
+            anc[:, new, new] = True
+            parent_hidden = out.gather(1, parent_local[..., None].expand(n, k, out.shape[-1]))
+        self.dcache.lengths[:n] = L  # draft entries are scratch
+
+        # The N best nodes: ancestors score higher than descendants (log-probs <= 0; ties broken by
+        # depth), so the selection is a tree; sorting keeps parents before children.
+        node_depth = torch.arange(P, device=device) // k
+        sel = (scores - 1e-6 * node_depth).topk(N, dim=-1).indices.sort(-1).values  # [n, N]
+        remap = torch.full((n, P), -1, dtype=torch.long, device=device)
+        remap[rows[:, None], sel] = torch.arange(N, device=device)
+        sel_parents = parents.gather(1, sel)
+        sel_parents = torch.where(sel_parents < 0, -1, remap.gather(1, sel_parents.clamp(min=0)))
+        sel_tokens = tokens.gather(1, sel)
+        sel_anc = anc[rows[:, None, None], sel[:, :, None], sel[:, None, :]]  # [n, N, N]
+
+        # Target: last_token at slot L, node j at slot L + 1 + j, rotary position L + 1 + depth.
+        ids = torch.cat([batch.last_token[:n, None], sel_tokens], 1)
+        positions = torch.cat([L[:, None], L[:, None] + 1 + node_depth[sel]], 1)
+        slots = L[:, None] + torch.arange(N + 1, device=device)
+        kv_len = int(L.max()) + N + 1
+        key = torch.arange(kv_len, device=device)
+        rel = key[None, :] - L[:, None] - 1  # [n, kv]: selected-node index of each slot
+        sees = sel_anc.gather(2, rel.clamp(0, N - 1)[:, None].expand(n, N, kv_len)) & (rel < N)[:, None]
+        node_mask = torch.where((rel < 0)[:, None], True, sees)  # committed slots and last_token
+        root_mask = (rel < 0)[:, None]
+        mask = torch.cat([root_mask, node_mask], 1)[:, None]
+        out = self.target.forward(ids, positions, mask, batch.cache, self.config.feature_layers, slots=slots)
+        target_probs = sampling_probs(self.target.lm_head(out.hidden), self.config.sampling)  # [n, N+1, V]
+        result = verify_tree(target_probs, None, sel_tokens, sel_parents, generator, siblings="deterministic")
+
+        # Emitted: accepted nodes' tokens, then next_token. Token i was predicted at verify index
+        # 0 (i = 0) or 1 + accepted_nodes[i - 1].
+        a = result.num_accepted
+        acc = result.accepted_nodes  # [n, D]
+        D = acc.shape[1]
+        emitted = torch.cat([sel_tokens.gather(1, acc.clamp(min=0)), torch.zeros_like(a)[:, None]], 1)
+        emitted[rows, a] = result.next_token
+        pred_idx = torch.cat([torch.zeros_like(a)[:, None], 1 + acc.clamp(min=0)], 1)  # [n, D + 1]
+        logprobs = target_probs[rows[:, None], pred_idx].gather(-1, emitted[..., None]).squeeze(-1).log()
+        if self.config.sampling.greedy:
+            logprobs = torch.zeros_like(logprobs)
+        features = None
+        if out.features is not None:
+            features = out.features[rows[:, None], pred_idx]
+        # Commit: move accepted nodes' keys/values from their slots to follow last_token.
+        offs = torch.arange(D, device=device)
+        src = torch.where(offs[None] < a[:, None], L[:, None] + 1 + acc.clamp(min=0), L[:, None] + 1 + offs[None])
+        batch.cache.gather_positions(rows, src, L + 1)
+        batch.cache.lengths[:n] += a + 1
+        return Emission(emitted, a + 1, logprobs, features, strategy=arm)
 
 
 class SpeculativeRolloutLoop:
