@@ -1,0 +1,78 @@
+"""torchmetrics ``Metric``s over rollout stats: they accumulate across rollouts and sync across ranks.
+
+Example:
+    >>> from tlt_lightning.rollout import RolloutStats
+    >>> metric = MeanAcceptLength()
+    >>> metric.update(RolloutStats(accept_lengths=torch.tensor([3, 5, 1])))
+    >>> float(metric.compute())
+    3.0
+"""
+
+from __future__ import annotations
+
+import torch
+from torchmetrics import Metric
+
+from tlt_lightning.rollout.types import RolloutStats
+
+__all__ = ["AcceptanceRate", "MeanAcceptLength", "RolloutTokensPerSecond"]
+
+
+class MeanAcceptLength(Metric):
+    """Mean tokens emitted per request per speculative step (``0`` before any speculative step)."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("emitted", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("steps", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, stats: RolloutStats) -> None:
+        self.emitted += stats.accept_lengths.sum().to(self.emitted)
+        self.steps += stats.accept_lengths.numel()
+
+    def compute(self) -> torch.Tensor:
+        return self.emitted / self.steps.clamp(min=1)
+
+
+class AcceptanceRate(Metric):
+    """Accepted drafts over drafted depth: ``sum(accept_length - 1) / sum(depth)``.
+
+    For a chain the depth is the number of drafted tokens; for a tree, the number of levels (the
+    longest path that could be accepted).
+    """
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("accepted", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("drafted", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, stats: RolloutStats) -> None:
+        depths = [s.num_steps for s in stats.step_strategies if s is not None]
+        sizes = [n for n, s in zip(stats.step_batch_sizes, stats.step_strategies) if s is not None]
+        self.drafted += float(sum(d * n for d, n in zip(depths, sizes)))
+        self.accepted += (stats.accept_lengths - 1).clamp(min=0).sum().to(self.accepted)
+
+    def compute(self) -> torch.Tensor:
+        return self.accepted / self.drafted.clamp(min=1)
+
+
+class RolloutTokensPerSecond(Metric):
+    """Generated tokens over wall-clock rollout seconds, pooled over rollouts (and ranks)."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("tokens", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("seconds", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, stats: RolloutStats) -> None:
+        self.tokens += stats.generated_tokens
+        self.seconds += stats.total_time
+
+    def compute(self) -> torch.Tensor:
+        return self.tokens / self.seconds.clamp(min=1e-9)

@@ -1,0 +1,41 @@
+import pytest
+import torch
+
+from tlt_lightning.drafter import Drafter, DrafterConfig
+from tlt_lightning.rollout import RolloutConfig, RolloutStats
+from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
+from tlt_lightning.speculative import SDStrategy
+from tlt_lightning.tracking import AcceptanceRate, MeanAcceptLength, RolloutTokensPerSecond
+
+
+def stats(accept, strategies, sizes, tokens=10, seconds=2.0):
+    return RolloutStats(
+        step_batch_sizes=sizes, step_strategies=strategies, step_tokens=[tokens],
+        accept_lengths=torch.tensor(accept), total_time=seconds,
+    )
+
+
+def test_metrics_against_hand_computed_values():
+    a = stats([3, 1], [SDStrategy(4)], [2])  # one chain step of depth 4 on 2 requests
+    b = stats([2, 2, 5], [None, SDStrategy(4, 2, 8)], [5, 3])  # plain step, then a tree step on 3
+    mal, rate, tps = MeanAcceptLength(), AcceptanceRate(), RolloutTokensPerSecond()
+    for s in (a, b):
+        mal.update(s)
+        rate.update(s)
+        tps.update(s)
+    assert float(mal.compute()) == pytest.approx(13 / 5)
+    assert float(rate.compute()) == pytest.approx((2 + 0 + 1 + 1 + 4) / (4 * 2 + 4 * 3))
+    assert float(tps.compute()) == pytest.approx(20 / 4.0)
+    mal.reset()
+    assert float(mal.compute()) == 0.0
+
+
+def test_metrics_follow_a_real_speculative_rollout(tiny_llama):
+    drafter = Drafter(DrafterConfig.from_target(tiny_llama), tiny_llama)
+    loop = SpeculativeRolloutLoop(tiny_llama, drafter, RolloutConfig(max_new_tokens=12), FixedChooser(SDStrategy(3)),
+                                  threshold=100)
+    result = loop.generate([[5, 6], [7, 8, 9]], generator=torch.Generator().manual_seed(0))
+    mal = MeanAcceptLength()
+    mal.update(result.stats)
+    assert float(mal.compute()) == pytest.approx(result.stats.mean_accept_length)
+    assert 1 <= float(mal.compute()) <= 4
