@@ -261,6 +261,16 @@ class Drafter(nn.Module):
         weight, bias = self._head()
         return F.linear(hidden_out.to(weight.dtype), weight, bias)
 
+    def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` target final states -> ``[..., V_draft]`` the target's logits on the draft vocabulary.
+
+        The training targets of the soft cross-entropy: with a reduced vocabulary this reads only
+        the LM-head rows of draft tokens (SmolLM2: 8k of 49k rows, 6x less work).
+        """
+        weight, bias = self._head()
+        with torch.no_grad():
+            return F.linear(target_hidden.to(weight.dtype), weight, bias)
+
     def _head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The LM head's weight (rows of the draft vocabulary), detached; cached until either changes."""
         head = self._refs.head

@@ -217,17 +217,18 @@ def drafter_losses(
         ``(loss, metrics)``; metrics hold ``feature_loss``, ``ce_loss``, ``top1`` (step 1) and
         ``top1_step{k}`` for ``k >= 2``. The loss is the ``step_decay``-weighted mean over steps.
 
-    Memory: the target's logits of the ``N`` real samples, ``[N, V]``, are computed here (no_grad);
-    bound ``N`` with ``batch_size`` / ``max_len`` for large vocabularies.
+    Memory: the target's logits of the ``N`` real samples on the draft vocabulary, ``[N, V_draft]``,
+    are computed here (no_grad); bound ``N`` with ``batch_size`` / ``max_len``.
     """
     cfg = loss_cfg or DrafterLoss.for_kind(drafter.config.kind)
     batch = batch.to(drafter.device)
     valid = batch.mask
-    with torch.no_grad():  # the target's next-token distribution, on real samples only
-        target_logits = target.lm_head(batch.target_hidden[valid])
     target_hidden = batch.target_hidden[valid]
-    reduced = drafter.config.reduced_vocab
-    d2t, t2d = (drafter.d2t, drafter.t2d) if reduced else (None, None)
+    # The target's next-token distribution on the draft vocabulary, on real samples only: the soft
+    # cross-entropy renormalises over the draft vocabulary anyway, and top-1 agreement is then
+    # measured within it (a target argmax outside the draft vocabulary is rare and not counted).
+    target_logits = drafter.target_logits(target_hidden)
+    d2t = t2d = None
     steps = cfg.unroll_steps
     cache = ConcatCache() if steps > 1 else None
     hidden_in = drafter.lift(batch.features)
