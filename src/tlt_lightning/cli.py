@@ -1,6 +1,7 @@
 """``tlt-lightning``: benchmarks and tools on the command line.
 
     tlt-lightning bench rollout [--json PATH] ...   engine vs HF generate, long-tail workload
+    tlt-lightning bench bandit [--json PATH]          BEG-MAB vs UCB vs fixed arms, simulated
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning models                              list the registry
 
@@ -11,6 +12,7 @@ thread is often faster than two) before the subcommand name.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -29,6 +31,11 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (JSON + PNG)").add_subparsers(dest="bench", required=True)
     bench_rollout.add_arguments(bench.add_parser("rollout", help="RolloutEngine vs HF generate"))
+    bandit = bench.add_parser("bandit", help="strategy bandits on a simulated environment with a known optimum")
+    bandit.add_argument("--steps", type=int, default=8000)
+    bandit.add_argument("--seed", type=int, default=0)
+    bandit.add_argument("--json", default="runs/bench/bandit.json")
+    bandit.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 
     drafter = sub.add_parser("drafter", help="drafter tools").add_subparsers(dest="drafter", required=True)
     drafter_warmup.add_arguments(drafter.add_parser("warmup", help="train a drafter on the target's rollouts"))
@@ -57,6 +64,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tlt_lightning.bench import rollout
 
         rollout.run(args)
+    elif args.command == "bench" and args.bench == "bandit":
+        from pathlib import Path
+
+        from tlt_lightning.scheduling.simulate import main as bandit_main
+
+        plot = args.plot or str(Path(args.json).with_suffix(".png"))
+        result = bandit_main(args.json, plot, steps=args.steps, seed=args.seed)
+        ratios = {name: round(v["reward_vs_oracle"], 3) for name, v in result["strategies"].items()}
+        print(f"[bench bandit] reward / per-bucket oracle: {json.dumps(ratios)}")
+        print(f"[bench bandit] wrote {args.json} and {plot}")
     elif args.command == "drafter" and args.drafter == "warmup":
         from tlt_lightning.recipes import drafter_warmup
 
