@@ -8,11 +8,16 @@ from tlt_lightning.models import HFTarget, load_model
 
 
 @pytest.mark.slow
-def test_warmup_then_speculative_bench_on_the_real_model(tmp_path):
+def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     """The two commands chained on SmolLM2 with tiny settings: artefacts exist and reload."""
-    out = tmp_path / "drafter"
-    main(["--threads", "1", "drafter", "warmup", "--task", "countdown", "--prompts", "12", "--max-new-tokens", "24",
-          "--steps", "15", "--rollout-batch", "6", "--draft-vocab", "2048", "--out", str(out)])
+    out, cache = tmp_path / "drafter", tmp_path / "rollouts.pt"
+    args = ["--threads", "1", "drafter", "warmup", "--task", "countdown", "--prompts", "12", "--max-new-tokens", "24",
+            "--rollout-batch", "6", "--draft-vocab", "2048", "--rollouts-cache", str(cache), "--out", str(out)]
+    main([*args, "--steps", "2"])
+    main([*args, "--steps", "15"])  # same rollouts, read back from the cache
+    assert "reusing 12 rollouts" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="was made with other settings"):
+        main([*args, "--steps", "2", "--temperature", "0.5"])
     report = json.loads((out / "warmup.json").read_text())
     assert report["rollouts"] == 12 and report["draft_vocab"] == 2048
     assert 0 < report["draft_vocab_token_coverage"] <= 1

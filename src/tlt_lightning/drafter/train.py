@@ -46,7 +46,7 @@ __all__ = [
 
 @dataclass
 class DrafterBatch:
-    """``B`` right-padded sequences of ``S`` training samples.
+    """``B`` rows of ``S`` training samples: one right-padded sequence per row, or packed documents.
 
     Attributes:
         tokens: ``[B, S]`` int64 input tokens (``token_ids[i]``).
@@ -54,6 +54,9 @@ class DrafterBatch:
         target_hidden: ``[B, S, H]`` the target's final state at ``i + 1``.
         positions: ``[B, S]`` int64 target positions of the input features (prompt length - 1 + i).
         mask: ``[B, S]`` bool, True for real samples (False for padding).
+        doc_ids: ``[B, S]`` int64 document of each sample when several sequences are packed into a
+            row (:func:`~tlt_lightning.drafter.pack_batches`; ``-1`` for padding): attention never
+            crosses documents. ``None``: one sequence per row (:func:`make_batches`).
     """
 
     tokens: torch.Tensor
@@ -61,13 +64,34 @@ class DrafterBatch:
     target_hidden: torch.Tensor
     positions: torch.Tensor
     mask: torch.Tensor
+    doc_ids: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
         return int(self.mask.sum())
 
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """``[B, 1, S, S]`` bool step-1 mask: causal within each document (block-diagonal when packed)."""
+        return unroll_mask(self.mask, 1, self.doc_ids)
+
+    def sample_index(self) -> torch.Tensor:
+        """``[B, S]`` int64 index of each sample within its sequence (document)."""
+        B, S = self.mask.shape
+        idx = torch.arange(S, device=self.mask.device).expand(B, S)
+        if self.doc_ids is None:
+            return idx
+        starts = torch.ones_like(self.mask)
+        starts[:, 1:] = self.doc_ids[:, 1:] != self.doc_ids[:, :-1]
+        return idx - torch.where(starts, idx, 0).cummax(dim=1).values
+
     def to(self, device: torch.device | str) -> DrafterBatch:
-        return DrafterBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return DrafterBatch(
+            **{
+                f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                for f in fields(self)
+            }
+        )
 
 
 def _split(
@@ -154,7 +178,7 @@ def make_batches(
     return batches
 
 
-def unroll_mask(valid: torch.Tensor, step: int) -> torch.Tensor:
+def unroll_mask(valid: torch.Tensor, step: int, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Attention mask of draft step ``step`` over the keys of steps ``1..step`` (concatenated).
 
     Query ``i`` of step ``k`` sees the step-1 keys ``j <= i - k + 1`` (true features) and, for each
@@ -163,6 +187,8 @@ def unroll_mask(valid: torch.Tensor, step: int) -> torch.Tensor:
     Args:
         valid: ``[B, S]`` bool real samples (right padding).
         step: ``k >= 1``.
+        doc_ids: ``[B, S]`` document of each sample (packed rows): keys of other documents are
+            hidden too. ``None``: one document per row.
 
     Returns:
         ``[B, 1, S, k * S]`` bool; every query sees at least itself.
@@ -172,6 +198,9 @@ def unroll_mask(valid: torch.Tensor, step: int) -> torch.Tensor:
     j = torch.arange(S, device=valid.device)[None, :]
     blocks = [((j <= i - (step - 1)) & valid[:, None, :])]
     blocks += [(j == i - (step - s)).expand(valid.shape[0], S, S) for s in range(2, step + 1)]
+    if doc_ids is not None:
+        same = doc_ids[:, :, None] == doc_ids[:, None, :]
+        blocks = [block & same for block in blocks]
     mask = torch.cat(blocks, dim=-1)
     mask[..., (step - 1) * S :] |= torch.eye(S, dtype=torch.bool, device=valid.device)
     return mask[:, None]
@@ -232,12 +261,15 @@ def drafter_losses(
     steps = cfg.unroll_steps
     cache = ConcatCache() if steps > 1 else None
     hidden_in = drafter.lift(batch.features)
-    sample_idx = torch.arange(valid.shape[1], device=valid.device)
+    sample_idx = batch.sample_index()
     total, weight_sum, metrics = 0.0, 0.0, {}
     for k in range(1, steps + 1):
-        hidden_out = drafter(batch.tokens, hidden_in, batch.positions, unroll_mask(valid, k), cache)
+        mask = unroll_mask(valid, k, batch.doc_ids)
+        hidden_out = drafter(batch.tokens, hidden_in, batch.positions, mask, cache)
         # Step k needs k - 1 earlier samples to draft from: samples i < k - 1 do not exist at decode time.
-        in_step = (sample_idx >= k - 1)[None].expand_as(valid)[valid]
+        # (In packed rows the shift below feeds a document's first sample the previous document's
+        # output: such samples are out of step and no in-step sample attends them.)
+        in_step = (sample_idx >= k - 1)[valid]
         pred = hidden_out[valid]
         out = cfg(pred, drafter.logits(pred), target_hidden, target_logits, in_step, d2t, t2d)
         w = cfg.step_decay ** (k - 1)

@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollout-batch", type=int, default=64, help="requests per rollout call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/drafter/warmup", help="output directory")
+    p.add_argument("--rollouts-cache", default=None,
+                   help="file to reuse rollouts from (and save them to): retrain without resampling")
 
 
 def collect_rollouts(
@@ -64,6 +66,12 @@ def collect_rollouts(
         tokens = sum(r.length for r in rollouts)
         print(f"  rollouts {done}/{len(prompts)}, {tokens} tokens, {time.perf_counter() - start:.0f} s", flush=True)
     return rollouts, time.perf_counter() - start
+
+
+def _cache_key(args: argparse.Namespace, config: DrafterConfig) -> dict[str, Any]:
+    """What the cached rollouts depend on."""
+    keys = ("model", "task", "prompts", "samples", "max_new_tokens", "temperature", "seed")
+    return {k: getattr(args, k) for k in keys} | {"feature_layers": list(config.rollout_feature_layers)}
 
 
 def plot(history: list[dict[str, float]], path: Path) -> Path:
@@ -99,8 +107,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         feature_layers=config.rollout_feature_layers,
     ))
-    print(f"[drafter warmup] sampling {len(prompts)} rollouts of {args.model} on {args.task} ...", flush=True)
-    rollouts, rollout_s = collect_rollouts(engine, prompts, args.rollout_batch, args.seed)
+    cache = Path(args.rollouts_cache) if args.rollouts_cache else None
+    if cache is not None and cache.is_file():
+        saved = torch.load(cache, weights_only=False)
+        if saved["key"] != _cache_key(args, config):
+            raise ValueError(f"--rollouts-cache {cache} was made with other settings: {saved['key']}")
+        rollouts, rollout_s = saved["rollouts"], saved["seconds"]
+        print(f"[drafter warmup] reusing {len(rollouts)} rollouts from {cache}", flush=True)
+    else:
+        print(f"[drafter warmup] sampling {len(prompts)} rollouts of {args.model} on {args.task} ...", flush=True)
+        rollouts, rollout_s = collect_rollouts(engine, prompts, args.rollout_batch, args.seed)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"key": _cache_key(args, config), "rollouts": rollouts, "seconds": rollout_s}, cache)
     held_out = max(1, len(rollouts) // 10)
     train, valid = rollouts[held_out:], rollouts[:held_out]
 

@@ -1,4 +1,5 @@
-"""Choosing the speculative-decoding strategy per step: BEG-MAB bandit, baselines, a simulator."""
+"""Choosing the speculative-decoding strategy per step (BEG-MAB bandit, baselines, a simulator) and
+coordinating spot drafter training on idle rollout workers."""
 
 from tlt_lightning.scheduling.bandit import (
     DEFAULT_BUCKET_THRESHOLDS,
@@ -10,6 +11,16 @@ from tlt_lightning.scheduling.bandit import (
     default_arms,
 )
 from tlt_lightning.scheduling.baselines import FixedStrategy, UCBStrategy
+from tlt_lightning.scheduling.coordinator import (
+    CoordinatorConfig,
+    Segment,
+    TrainWindow,
+    WorkerCoordinator,
+    WorkerState,
+    benchmark_preemption,
+    idle_fraction_recovered,
+    plot_timeline,
+)
 from tlt_lightning.scheduling.simulate import SimulatedSDEnvironment, run_bandit_benchmark
 
 __all__ = [
@@ -17,11 +28,19 @@ __all__ = [
     "Arm",
     "BEGMABStrategy",
     "BucketedChooser",
+    "CoordinatorConfig",
     "Decision",
     "FixedStrategy",
+    "Segment",
     "SimulatedSDEnvironment",
+    "TrainWindow",
     "UCBStrategy",
+    "WorkerCoordinator",
+    "WorkerState",
     "arm_key",
+    "benchmark_preemption",
     "default_arms",
+    "idle_fraction_recovered",
+    "plot_timeline",
     "run_bandit_benchmark",
 ]
