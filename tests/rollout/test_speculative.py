@@ -1,5 +1,6 @@
 """Speculative rollouts are lossless: same tokens under greedy, same distribution under sampling."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tlt_lightning.drafter import Drafter, DrafterConfig
+from tlt_lightning.drafter import Drafter, DrafterConfig, DrafterLoss, warmup_drafter
 from tlt_lightning.models import HFTarget
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
@@ -21,7 +22,7 @@ BOS = 1
 class OracleDrafter:
     """Drafts with the target itself, so its draft distribution equals the target's.
 
-    A pair at drafter position ``p`` is ``(f_p, x_{p+1})``: the oracle reads ``x_{p+1}`` at target
+    Used with ``drafter_context="prompt"``. A pair at drafter position ``p`` is ``(f_p, x_{p+1})``: the oracle reads ``x_{p+1}`` at target
     position ``p + 1`` in a full target cache of its own. It needs ``x_0``, which it takes to be
     ``BOS``: the prompts of the tests using it start with ``BOS``.
     """
@@ -86,6 +87,24 @@ def test_greedy_equals_plain_with_a_random_drafter(tiny_target, kind, arm):
     assert result.stats.accept_lengths.numel() > 0
 
 
+@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 3, 6)], ids=str)
+def test_greedy_equals_plain_with_a_trained_drafter(tiny_llama, arm):
+    """64 requests x 200 tokens with a drafter trained on the target's own greedy rollouts: many
+    drafts are accepted, and the output is still the plain greedy output token for token."""
+    prompts = random_prompts(64, seed=21)
+    config = RolloutConfig(max_new_tokens=200, temperature=0)
+    drafter = Drafter(DrafterConfig.from_target(tiny_llama), tiny_llama)
+    data = RolloutEngine(tiny_llama, replace(config, feature_layers=drafter.config.rollout_feature_layers))
+    plain = data.generate(prompts)
+    torch.manual_seed(0)
+    warmup_drafter(drafter, tiny_llama, plain.rollouts, steps=300, lr=1e-2, batch_size=16, progress=False,
+                   max_len=200, loss_cfg=DrafterLoss(1.0, 1.0))  # teacher-forced top-1 ~0.35 here
+    drafter.eval()
+    result = SpeculativeRolloutLoop(tiny_llama, drafter, config, FixedChooser(arm), threshold=1000).generate(prompts)
+    assert all(s.token_ids.tolist() == p.token_ids.tolist() for s, p in zip(result.rollouts, plain.rollouts))
+    assert result.stats.mean_accept_length > 1.25, "the trained drafter should get drafts accepted"
+
+
 @pytest.mark.parametrize(("arm", "temperature"), [(SDStrategy(2), 1.0), (SDStrategy(5), 1.0), (SDStrategy(3), 0.0)])
 def test_oracle_drafter_accepts_everything(tiny_llama, arm, temperature):
     """Chain drafts sampled from the target's own distribution are always accepted."""
@@ -93,7 +112,8 @@ def test_oracle_drafter_accepts_everything(tiny_llama, arm, temperature):
     prompts = [[BOS, *p] for p in random_prompts(6, seed=12)]
     depth = arm.num_steps
     config = RolloutConfig(max_new_tokens=1 + 4 * (depth + 1), temperature=temperature)
-    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(arm), threshold=100)
+    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(arm), threshold=100,
+                                  drafter_context="prompt")
     result = loop.generate(prompts, generator=torch.Generator().manual_seed(0))
     assert (result.stats.accept_lengths == depth + 1).all()
     assert result.stats.num_steps == 4
@@ -109,7 +129,9 @@ def test_oracle_drafter_trees_accept_their_argmax_path(tiny_llama, arm):
     target = no_eos(tiny_llama)
     prompts = [[BOS, *p] for p in random_prompts(6, seed=12)]
     config = RolloutConfig(max_new_tokens=40, temperature=0)
-    result = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(arm), threshold=100).generate(prompts)
+    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(arm), threshold=100,
+                                  drafter_context="prompt")
+    result = loop.generate(prompts)
     plain = RolloutEngine(target, config).generate(prompts)
     assert all(a.token_ids.tolist() == b.token_ids.tolist() for a, b in zip(plain.rollouts, result.rollouts))
     assert result.stats.accept_lengths.float().mean() >= 0.7 * (arm.num_steps + 1)
@@ -173,3 +195,15 @@ def test_sampling_is_exact_end_to_end(temperature, top_p, arm):
     assert observed[~keep].sum() == 0, "a token outside the top-p nucleus was emitted"
     _, pvalue = chisquare(observed[keep].numpy(), (expected[keep] / expected[keep].sum() * n).numpy())
     assert pvalue > 1e-3
+
+
+def test_bad_loop_arguments_are_rejected(tiny_llama):
+    drafter = Drafter(DrafterConfig.from_target(tiny_llama), tiny_llama)
+    with pytest.raises(ValueError, match="drafter_context must be 'response' or 'prompt', got 'all'"):
+        SpeculativeRolloutLoop(tiny_llama, drafter, drafter_context="all").generate([[5]])
+    with pytest.raises(ValueError, match="threshold must be >= 1, got 0"):
+        SpeculativeRolloutLoop(tiny_llama, drafter, threshold=0).generate([[5]])
+    loop = SpeculativeRolloutLoop(tiny_llama, drafter, RolloutConfig(max_new_tokens=8),
+                                  FixedChooser(SDStrategy(20)), max_depth=16)
+    with pytest.raises(ValueError, match="drafts deeper than max_depth=16"):
+        loop.generate([[5]])

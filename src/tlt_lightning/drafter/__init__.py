@@ -1,13 +1,18 @@
 """EAGLE-style drafter: config, model, losses, training on rollouts, checkpoint I/O (no Lightning)."""
 
 from tlt_lightning.drafter.buffer import BufferConfig, DrafterSample, RolloutBuffer
-from tlt_lightning.drafter.checkpoint import AsyncCheckpointer, CheckpointInfo, benchmark_checkpoint, snapshot_state
+from tlt_lightning.drafter.checkpoint import (
+    AsyncCheckpointer,
+    CheckpointInfo,
+    benchmark_checkpoint,
+    snapshot_state,
+)
 from tlt_lightning.drafter.config import DRAFTER_KINDS, SUPPORTED_MODEL_TYPES, DrafterConfig
 from tlt_lightning.drafter.io import load_drafter, read_drafter_config, save_drafter
 from tlt_lightning.drafter.losses import DrafterLoss, LossOutput, feature_loss, soft_ce, top1_agreement
 from tlt_lightning.drafter.model import AttentionCache, Drafter
-from tlt_lightning.drafter.publish import DrafterLease, DrafterPublisher
 from tlt_lightning.drafter.packing import benchmark_packing, fill_ratio, pack_batches, pack_bins
+from tlt_lightning.drafter.publish import DrafterLease, DrafterPublisher
 from tlt_lightning.drafter.train import (
     ConcatCache,
     DrafterBatch,
@@ -20,9 +25,9 @@ from tlt_lightning.drafter.train import (
 )
 
 __all__ = [
-    "AsyncCheckpointer",
     "DRAFTER_KINDS",
     "SUPPORTED_MODEL_TYPES",
+    "AsyncCheckpointer",
     "AttentionCache",
     "BufferConfig",
     "CheckpointInfo",

@@ -1,5 +1,8 @@
-"""RL pieces: reasoning-gym tasks, prompts and rewards (GRPO math and the LightningModule to come)."""
+"""RL: reasoning-gym tasks and rewards, prompt sources, the GRPO math and the GRPO LightningModule."""
 
+from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs, policy_batch
+from tlt_lightning.rl.grpo import AGGREGATIONS, GRPOLossOutput, group_advantages, grpo_loss, token_logprobs
+from tlt_lightning.rl.module import GRPOModule, NonFiniteLossError, RewardBatch, RewardError
 from tlt_lightning.rl.rewards import (
     ANSWER_KINDS,
     EXPLICIT_SOURCES,
@@ -8,6 +11,14 @@ from tlt_lightning.rl.rewards import (
     extract_answer,
     find_answer,
     follows_format,
+)
+from tlt_lightning.rl.sources import (
+    IndexDataset,
+    PromptIndexLoader,
+    PromptSource,
+    RewardFn,
+    TaskPromptSource,
+    TokenPromptSource,
 )
 from tlt_lightning.rl.tasks import (
     ANSWER_DESCRIPTIONS,
@@ -22,6 +33,7 @@ from tlt_lightning.rl.tasks import (
 )
 
 __all__ = [
+    "AGGREGATIONS",
     "ANSWER_DESCRIPTIONS",
     "ANSWER_KINDS",
     "DEFAULT_SYSTEM_PROMPT",
@@ -30,12 +42,29 @@ __all__ = [
     "SUPPORTED_TASKS",
     "AnswerKind",
     "Extraction",
+    "GRPOLossOutput",
+    "GRPOModule",
+    "IndexDataset",
+    "NonFiniteLossError",
+    "PolicyBatch",
     "Prompt",
+    "PromptIndexLoader",
+    "PromptSource",
     "Reward",
+    "RewardBatch",
+    "RewardError",
+    "RewardFn",
     "TaskConfig",
     "TaskDataset",
+    "TaskPromptSource",
+    "TokenPromptSource",
     "collate_prompts",
+    "completion_logprobs",
     "extract_answer",
     "find_answer",
     "follows_format",
+    "group_advantages",
+    "grpo_loss",
+    "policy_batch",
+    "token_logprobs",
 ]

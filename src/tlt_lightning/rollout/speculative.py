@@ -8,8 +8,8 @@ verify them with :func:`~tlt_lightning.speculative.verify_chain`. Speculation on
 tokens costs nearly their full price, in the tail it is weight-bound and they are almost free.
 
 Drafter bookkeeping. The drafter reads pairs ``(f_p, x_{p+1})``: the target's features at position
-``p`` and the token that followed. Its own cache holds one entry per position; its committed
-length ``dl`` trails the target's ``L`` and catches up at the start of every speculative step, from
+``p`` and the token that followed, from the last prompt position on (the context it is trained
+with). Its own cache holds one entry per position; its committed length ``dl`` trails the target's ``L`` and catches up at the start of every speculative step, from
 the features the engine keeps in the batch transcripts (so switching speculation on mid-rollout,
 or after plain steps, needs no extra target forward). Draft positions beyond ``L`` are scratch and
 are simply overwritten next time.
@@ -45,10 +45,10 @@ class FixedChooser:
         pass
 
 
-def _mask_from_positions(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """``[n, 1, q, kv_len]``: query at position ``p`` sees cache slots ``<= p``."""
+def _mask_from_positions(positions: torch.Tensor, kv_len: int, first: torch.Tensor) -> torch.Tensor:
+    """``[n, 1, q, kv_len]``: query at position ``p`` of row ``i`` sees slots ``first[i] .. p``."""
     slots = torch.arange(kv_len, device=positions.device)
-    return (slots[None, None, :] <= positions[:, :, None])[:, None]
+    return ((slots[None, None, :] <= positions[:, :, None]) & (slots[None, None, :] >= first[:, None, None]))[:, None]
 
 
 class SpeculativeStep:
@@ -62,6 +62,8 @@ class SpeculativeStep:
         chooser: picks the strategy per step (e.g. :class:`FixedChooser`, ``BEGMABStrategy``).
         threshold: speculate only while fewer than this many requests are active.
         max_depth: deepest draft a strategy may ask for (the target cache keeps that much room).
+        drafter_context: where the drafter's context starts: ``"response"`` (the last prompt
+            position, as drafters are trained here) or ``"prompt"`` (position 0).
     """
 
     def __init__(
@@ -72,8 +74,11 @@ class SpeculativeStep:
         chooser: StrategyChooser,
         threshold: int = 32,
         max_depth: int = 16,
+        drafter_context: str = "response",
     ) -> None:
         layers = tuple(drafter.config.feature_layers)
+        if drafter_context not in ("response", "prompt"):
+            raise ValueError(f"drafter_context must be 'response' or 'prompt', got {drafter_context!r}")
         if tuple(config.feature_layers[: len(layers)]) != layers:
             raise ValueError(
                 f"config.feature_layers {config.feature_layers} must start with the drafter's feature_layers {layers}"
@@ -82,6 +87,7 @@ class SpeculativeStep:
             raise ValueError(f"threshold must be >= 1, got {threshold}")
         self.target, self.drafter, self.config = target, drafter, config
         self.chooser, self.threshold, self.max_depth = chooser, threshold, max_depth
+        self.drafter_context = drafter_context
         self.num_features = len(layers)
         self.plain = PlainStep(target, config)
         self.dcache: KVCache | None = None
@@ -90,6 +96,17 @@ class SpeculativeStep:
         # One slot more than the target: padded catch-up queries write there (see _catch_up).
         self.dcache = self.drafter.new_cache(batch.cache.max_batch, batch.cache.max_len + 1)
         batch.aux_caches.append(self.dcache)
+        self.dcache.lengths[: batch.n] = self._first(batch)
+
+    def _first(self, batch: ActiveBatch) -> torch.Tensor:
+        """``[n]`` first drafter slot of each active row.
+
+        ``"response"``: the last prompt position, so the first pair is ``(f_{P-1}, first response
+        token)``: the context drafters are trained with (see ``drafter.train``). ``"prompt"``: 0.
+        """
+        if self.drafter_context == "prompt":
+            return torch.zeros(batch.n, dtype=torch.long, device=batch.prompt_len.device)
+        return batch.prompt_len[batch.request[: batch.n]] - 1
 
     def __call__(self, batch: ActiveBatch, generator: torch.Generator | None) -> Emission:
         n = batch.n
@@ -133,7 +150,8 @@ class SpeculativeStep:
         feats = batch.features[req, src, : self.num_features]  # [n, q, C, H]
         tokens = batch.seq[req, src + 1]
         kv_len = int(positions.max()) + 1
-        out = self.drafter(tokens, self.drafter.lift(feats), positions, _mask_from_positions(positions, kv_len), dc)
+        mask = _mask_from_positions(positions, kv_len, self._first(batch))
+        out = self.drafter(tokens, self.drafter.lift(feats), positions, mask, dc)
         dc.lengths[:n] = L
         return out[torch.arange(n, device=L.device), count - 1]
 
@@ -142,6 +160,7 @@ class SpeculativeStep:
         n, K = batch.n, arm.num_steps
         L = batch.lengths.clone()
         hidden = self._catch_up(batch)
+        first = self._first(batch)
         drafts, draft_probs = [], []
         for k in range(K):
             q = self._draft_probs(hidden)
@@ -150,7 +169,7 @@ class SpeculativeStep:
             draft_probs.append(q)
             if k + 1 < K:  # pair (h_k, d_k) sits at drafter position L + k
                 pos = (L + k)[:, None]
-                mask = _mask_from_positions(pos, int(pos.max()) + 1)
+                mask = _mask_from_positions(pos, int(pos.max()) + 1, first)
                 hidden = self.drafter(token[:, None], hidden[:, None], pos, mask, self.dcache)[:, 0]
         self.dcache.lengths[:n] = L  # draft entries are scratch
         draft_tokens = torch.stack(drafts, 1)  # [n, K]
@@ -185,6 +204,7 @@ class SpeculativeStep:
         L = batch.lengths.clone()
         rows = torch.arange(n, device=device)
         hidden = self._catch_up(batch)
+        first = self._first(batch)
         P = k * depth  # pool: level-major, k nodes per level
         tokens = torch.zeros(n, P, dtype=torch.long, device=device)
         parents = torch.full((n, P), -1, dtype=torch.long, device=device)
@@ -203,7 +223,8 @@ class SpeculativeStep:
             key = torch.arange(kv_len, device=device)
             in_tree = key[None, :] - L[:, None]  # [n, kv]: pool index of each slot (< 0: committed)
             sees_node = anc[:, idx].gather(2, in_tree.clamp(0, P - 1)[:, None].expand(n, k, kv_len))
-            mask = torch.where((in_tree < 0)[:, None], True, sees_node & (in_tree < d * k)[:, None])[:, None]
+            committed = (in_tree < 0) & (key[None, :] >= first[:, None])
+            mask = torch.where(committed[:, None], True, sees_node & (in_tree >= 0)[:, None] & (in_tree < d * k)[:, None])[:, None]
             positions = (L + d - 1)[:, None].expand(n, k)
             out = self.drafter(tokens[:, idx], parent_hidden, positions, mask, self.dcache, slots=slots)
             logp = self.drafter.logits(out).float().log_softmax(-1)  # [n, k, Vd]
@@ -277,6 +298,7 @@ class SpeculativeRolloutLoop:
         chooser: the strategy per step; default: a 4-token chain whenever speculation is on.
         threshold: speculate only while fewer than this many requests are active.
         max_depth: deepest draft a strategy may ask for.
+        drafter_context: ``"response"`` or ``"prompt"``, see :class:`SpeculativeStep`.
 
     Example:
         >>> from tlt_lightning.models import HFTarget, load_model
@@ -296,6 +318,7 @@ class SpeculativeRolloutLoop:
         chooser: StrategyChooser | None = None,
         threshold: int = 32,
         max_depth: int = 16,
+        drafter_context: str = "response",
     ) -> None:
         config = config or RolloutConfig()
         layers = tuple(drafter.config.feature_layers)
@@ -303,7 +326,7 @@ class SpeculativeRolloutLoop:
         self.config = replace(config, feature_layers=layers + extra)
         self.drafter = drafter
         self.chooser = chooser or FixedChooser(SDStrategy(4))
-        self.threshold, self.max_depth = threshold, max_depth
+        self.threshold, self.max_depth, self.drafter_context = threshold, max_depth, drafter_context
         self.engine = RolloutEngine(target, self.config, cache_margin=max_depth + 1)
 
     def generate(
@@ -311,6 +334,7 @@ class SpeculativeRolloutLoop:
     ) -> RolloutResult:
         """Sample one response per prompt; same distribution as plain decoding, fewer target passes."""
         step = SpeculativeStep(
-            self.engine.target, self.drafter, self.config, self.chooser, self.threshold, self.max_depth
+            self.engine.target, self.drafter, self.config, self.chooser, self.threshold, self.max_depth,
+            self.drafter_context,
         )
         return self.engine.generate(prompts, generator=generator, step=step, progress=progress)
