@@ -87,29 +87,31 @@ def _compare(engine: RolloutEngine, model, tokenizer, prompts, repeats: int, see
     }
 
 
-def plot(long_tail: RolloutResult, batches: list[dict[str, Any]], path: Path) -> Path:
-    """Response-length histogram, per-request timeline of the long-tail run, throughput per batch."""
+def plot(long_tail: RolloutResult | None, batches: list[dict[str, Any]], path: Path) -> Path:
+    """Throughput per batch size; with a long-tail run also its length histogram and per-request timeline."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.5))
-    lengths = long_tail.lengths.numpy()
-    a.hist(lengths, bins=30, color="tab:blue")
-    a.set(xlabel="response length (tokens)", ylabel="requests", title="Long-tail rollout: lengths")
-    order = sorted(range(len(long_tail.rollouts)), key=lambda i: long_tail.rollouts[i].finish_time)
-    for y, i in enumerate(order):
-        r = long_tail.rollouts[i]
-        b.barh(y, r.finish_time - r.first_token_time, left=r.first_token_time, height=1.0, color="tab:orange")
-    b.set(xlabel="seconds", ylabel="request (by finish time)", title="Per-request timeline")
-    labels = [str(x["batch_size"]) for x in batches]
+    panels = 3 if long_tail is not None else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.3 * panels, 4.5), squeeze=False)
+    c = axes[0, -1]
     xs = range(len(batches))
     c.bar([x - 0.2 for x in xs], [x["tokens_per_s"] for x in batches], width=0.4, label="RolloutEngine")
     c.bar([x + 0.2 for x in xs], [x["hf_tokens_per_s"] for x in batches], width=0.4, label="HF generate")
-    c.set_xticks(list(xs), labels)
+    c.set_xticks(list(xs), [str(x["batch_size"]) for x in batches])
     c.set(xlabel="batch size (greedy)", ylabel="tokens / s", title="Throughput")
     c.legend()
+    if long_tail is not None:
+        a, b = axes[0, 0], axes[0, 1]
+        a.hist(long_tail.lengths.numpy(), bins=30, color="tab:blue")
+        a.set(xlabel="response length (tokens)", ylabel="requests", title="Long-tail rollout: lengths")
+        order = sorted(range(len(long_tail.rollouts)), key=lambda i: long_tail.rollouts[i].finish_time)
+        for y, i in enumerate(order):
+            r = long_tail.rollouts[i]
+            b.barh(y, r.finish_time - r.first_token_time, left=r.first_token_time, height=1.0, color="tab:orange")
+        b.set(xlabel="seconds", ylabel="request (by finish time)", title="Per-request timeline")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -180,9 +182,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"x{out['speedup_vs_hf']:.2f}; lengths {payload['long_tail']['lengths']}", flush=True)
 
     json_path = write_json(args.json, payload)
-    if long_tail is not None:
-        plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
-        payload["plot"] = str(plot(long_tail, batches, plot_path))
-        write_json(json_path, payload)
+    plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
+    payload["plot"] = str(plot(long_tail, batches, plot_path))
+    write_json(json_path, payload)
     print(f"[bench rollout] wrote {json_path}", flush=True)
     return payload
