@@ -1,0 +1,258 @@
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tlt_lightning.drafter import AsyncCheckpointer, load_drafter, snapshot_state
+
+from .conftest import make_drafter
+
+
+def trained(drafter, steps: int = 1, seed: int = 0):
+    """An AdamW optimizer with state, after ``steps`` random-gradient steps."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    for _ in range(steps):
+        for p in drafter.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return opt
+
+
+def test_save_load_roundtrip_with_optimizer(llama, tmp_path):
+    d = make_drafter(llama, "eagle3", draft_vocab_size=64)
+    opt = trained(d, 2)
+    ckpt = AsyncCheckpointer(tmp_path / "ckpt")
+    assert ckpt.latest() is None and ckpt.checkpoints() == []
+    ckpt.save(d, opt, step=7, extra={"rl_step": 3, "coordinator": {"windows": 2}})
+    assert ckpt.wait(timeout=30)
+    path = ckpt.latest()
+    assert path == tmp_path / "ckpt" / "step-00000007" and ckpt.saved == 1
+    assert sorted(p.name for p in path.iterdir()) == [
+        "drafter_config.json",
+        "meta.json",
+        "model.safetensors",
+        "optimizer.pt",
+    ]
+    fresh = make_drafter(llama, "eagle3", draft_vocab_size=64, seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    info = AsyncCheckpointer.load(path, fresh, fresh_opt)
+    assert info.step == 7 and info.extra == {"rl_step": 3, "coordinator": {"windows": 2}}
+    for k, v in d.state_dict().items():
+        assert fresh.state_dict()[k].equal(v), k
+    a, b = opt.state_dict(), fresh_opt.state_dict()
+    for pid, state in a["state"].items():
+        for key, value in state.items():
+            assert b["state"][pid][key].equal(value)
+    # The weights are a plain drafter checkpoint: deployable as is.
+    loaded = load_drafter(path, llama)
+    assert loaded.fc.weight.equal(d.fc.weight)
+
+
+def test_snapshot_is_taken_at_save_time(llama, tmp_path):
+    """Training may update the live tensors while the writer still writes: the snapshot must not move."""
+    d = make_drafter(llama)
+    opt = trained(d)
+    ckpt = AsyncCheckpointer(tmp_path)
+    gate = threading.Event()
+    ckpt._hook = lambda stage, tmp: gate.wait(10) if stage == "weights" else None
+    expected = d.fc.weight.detach().clone()
+    ckpt.save(d, opt, 1)
+    with torch.no_grad():
+        d.fc.weight.add_(1.0)  # the "next training step"
+    gate.set()
+    ckpt.wait(30)
+    fresh = make_drafter(llama, seed=3)
+    AsyncCheckpointer.load(ckpt.latest(), fresh)
+    assert fresh.fc.weight.equal(expected)
+
+
+def test_snapshot_buffers_are_reused_and_correct(llama, tmp_path):
+    d = make_drafter(llama)
+    opt = trained(d)
+    ckpt = AsyncCheckpointer(tmp_path)
+    ckpt.save(d, opt, 1)
+    ckpt.wait(30)
+    first = ckpt._spare.weights["fc.weight"]
+    with torch.no_grad():
+        d.fc.weight.add_(1.0)
+    ckpt.save(d, opt, 2)
+    ckpt.wait(30)
+    assert ckpt._spare.weights["fc.weight"] is first  # the same CPU buffer, overwritten
+    fresh = make_drafter(llama, seed=5)
+    AsyncCheckpointer.load(ckpt.latest(), fresh)
+    assert fresh.fc.weight.equal(d.fc.weight)
+    AsyncCheckpointer.load(ckpt.checkpoints()[0], fresh)
+    torch.testing.assert_close(fresh.fc.weight, d.fc.weight - 1.0)
+    no_reuse = AsyncCheckpointer(tmp_path / "b", reuse_buffers=False)
+    no_reuse.save(d, None, 1)
+    no_reuse.wait(30)
+    assert no_reuse._spare is None
+
+
+def test_keep_and_superseded(llama, tmp_path):
+    d = make_drafter(llama)
+    ckpt = AsyncCheckpointer(tmp_path, keep=2)
+    gate = threading.Event()
+    ckpt._hook = lambda stage, tmp: gate.wait(10) if stage == "rename" else None
+    ckpt.save(d, None, 1)
+    ckpt.save(d, None, 2)  # pending
+    ckpt.save(d, None, 3)  # replaces the pending step 2
+    assert ckpt.in_flight and ckpt.superseded == 1
+    assert not ckpt.wait(timeout=0.05)
+    gate.set()
+    assert ckpt.wait(30) and not ckpt.in_flight
+    assert [p.name for p in ckpt.checkpoints()] == ["step-00000001", "step-00000003"]
+    ckpt._hook = None
+    for step in (4, 5):
+        ckpt.save(d, None, step)
+    ckpt.wait(30)
+    assert [p.name for p in ckpt.checkpoints()] == ["step-00000004", "step-00000005"]
+    assert not (ckpt.latest() / "optimizer.pt").exists()
+    ckpt.save(d, None, 5)  # the same step again replaces it
+    ckpt.wait(30)
+    assert [p.name for p in ckpt.checkpoints()] == ["step-00000004", "step-00000005"]
+    assert ckpt.state_dict() == {"saved": 5, "superseded": 1}  # 1, 3, 4, 5, 5
+
+
+def test_save_does_not_block_on_a_slow_writer(llama, tmp_path):
+    d = make_drafter(llama)
+    ckpt = AsyncCheckpointer(tmp_path)
+    ckpt._hook = lambda stage, tmp: time.sleep(0.5) if stage == "weights" else None
+    start = time.perf_counter()
+    ckpt.save(d, trained(d), 1)
+    assert time.perf_counter() - start < 0.4 and ckpt.in_flight
+    assert ckpt.last_blocking_s < 0.4
+    ckpt.wait(30)
+    assert ckpt.latest() is not None
+
+
+def test_writer_failure_is_raised_later(llama, tmp_path):
+    d = make_drafter(llama)
+    ckpt = AsyncCheckpointer(tmp_path)
+
+    def fail(stage, tmp):
+        raise OSError("disk full")
+
+    ckpt._hook = fail
+    ckpt.save(d, None, 1)
+    with pytest.raises(RuntimeError, match="background drafter checkpoint write failed.*disk full"):
+        ckpt.wait(30)
+    assert ckpt.latest() is None and not list(tmp_path.glob("*.tmp-*"))  # temp dir cleaned up
+    ckpt._hook = None
+    ckpt.save(d, None, 2)
+    ckpt.wait(30)
+    assert ckpt.latest().name == "step-00000002"
+
+
+def test_errors(llama, tmp_path):
+    d = make_drafter(llama)
+    with pytest.raises(ValueError, match="keep must be an int >= 1, got 0"):
+        AsyncCheckpointer(tmp_path, keep=0)
+    ckpt = AsyncCheckpointer(tmp_path)
+    with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
+        ckpt.save(d, None, -1)
+    with pytest.raises(ValueError, match="extra must be JSON-serialisable"):
+        ckpt.save(d, None, 1, extra={"tensor": torch.zeros(1)})
+    with pytest.raises(ValueError, match="is not a complete drafter checkpoint"):
+        AsyncCheckpointer.load(tmp_path, d)
+    ckpt.save(d, None, 1)
+    ckpt.wait(30)
+    other = make_drafter(llama, "eagle3")
+    with pytest.raises(ValueError, match="does not fit the drafter: missing"):
+        AsyncCheckpointer.load(ckpt.latest(), other)
+    (ckpt.latest() / "meta.json").write_text("{not json")
+    with pytest.raises(ValueError, match="meta.json is not valid JSON"):
+        AsyncCheckpointer.load(ckpt.latest(), d)
+
+
+def test_snapshot_state_clones_nested():
+    t = torch.ones(2)
+    snap = snapshot_state({"a": [t, (t, 3)], "b": "x"})
+    t.add_(1)
+    assert snap["a"][0].tolist() == [1.0, 1.0] and snap["a"][1][1] == 3 and snap["b"] == "x"
+    again = snapshot_state({"a": [t, (t, 3)], "b": "x", "c": torch.zeros(3)}, reuse=snap)
+    assert again["a"][0] is snap["a"][0] and again["a"][0].tolist() == [2.0, 2.0]
+    shaped = snapshot_state({"a": [torch.ones(5), (t, 3)]}, reuse=snap)  # a new shape: a new buffer
+    assert shaped["a"][0] is not snap["a"][0] and shaped["a"][0].shape == (5,)
+
+
+_KILL_SCRIPT = textwrap.dedent(
+    """
+    import sys, time, torch
+    from pathlib import Path
+    from tlt_lightning.models import HFTarget, load_model
+    from tlt_lightning.drafter import AsyncCheckpointer, Drafter, DrafterConfig
+
+    directory, stage = Path(sys.argv[1]), sys.argv[2]
+    target = HFTarget(load_model("tiny-llama").model)
+    torch.manual_seed(0)
+    d = Drafter(DrafterConfig.from_target(target), target)
+    opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
+    ckpt = AsyncCheckpointer(directory, keep=1)
+    ckpt.save(d, opt, 1, extra={"tag": "first"})
+    ckpt.wait()
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(1.0)
+
+    def stall(s, tmp):
+        if s == stage:
+            (directory / "stalled").write_text(str(tmp))
+            time.sleep(120)
+
+    ckpt._hook = stall
+    ckpt.save(d, opt, 2, extra={"tag": "second"})
+    time.sleep(120)
+    """
+)
+
+
+# ~10 s each (a fresh interpreter imports torch + transformers): one stage fast, the other slow.
+@pytest.mark.parametrize("stage", ["rename", pytest.param("weights", marks=pytest.mark.slow)])
+def test_sigkill_during_save_leaves_previous_checkpoint_loadable(llama, tmp_path, stage):
+    """A real process is SIGKILLed while its background writer is mid-save (stalled by the hook)."""
+    directory = tmp_path / "ckpt"
+    script = tmp_path / "saver.py"
+    script.write_text(_KILL_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, str(script), str(directory), stage], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (directory / "stalled").exists():
+            assert proc.poll() is None, "the saver exited early"
+            assert time.monotonic() < deadline, "the saver never reached the stall"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    partial = Path((directory / "stalled").read_text())
+    assert partial.exists() and ".tmp-" in partial.name  # the half-written save is still there...
+    ckpt = AsyncCheckpointer(directory, keep=1)
+    assert [p.name for p in ckpt.checkpoints()] == ["step-00000001"]  # ...but never picked up
+    torch.manual_seed(0)
+    d = make_drafter(llama, seed=0)
+    opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
+    info = ckpt.load(ckpt.latest(), d, opt)
+    assert info.step == 1 and info.extra == {"tag": "first"}
+    assert json.loads((info.path / "meta.json").read_text())["step"] == 1
+    reference = make_drafter(llama, seed=0)
+    for k, v in reference.state_dict().items():
+        assert d.state_dict()[k].equal(v), k
+    # The next save cleans up the dead process's temp dir.
+    ckpt.save(d, opt, 3)
+    ckpt.wait(30)
+    assert not partial.exists() and [p.name for p in ckpt.checkpoints()] == ["step-00000003"]

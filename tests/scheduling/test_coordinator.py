@@ -1,0 +1,220 @@
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tlt_lightning.scheduling import (
+    CoordinatorConfig,
+    Segment,
+    WorkerCoordinator,
+    WorkerState,
+    benchmark_preemption,
+    idle_fraction_recovered,
+    plot_timeline,
+)
+
+B, I, T = WorkerState.BUSY, WorkerState.IDLE, WorkerState.TRAINING
+STEP_S = 0.03
+
+
+def states(timeline, worker=None):
+    """The sequence of states, zero-length segments dropped."""
+    return [s.state for s in timeline if (worker is None or s.worker == worker) and s.end > s.start]
+
+
+# ---------------------------------------------------------------------------------- single process
+def test_single_worker_trains_within_budget():
+    coord = WorkerCoordinator(CoordinatorConfig(max_steps=3))
+    assert not coord.distributed and coord.world_size == 1 and coord.state is B
+    coord.rollout_started()
+    coord.share_done()
+    assert coord.state is I
+    calls = []
+    window = coord.maybe_train(lambda: calls.append(time.time()))
+    assert window.steps == 3 == len(calls) and not window.preempted and window.latency_s is None
+    assert coord.state is I
+    coord.wait_rollout_end()
+    assert coord.state is B
+    assert [s.state for s in coord.timeline()][-4:] == [I, T, I, B]
+    assert coord.state_dict()["train_steps"] == 3 and coord.state_dict()["windows"] == 1
+
+
+def test_single_worker_local_preemption_latency_is_one_step():
+    coord = WorkerCoordinator(CoordinatorConfig(max_seconds=30.0))
+    coord.rollout_started()
+    coord.share_done()
+    started = []
+
+    def step():
+        started.append(time.time())
+        time.sleep(STEP_S)
+
+    timer = threading.Timer(0.1, coord.preempt)  # "the next rollout starts" from another thread
+    timer.start()
+    window = coord.maybe_train(step)
+    timer.join()
+    assert window.preempted and coord.state is B
+    assert 0 <= window.latency_s <= STEP_S + 0.05
+    signal = coord._preempt_time
+    assert sum(t > signal for t in started) <= 1  # at most the step already running... or none
+    assert coord.stats()["preemption_latency_p50"] == pytest.approx(window.latency_s)
+
+
+def test_no_data_means_no_training():
+    coord = WorkerCoordinator(CoordinatorConfig(max_steps=5))
+    coord.rollout_started()
+    coord.share_done()
+    window = coord.maybe_train(lambda: None, has_data=False)
+    assert window.steps == 0 and coord.state is I and coord.windows == 0
+    coord.wait_rollout_end()
+    coord.rollout_started()
+    coord.share_done()
+    left = iter([True, True, False])
+    assert coord.maybe_train(lambda: None, has_data=lambda: next(left)).steps == 2
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="min_idle_s must be a finite number >= 0, got -1"):
+        CoordinatorConfig(min_idle_s=-1)
+    with pytest.raises(ValueError, match="max_steps must be a positive int or None, got 0"):
+        CoordinatorConfig(max_steps=0)
+    with pytest.raises(ValueError, match="max_seconds must be a number > 0 or None, got -2"):
+        CoordinatorConfig(max_seconds=-2)
+    with pytest.raises(ValueError, match="poll_s must be a number > 0, got 0"):
+        CoordinatorConfig(poll_s=0)
+    with pytest.raises(ValueError, match="max_segments must be an int >= 1, got 0"):
+        CoordinatorConfig(max_segments=0)
+    coord = WorkerCoordinator()
+    with pytest.raises(RuntimeError, match="maybe_train\\(\\) needs an IDLE worker"):
+        coord.maybe_train(lambda: None)
+    coord.share_done()
+    with pytest.raises(RuntimeError, match="share_done\\(\\) needs a started rollout"):
+        coord.share_done()
+    with pytest.raises(
+        ValueError, match="single worker has no tail to fill: set CoordinatorConfig.max_steps"
+    ):
+        coord.maybe_train(lambda: None)
+    with pytest.raises(ValueError, match="timeline is empty"):
+        plot_timeline([], "x.png")
+
+
+def test_state_dict_tolerates_missing_keys():
+    coord = WorkerCoordinator()
+    coord.load_state_dict({"train_steps": 12, "idle_seconds": 1.5})
+    coord.load_state_dict({})
+    assert coord.state_dict() == {
+        "rollouts": 0,
+        "windows": 0,
+        "train_steps": 12,
+        "train_seconds": 0.0,
+        "idle_seconds": 1.5,
+    }
+
+
+def test_idle_fraction_and_plot(tmp_path):
+    timeline = [
+        Segment(0, B, 0.0, 1.0),
+        Segment(0, I, 1.0, 1.5),
+        Segment(0, T, 1.5, 4.0),
+        Segment(0, B, 4.0, 5.0),
+        Segment(1, B, 0.0, 4.0),
+        Segment(1, B, 4.0, 5.0),
+    ]
+    assert idle_fraction_recovered(timeline) == pytest.approx(2.5 / 3.0)
+    assert idle_fraction_recovered(timeline[4:]) == 0.0
+    path = plot_timeline(timeline, tmp_path / "plots" / "timeline.png")
+    assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------- two gloo processes
+def _worker(rank: int, world: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        coord = WorkerCoordinator(CoordinatorConfig(min_idle_s=0.05))
+        assert coord.distributed and coord.rank == rank
+        started: list[float] = []
+
+        def step():
+            started.append(time.time())
+            time.sleep(STEP_S)  # a drafter step (sleep: the 2-core machine is shared)
+
+        windows, signals = [], []
+        for rollout in range(2):
+            coord.rollout_started()
+            straggler = (rollout + 1) % 2  # rollout 0: rank 1 is in the tail; rollout 1: rank 0
+            time.sleep(0.6 if rank == straggler else 0.05)
+            coord.share_done()
+            window = coord.maybe_train(step)
+            signals.append(float(coord._signal.item()) if window.preempted else None)
+            windows.append(window._asdict())
+            coord.wait_rollout_end()
+        segments = [[s.worker, s.state.value, s.start, s.end] for s in coord.gather_timeline()]
+        Path(out, f"rank{rank}.json").write_text(
+            json.dumps({"windows": windows, "started": started, "signals": signals, "timeline": segments})
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_workers_unbalanced_rollouts(tmp_path):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(2, f"file://{tmp_path}/init", str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for rank, me, trains_in in ((0, r0, 0), (1, r1, 1)):
+        trained, waited = me["windows"][trains_in], me["windows"][1 - trains_in]
+        # The early worker trains through the other's tail and is preempted when it ends...
+        assert trained["steps"] >= 5 and trained["preempted"], (rank, trained)
+        # ...within one drafter step: at most one step starts after the signal.
+        signal = me["signals"][trains_in]
+        assert sum(t > signal for t in me["started"]) <= 1, (rank, signal)
+        assert trained["latency_s"] <= 2 * STEP_S + 0.1, (rank, trained)
+        # The straggler does not train (the rollout is over as soon as its share is done).
+        assert waited["steps"] == 0, (rank, waited)
+    timeline = [Segment(w, WorkerState(s), a, b) for w, s, a, b in r0["timeline"]]
+    assert r0["timeline"] == r1["timeline"]  # gathered: every rank sees all workers
+    seq0, seq1 = states(timeline, 0), states(timeline, 1)
+    assert seq0[:4] == [B, B, I, T] and T not in seq1[:4]
+    assert seq0.count(T) == 1 and seq1.count(T) == 1
+    assert idle_fraction_recovered(timeline) > 0.7  # most of the tail is spent training
+
+
+@pytest.mark.slow
+def test_benchmark_preemption(tmp_path):
+    out = benchmark_preemption(rollouts=6, tail_s=(0.2, 0.4), plot_path=tmp_path / "t.png")
+    assert out["windows"] >= 5 and out["latency_p99_steps"] < 2.0
+    assert (tmp_path / "t.png").is_file()
+
+
+def _local_preempt_worker(rank: int, world: int, init: str, out: str) -> None:
+    """A local preempt() while the other rank is still busy: IDLE until the rollout really ends."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        coord = WorkerCoordinator(CoordinatorConfig(min_idle_s=0.0))
+        coord.rollout_started()
+        time.sleep(0.4 if rank == 1 else 0.0)
+        coord.share_done()
+        if rank == 0:
+            threading.Timer(0.1, coord.preempt).start()
+            window = coord.maybe_train(lambda: time.sleep(0.01))
+            assert window.preempted and window.steps >= 3 and coord.state is WorkerState.IDLE
+            assert not coord._work.is_completed()  # rank 1 is still generating
+            coord.wait_rollout_end()
+            assert coord.state is WorkerState.BUSY
+            seq = states(coord.timeline())
+            assert seq[-3:] == [T, I, B], seq
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_preempt_while_others_busy(tmp_path):
+    mp.spawn(_local_preempt_worker, args=(2, f"file://{tmp_path}/init", str(tmp_path)), nprocs=2, join=True)
