@@ -62,22 +62,19 @@ def cache_dir() -> Path:
 
 # initializer_range 0.2 (not the default 0.02): outputs vary from token to token instead of repeating
 # one token, so greedy and speculative tests exercise real disagreements.
+_TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    initializer_range=0.2,
+)
+
+
 def _tiny_llama() -> PreTrainedModel:
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True, initializer_range=0.2,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**_TINY, tie_word_embeddings=True))
 
 
 def _tiny_qwen2() -> PreTrainedModel:
-    config = Qwen2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, initializer_range=0.2,
-    )
-    return Qwen2ForCausalLM(config)
+    return Qwen2ForCausalLM(Qwen2Config(**_TINY, tie_word_embeddings=False))
 
 
 TINY_MODELS: dict[str, Callable[[], PreTrainedModel]] = {"tiny-llama": _tiny_llama, "tiny-qwen2": _tiny_qwen2}

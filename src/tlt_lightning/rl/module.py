@@ -1,0 +1,534 @@
+"""GRPOModule: GRPO training of a causal LM as a LightningModule, with speculative rollouts.
+
+One training step (one optimizer step) on a batch of ``P`` prompt indices:
+
+1. **Rollouts** (:meth:`GRPOModule.rollout`): every prompt ``G`` times through a
+   :class:`~tlt_lightning.rollout.SpeculativeRolloutLoop` when a drafter is attached, else a plain
+   :class:`~tlt_lightning.rollout.RolloutEngine`, on the current policy weights, with a
+   ``torch.Generator`` seeded from ``(seed, global_step, rank)``: a resumed run samples exactly
+   what the uninterrupted one would.
+2. **Rewards** (:meth:`GRPOModule.compute_rewards`): the prompt source scores each completion. A
+   reward that raises or is not finite stops the run, naming the task and the prompt index.
+3. **Advantages**: :func:`~tlt_lightning.rl.grpo.group_advantages` within each group of ``G``.
+4. **Policy update** over micro-batches of sequences (gradient accumulation with
+   ``manual_backward``): :meth:`GRPOModule.policy_logprobs` then :meth:`GRPOModule.policy_loss`.
+   A non-finite loss or gradient norm is caught before the optimizer step, on every rank.
+
+Old log-probabilities. The ratio in the clipped loss compares the policy with the policy that
+sampled. Here each rollout batch gets exactly one optimizer step (the micro-batches accumulate
+into it), so that policy *is* the current one, before the step: ``old_logprobs`` are the training
+forward's own log-probabilities, detached (as TRL does for one iteration per generation). That is
+exact, and it saves the no-grad forward that a separate recomputation would cost. They are taken at
+the sampling temperature (logits / T), the distribution the rollout sampled from. The rollout's own
+log-probabilities (from the KV-cached, possibly speculative decode) are not used in the loss; they
+serve as a consistency check: when they describe the full tempered distribution (``top_p == 1``,
+``top_k == 0``), their mean absolute difference to the training forward's must stay below
+``logprob_tolerance``, which catches misaligned tokens, stale weights or a lossy rollout at once.
+
+Distributed. Each rank rolls out its own share of prompts (Lightning's ``DistributedSampler``);
+DDP all-reduces the gradients. Token-level aggregation divides by the token count of *all* ranks
+(all-reduced), so the averaged gradient is exactly the global token mean. Micro-batches other than
+the last skip DDP's gradient sync (``block_backward_sync``); the last one syncs the accumulated
+gradients. Cross-rank decisions (a failing reward, a non-finite loss) go through
+``trainer.strategy`` so that every rank stops together instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict
+from typing import Any, NamedTuple
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import ParallelStrategy
+from torch import nn
+
+from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter
+from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs, policy_batch
+from tlt_lightning.rl.grpo import AGGREGATIONS, GRPOLossOutput, group_advantages, grpo_loss
+from tlt_lightning.rl.sources import IndexDataset, PromptIndexLoader, PromptSource, TaskPromptSource
+from tlt_lightning.rl.tasks import TaskConfig, TaskDataset
+from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
+from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
+from tlt_lightning.speculative import SDStrategy, StrategyChooser
+from tlt_lightning.tracking import MeanAcceptLength, RolloutTokensPerSecond
+
+__all__ = ["GRPOModule", "NonFiniteLossError", "RewardBatch", "RewardError"]
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned a non-finite value; the message names task and prompt."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or the gradient norm is not finite; raised before the optimizer step."""
+
+
+class RewardBatch(NamedTuple):
+    """Rewards of ``N = P * G`` completions, in rollout order.
+
+    Attributes:
+        total: ``[N]`` float32, the reward GRPO trains on.
+        correctness: ``[N]`` float32, the task score alone (accuracy = share ``> 0``).
+    """
+
+    total: torch.Tensor
+    correctness: torch.Tensor
+
+
+def _rollout_seed(seed: int, step: int, rank: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
+    if not condition:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class GRPOModule(L.LightningModule):
+    """GRPO on a causal LM, rollouts with lossless speculative decoding when a drafter is attached.
+
+    Args:
+        model: registry name (``"smollm2-135m"``, ``"tiny-llama"``, ...) or a local HF directory.
+        dtype: parameter dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        task: the reasoning-gym task (a :class:`~tlt_lightning.rl.tasks.TaskConfig` or its fields
+            as a dict; default ``TaskConfig()``). Ignored when a ``prompt_source`` is given.
+        group_size: ``G``, rollouts per prompt.
+        prompts_per_step: ``P``, prompts per optimizer step *per rank*.
+        max_new_tokens: longest response.
+        temperature: sampling temperature (``> 0``: GRPO needs different samples per group).
+        top_p: nucleus mass.
+        top_k: top-k filter (``0`` = off).
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        clip_eps: lower clip range of the importance ratio.
+        clip_eps_high: upper clip range (DAPO clip-higher); default ``clip_eps``.
+        kl_coef: weight of the k3 KL to a frozen copy of the initial policy; ``0`` loads no copy.
+        scale_advantages: divide advantages by the group std (``False``: Dr. GRPO).
+        aggregation: ``"token"`` (DAPO) or ``"sequence"`` loss aggregation.
+        micro_batch_size: sequences per forward/backward (gradient accumulation inside the
+            optimizer step); ``None``: all at once.
+        max_grad_norm: gradient clipping norm; ``None``: no clipping.
+        gradient_checkpointing: recompute activations in backward (less memory, ~30% slower).
+        speculative: use speculative decoding whenever a drafter is attached (``False``: always
+            plain decoding, e.g. for a baseline run).
+        drafter_kind: ``"eagle1"``/``"eagle3"``: create a fresh drafter of that kind at setup
+            when none is attached; ``None``: none (a callback may attach one).
+        drafter_path: load the drafter from this :func:`~tlt_lightning.drafter.save_drafter`
+            directory instead (e.g. a warmed-up one).
+        sd_steps: draft depth of the default strategy (a chain, :class:`FixedChooser`).
+        threshold: speculate only while fewer requests than this are active.
+        check_logprobs: check that the rollout's log-probabilities agree with the training
+            forward's (when ``top_p == 1`` and ``top_k == 0``, where they describe the same
+            distribution); a mean absolute difference above ``logprob_tolerance`` stops the run.
+        logprob_tolerance: in nats; ``None``: 0.01 for float32, 0.2 for 16-bit weights (bf16
+            drifts ~0.04 between the KV-cached decode and the full forward on SmolLM2; a token
+            misalignment costs several nats).
+        rollout_progress: show a progress bar of finished requests during rollouts (rank 0).
+        seed: seeds rollouts, the tiny models' weights and a fresh drafter.
+        prompt_source: prompts and rewards; default: the task's, built at setup from the model's
+            tokenizer. Tiny models have none: pass a :class:`~tlt_lightning.rl.TokenPromptSource`.
+
+    Hooks and attributes for callbacks and subclasses:
+        :meth:`rollout`, :meth:`compute_rewards`, :meth:`policy_logprobs`, :meth:`policy_loss`;
+        ``strategy_chooser`` (any :class:`~tlt_lightning.speculative.StrategyChooser`, e.g. the
+        bandit), ``drafter`` (``None`` or a :class:`~tlt_lightning.drafter.Drafter`; not a
+        submodule: it has its own trainer and checkpoints), ``rollout_feature_layers`` (extra target
+        layers the rollouts return, e.g. drafter training data), ``last_rollout``. ``training_step``
+        returns ``{"loss", "rollout", "rewards", "advantages"}`` to ``on_train_batch_end``.
+
+    Example:
+        >>> source = TokenPromptSource([[5, 6, 7], [8, 9], [3], [4, 2]], reward_fn)  # doctest: +SKIP
+        >>> module = GRPOModule(model="tiny-llama", prompt_source=source)  # doctest: +SKIP
+        >>> Trainer(max_steps=2, accelerator="cpu").fit(module)  # doctest: +SKIP
+    """
+
+    # Used, not owned: the drafter is trained by its own callback and saved as its own artifact;
+    # the reference is frozen and rebuilt from `model`; the rollout target wraps the policy's own
+    # modules. Registered, they would sit in DDP's gradient buckets and in every checkpoint.
+    _UNREGISTERED = frozenset({"drafter", "reference", "rollout_target"})
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        dtype: str = "float32",
+        task: TaskConfig | dict[str, Any] | None = None,
+        group_size: int = 4,
+        prompts_per_step: int = 4,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        clip_eps: float = 0.2,
+        clip_eps_high: float | None = None,
+        kl_coef: float = 0.0,
+        scale_advantages: bool = True,
+        aggregation: str = "token",
+        micro_batch_size: int | None = None,
+        max_grad_norm: float | None = 1.0,
+        gradient_checkpointing: bool = False,
+        speculative: bool = True,
+        drafter_kind: str | None = None,
+        drafter_path: str | None = None,
+        sd_steps: int = 4,
+        threshold: int = 32,
+        check_logprobs: bool = True,
+        logprob_tolerance: float | None = None,
+        rollout_progress: bool = False,
+        seed: int = 0,
+        prompt_source: PromptSource | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(task, Mapping):
+            task = TaskConfig(**task)
+        if task is not None and not isinstance(task, TaskConfig):
+            raise TypeError(
+                f"task must be a TaskConfig, a dict of its fields or None, got {type(task).__name__}"
+            )
+        for name, value in (("group_size", group_size), ("prompts_per_step", prompts_per_step),
+                            ("sd_steps", sd_steps), ("threshold", threshold)):
+            _check(_is_int(value) and value >= 1, name, value, "an int >= 1")
+        _check(micro_batch_size is None or (_is_int(micro_batch_size) and micro_batch_size >= 1),
+               "micro_batch_size", micro_batch_size, "an int >= 1 or None")
+        _check(_is_int(seed) and seed >= 0, "seed", seed, "an int >= 0")
+        _check(0 < temperature < math.inf, "temperature", temperature,
+               "finite and > 0 (greedy rollouts give every sample of a group the same reward)")
+        _check(lr > 0, "lr", lr, "> 0")
+        _check(weight_decay >= 0, "weight_decay", weight_decay, ">= 0")
+        _check(kl_coef >= 0, "kl_coef", kl_coef, ">= 0")
+        _check(aggregation in AGGREGATIONS, "aggregation", aggregation, f"one of {AGGREGATIONS}")
+        _check(max_grad_norm is None or max_grad_norm > 0, "max_grad_norm", max_grad_norm, "> 0 or None")
+        _check(logprob_tolerance is None or logprob_tolerance > 0, "logprob_tolerance", logprob_tolerance,
+               "> 0 or None")
+        _check(drafter_kind in (None, "eagle1", "eagle3"), "drafter_kind", drafter_kind,
+               "'eagle1', 'eagle3' or None")
+        _check(prompt_source is None or isinstance(prompt_source, PromptSource), "prompt_source",
+               prompt_source, "a PromptSource (name, __len__, prompt_ids, score) or None")
+        # Also validates max_new_tokens / top_p / top_k, naming the field.
+        RolloutConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+        self.save_hyperparameters(ignore=["prompt_source", "task"])
+        self.task_config = task or TaskConfig()
+        self.hparams["task"] = asdict(self.task_config)
+        self.automatic_optimization = False
+
+        self.prompt_source: PromptSource | None = prompt_source
+        self.strategy_chooser: StrategyChooser = FixedChooser(SDStrategy(sd_steps))
+        self.drafter: Drafter | None = None
+        self.rollout_feature_layers: tuple[int, ...] = ()
+        self.last_rollout: RolloutResult | None = None
+        self.policy: nn.Module | None = None  # built in configure_model (no I/O here)
+        self.reference: nn.Module | None = None
+        self.rollout_target: HFTarget | None = None
+        self.tokenizer = None
+        self.accept_length = MeanAcceptLength()
+        self.rollout_tokens_per_s = RolloutTokensPerSecond()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in GRPOModule._UNREGISTERED:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    # ------------------------------------------------------------------------------ setup
+    def configure_model(self) -> None:
+        """Load the policy (and the reference, the prompt source, a drafter). Idempotent."""
+        if self.policy is not None:
+            return
+        hp = self.hparams
+        loaded = load_model(hp.model, dtype=hp.dtype, seed=hp.seed)
+        self.policy = loaded.model.train()
+        if hp.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+        self.tokenizer = loaded.tokenizer
+        self.rollout_target = HFTarget(self.policy)
+        if hp.kl_coef > 0:
+            reference = load_model(hp.model, dtype=hp.dtype, seed=hp.seed).model
+            self.reference = reference.eval().requires_grad_(False)
+        if self.prompt_source is None:
+            self.prompt_source = self.configure_prompt_source()
+        if self.drafter is None and hp.drafter_path is not None:
+            self.drafter = load_drafter(hp.drafter_path, self.rollout_target)
+        elif self.drafter is None and hp.drafter_kind is not None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(hp.seed)
+                self.drafter = Drafter(DrafterConfig.from_target(self.rollout_target, kind=hp.drafter_kind),
+                                       self.rollout_target)
+
+    def configure_prompt_source(self) -> PromptSource:
+        """The default prompt source: the task's prompts, rendered with the model's tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError(
+                f"model {self.hparams.model!r} has no tokenizer, so the task's text prompts cannot be used: "
+                "pass prompt_source=TokenPromptSource(prompts, reward_fn) with token-id prompts"
+            )
+        return TaskPromptSource(TaskDataset(self.task_config, self.tokenizer))
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        # Weights can arrive before Lightning configured the module (ddp_spawn hands rank 0's weights
+        # back to the main process; load_from_checkpoint): build the model first.
+        self.configure_model()
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def on_fit_start(self) -> None:
+        for module in (self.reference, self.drafter):
+            if module is not None:
+                module.to(self.device)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        return torch.optim.AdamW(self.policy.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+
+    def train_dataloader(self) -> PromptIndexLoader:
+        # Sequential order (reasoning-gym already draws its problems at random); under DDP Lightning
+        # swaps in a DistributedSampler that shuffles with a fixed seed per epoch. Either order is a
+        # function of the epoch alone, so the loader's state makes mid-epoch resume exact.
+        P, n = self.hparams.prompts_per_step, len(self.prompt_source)
+        if n < P:
+            raise ValueError(
+                f"prompts_per_step={P} is more than the {n} prompts of task {self.prompt_source.name!r}"
+            )
+        return PromptIndexLoader(IndexDataset(n), batch_size=P, shuffle=False, drop_last=True)
+
+    # ------------------------------------------------------------------------------ hooks
+    def rollout_config(self) -> RolloutConfig:
+        hp = self.hparams
+        return RolloutConfig(max_new_tokens=hp.max_new_tokens, temperature=hp.temperature, top_p=hp.top_p,
+                             top_k=hp.top_k, feature_layers=tuple(self.rollout_feature_layers))
+
+    def rollout_generator(self) -> torch.Generator:
+        """The random source of this step's rollouts: a function of (seed, global_step, rank)."""
+        seed = _rollout_seed(self.hparams.seed, self.global_step, self.global_rank)
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def rollout(
+        self, prompts: Sequence[Sequence[int]], generator: torch.Generator | None = None
+    ) -> RolloutResult:
+        """Sample one response per prompt on the current policy (speculatively when a drafter is attached)."""
+        hp, config = self.hparams, self.rollout_config()
+        progress = hp.rollout_progress and self.global_rank == 0
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            if self.drafter is not None and hp.speculative:
+                backend = SpeculativeRolloutLoop(
+                    self.rollout_target, self.drafter, config, self.strategy_chooser, threshold=hp.threshold
+                )
+            else:
+                backend = RolloutEngine(self.rollout_target, config)
+            return backend.generate(prompts, generator=generator, progress=progress)
+        finally:
+            self.policy.train(was_training)
+
+    def compute_rewards(self, indices: torch.Tensor, result: RolloutResult) -> RewardBatch:
+        """Score every rollout; ``indices`` ``[N]`` are their prompts' dataset indices.
+
+        Raises:
+            RewardError: the prompt source raised; the message names the task and prompt index.
+        """
+        source, G = self.prompt_source, self.hparams.group_size
+        total, correct = [], []
+        for j, (index, r) in enumerate(zip(indices.tolist(), result.rollouts)):
+            try:
+                reward = source.score(index, r.prompt_ids, r.token_ids)
+            except Exception as err:  # user reward code: re-raise with where it failed
+                raise RewardError(
+                    f"the reward of task {source.name!r} failed on prompt index {index} "
+                    f"(sample {j % G} of its group): {type(err).__name__}: {err}"
+                ) from err
+            total.append(float(reward.total))
+            correct.append(float(reward.correctness))
+        return RewardBatch(torch.tensor(total), torch.tensor(correct))
+
+    def policy_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
+        """``[B, T]`` the policy's log-probabilities of the completion tokens (with grad)."""
+        return completion_logprobs(self.policy, batch, self.hparams.temperature)
+
+    def policy_loss(
+        self, batch: PolicyBatch, logprobs: torch.Tensor, num_items: torch.Tensor
+    ) -> GRPOLossOutput:
+        """The GRPO loss of one micro-batch; ``num_items`` normalises it over the whole step.
+
+        ``old_logprobs`` are ``logprobs`` detached: one optimizer step per rollout batch, so the
+        sampling policy is the current one (see the module docstring).
+        """
+        hp, ref = self.hparams, None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = completion_logprobs(self.reference, batch, hp.temperature)
+        return grpo_loss(
+            logprobs, logprobs.detach(), batch.advantages, batch.mask, clip_eps=hp.clip_eps,
+            clip_eps_high=hp.clip_eps_high, kl_coef=hp.kl_coef, ref_logprobs=ref, aggregation=hp.aggregation,
+            num_items=num_items,
+        )
+
+    # ------------------------------------------------------------------------------ the step
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> dict[str, Any]:
+        hp, G = self.hparams, self.hparams.group_size
+        indices = torch.as_tensor(batch).cpu().long().repeat_interleave(G)  # [N], groups contiguous
+        prompts = [self.prompt_source.prompt_ids(int(i)) for i in indices]
+        result = self.rollout(prompts, self.rollout_generator())
+        self.last_rollout = result
+
+        start = time.perf_counter()
+        rewards = self._rewards(indices, result)
+        reward_time = time.perf_counter() - start
+        advantages = group_advantages(rewards.total, G, scale=hp.scale_advantages)
+
+        start = time.perf_counter()
+        parts = self._optimize(policy_batch(result, advantages, self.device))
+        train_time = time.perf_counter() - start
+
+        self._log_step(result, rewards, parts, reward_time, train_time)
+        return {"loss": parts["loss"], "rollout": result, "rewards": rewards, "advantages": advantages}
+
+    def _any_rank(self, flag: bool) -> bool:
+        return self.trainer.strategy.reduce_boolean_decision(flag, all=False)
+
+    def _rewards(self, indices: torch.Tensor, result: RolloutResult) -> RewardBatch:
+        """:meth:`compute_rewards`, checked, with every rank stopping if any rank's rewards failed."""
+        error: Exception | None = None
+        rewards = None
+        try:
+            rewards = self.compute_rewards(indices, result)
+            if not isinstance(rewards, RewardBatch):
+                raise TypeError(f"compute_rewards must return a RewardBatch, got {type(rewards).__name__}")
+            if rewards.total.shape != indices.shape or rewards.correctness.shape != indices.shape:
+                raise ValueError(
+                    f"compute_rewards must return [{indices.numel()}] rewards (one per rollout), got "
+                    f"total {list(rewards.total.shape)} and correctness {list(rewards.correctness.shape)}"
+                )
+            bad = (~torch.isfinite(rewards.total)).nonzero()
+            if bad.numel():
+                j = int(bad[0])
+                raise RewardError(
+                    f"the reward of task {self.prompt_source.name!r} is {float(rewards.total[j])} "
+                    f"(not finite) on prompt index {int(indices[j])} "
+                    f"(sample {j % self.hparams.group_size} of its group)"
+                )
+        except Exception as err:  # held until every rank knows, so that none hangs in a collective
+            error = err
+        if self._any_rank(error is not None):
+            if error is None:
+                raise RewardError("stopping: the reward function failed on another rank (see its error)")
+            raise error
+        return rewards
+
+    def _optimize(self, data: PolicyBatch) -> dict[str, torch.Tensor]:
+        """Accumulate the gradient over micro-batches, check it, clip it, take the optimizer step."""
+        hp, strategy = self.hparams, self.trainer.strategy
+        opt = self.optimizers()
+        N = data.advantages.shape[0]
+        if hp.aggregation == "token":
+            count = data.mask.sum().float()
+        else:
+            count = torch.tensor(float(N), device=self.device)
+        # Per-rank denominator such that DDP's gradient average is the global token (sequence) mean.
+        num_items = strategy.reduce(count.clone(), reduce_op="sum") / self.trainer.world_size
+        # Zero-advantage sequences have zero gradient without a KL term: skip their forward.
+        rows = torch.arange(N, device=self.device)
+        if hp.kl_coef == 0:
+            rows = rows[data.advantages != 0]
+            if rows.numel() == 0:  # still one backward, so DDP syncs (zero) gradients on every rank
+                rows = torch.zeros(1, dtype=torch.long, device=self.device)
+        chunks = rows.split(hp.micro_batch_size or rows.numel())
+        check_logprobs = hp.check_logprobs and hp.top_p == 1 and hp.top_k == 0
+        tolerance = hp.logprob_tolerance or (0.01 if hp.dtype == "float32" else 0.2)
+        sums = dict.fromkeys(("loss", "pg_loss", "kl", "clip", "ratio", "tokens", "drift"), 0.0)
+        finite = True
+        opt.zero_grad()
+        for k, idx in enumerate(chunks):
+            mb = data.select(idx)
+            sync = k == len(chunks) - 1
+            local = not sync and isinstance(strategy, ParallelStrategy)
+            with strategy.block_backward_sync() if local else nullcontext():
+                logprobs = self.policy_logprobs(mb)
+                out = self.policy_loss(mb, logprobs, num_items)
+                finite &= bool(torch.isfinite(out.loss))
+                self.manual_backward(out.loss)
+            tokens = mb.mask.sum().float()
+            for key, value in (("loss", out.loss), ("pg_loss", out.pg_loss), ("kl", out.kl)):
+                sums[key] += value.detach()
+            sums["clip"] += out.clip_fraction * tokens
+            sums["ratio"] += out.ratio_mean * tokens
+            sums["tokens"] += tokens
+            sums["drift"] += ((logprobs.detach() - mb.rollout_logprobs).abs() * mb.mask).sum()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), hp.max_grad_norm or math.inf)
+        drift = sums["drift"] / max(float(sums["tokens"]), 1.0)
+        finite &= bool(torch.isfinite(grad_norm))
+        drifted = check_logprobs and bool(drift > tolerance)
+        if self._any_rank(not finite or drifted):
+            opt.zero_grad()
+            where = f"step {self.global_step} (rank {self.global_rank})"
+            if not finite:
+                raise NonFiniteLossError(
+                    f"non-finite loss or gradient at {where}: loss {float(sums['loss'])}, grad norm "
+                    f"{float(grad_norm)}; the optimizer step was skipped and the weights are unchanged"
+                )
+            if drifted:
+                raise RuntimeError(
+                    f"at {where} the policy's log-probabilities of the rollout tokens differ from the "
+                    f"rollout's by {float(drift):.4g} nats on average (logprob_tolerance={tolerance}): the "
+                    "rollout and the training forward disagree (misaligned tokens, stale weights or a lossy "
+                    "rollout); the optimizer step was skipped"
+                )
+            raise NonFiniteLossError(
+                f"stopping at {where}: another rank's loss, gradient or log-probabilities failed their check"
+            )
+        opt.step()
+        tokens = max(float(sums["tokens"]), 1.0)
+        return {
+            "loss": sums["loss"], "pg_loss": sums["pg_loss"], "kl": sums["kl"],
+            "clip_fraction": sums["clip"] / tokens, "ratio_mean": sums["ratio"] / tokens,
+            "grad_norm": grad_norm.detach(), "logprob_drift": drift,
+        }
+
+    def _log_step(self, result: RolloutResult, rewards: RewardBatch, parts: dict[str, torch.Tensor],
+                  reward_time: float, train_time: float) -> None:
+        stats, lengths = result.stats, result.lengths.float()
+        self.accept_length.update(stats)
+        self.rollout_tokens_per_s.update(stats)
+        # Metrics sync across ranks in compute(); reset: these are per-step values.
+        self.log("rollout/accept_length", self.accept_length.compute(), prog_bar=True)
+        self.log("rollout/tokens_per_s", self.rollout_tokens_per_s.compute(), prog_bar=True)
+        self.accept_length.reset()
+        self.rollout_tokens_per_s.reset()
+        log = lambda name, value, **kw: self.log(name, value, sync_dist=True, **kw)  # noqa: E731
+        log("reward/mean", rewards.total.mean(), prog_bar=True)
+        log("reward/std", rewards.total.std() if rewards.total.numel() > 1 else torch.tensor(0.0))
+        log("reward/accuracy", (rewards.correctness > 0).float().mean())
+        log("response/length_mean", lengths.mean())
+        log("response/length_max", lengths.max(), reduce_fx="max")
+        log("time/rollout_s", stats.total_time)
+        log("time/reward_s", reward_time)
+        log("time/train_s", train_time)
+        for name in ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean", "grad_norm", "logprob_drift"):
+            log(f"train/{name}", parts[name])
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Rollout generators derive from (seed, global_step, rank) and the prompt order from the
+        # loader state Lightning saves: the seed is all a resumed run needs to sample identically.
+        checkpoint["grpo"] = {"version": 1, "seed": self.hparams.seed}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("grpo", {}).get("seed")
+        if saved is not None and saved != self.hparams.seed:
+            warnings.warn(
+                f"resuming with seed={self.hparams.seed} from a checkpoint trained with seed={saved}: "
+                "rollouts will differ from the uninterrupted run",
+                stacklevel=2,
+            )

@@ -1,0 +1,180 @@
+"""Where an RL module's prompts come from and how their completions are scored.
+
+A :class:`PromptSource` maps a dataset index to prompt token ids and scores a completion of that
+prompt. Two implementations:
+
+* :class:`TaskPromptSource`: a reasoning-gym :class:`~tlt_lightning.rl.tasks.TaskDataset`; the
+  completion is decoded with the tokenizer and scored by the task (the real path).
+* :class:`TokenPromptSource`: fixed token-id prompts and a :class:`RewardFn` on token ids, for tiny
+  random models that have no tokenizer (tests, benchmarks of the machinery alone).
+
+:class:`PromptIndexLoader` is the ``DataLoader`` over prompt indices: it remembers how many
+batches of the current epoch it has served, so a run resumed from a mid-epoch checkpoint sees the
+same prompts as an uninterrupted one (Lightning saves and restores its ``state_dict``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from tlt_lightning.rl.tasks import Reward, TaskDataset
+
+__all__ = [
+    "IndexDataset",
+    "PromptIndexLoader",
+    "PromptSource",
+    "RewardFn",
+    "TaskPromptSource",
+    "TokenPromptSource",
+]
+
+
+class RewardFn(Protocol):
+    """A reward on token ids: ``reward_fn(prompt_ids [P], completion_ids [T]) -> float``."""
+
+    def __call__(self, prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> float: ...
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """Prompts by index, and the reward of a completion of one of them.
+
+    Attributes:
+        name: names the task in logs and error messages.
+    """
+
+    name: str
+
+    def __len__(self) -> int: ...
+
+    def prompt_ids(self, index: int) -> list[int]:
+        """Token ids of prompt ``index``."""
+        ...
+
+    def score(self, index: int, prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> Reward:
+        """The reward of ``completion_ids`` (``[T]`` int64) as an answer to prompt ``index``."""
+        ...
+
+
+class TaskPromptSource:
+    """A reasoning-gym task: chat prompts, completions decoded and scored by the task.
+
+    Args:
+        dataset: the task's prompts and scorer (its tokenizer decodes completions).
+
+    Example:
+        >>> source = TaskPromptSource(TaskDataset(TaskConfig(size=8), tokenizer))  # doctest: +SKIP
+        >>> source.score(0, prompt, completion).total  # doctest: +SKIP
+    """
+
+    def __init__(self, dataset: TaskDataset) -> None:
+        if not isinstance(dataset, TaskDataset):
+            raise TypeError(f"dataset must be a TaskDataset, got {type(dataset).__name__}")
+        self.dataset = dataset
+        self.name = dataset.config.name
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def prompt_ids(self, index: int) -> list[int]:
+        return self.dataset[index].input_ids
+
+    def score(self, index: int, prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> Reward:
+        text = self.dataset.tokenizer.decode(completion_ids.tolist(), skip_special_tokens=True)
+        return self.dataset.score(index, text)
+
+
+class TokenPromptSource:
+    """Fixed token-id prompts scored by a reward function on token ids.
+
+    The reward is its own correctness (``Reward(total=r, correctness=r)``), so "accuracy" in the
+    logs is the share of completions with a positive reward.
+
+    Args:
+        prompts: the prompts, each a non-empty sequence of token ids.
+        reward_fn: scores a completion; must be picklable for DDP with spawned processes (a
+            module-level function or an instance of a module-level class).
+        name: names the task in logs and error messages.
+
+    Example:
+        >>> def even(prompt_ids, completion_ids):
+        ...     return float((completion_ids % 2 == 0).float().mean())
+        >>> source = TokenPromptSource([[5, 6, 7], [8, 9]], even)
+        >>> source.score(0, torch.tensor([5, 6, 7]), torch.tensor([2, 3])).total
+        0.5
+    """
+
+    def __init__(
+        self, prompts: Sequence[Sequence[int]], reward_fn: RewardFn, name: str = "synthetic"
+    ) -> None:
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
+        if not callable(reward_fn):
+            raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
+        self.prompts = [[int(t) for t in p] for p in prompts]
+        for i, p in enumerate(self.prompts):
+            if not p:
+                raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
+        self.reward_fn = reward_fn
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def prompt_ids(self, index: int) -> list[int]:
+        return self.prompts[index]
+
+    def score(self, index: int, prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> Reward:
+        r = float(self.reward_fn(prompt_ids, completion_ids))
+        return Reward(total=r, correctness=r, format=0.0, answer=None)
+
+
+class IndexDataset(Dataset):
+    """The integers ``0 .. size - 1``: a dataset of prompt indices."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> int:
+        if not 0 <= index < self.size:
+            raise IndexError(f"index {index} is out of range for {self.size} prompts")
+        return index
+
+
+class PromptIndexLoader(DataLoader):
+    """A ``DataLoader`` that can resume mid-epoch: it skips the batches it had served when saved.
+
+    Lightning stores the ``state_dict`` of loaders that have one in the checkpoint and loads it
+    back before iterating, so with a deterministic sampler (sequential, or Lightning's
+    ``DistributedSampler`` without shuffling) the resumed run gets exactly the prompts the
+    uninterrupted run would have. Skipped batches are only indices: skipping costs nothing.
+    Lightning fetches nothing ahead for loaders with a length, so "served" is "trained on".
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._served = 0
+        self._skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self._skip = self._skip, 0
+        self._served = 0
+        for i, batch in enumerate(super().__iter__()):
+            self._served += 1
+            if i >= skip:
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"served": self._served}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        served = int(state_dict.get("served", 0))
+        # A finished epoch restarts at its beginning: the next one.
+        self._skip = served % len(self) if len(self) else 0

@@ -1,0 +1,343 @@
+"""GRPOModule under Lightning: fits on a tiny model, accumulation, failures, resume, SD rollouts, DDP."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+
+from tlt_lightning.models import load_model
+from tlt_lightning.rl import TaskConfig
+from tlt_lightning.rl.module import GRPOModule, NonFiniteLossError, RewardError
+from tlt_lightning.rl.sources import PromptIndexLoader, TaskPromptSource, TokenPromptSource
+from tlt_lightning.rollout.speculative import FixedChooser
+from tlt_lightning.speculative import SDStrategy
+
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [3, 4]]
+
+
+def even_reward(prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> float:
+    """Share of even tokens: varies within a group, so GRPO has a signal."""
+    return float((completion_ids % 2 == 0).float().mean())
+
+
+def nan_on_prompt_3(prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> float:
+    return float("nan") if prompt_ids.tolist() == PROMPTS[3] else even_reward(prompt_ids, completion_ids)
+
+
+def raising_reward(prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> float:
+    raise ValueError("boom")
+
+
+def make_module(reward=even_reward, cls=GRPOModule, **kwargs) -> GRPOModule:
+    args = dict(model="tiny-llama", group_size=4, prompts_per_step=2, max_new_tokens=8, lr=1e-2)
+    return cls(prompt_source=TokenPromptSource(PROMPTS, reward), **{**args, **kwargs})
+
+
+def make_trainer(max_steps: int, **kwargs) -> L.Trainer:
+    args = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(max_steps=max_steps, **{**args, **kwargs})
+
+
+def initial_params() -> dict[str, torch.Tensor]:
+    return dict(load_model("tiny-llama", seed=0).model.named_parameters())
+
+
+def params(module: GRPOModule) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.policy.named_parameters()}
+
+
+class Record(L.Callback):
+    """Keeps what each step produced: batches, outputs, rollouts, gradients before the step."""
+
+    def __init__(self) -> None:
+        self.batches, self.tokens, self.outputs, self.grads, self.params = [], [], [], [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads.append({k: p.grad.clone() for k, p in pl_module.policy.named_parameters()})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches.append(batch.tolist())
+        self.tokens.append([r.token_ids.tolist() for r in outputs["rollout"].rollouts])
+        self.outputs.append(outputs)
+        self.params.append(params(pl_module))
+
+
+# ---------------------------------------------------------------------------------- fit
+
+
+def test_two_step_fit_trains_and_logs(tmp_path):
+    module, record = make_module(), Record()
+    trainer = make_trainer(2, callbacks=[record], logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    trainer.fit(module)
+    assert trainer.global_step == 2
+    assert record.batches == [[0, 1], [2, 3]]
+    out = record.outputs[-1]
+    assert math.isfinite(float(out["loss"]))
+    assert out["rewards"].total.shape == (8,) and out["advantages"].shape == (8,)
+    before = initial_params()
+    changed = [k for k, v in params(module).items() if not torch.equal(v, before[k])]
+    assert len(changed) == len(before)  # every parameter moved (AdamW, lr 1e-2)
+    expected = {
+        "reward/mean", "reward/std", "reward/accuracy", "response/length_mean", "response/length_max",
+        "rollout/accept_length", "rollout/tokens_per_s", "time/rollout_s", "time/reward_s", "time/train_s",
+        "train/loss", "train/pg_loss", "train/kl", "train/clip_fraction", "train/ratio_mean",
+        "train/grad_norm", "train/logprob_drift",
+    }
+    assert expected <= set(trainer.logged_metrics)
+    prog_bar = {"reward/mean", "rollout/accept_length", "rollout/tokens_per_s"}
+    assert set(trainer.progress_bar_metrics) == prog_bar
+    # One optimizer step per rollout batch: the ratio is exactly 1, nothing is clipped.
+    assert float(trainer.logged_metrics["train/ratio_mean"]) == 1.0
+    assert float(trainer.logged_metrics["train/clip_fraction"]) == 0.0
+    assert float(trainer.logged_metrics["train/logprob_drift"]) < 1e-4
+    (csv,) = tmp_path.rglob("metrics.csv")
+    assert "reward/mean" in csv.read_text().splitlines()[0]
+
+
+def test_state_dict_holds_only_the_policy():
+    module = make_module(kl_coef=0.1, drafter_kind="eagle1")
+    module.configure_model()
+    assert module.reference is not None and module.drafter is not None
+    assert all(k.startswith("policy.") for k in module.state_dict())
+    assert {id(p) for p in module.parameters()} == {id(p) for p in module.policy.parameters()}
+
+
+# ---------------------------------------------------------------------------------- accumulation
+
+
+@pytest.mark.parametrize(("aggregation", "kl_coef"), [("token", 0.0), ("sequence", 0.0), ("token", 0.5)])
+def test_micro_batches_give_the_big_batch_gradient(aggregation, kl_coef):
+    grads = []
+    for micro in (None, 3, 1):
+        record = Record()
+        module = make_module(micro_batch_size=micro, aggregation=aggregation, kl_coef=kl_coef,
+                             max_grad_norm=None)
+        make_trainer(1, callbacks=[record]).fit(module)
+        grads.append(record.grads[0])
+    assert any(float(g.abs().max()) > 0 for g in grads[0].values())
+    for other in grads[1:]:
+        for name, g in grads[0].items():
+            torch.testing.assert_close(other[name], g, rtol=1e-4, atol=1e-7, msg=name)
+
+
+# ---------------------------------------------------------------------------------- failures
+
+
+def test_nan_reward_names_task_and_prompt_index():
+    with pytest.raises(RewardError, match=r"task 'synthetic' is nan \(not finite\) on prompt index 3"):
+        make_trainer(2).fit(make_module(reward=nan_on_prompt_3))
+
+
+def test_raising_reward_names_task_and_prompt_index():
+    match = r"task 'synthetic' failed on prompt index 0 \(sample 0 of its group\): ValueError: boom"
+    with pytest.raises(RewardError, match=match):
+        make_trainer(1).fit(make_module(reward=raising_reward))
+
+
+class NaNLossAtStep1(GRPOModule):
+    def policy_loss(self, batch, logprobs, num_items):
+        out = super().policy_loss(batch, logprobs, num_items)
+        return out._replace(loss=out.loss * float("nan")) if self.global_step == 1 else out
+
+
+def test_non_finite_loss_is_caught_before_the_optimizer_step(tmp_path):
+    module, record = make_module(cls=NaNLossAtStep1), Record()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    trainer = make_trainer(3, callbacks=[record, ckpt], enable_checkpointing=True)
+    match = "non-finite loss or gradient at step 1.*weights are unchanged"
+    with pytest.raises(NonFiniteLossError, match=match):
+        trainer.fit(module)
+    after_step_1 = record.params[0]
+    for name, value in params(module).items():
+        assert torch.equal(value, after_step_1[name]), name
+    # What was saved before the failure is intact and holds the same weights.
+    saved = torch.load(tmp_path / "epoch=0-step=1.ckpt", weights_only=False)["state_dict"]
+    for name, value in after_step_1.items():
+        assert torch.equal(saved[f"policy.{name}"], value), name
+
+
+class CorruptRolloutLogprobs(GRPOModule):
+    def rollout(self, prompts, generator=None):
+        result = super().rollout(prompts, generator)
+        for r in result.rollouts:
+            r.logprobs = r.logprobs - 1.0
+        return result
+
+
+def test_rollout_logprobs_that_disagree_with_the_policy_stop_the_run():
+    module = make_module(cls=CorruptRolloutLogprobs)
+    with pytest.raises(RuntimeError, match="differ from the rollout's by 1 nats on average"):
+        make_trainer(1).fit(module)
+    for name, value in params(module).items():
+        assert torch.equal(value, initial_params()[name]), name
+
+
+def test_constructor_errors_name_the_field():
+    with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+        make_module(temperature=0.0)
+    with pytest.raises(ValueError, match="group_size must be an int >= 1, got 0"):
+        make_module(group_size=0)
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        make_module(aggregation="mean")
+    with pytest.raises(ValueError, match="top_p must be in"):
+        make_module(top_p=0.0)
+    with pytest.raises(ValueError, match="name must be one of"):
+        GRPOModule(task={"name": "nope"})
+    with pytest.raises(ValueError, match="'tiny-llama' has no tokenizer.*TokenPromptSource"):
+        GRPOModule(model="tiny-llama").configure_model()
+
+
+# ---------------------------------------------------------------------------------- resume
+
+
+def test_resume_continues_identically(tmp_path):
+    full, record_full = make_module(), Record()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    make_trainer(3, callbacks=[record_full, ckpt], enable_checkpointing=True).fit(full)
+
+    resumed, record_resumed = make_module(), Record()
+    make_trainer(3, callbacks=[record_resumed]).fit(resumed, ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
+    # Steps 2 and 3 (the second crosses into epoch 1): same prompts, same samples, same weights.
+    assert record_resumed.batches == record_full.batches[1:] == [[2, 3], [0, 1]]
+    assert record_resumed.tokens == record_full.tokens[1:]
+    for name, value in params(full).items():
+        assert torch.equal(params(resumed)[name], value), name
+    # load_from_checkpoint builds the model before loading the weights into it.
+    loaded = GRPOModule.load_from_checkpoint(tmp_path / "epoch=0-step=1.ckpt",
+                                             prompt_source=TokenPromptSource(PROMPTS, even_reward))
+    for name, value in record_full.params[0].items():
+        assert torch.equal(params(loaded)[name], value), name
+
+
+def test_prompt_index_loader_skips_what_it_served():
+    loader = PromptIndexLoader(list(range(6)), batch_size=2)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    again = PromptIndexLoader(list(range(6)), batch_size=2)
+    again.load_state_dict(state)
+    assert [b.tolist() for b in again] == [[2, 3], [4, 5]]
+    assert [b.tolist() for b in again] == [[0, 1], [2, 3], [4, 5]]  # the next epoch starts over
+    again.load_state_dict({"served": 3})  # saved at the end of an epoch: the next starts at 0
+    assert len(list(again)) == 3
+    again.load_state_dict({})  # missing keys are tolerated
+    assert len(list(again)) == 3
+
+
+# ---------------------------------------------------------------------------------- speculative
+
+
+class SpecRecord(L.Callback):
+    def __init__(self) -> None:
+        self.speculative, self.strategies = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        stats = pl_module.last_rollout.stats
+        self.speculative.append(any(stats.step_speculative))
+        self.strategies.extend(s for s in stats.step_strategies if s is not None)
+
+
+def test_speculative_rollouts_in_the_module():
+    module, record = make_module(drafter_kind="eagle1", max_new_tokens=12), SpecRecord()
+    trainer = make_trainer(2, callbacks=[record])
+    trainer.fit(module)
+    assert record.speculative == [True, True]
+    assert set(record.strategies) == {SDStrategy(4)}
+    assert float(trainer.logged_metrics["rollout/accept_length"]) >= 1.0
+    # Speculative rollouts are lossless: their log-probs agree with the training forward's.
+    assert float(trainer.logged_metrics["train/logprob_drift"]) < 1e-4
+
+
+def test_injected_chooser_and_speculative_off():
+    module, record = make_module(drafter_kind="eagle1"), SpecRecord()
+    module.strategy_chooser = FixedChooser(SDStrategy(2))
+    make_trainer(1, callbacks=[record]).fit(module)
+    assert set(record.strategies) == {SDStrategy(2)}
+
+    module, record = make_module(drafter_kind="eagle1", speculative=False), SpecRecord()
+    make_trainer(1, callbacks=[record]).fit(module)
+    assert record.speculative == [False]
+
+
+# ---------------------------------------------------------------------------------- DDP
+
+
+class SaveRankState(L.Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.batches, self.tokens = directory, [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches.append(batch.tolist())
+        self.tokens.append([r.token_ids.tolist() for r in outputs["rollout"].rollouts])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        torch.save(
+            {"params": params(pl_module), "batches": self.batches, "tokens": self.tokens,
+             "world_size": trainer.world_size,
+             "metrics": {k: float(v) for k, v in trainer.logged_metrics.items()}},
+            self.directory / f"rank{trainer.global_rank}.pt",
+        )
+
+
+def test_ddp_two_processes_on_gloo(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    module = make_module(prompts_per_step=1, micro_batch_size=2)
+    strategy = DDPStrategy(process_group_backend="gloo", start_method="spawn")
+    trainer = make_trainer(2, devices=2, strategy=strategy, callbacks=[SaveRankState(tmp_path)])
+    start = time.perf_counter()
+    trainer.fit(module)
+    elapsed = time.perf_counter() - start
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [s["world_size"] for s in ranks] == [2, 2]
+    # Each rank rolled out its own share of prompts (Lightning's DistributedSampler, seeded shuffle) ...
+    shares = [sum(s["batches"], []) for s in ranks]
+    assert sorted(shares[0] + shares[1]) == [0, 1, 2, 3]
+    assert ranks[0]["tokens"] != ranks[1]["tokens"]
+    # ... and DDP kept the replicas identical: the gradients were all-reduced.
+    before = initial_params()
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), name
+    assert any(not torch.equal(v, before[k]) for k, v in ranks[0]["params"].items())
+    assert math.isfinite(ranks[0]["metrics"]["train/loss"])
+    # The main process got rank 0's weights back.
+    for name, value in params(module).items():
+        assert torch.equal(value, ranks[0]["params"][name]), name
+    assert elapsed < 60, f"DDP fit took {elapsed:.0f} s"
+
+
+# ---------------------------------------------------------------------------------- real model
+
+
+@pytest.mark.slow
+def test_smollm2_one_step_on_the_default_task():
+    module = GRPOModule(model="smollm2-135m", task=TaskConfig(name="chain_sum", size=8), group_size=2,
+                        prompts_per_step=2, max_new_tokens=32, lr=1e-6)
+    record = Record()
+    trainer = make_trainer(1, callbacks=[record])
+    trainer.fit(module)
+    assert isinstance(module.prompt_source, TaskPromptSource)
+    assert math.isfinite(float(record.outputs[0]["loss"]))
+    metrics = trainer.logged_metrics
+    assert 0 <= float(metrics["reward/mean"]) <= 1.1
+    assert 1 <= float(metrics["response/length_max"]) <= 32
+    assert float(metrics["train/logprob_drift"]) < 0.05
+    assert float(metrics["train/grad_norm"]) > 0 or float(metrics["reward/std"]) == 0
+
+
+class TensorRewards(GRPOModule):
+    def compute_rewards(self, indices, result):
+        return torch.zeros(len(result.rollouts))
+
+
+def test_compute_rewards_must_return_a_reward_batch():
+    with pytest.raises(TypeError, match="compute_rewards must return a RewardBatch, got Tensor"):
+        make_trainer(1).fit(make_module(cls=TensorRewards))
