@@ -1,0 +1,138 @@
+"""BanditCallback: the speculative-decoding strategy of every decode step, learned by a bandit.
+
+The chooser (default :class:`~tlt_lightning.scheduling.BEGMABStrategy`) becomes the module's
+``strategy_chooser`` at fit start. :class:`~tlt_lightning.rollout.SpeculativeRolloutLoop` then
+consults it at every decode step below the module's ``threshold`` with the active batch size and
+reports the reward (tokens/s) back; this callback only logs what it decided after each rollout,
+checkpoints its state with the Lightning checkpoint and draws the heat map at the end of fit.
+
+DDP: every rank has its own chooser, fed by its own rollouts (decisions need no communication).
+Lightning checkpoints hold rank 0's state, which every rank resumes from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from typing_extensions import override
+
+from tlt_lightning.callbacks.spot_drafter import log_artifact
+from tlt_lightning.rl.module import GRPOModule
+from tlt_lightning.scheduling import BEGMABStrategy, BucketedChooser, arm_key
+
+__all__ = ["BanditCallback"]
+
+
+_NONE = object()  # "no observation yet" (an arm can be None: SD off)
+
+
+def _metric_key(arm: Any) -> str:
+    return arm_key(arm).replace("/", "_")  # "tree5x4/16" would read as a nested metric path
+
+
+class BanditCallback(L.Callback):
+    """Plugs a bucketed strategy chooser into a :class:`~tlt_lightning.rl.GRPOModule`; logs and saves it.
+
+    Logged after each rollout, per batch-size bucket ``b`` that had decisions in it:
+    ``bandit/{b}/decisions``, ``bandit/{b}/reward`` (mean tokens/s of those steps),
+    ``bandit/{b}/best_arm`` (index into the bucket's arms of the arm it currently rates best) and,
+    with ``log_arm_counts``, ``bandit/{b}/count/{arm}`` (how often each arm ran in this rollout).
+    At the end of fit: ``bandit/heatmap.png`` (arm choice per bucket over time) and
+    ``bandit/best_arms.json`` under ``default_root_dir`` (also as MLflow artifacts with an
+    :class:`~lightning.pytorch.loggers.MLFlowLogger`).
+
+    Args:
+        chooser: a :class:`~tlt_lightning.scheduling.BucketedChooser` (``BEGMABStrategy``,
+            ``UCBStrategy``, ``FixedStrategy``); default ``BEGMABStrategy()``. ``BEGMABStrategy``
+            is a bandit strategy, not a Lightning ``Strategy``: pass it here, never as
+            ``Trainer(strategy=...)``.
+        heatmap_bins: time bins of the heat map (``>= 1``).
+        log_arm_counts: also log per-arm choice counts of each rollout.
+
+    Example:
+        >>> # L.Trainer(callbacks=[SpotDrafterCallback(), BanditCallback(BEGMABStrategy(epsilon=0.1))])
+    """
+
+    def __init__(
+        self, chooser: BucketedChooser | None = None, heatmap_bins: int = 20, log_arm_counts: bool = True
+    ) -> None:
+        super().__init__()
+        if chooser is not None and not isinstance(chooser, BucketedChooser):
+            raise TypeError(
+                "chooser must be a BucketedChooser (BEGMABStrategy, UCBStrategy, FixedStrategy), "
+                f"got {type(chooser).__name__}"
+            )
+        if isinstance(heatmap_bins, bool) or not isinstance(heatmap_bins, int) or heatmap_bins < 1:
+            raise ValueError(f"heatmap_bins must be an int >= 1, got {heatmap_bins!r}")
+        self.chooser: BucketedChooser = chooser if chooser is not None else BEGMABStrategy()
+        self.heatmap_bins, self.log_arm_counts = heatmap_bins, bool(log_arm_counts)
+        self._last = -1  # index of the last decision already logged
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not isinstance(pl_module, GRPOModule):
+            raise TypeError(f"BanditCallback needs a GRPOModule, got {type(pl_module).__name__}")
+        pl_module.strategy_chooser = self.chooser
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.strategy_chooser = self.chooser  # again: a subclass' configure_model may have set one
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        new = [d for d in self.chooser.history if d.step > self._last]
+        if not new:
+            return
+        self._last = new[-1].step
+        best = self._best_per_bucket()
+        for b, label in enumerate(self.chooser.bucket_labels):
+            mine = [d for d in new if d.bucket == label]
+            if not mine:
+                continue
+            values = {
+                f"bandit/{label}/decisions": float(len(mine)),
+                f"bandit/{label}/reward": sum(d.reward for d in mine) / len(mine),
+            }
+            if best[b] is not _NONE:
+                values[f"bandit/{label}/best_arm"] = float(self.chooser.arms[b].index(best[b]))
+            if self.log_arm_counts:
+                counts = Counter(arm_key(d.arm) for d in mine)
+                for arm in self.chooser.arms[b]:
+                    values[f"bandit/{label}/count/{_metric_key(arm)}"] = float(counts[arm_key(arm)])
+            for name, value in values.items():  # rank-local: each rank has its own bandit
+                pl_module.log(name, value, on_step=True, on_epoch=False)
+
+    def _best_per_bucket(self) -> list[Any]:
+        best = self.chooser.best_arms()
+        return [best.get(label, _NONE) for label in self.chooser.bucket_labels]
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        rank = trainer.global_rank
+        suffix = "" if rank == 0 else f"-rank{rank}"
+        directory = Path(trainer.default_root_dir) / "bandit"
+        heatmap = self.chooser.plot_heatmap(directory / f"heatmap{suffix}.png", self.heatmap_bins)
+        best = {}
+        for b, (label, arm) in enumerate(zip(self.chooser.bucket_labels, self._best_per_bucket())):
+            if arm is not _NONE:
+                best[label] = {"arm": arm_key(arm), "index": self.chooser.arms[b].index(arm)}
+        summary = directory / f"best_arms{suffix}.json"
+        summary.write_text(json.dumps({"best_arms": best, "counts": self.chooser.counts}, indent=2) + "\n")
+        for path in (heatmap, summary):
+            log_artifact(trainer, path, "bandit")
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.chooser.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Delegates to the chooser's (missing keys keep theirs); decisions made before are not re-logged."""
+        self.chooser.load_state_dict(state_dict)
+        last = self.chooser.last_decision
+        self._last = last.step if last is not None else -1

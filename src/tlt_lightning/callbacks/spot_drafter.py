@@ -1,0 +1,654 @@
+"""SpotDrafterCallback: train the drafter on idle rollout-worker time, keep it aligned with the policy.
+
+Lightning glue over plain objects (:mod:`tlt_lightning.drafter`, :mod:`tlt_lightning.scheduling`):
+a :class:`~tlt_lightning.drafter.RolloutBuffer` of harvested features, a
+:class:`~tlt_lightning.scheduling.WorkerCoordinator` (BUSY / IDLE / TRAINING), packed batches and
+:func:`~tlt_lightning.drafter.drafter_train_step`, an AdamW optimizer owned by the callback, a
+:class:`~tlt_lightning.drafter.DrafterPublisher` and an :class:`~tlt_lightning.drafter.AsyncCheckpointer`.
+
+One RL step, per rank:
+
+1. ``on_train_batch_start``: the rollout acquires the newest published drafter version
+   (``module.drafter`` = that serving copy, held until the step ends: never half-updated weights).
+2. Inside ``module.rollout`` (wrapped at fit start; the only point between a rank's own rollout and
+   the first collective after it): BUSY while generating, then ``share_done`` (IDLE), the rollout
+   goes into the buffer tagged with the policy step, and with several ranks the worker trains the
+   drafter (TRAINING) until the *last* rank has finished its share, preempted between drafter
+   steps. In-window steps are local: no collectives.
+3. ``on_train_batch_end`` (after the policy update): the one sync point. If no rank trained in the
+   tail (a single worker never can: there is no idle device; or perfectly balanced rollouts), every
+   rank trains a *paid* bounded budget (``max_steps_per_rollout`` / ``max_seconds_per_rollout``),
+   logged as ``drafter/paid_seconds`` and ``drafter/overhead_fraction``, never as recovered idle
+   time. Then the ranks' drafters are made identical (below), the result is published (version + 1),
+   logged, and every ``checkpoint_interval`` RL steps saved asynchronously by rank 0.
+
+DDP weight sync: ranks train different numbers of steps on their own rollouts during their own
+windows, so gradients cannot be all-reduced step by step. At the sync point each rank's drafter
+(and AdamW moments and step count) is replaced by the average over ranks *weighted by the drafter
+steps each rank took this RL step*: one ``trainer.strategy.reduce`` of a flat vector. Ranks start
+the step identical, so this is ``theta + sum_r w_r * delta_r`` (local-SGD style model averaging); a
+rank that did not train contributes nothing (weights ``(1, 0)`` reproduce the trainer's copy
+exactly), and the result is bit-identical on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import MLFlowLogger
+from typing_extensions import override
+
+from tlt_lightning.drafter import (
+    DRAFTER_KINDS,
+    AsyncCheckpointer,
+    BufferConfig,
+    Drafter,
+    DrafterBatch,
+    DrafterConfig,
+    DrafterLease,
+    DrafterLoss,
+    DrafterPublisher,
+    RolloutBuffer,
+    drafter_train_step,
+    load_drafter,
+    pack_batches,
+    snapshot_state,
+)
+from tlt_lightning.rl.module import GRPOModule
+from tlt_lightning.rollout.types import RolloutResult
+from tlt_lightning.scheduling import (
+    CoordinatorConfig,
+    Segment,
+    WorkerCoordinator,
+    WorkerState,
+    idle_fraction_recovered,
+    plot_timeline,
+)
+from tlt_lightning.tracking import MeanAcceptLength
+
+__all__ = ["SpotDrafterCallback", "log_artifact"]
+
+# The per-step statistics every rank contributes to one summed reduce.
+_STATS = ("tail_steps", "paid_steps", "loss", "top1", "tail_s", "idle_s", "paid_s", "step_s",
+          "latency_sum", "latency_n", "buffer_mb", "buffer_tokens")  # fmt: skip
+
+
+def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
+    if not condition:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _seed(*parts: Any) -> int:
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def log_artifact(trainer: L.Trainer, path: str | os.PathLike, artifact_path: str | None = None) -> bool:
+    """Log a file (or a directory's files) to every :class:`MLFlowLogger` of ``trainer`` (rank 0).
+
+    Returns:
+        Whether some logger took it (other loggers have no artifact store: the file stays on disk).
+    """
+    logged = False
+    for logger in trainer.loggers:
+        if isinstance(logger, MLFlowLogger) and trainer.is_global_zero:
+            client, run_id = logger.experiment, logger.run_id
+            if Path(path).is_dir():
+                client.log_artifacts(run_id, str(path), artifact_path)
+            else:
+                client.log_artifact(run_id, str(path), artifact_path)
+            logged = True
+    return logged
+
+
+def _without(segment: Segment, cuts: list[Segment]) -> list[Segment]:
+    """``segment`` minus the time spans of ``cuts`` (of the same worker)."""
+    pieces = [(segment.start, segment.end)]
+    for cut in cuts:
+        if cut.worker != segment.worker:
+            continue
+        pieces = [
+            piece
+            for a, b in pieces
+            for piece in ([(a, b)] if cut.end <= a or cut.start >= b else [(a, cut.start), (cut.end, b)])
+            if piece[1] > piece[0]
+        ]
+    return [Segment(segment.worker, segment.state, a, b) for a, b in pieces]
+
+
+class SpotDrafterCallback(L.Callback):
+    """Spot-trains the drafter of a :class:`~tlt_lightning.rl.GRPOModule` on idle rollout time.
+
+    ``Trainer(callbacks=[SpotDrafterCallback()])`` works with the defaults: if the module has no
+    drafter, one is built for its target (or loaded from ``drafter_path``), the module's rollouts
+    harvest its training data and draft with its newest published version.
+
+    Args:
+        lr: AdamW learning rate of the drafter (``> 0``).
+        buffer_mb: memory bound of the rollout buffer in MiB (``> 0``); oldest rollouts are evicted.
+        packing_budget: samples (tokens) packed into one drafter training step (``>= 2``).
+        checkpoint_interval: save the drafter asynchronously every this many RL steps (rank 0,
+            under ``default_root_dir/drafter/checkpoints``); ``None``: only at the end of fit.
+        min_idle_s: train in a tail only if it lasts at least this long after the worker's share
+            (``>= 0`` seconds).
+        max_steps_per_rollout: paid training between rollouts (single worker, or when no rank
+            was idle): at most this many drafter steps (``>= 0``; ``None``: no step limit).
+        max_seconds_per_rollout: paid training: at most this many seconds (``> 0`` or ``None``);
+            a step the remaining time cannot hold (by the mean step so far) is not started. At
+            least one of the two must be set: paid training costs RL step time.
+        kind: drafter kind built when the module has none, ``"eagle1"`` or ``"eagle3"``.
+        draft_vocab_size: draft vocabulary of a built drafter, capped at the target's vocabulary;
+            the first ids (BPE ids are roughly ordered by merge frequency); ``None``: full vocabulary.
+        drafter_path: load the drafter from this :func:`~tlt_lightning.drafter.save_drafter` (or
+            async checkpoint) directory instead of building one (e.g. a warmed-up drafter).
+        recency_decay: buffer sampling weight ``recency_decay ** age`` in policy steps, in ``(0, 1]``.
+        weight_decay: AdamW weight decay (``>= 0``).
+        max_grad_norm: drafter gradient clipping (``> 0`` or ``None``).
+        save_buffer: also put the buffer's data into Lightning checkpoints (exact resume of the
+            drafter's training, at the cost of up to ``buffer_mb`` per checkpoint).
+        timeline: save a per-worker Gantt chart PNG per epoch and for the whole fit.
+        seed: seeds a built drafter's weights (identical on every rank) and batch sampling.
+
+    Logged after every RL step (values summed or averaged over ranks, identical on all):
+        ``drafter/loss``, ``drafter/top1`` (mean over this step's drafter steps, when there were
+        any), ``drafter/version``, ``drafter/steps`` = ``tail_steps`` + ``paid_steps``,
+        ``drafter/train_seconds`` (tail + paid), ``drafter/paid_seconds``, ``drafter/idle_seconds``
+        (idle and not training), ``drafter/idle_fraction_recovered`` (tail training over idle +
+        tail training time: ``0`` for a single worker, which has no idle time),
+        ``drafter/overhead_fraction`` (paid seconds over the RL step without them),
+        ``drafter/buffer_mb`` and ``drafter/buffer_tokens`` (per rank), ``drafter/accept_length``
+        (mean tokens per speculative step of this rollout) and ``drafter/preemption_latency_s``.
+
+    Attributes:
+        drafter: the trained drafter (after fit also ``module.drafter``); ``optimizer``,
+            ``buffer``, ``coordinator``, ``publisher``, ``checkpointer``: the objects it drives.
+        steps, tail_steps, paid_steps, rl_steps: counters over all ranks (checkpointed).
+        local_stats: this rank's share of the last RL step.
+
+    Example:
+        >>> # trainer = L.Trainer(max_steps=100, callbacks=[SpotDrafterCallback(lr=3e-4)])
+        >>> # trainer.fit(GRPOModule(model="smollm2-135m"))
+    """
+
+    def __init__(
+        self,
+        lr: float = 3e-4,
+        buffer_mb: float = 256.0,
+        packing_budget: int = 1024,
+        checkpoint_interval: int | None = 10,
+        min_idle_s: float = 0.05,
+        max_steps_per_rollout: int | None = 4,
+        max_seconds_per_rollout: float | None = 2.0,
+        kind: str = "eagle1",
+        draft_vocab_size: int | None = 8192,
+        drafter_path: str | os.PathLike | None = None,
+        recency_decay: float = 0.5,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        save_buffer: bool = False,
+        timeline: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        num, pos_int = _is_number, _is_int
+        for name, value, ok, allowed in (
+            ("lr", lr, num(lr) and lr > 0, "a finite number > 0"),
+            ("buffer_mb", buffer_mb, num(buffer_mb) and buffer_mb > 0, "a finite number > 0 (MiB)"),
+            ("packing_budget", packing_budget, pos_int(packing_budget) and packing_budget >= 2,
+             "an int >= 2"),
+            ("checkpoint_interval", checkpoint_interval,
+             checkpoint_interval is None or (pos_int(checkpoint_interval) and checkpoint_interval >= 1),
+             "an int >= 1 or None"),
+            ("min_idle_s", min_idle_s, num(min_idle_s) and min_idle_s >= 0, "a finite number >= 0"),
+            ("max_steps_per_rollout", max_steps_per_rollout,
+             max_steps_per_rollout is None or (pos_int(max_steps_per_rollout) and max_steps_per_rollout >= 0),
+             "an int >= 0 or None"),
+            ("max_seconds_per_rollout", max_seconds_per_rollout,
+             max_seconds_per_rollout is None
+             or (num(max_seconds_per_rollout) and max_seconds_per_rollout > 0),
+             "a finite number > 0 or None"),
+            ("kind", kind, kind in DRAFTER_KINDS, f"one of {DRAFTER_KINDS}"),
+            ("draft_vocab_size", draft_vocab_size,
+             draft_vocab_size is None or (pos_int(draft_vocab_size) and draft_vocab_size >= 1),
+             "an int >= 1 or None"),
+            ("drafter_path", drafter_path,
+             drafter_path is None or isinstance(drafter_path, (str, os.PathLike)),
+             "a directory path or None"),
+            ("recency_decay", recency_decay, num(recency_decay) and 0 < recency_decay <= 1, "in (0, 1]"),
+            ("weight_decay", weight_decay, num(weight_decay) and weight_decay >= 0, "a number >= 0"),
+            ("max_grad_norm", max_grad_norm,
+             max_grad_norm is None or (num(max_grad_norm) and max_grad_norm > 0),
+             "a number > 0 or None"),
+            ("seed", seed, pos_int(seed) and seed >= 0, "an int >= 0"),
+        ):
+            _check(ok, name, value, allowed)
+        if max_steps_per_rollout is None and max_seconds_per_rollout is None:
+            raise ValueError(
+                "max_steps_per_rollout and max_seconds_per_rollout are both None: training between "
+                "rollouts (a single worker has no idle time) must be bounded; set at least one"
+            )
+        self.lr, self.buffer_mb, self.packing_budget = float(lr), float(buffer_mb), packing_budget
+        self.checkpoint_interval, self.min_idle_s = checkpoint_interval, float(min_idle_s)
+        self.max_steps_per_rollout = max_steps_per_rollout
+        self.max_seconds_per_rollout = max_seconds_per_rollout
+        self.kind, self.draft_vocab_size, self.drafter_path = kind, draft_vocab_size, drafter_path
+        self.recency_decay, self.weight_decay = float(recency_decay), float(weight_decay)
+        self.max_grad_norm = max_grad_norm
+        self.save_buffer, self.timeline, self.seed = bool(save_buffer), bool(timeline), seed
+        # Built at fit start (no I/O here; nothing unpicklable before ddp_spawn pickles the callback).
+        self.drafter: Drafter | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.buffer: RolloutBuffer | None = None
+        self.coordinator: WorkerCoordinator | None = None
+        self.publisher: DrafterPublisher | None = None
+        self.checkpointer: AsyncCheckpointer | None = None
+        self.accept_length: MeanAcceptLength | None = None
+        self._module: GRPOModule | None = None
+        self._pending: dict[str, Any] | None = None
+        self._lease: DrafterLease | None = None
+        self._paid: deque[Segment] = deque(maxlen=100_000)  # paid-training spans, for the timeline
+        self.local_stats: dict[str, float] = {}  # this rank's share of the last RL step (see _STATS)
+        self._armed = self._added = False
+        self._trained = 0  # drafter steps taken in this process (tail and paid)
+        self.steps = self.tail_steps = self.paid_steps = self.rl_steps = 0
+        self.paid_seconds = 0.0
+        self.last_checkpoint: str | None = None
+        self.last_metrics: dict[str, float] = {}  # what the last RL step logged
+        self._saved_at = -1
+
+    # ------------------------------------------------------------------------------ fit start
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not isinstance(pl_module, GRPOModule):
+            raise TypeError(f"SpotDrafterCallback needs a GRPOModule, got {type(pl_module).__name__}")
+        module, target = pl_module, pl_module.rollout_target
+        self._module = module
+        self.drafter = self._initial_drafter(module)
+        self._pending, pending = None, self._pending or {}
+        saved_config = pending.get("drafter_config")
+        if saved_config is not None and DrafterConfig.from_dict(saved_config) != self.drafter.config:
+            # The checkpoint's drafter wins (e.g. resumed with other callback arguments).
+            self.drafter = Drafter(DrafterConfig.from_dict(saved_config), target)
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        self.loss_cfg = DrafterLoss.for_kind(self.drafter.config.kind)
+        self.buffer = RolloutBuffer(BufferConfig(max_mb=self.buffer_mb, decay=self.recency_decay))
+        self.coordinator = WorkerCoordinator(CoordinatorConfig(min_idle_s=self.min_idle_s))
+        self.checkpointer = AsyncCheckpointer(Path(trainer.default_root_dir) / "drafter" / "checkpoints")
+        self._apply(pending, publisher_too=False)
+        self.publisher = DrafterPublisher(self.drafter)
+        self.publisher.load_state_dict(pending.get("publisher", {}))
+        self.accept_length = MeanAcceptLength().to(module.device)
+        layers = tuple(self.drafter.config.rollout_feature_layers)
+        if module.rollout_feature_layers and tuple(module.rollout_feature_layers) != layers:
+            warnings.warn(f"SpotDrafterCallback replaces module.rollout_feature_layers "
+                          f"{tuple(module.rollout_feature_layers)} with the drafter's {layers}", stacklevel=2)
+        module.rollout_feature_layers = layers
+        self._wrap_rollout(module)
+        self._epoch_start = time.time()
+
+    def _initial_drafter(self, module: GRPOModule) -> Drafter:
+        target = module.rollout_target
+        if module.drafter is not None:
+            if self.drafter_path is not None:
+                raise ValueError(
+                    f"drafter_path={str(self.drafter_path)!r} given to SpotDrafterCallback, but the module "
+                    "already has a drafter (GRPOModule drafter_kind / drafter_path): pass only one"
+                )
+            return module.drafter
+        if self.drafter_path is not None:
+            if not Path(self.drafter_path).is_dir():
+                raise ValueError(f"drafter_path {str(self.drafter_path)!r} is not a drafter directory")
+            return load_drafter(self.drafter_path, target)
+        vocab = target.info.vocab_size
+        size = None if self.draft_vocab_size is None else min(self.draft_vocab_size, vocab)
+        with torch.random.fork_rng(devices=[]):  # identical initial weights on every rank
+            torch.manual_seed(self.seed)
+            return Drafter(DrafterConfig.from_target(target, self.kind, size), target)
+
+    def _wrap_rollout(self, module: GRPOModule) -> None:
+        """Wrap ``module.rollout``: mark the end of this rank's share and train in the others' tail."""
+        original = module.rollout
+
+        @functools.wraps(original)
+        def rollout(prompts, generator=None) -> RolloutResult:
+            if not self._armed:  # a rollout outside the training step (evaluation, a second call)
+                return original(prompts, generator)
+            self._armed = False
+            coord = self.coordinator
+            coord.rollout_started()
+            result = original(prompts, generator)
+            coord.share_done()  # first: the others' preemption signal must not wait for our bookkeeping
+            self.buffer.add(result.rollouts, step=self._policy_step)
+            self._added = True
+            if coord.distributed:
+                before = self._trained
+                window = coord.maybe_train(self._train_one, has_data=lambda: len(self.buffer) > 0)
+                self._step_stats["tail_steps"] += self._trained - before
+                if window.latency_s is not None:
+                    self._step_stats["latency_sum"] += window.latency_s
+                    self._step_stats["latency_n"] += 1
+            coord.wait_rollout_end()
+            return result
+
+        module.rollout = rollout  # an instance attribute: removed again at teardown
+
+    # ------------------------------------------------------------------------------ the RL step
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._lease = self.publisher.acquire()
+        pl_module.drafter = self._lease.drafter  # this rollout's consistent, versioned copy
+        self._policy_step = trainer.global_step
+        self._armed, self._added = True, False
+        self._batches: Iterator[DrafterBatch] | None = None
+        self._step_stats = dict.fromkeys(_STATS, 0.0)
+        self._coord_base = (self.coordinator.train_seconds, self.coordinator.idle_seconds)
+        self._step_start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+        result: RolloutResult = outputs["rollout"] if isinstance(outputs, Mapping) else pl_module.last_rollout
+        if not self._added:  # training_step did not go through module.rollout
+            self.buffer.add(result.rollouts, step=self._policy_step)
+        self._armed = False
+        stats, strategy = self._step_stats, trainer.strategy
+        stats["step_s"] = time.perf_counter() - self._step_start
+        if trainer.world_size > 1:
+            tail = strategy.reduce(torch.tensor(stats["tail_steps"], dtype=torch.float64,
+                                                device=pl_module.device), reduce_op="sum")
+            tail = float(tail)
+        else:
+            tail = stats["tail_steps"]
+        if tail == 0:
+            self._paid_train()
+        coord = self.coordinator
+        stats["tail_s"] = coord.train_seconds - self._coord_base[0]
+        stats["idle_s"] = coord.idle_seconds - self._coord_base[1]
+        stats["buffer_mb"], stats["buffer_tokens"] = self.buffer.size_mb, float(self.buffer.num_tokens)
+        self.local_stats = dict(stats)
+        local = torch.tensor([stats[k] for k in _STATS], dtype=torch.float64, device=pl_module.device)
+        total = dict(zip(_STATS, strategy.reduce(local.clone(), reduce_op="sum").tolist()))
+        steps_here = stats["tail_steps"] + stats["paid_steps"]
+        steps_all = total["tail_steps"] + total["paid_steps"]
+        if steps_all > 0:
+            if trainer.world_size > 1:
+                self._average(strategy, steps_here / steps_all)
+            self.publisher.publish(self.drafter)
+        self.steps += int(steps_all)
+        self.tail_steps += int(total["tail_steps"])
+        self.paid_steps += int(total["paid_steps"])
+        self.rl_steps += 1
+        self._log(pl_module, result, total, steps_all, trainer.world_size)
+        if (
+            trainer.is_global_zero
+            and self.checkpoint_interval is not None
+            and trainer.global_step % self.checkpoint_interval == 0
+        ):
+            self._save(trainer.global_step)
+
+    def _generator(self) -> torch.Generator:
+        # A function of (seed, policy step, rank): a resumed run samples what the uninterrupted one did.
+        return torch.Generator().manual_seed(_seed(self.seed, self._policy_step, self.coordinator.rank))
+
+    def _stream(self, generator: torch.Generator) -> Iterator[DrafterBatch]:
+        """Packed batches of buffered rollouts, recent policy steps preferred, resampled when used up."""
+        while len(self.buffer):
+            mean_len = max(1.0, self.buffer.num_tokens / max(1, len(self.buffer)))
+            n = max(1, math.ceil(4 * self.packing_budget / mean_len))  # about four steps per draw
+            samples = self.buffer.sample(n, generator, dtype=self.drafter.dtype)
+            batches = pack_batches(samples, self.drafter.config, self.packing_budget, rows=1,
+                                   shuffle=True, generator=generator)
+            if not batches:
+                return
+            yield from batches
+
+    def _train_one(self) -> bool:
+        """One local drafter step (no collectives: it may run inside a coordinator window)."""
+        if self._batches is None:
+            self._batches = self._stream(self._generator())
+        batch = next(self._batches, None)
+        if batch is None:
+            return False
+        metrics = drafter_train_step(self.drafter, self._module.rollout_target, batch, self.optimizer,
+                                     self.loss_cfg, self.max_grad_norm)
+        self._step_stats["loss"] += metrics["loss"]
+        self._step_stats["top1"] += metrics["top1"]
+        self._trained += 1
+        return True
+
+    def _paid_train(self) -> None:
+        """Bounded drafter training that the RL step pays for (no idle device to hide it in)."""
+        limit_steps, limit_s = self.max_steps_per_rollout, self.max_seconds_per_rollout
+        if limit_steps == 0 or not len(self.buffer):
+            return
+        t0, start, steps = time.time(), time.perf_counter(), 0
+        while limit_steps is None or steps < limit_steps:
+            elapsed = time.perf_counter() - start
+            # Do not start a step the time budget cannot hold (judged by the mean step so far).
+            if limit_s is not None and steps and elapsed + elapsed / steps > limit_s:
+                break
+            if not self._train_one():
+                break
+            steps += 1
+        seconds = time.perf_counter() - start
+        self._step_stats["paid_steps"] += steps
+        self._step_stats["paid_s"] += seconds
+        self.paid_seconds += seconds
+        self._paid.append(Segment(self.coordinator.rank, WorkerState.TRAINING, t0, t0 + seconds))
+
+    def _average(self, strategy: Any, weight: float) -> None:
+        """Make the drafter and its AdamW state identical on every rank: a step-weighted average."""
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        slots = []  # (tensor to write back, or (param, key) for state a rank does not have yet)
+        for p in params:
+            state = self.optimizer.state[p]
+            slots.append((p.data, None))
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                slots.append((state.get(key), (p, key)))
+        device = self.drafter.device
+        pieces = []
+        for tensor, where in slots:
+            if tensor is None:
+                p, key = where
+                shape = () if key == "step" else p.shape
+                pieces.append(torch.zeros(shape, dtype=torch.float32, device=device).flatten())
+            else:
+                pieces.append(tensor.detach().to(device, torch.float32).flatten())
+        flat = torch.cat(pieces) * weight
+        flat = strategy.reduce(flat, reduce_op="sum")
+        at = 0
+        with torch.no_grad():
+            for (tensor, where), piece in zip(slots, pieces):
+                value = flat[at : at + piece.numel()]
+                at += piece.numel()
+                if tensor is None:
+                    p, key = where
+                    if key == "step":
+                        tensor = torch.zeros((), dtype=torch.float32)
+                    else:
+                        tensor = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    self.optimizer.state[p][key] = tensor
+                tensor.copy_(value.view_as(tensor).to(tensor.device, tensor.dtype))
+
+    def _log(self, module: GRPOModule, result: RolloutResult, total: dict[str, float], steps: float,
+             world: int) -> None:
+        # Every value is identical on all ranks (reduced above): no sync_dist, no extra collective.
+        self.accept_length.update(result.stats)
+        accept = float(self.accept_length.compute())
+        self.accept_length.reset()
+        idle_pool = total["tail_s"] + total["idle_s"]
+        metrics = {
+            "drafter/version": float(self.publisher.version),
+            "drafter/steps": steps,
+            "drafter/tail_steps": total["tail_steps"],
+            "drafter/paid_steps": total["paid_steps"],
+            "drafter/train_seconds": total["tail_s"] + total["paid_s"],
+            "drafter/paid_seconds": total["paid_s"],
+            "drafter/idle_seconds": total["idle_s"],
+            "drafter/idle_fraction_recovered": total["tail_s"] / idle_pool if idle_pool > 0 else 0.0,
+            "drafter/overhead_fraction": total["paid_s"] / max(1e-9, total["step_s"]),
+            "drafter/buffer_mb": total["buffer_mb"] / world,
+            "drafter/buffer_tokens": total["buffer_tokens"] / world,
+            "drafter/accept_length": accept,
+        }
+        if steps > 0:
+            metrics["drafter/loss"] = total["loss"] / steps
+            metrics["drafter/top1"] = total["top1"] / steps
+        if total["latency_n"] > 0:
+            metrics["drafter/preemption_latency_s"] = total["latency_sum"] / total["latency_n"]
+        for name, value in metrics.items():
+            module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "drafter/top1")
+        self.last_metrics = metrics
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def _save(self, rl_step: int) -> None:
+        if self._saved_at == rl_step:
+            return
+        extra = {"rl_step": rl_step, "drafter_steps": self.steps, "version": self.publisher.version}
+        self.checkpointer.save(self.drafter, self.optimizer, rl_step, extra)  # returns at once
+        self._saved_at = rl_step
+        self.last_checkpoint = str(self.checkpointer.directory / f"step-{rl_step:08d}")
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self._pending is not None or self.drafter is None:  # loaded, not applied yet
+            return dict(self._pending or {})
+        state = {
+            "format": 1,
+            "drafter_config": self.drafter.config.to_dict(),
+            "drafter": snapshot_state(self.drafter.state_dict()),
+            "optimizer": snapshot_state(self.optimizer.state_dict()),
+            "buffer": self.buffer.state_dict(include_data=self.save_buffer),
+            "coordinator": self.coordinator.state_dict(),
+            "publisher": self.publisher.state_dict(),
+            "checkpointer": self.checkpointer.state_dict(),
+            "counters": {"steps": self.steps, "tail_steps": self.tail_steps, "paid_steps": self.paid_steps,
+                         "rl_steps": self.rl_steps, "paid_seconds": self.paid_seconds},
+            "last_checkpoint": self.last_checkpoint,
+        }
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; missing keys keep their current values.
+
+        Lightning restores callbacks before ``on_fit_start`` builds the drafter: the state is then
+        kept and applied there (also for a callback reused for another fit). During a fit (a
+        strategy that restores after setup) it is applied at once.
+        """
+        if self._module is None:
+            self._pending = dict(state_dict)
+        else:
+            self._apply(state_dict, publisher_too=True)
+
+    def _apply(self, state: Mapping[str, Any], publisher_too: bool) -> None:
+        if "drafter" in state:
+            self.drafter.load_state_dict(state["drafter"], strict=True)
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if "buffer" in state:
+            self.buffer.load_state_dict(state["buffer"])
+        if "coordinator" in state:
+            self.coordinator.load_state_dict(state["coordinator"])
+        if "checkpointer" in state:
+            self.checkpointer.load_state_dict(state["checkpointer"])
+        if publisher_too and "publisher" in state:
+            self.publisher.load_state_dict(state["publisher"])
+            self.publisher.publish(self.drafter)
+        counters = state.get("counters", {})
+        for key in ("steps", "tail_steps", "paid_steps", "rl_steps"):
+            setattr(self, key, int(counters.get(key, getattr(self, key))))
+        self.paid_seconds = float(counters.get("paid_seconds", self.paid_seconds))
+        self.last_checkpoint = state.get("last_checkpoint", self.last_checkpoint)
+
+    # ------------------------------------------------------------------------------ timeline / end
+    def _gather(self, since: float | None) -> tuple[list[Segment], list[Segment]]:
+        """Every worker's coordinator segments and paid-training spans since ``since`` (a collective)."""
+        coord = self.coordinator
+        mine = (coord.timeline(since), [s for s in self._paid if since is None or s.end > since])
+        if not coord.distributed:
+            return mine
+        everyone: list[Any] = [None] * coord.world_size
+        dist.all_gather_object(everyone, tuple([tuple(s) for s in part] for part in mine))
+        coord_segments, paid = (
+            [Segment(w, WorkerState(st), a, b) for rank in everyone for (w, st, a, b) in rank[i]]
+            for i in (0, 1)
+        )
+        return coord_segments, paid
+
+    def _plot(self, trainer: L.Trainer, since: float | None, name: str, label: str) -> float:
+        """Save (rank 0) the Gantt chart; returns the idle fraction recovered over the span."""
+        segments, paid = self._gather(since)
+        recovered = idle_fraction_recovered(segments)  # the coordinator's TRAINING is idle time only
+        if trainer.is_global_zero and segments:
+            # Paid training is drawn as TRAINING where the coordinator saw the worker BUSY.
+            shown = [piece for s in segments for piece in _without(s, paid)] + paid
+            per_worker = sum(s.end - s.start for s in paid) / max(1, len({s.worker for s in segments}))
+            title = f"{label}: idle recovered {recovered:.0%}, paid training {per_worker:.1f} s/worker"
+            path = plot_timeline(shown, Path(trainer.default_root_dir) / "drafter" / "timeline" / name, title)
+            log_artifact(trainer, path, "drafter/timeline")
+        return recovered
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.timeline:
+            self._plot(trainer, self._epoch_start, f"epoch-{trainer.current_epoch:03d}.png",
+                       f"epoch {trainer.current_epoch}")
+        self._epoch_start = time.time()
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        recovered = self._plot(trainer, None, "fit.png", "whole fit") if self.timeline else None
+        if trainer.is_global_zero:
+            self._save(trainer.global_step)
+            self.checkpointer.wait()
+            summary = {"drafter_steps": self.steps, "tail_steps": self.tail_steps,
+                       "paid_steps": self.paid_steps, "paid_seconds_rank0": self.paid_seconds,
+                       "idle_fraction_recovered": recovered, "rl_steps": self.rl_steps,
+                       "version": self.publisher.version, "checkpoint": self.last_checkpoint,
+                       "rank0": self.coordinator.stats()}
+            path = Path(trainer.default_root_dir) / "drafter" / "summary.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(summary, indent=2) + "\n")
+            log_artifact(trainer, path, "drafter")
+            if self.last_checkpoint is not None:
+                log_artifact(trainer, self.last_checkpoint, "drafter/model")
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._module is None:
+            return
+        vars(self._module).pop("rollout", None)
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+        self._module.drafter = self.drafter  # the trained weights, e.g. for export after fit
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        self._module = None

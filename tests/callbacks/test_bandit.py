@@ -1,0 +1,120 @@
+"""BanditCallback: the bandit drives the speculative rollouts, is logged, checkpointed and plotted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+from tests.rl.test_module import make_module, make_trainer
+from tlt_lightning.callbacks import BanditCallback, SpotDrafterCallback
+from tlt_lightning.scheduling import BEGMABStrategy, FixedStrategy, UCBStrategy, arm_key
+from tlt_lightning.speculative import SDStrategy
+
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Trainers default to the working directory for their outputs (plots, drafter checkpoints)."""
+    monkeypatch.chdir(tmp_path)
+
+def test_both_callbacks_fit_two_steps(tmp_path):
+    bandit, spot = BanditCallback(), SpotDrafterCallback()
+    module = make_module(max_new_tokens=12)
+    trainer = make_trainer(2, callbacks=[spot, bandit], default_root_dir=tmp_path)
+    trainer.fit(module)
+    chooser = bandit.chooser
+    assert isinstance(chooser, BEGMABStrategy) and module.strategy_chooser is chooser
+    # The rollouts consulted the bandit at every decode step below the threshold and reported back.
+    history = chooser.history
+    assert history and {d.mode for d in history} <= {"untried", "explore", "exploit", "unpaired"}
+    assert len({arm_key(d.arm) for d in history}) > 1  # it explores several arms
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    last = module.last_rollout.stats
+    buckets = {chooser.bucket_labels[chooser.bucket_of(n)] for n in last.step_batch_sizes if n < 32}
+    for label in buckets:
+        assert metrics[f"bandit/{label}/decisions"] >= 1 and metrics[f"bandit/{label}/reward"] > 0
+        assert 0 <= metrics[f"bandit/{label}/best_arm"] < len(chooser.arms[0])
+        counts = [metrics[f"bandit/{label}/count/{arm_key(a).replace('/', '_')}"] for a in chooser.arms[0]]
+        assert sum(counts) == metrics[f"bandit/{label}/decisions"]
+    assert metrics["drafter/version"] == 2.0 and "drafter/loss" in metrics
+    # The heat map and the best arms are written at the end of fit.
+    assert (tmp_path / "bandit" / "heatmap.png").stat().st_size > 0
+    best = json.loads((tmp_path / "bandit" / "best_arms.json").read_text())["best_arms"]
+    assert best == {label: {"arm": arm_key(arm), "index": chooser.arms[0].index(arm)}
+                    for label, arm in chooser.best_arms().items()}
+
+
+def test_chooser_state_survives_checkpoint_and_resume(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    first = BanditCallback(BEGMABStrategy(epsilon=0.3, seed=1))
+    trainer = make_trainer(1, callbacks=[first, ckpt], enable_checkpointing=True)
+    trainer.fit(make_module(drafter_kind="eagle1"))
+    saved = first.chooser.state_dict()
+    assert saved["num_updates"] > 0
+
+    resumed, at_load = BanditCallback(BEGMABStrategy(epsilon=0.3, seed=1)), {}
+
+    class AtStart(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            at_load.update(resumed.chooser.state_dict())
+
+    make_trainer(2, callbacks=[resumed, AtStart()]).fit(
+        make_module(drafter_kind="eagle1"), ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
+    assert at_load == saved  # counts, windows, RNG state and history, exactly
+    assert resumed.chooser.state_dict()["num_updates"] > saved["num_updates"]  # and it kept learning
+
+    # The callback's state is the chooser's; missing keys are tolerated.
+    fresh = BanditCallback(BEGMABStrategy(epsilon=0.3, seed=1))
+    fresh.load_state_dict(saved)
+    assert fresh.state_dict() == saved
+    fresh.load_state_dict({"num_updates": 3})
+    assert fresh.state_dict()["num_updates"] == 3
+
+
+def test_other_choosers_and_no_speculation(tmp_path):
+    fixed = BanditCallback(FixedStrategy(SDStrategy(2)))
+    module = make_module(drafter_kind="eagle1")
+    make_trainer(1, callbacks=[fixed], default_root_dir=tmp_path).fit(module)
+    assert {arm_key(d.arm) for d in fixed.chooser.history} == {"chain2"}
+    ucb = BanditCallback(UCBStrategy())
+    make_trainer(1, callbacks=[ucb], default_root_dir=tmp_path).fit(make_module())  # no drafter: no decisions
+    assert ucb.chooser.history == [] and (tmp_path / "bandit" / "heatmap.png").is_file()
+
+
+def test_begmab_is_not_a_lightning_strategy():
+    assert not isinstance(BEGMABStrategy(), Strategy)
+    assert not any("begmab" in name.lower() or "bandit" in name.lower()
+                   for name in StrategyRegistry.available_strategies())
+    assert "not** a Lightning ``Strategy``" in BEGMABStrategy.__doc__
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="chooser must be a BucketedChooser .* got object"):
+        BanditCallback(object())
+    with pytest.raises(ValueError, match="heatmap_bins must be an int >= 1, got 0"):
+        BanditCallback(heatmap_bins=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed")
+def test_mlflow_logger_gets_the_plots_and_the_drafter(tmp_path):
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    logger = MLFlowLogger(experiment_name="callbacks", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+                          artifact_location=str(tmp_path / "artifacts"))
+    spot, bandit = SpotDrafterCallback(max_steps_per_rollout=1), BanditCallback()
+    trainer = make_trainer(1, callbacks=[spot, bandit], logger=logger, default_root_dir=tmp_path / "run",
+                           log_every_n_steps=1)
+    trainer.fit(make_module())
+    client, run = logger.experiment, logger.run_id
+    # The final drafter checkpoint is its own artifact: a directory that load_drafter reads.
+    listed = {a.path for folder in ("bandit", "drafter", "drafter/timeline", "drafter/model")
+              for a in client.list_artifacts(run, folder)}
+    assert {"bandit/heatmap.png", "bandit/best_arms.json", "drafter/summary.json",
+            "drafter/timeline/fit.png", "drafter/model/model.safetensors",
+            "drafter/model/drafter_config.json"} <= listed
+    assert client.get_metric_history(run, "drafter/loss")

@@ -1,0 +1,327 @@
+"""SpotDrafterCallback on a tiny GRPO fit: defaults, publishing, paid budget, resume, DDP, errors."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+
+from tests.rl.test_module import PROMPTS, make_module, make_trainer
+from tlt_lightning.callbacks import SpotDrafterCallback
+from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
+from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.rl.module import GRPOModule
+
+
+def weights(drafter: Drafter) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+class Watch(L.Callback):
+    """Placed after the SpotDrafterCallback: what each rollout drafted with, what each step produced."""
+
+    def __init__(self, spot: SpotDrafterCallback) -> None:
+        self.spot = spot
+        self.rollout_weights, self.published, self.versions, self.tokens = [], [], [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        assert pl_module.drafter is not self.spot.drafter  # a serving copy, not the trained one
+        self.rollout_weights.append(weights(pl_module.drafter))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.published.append(weights(self.spot.drafter))
+        self.versions.append(self.spot.publisher.version)
+        self.tokens.append(sum(r.length for r in outputs["rollout"].rollouts if r.length >= 2))
+
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Trainers default to the working directory for their outputs (plots, drafter checkpoints)."""
+    monkeypatch.chdir(tmp_path)
+
+# ---------------------------------------------------------------------------------- defaults
+
+
+def test_defaults_fit_trains_publishes_and_logs(tmp_path):
+    module = make_module()
+    spot = SpotDrafterCallback()
+    watch = Watch(spot)
+    trainer = make_trainer(2, callbacks=[spot, watch], default_root_dir=tmp_path)
+    trainer.fit(module)
+
+    # A drafter was built for the tiny target (draft vocabulary capped at its 128 tokens) ...
+    assert spot.drafter.config.kind == "eagle1" and spot.drafter.config.draft_vocab_size is None
+    assert module.rollout_feature_layers == spot.drafter.config.rollout_feature_layers
+    assert module.drafter is spot.drafter and "rollout" not in vars(module)  # restored after fit
+    # ... trained between the rollouts (single worker: the paid budget) and published each step.
+    assert watch.versions == [1, 2] and spot.steps == 2 * spot.max_steps_per_rollout
+    # Each rollout drafted with the version published before it, not with half-updated weights.
+    assert_same(watch.rollout_weights[1], watch.published[0])
+    assert not all(torch.equal(watch.rollout_weights[0][k], v) for k, v in watch.published[0].items())
+    # The buffer holds every rollout's tokens (rollouts shorter than 2 tokens have no sample).
+    assert spot.buffer.num_tokens == sum(watch.tokens) > 0
+    assert spot.buffer.stats()["newest_step"] == 1.0
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert math.isfinite(metrics["drafter/loss"]) and 0 <= metrics["drafter/top1"] <= 1
+    assert metrics["drafter/version"] == 2.0
+    assert metrics["drafter/buffer_tokens"] == sum(watch.tokens)
+    assert metrics["drafter/buffer_mb"] == pytest.approx(spot.buffer.size_mb)
+    assert metrics["drafter/accept_length"] >= 1.0  # the rollouts speculated with the drafter
+    # Honest single-worker accounting: training was paid for, no idle time was recovered.
+    assert metrics["drafter/paid_steps"] == metrics["drafter/steps"] == 4
+    assert metrics["drafter/tail_steps"] == 0 and metrics["drafter/idle_fraction_recovered"] == 0.0
+    assert metrics["drafter/train_seconds"] == metrics["drafter/paid_seconds"] > 0
+    assert metrics["drafter/overhead_fraction"] > 0
+    # Timeline PNGs, the summary and a final async checkpoint, loadable as a deployable drafter.
+    root = tmp_path / "drafter"
+    assert (root / "timeline" / "epoch-000.png").stat().st_size > 0
+    assert (root / "timeline" / "fit.png").stat().st_size > 0
+    assert (root / "summary.json").is_file()
+    (checkpoint,) = (root / "checkpoints").iterdir()
+    assert checkpoint.name == "step-00000002"
+    assert_same(weights(load_drafter(checkpoint, module.rollout_target)), weights(spot.drafter))
+
+
+def test_paid_budget_in_steps_and_seconds():
+    spot = SpotDrafterCallback(max_steps_per_rollout=3, max_seconds_per_rollout=None)
+    trainer = make_trainer(1, callbacks=[spot])
+    trainer.fit(make_module())
+    assert spot.local_stats["paid_steps"] == 3 and spot.paid_steps == 3
+
+    spot = SpotDrafterCallback(max_steps_per_rollout=None, max_seconds_per_rollout=0.2)
+    trainer = make_trainer(1, callbacks=[spot])
+    trainer.fit(make_module())
+    seconds, steps = spot.local_stats["paid_s"], spot.local_stats["paid_steps"]
+    step_s = seconds / steps
+    assert steps >= 2 and 0.2 - 2 * step_s <= seconds <= 0.2 + step_s  # no step the budget cannot hold
+
+    spot = SpotDrafterCallback(max_steps_per_rollout=0)  # only idle time: a single worker never trains
+    make_trainer(1, callbacks=[spot]).fit(make_module())
+    assert spot.steps == 0 and spot.publisher.version == 0
+
+
+def test_module_drafter_is_taken_over_and_drafter_path_loads(tmp_path):
+    module = make_module(drafter_kind="eagle1")
+    module.configure_model()
+    own = module.drafter
+    spot = SpotDrafterCallback(max_steps_per_rollout=1)
+    make_trainer(1, callbacks=[spot]).fit(module)
+    assert spot.drafter is own and module.drafter is own
+
+    target = HFTarget(load_model("tiny-llama", seed=0).model)
+    torch.manual_seed(7)
+    saved = save_drafter(Drafter(DrafterConfig.from_target(target, "eagle3"), target), tmp_path / "warm")
+    spot = SpotDrafterCallback(drafter_path=saved, max_steps_per_rollout=1)
+    loaded = {}
+
+    class AtStart(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            loaded.update(weights(spot.drafter))
+
+    make_trainer(1, callbacks=[spot, AtStart()]).fit(make_module())
+    assert spot.drafter.config.kind == "eagle3"
+    assert_same(loaded, weights(load_drafter(saved, target)))
+    assert spot.buffer.stats()["rollouts"] > 0  # eagle3 features (3 layers + final) were harvested
+
+    with pytest.raises(ValueError, match="drafter_path=.* but the module already has a drafter"):
+        trainer = make_trainer(1, callbacks=[SpotDrafterCallback(drafter_path=saved)])
+        trainer.fit(make_module(drafter_kind="eagle1"))
+    with pytest.raises(ValueError, match="drafter_path '.*nowhere' is not a drafter directory"):
+        make_trainer(1, callbacks=[SpotDrafterCallback(drafter_path=tmp_path / "nowhere")]).fit(make_module())
+
+
+# ---------------------------------------------------------------------------------- resume
+
+
+def spot_state(spot: SpotDrafterCallback) -> dict:
+    return {
+        "drafter": weights(spot.drafter),
+        "optimizer": spot.optimizer.state_dict(),
+        "buffer": spot.buffer.state_dict(include_data=True),
+        "coordinator": spot.coordinator.state_dict(),
+        "version": spot.publisher.version,
+        "counters": (spot.steps, spot.tail_steps, spot.paid_steps, spot.rl_steps),
+    }
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert_same(a["drafter"], b["drafter"])
+    for p, state in a["optimizer"]["state"].items():
+        assert_same(state, b["optimizer"]["state"][p])
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    items_a, items_b = a["buffer"].pop("items"), b["buffer"].pop("items")
+    assert a["buffer"] == b["buffer"] and len(items_a) == len(items_b)
+    for x, y in zip(items_a, items_b):
+        assert x["step"] == y["step"]
+        assert_same({k: v for k, v in x.items() if k != "step"}, {k: v for k, v in y.items() if k != "step"})
+    assert a["coordinator"] == b["coordinator"]
+    assert a["version"] == b["version"] and a["counters"] == b["counters"]
+
+
+def test_resume_restores_the_drafter_exactly(tmp_path):
+    kwargs = dict(max_steps_per_rollout=3, max_seconds_per_rollout=None, save_buffer=True)
+    # Uninterrupted: 2 steps, checkpoints after each; the state after step 1 is kept.
+    full, after_1 = SpotDrafterCallback(**kwargs), {}
+
+    class Keep(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 1:
+                after_1.update(spot_state(full))
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    make_trainer(2, callbacks=[full, Keep(), ckpt], enable_checkpointing=True,
+                 default_root_dir=tmp_path / "full").fit(make_module())
+
+    # Resumed from step 1: restored exactly at load time, then step 2 gives the same drafter.
+    resumed, at_load = SpotDrafterCallback(**kwargs), {}
+
+    class AtStart(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            at_load.update(spot_state(resumed))
+
+    make_trainer(2, callbacks=[resumed, AtStart()], default_root_dir=tmp_path / "resumed").fit(
+        make_module(), ckpt_path=tmp_path / "ckpt" / "epoch=0-step=1.ckpt")
+    assert_same_state(at_load, after_1)
+    assert resumed.publisher.version == full.publisher.version == 2
+    assert_same(weights(resumed.drafter), weights(full.drafter))
+    assert (resumed.steps, resumed.rl_steps) == (full.steps, full.rl_steps) == (6, 2)
+
+
+def test_load_state_dict_tolerates_missing_keys():
+    spot = SpotDrafterCallback(max_steps_per_rollout=1)
+    spot.load_state_dict({"counters": {"steps": 5}})  # before fit: applied at fit start
+    seen = {}
+
+    class DuringFit(L.Callback):  # a strategy that restores after setup loads during the fit
+        def on_train_start(self, trainer, pl_module):
+            before = weights(spot.drafter)
+            spot.load_state_dict({"publisher": {"version": 10}})
+            seen.update(version=spot.publisher.version, steps=spot.steps, before=before,
+                        same=weights(spot.drafter))
+
+    make_trainer(1, callbacks=[spot, DuringFit()]).fit(make_module())
+    assert seen["version"] == 11 and seen["steps"] == 5  # version restored (and republished), rest kept
+    assert_same(seen["same"], seen["before"])
+    assert spot.steps == 6 and spot.publisher.version == 12  # 5 restored + 1 trained, published once more
+    assert "items" not in spot.state_dict()["buffer"]  # data is checkpointed only with save_buffer=True
+
+
+# ---------------------------------------------------------------------------------- DDP
+
+
+class Rank1IsTheTail(GRPOModule):
+    """Rank 1's rollout takes 0.6 s longer: rank 0 finishes early and should train meanwhile."""
+
+    def rollout(self, prompts, generator=None):
+        result = super().rollout(prompts, generator)
+        if self.global_rank == 1:
+            time.sleep(0.6)
+        return result
+
+
+class SaveRank(L.Callback):
+    def __init__(self, directory: Path, spot: SpotDrafterCallback) -> None:
+        self.directory, self.spot, self.tail = directory, spot, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.tail.append(self.spot.local_stats["tail_steps"])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        spot = self.spot
+        torch.save({"drafter": weights(spot.drafter), "optimizer": spot.optimizer.state_dict(),
+                    "tail": self.tail, "version": spot.publisher.version,
+                    "latencies": list(spot.coordinator.latencies),
+                    "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
+                   self.directory / f"rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.slow  # 25-45 s here: two spawned processes import torch, lightning and transformers
+def test_ddp_tail_training_ends_identical_on_both_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    module = make_module(cls=Rank1IsTheTail, prompts_per_step=1)
+    # min_idle_s (default 0.05 s): the straggler's "all done" collective completes within it, so the
+    # straggler does not start a step; with 0 it could run one before it sees that the tail is over.
+    spot = SpotDrafterCallback()
+    strategy = DDPStrategy(process_group_backend="gloo", start_method="spawn")
+    trainer = make_trainer(2, devices=2, strategy=strategy, default_root_dir=tmp_path,
+                           callbacks=[spot, SaveRank(tmp_path, spot)])
+    start = time.perf_counter()
+    trainer.fit(module)
+    elapsed = time.perf_counter() - start
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    # The early finisher trained in the other's tail, the straggler did not (and paid nothing) ...
+    assert all(n > 0 for n in ranks[0]["tail"]) and ranks[1]["tail"] == [0, 0]
+    metrics = ranks[0]["metrics"]
+    assert metrics["drafter/paid_steps"] == 0 and metrics["drafter/tail_steps"] == ranks[0]["tail"][-1]
+    assert 0 < metrics["drafter/idle_fraction_recovered"] <= 1
+    # ... training stopped when the tail ended (within a few tiny drafter steps) ...
+    assert ranks[0]["latencies"] and max(ranks[0]["latencies"]) < 0.5
+    # ... and the sync made both ranks' drafters and optimizer states identical.
+    assert ranks[0]["version"] == ranks[1]["version"] == 2
+    assert_same(ranks[0]["drafter"], ranks[1]["drafter"])
+    for p, state in ranks[0]["optimizer"]["state"].items():
+        assert_same(state, ranks[1]["optimizer"]["state"][p])
+    assert (tmp_path / "drafter" / "timeline" / "fit.png").is_file()
+    assert elapsed < 60, f"DDP fit took {elapsed:.0f} s"
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(lr=-1e-3), "lr must be a finite number > 0, got -0.001"),
+        (dict(lr=float("nan")), "lr must be a finite number > 0"),
+        (dict(buffer_mb=0), r"buffer_mb must be a finite number > 0 \(MiB\), got 0"),
+        (dict(packing_budget=1), "packing_budget must be an int >= 2, got 1"),
+        (dict(checkpoint_interval=0), "checkpoint_interval must be an int >= 1 or None, got 0"),
+        (dict(min_idle_s=-1), "min_idle_s must be a finite number >= 0, got -1"),
+        (dict(max_steps_per_rollout=-1), "max_steps_per_rollout must be an int >= 0 or None, got -1"),
+        (dict(max_seconds_per_rollout=0), "max_seconds_per_rollout must be a finite number > 0 or None"),
+        (dict(max_steps_per_rollout=None, max_seconds_per_rollout=None),
+         "max_steps_per_rollout and max_seconds_per_rollout are both None"),
+        (dict(kind="eagle2"), r"kind must be one of \('eagle1', 'eagle3'\), got 'eagle2'"),
+        (dict(draft_vocab_size=0), "draft_vocab_size must be an int >= 1 or None, got 0"),
+        (dict(drafter_path=3), "drafter_path must be a directory path or None, got 3"),
+        (dict(recency_decay=0.0), r"recency_decay must be in \(0, 1\], got 0.0"),
+        (dict(weight_decay=-1), "weight_decay must be a number >= 0, got -1"),
+        (dict(max_grad_norm=0), "max_grad_norm must be a number > 0 or None, got 0"),
+        (dict(seed=-1), "seed must be an int >= 0, got -1"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SpotDrafterCallback(**kwargs)
+
+
+def test_needs_a_grpo_module():
+    class Plain(L.LightningModule):
+        pass
+
+    spot = SpotDrafterCallback()
+    with pytest.raises(TypeError, match="SpotDrafterCallback needs a GRPOModule, got Plain"):
+        spot.on_fit_start(make_trainer(1), Plain())
+
+
+def test_rollouts_after_fit_do_not_train():
+    # The wrapper is removed at teardown: a later plain rollout neither trains nor touches the buffer.
+    module = make_module()
+    spot = SpotDrafterCallback(max_steps_per_rollout=1)
+    make_trainer(1, callbacks=[spot]).fit(module)
+    added, steps = spot.buffer.added, spot.steps
+    module.rollout([PROMPTS[0]], torch.Generator().manual_seed(0))
+    assert (spot.buffer.added, spot.steps) == (added, steps)
