@@ -188,3 +188,25 @@ def test_losses_ignore_padding(llama):
         _, m_a = drafter_losses(d, llama, only_a)
     expected = (m_a["ce_loss"] * 5 + m_b["ce_loss"] * 2) / 7
     torch.testing.assert_close(m_both["ce_loss"], expected)
+
+
+def test_warmup_stops_early_on_keyboard_interrupt(monkeypatch, llama):
+    """Ctrl-C after some steps returns the history so far instead of losing the drafter."""
+    import tlt_lightning.drafter.train as train_module
+    from tlt_lightning.drafter import Drafter, DrafterConfig, warmup_drafter
+    from tlt_lightning.rollout import RolloutConfig, RolloutEngine
+
+    drafter = Drafter(DrafterConfig.from_target(llama), llama)
+    config = RolloutConfig(max_new_tokens=8, feature_layers=drafter.config.rollout_feature_layers)
+    rollouts = RolloutEngine(llama, config).generate([[5, 6, 7]] * 4, generator=torch.Generator().manual_seed(0)).rollouts
+    real_step, calls = train_module.drafter_train_step, []
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "drafter_train_step", step)
+    history = warmup_drafter(drafter, llama, rollouts, steps=10, progress=False)
+    assert len(history) == 2

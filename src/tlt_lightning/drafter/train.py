@@ -358,7 +358,8 @@ def warmup_drafter(
         seed: shuffling seed.
 
     Returns:
-        The metrics of every step (see :func:`drafter_train_step`).
+        The metrics of every step (see :func:`drafter_train_step`); shorter than ``steps`` when
+        interrupted with Ctrl-C after at least one step (the drafter keeps what it learned).
 
     Example:
         >>> # history = warmup_drafter(drafter, target, result.rollouts, steps=200, lr=3e-3, batch_size=8)
@@ -384,11 +385,17 @@ def warmup_drafter(
 
     history = []
     bar = tqdm(total=steps, desc="drafter warm-up", disable=not progress, leave=False)
-    for batch in itertools.islice(epochs(), steps):
-        metrics = drafter_train_step(drafter, target, batch, optimizer, loss_cfg, max_grad_norm)
-        schedule.step()
-        history.append(metrics)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}", refresh=False)
-        bar.update()
-    bar.close()
+    try:
+        for batch in itertools.islice(epochs(), steps):
+            metrics = drafter_train_step(drafter, target, batch, optimizer, loss_cfg, max_grad_norm)
+            schedule.step()
+            history.append(metrics)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}", refresh=False)
+            bar.update()
+    except KeyboardInterrupt:  # Ctrl-C ends the warm-up early; the drafter keeps what it learned
+        if not history:
+            raise
+        print(f"\n[drafter warm-up] interrupted after {len(history)} of {steps} steps", flush=True)
+    finally:
+        bar.close()
     return history
