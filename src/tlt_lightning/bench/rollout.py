@@ -67,20 +67,25 @@ def length_summary(lengths: torch.Tensor) -> dict[str, float]:
 
 def _compare(engine: RolloutEngine, model, tokenizer, prompts, repeats: int, seed: int) -> dict[str, Any]:
     """Engine vs HF on one workload, alternating runs; throughput medians and output agreement."""
-    ours, theirs, result, hf_out = [], [], None, None
+    ours, theirs, ours_cpu, theirs_cpu, result, hf_out = [], [], [], [], None, None
     for r in range(repeats):
         gen = torch.Generator().manual_seed(seed + r)
-        result, t = timed(lambda: engine.generate(prompts, generator=gen))
+        result, t, cpu = timed(lambda: engine.generate(prompts, generator=gen))
         ours.append(result.stats.generated_tokens / t)
-        hf_out, t = timed(lambda: hf_generate(model, tokenizer, prompts, engine.config, seed + r))
+        ours_cpu.append(result.stats.generated_tokens / cpu)
+        hf_out, t, cpu = timed(lambda: hf_generate(model, tokenizer, prompts, engine.config, seed + r))
         theirs.append(sum(len(x) for x in hf_out) / t)
+        theirs_cpu.append(sum(len(x) for x in hf_out) / cpu)
     same = sum(r.token_ids.tolist() == h for r, h in zip(result.rollouts, hf_out))
     return {
         "tokens_per_s": median(ours),
         "hf_tokens_per_s": median(theirs),
         "speedup_vs_hf": median(ours) / median(theirs),
+        "speedup_vs_hf_cpu_time": median(ours_cpu) / median(theirs_cpu),
         "runs_tokens_per_s": ours,
         "runs_hf_tokens_per_s": theirs,
+        "runs_tokens_per_cpu_s": ours_cpu,
+        "runs_hf_tokens_per_cpu_s": theirs_cpu,
         "identical_outputs": same,
         "requests": len(prompts),
         "result": result,
@@ -160,7 +165,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out.pop("result")
         batches.append({"batch_size": bs, **out})
         print(f"  engine {out['tokens_per_s']:.1f} tok/s, HF {out['hf_tokens_per_s']:.1f} tok/s, "
-              f"x{out['speedup_vs_hf']:.2f}, identical {out['identical_outputs']}/{bs}", flush=True)
+              f"x{out['speedup_vs_hf']:.2f} (CPU time x{out['speedup_vs_hf_cpu_time']:.2f}), "
+              f"identical {out['identical_outputs']}/{bs}", flush=True)
 
     long_tail = None
     payload: dict[str, Any] = {

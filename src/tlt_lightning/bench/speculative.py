@@ -30,12 +30,14 @@ __all__ = ["run"]
 
 def _pair(plain: RolloutEngine, spec: SpeculativeRolloutLoop, prompts, repeats: int, seed: int) -> dict[str, Any]:
     """Alternate plain and speculative rollouts of ``prompts``; medians of tokens/s and times."""
-    rows: dict[str, list[float]] = {"plain_tps": [], "sd_tps": [], "plain_s": [], "sd_s": [], "accept": [],
-                                    "sd_step_fraction": []}
+    rows: dict[str, list[float]] = {"plain_tps": [], "sd_tps": [], "plain_s": [], "sd_s": [], "plain_cpu_s": [],
+                                    "sd_cpu_s": [], "accept": [], "sd_step_fraction": []}
     last: RolloutResult | None = None
     for r in range(repeats):
-        a, ta = timed(lambda: plain.generate(prompts, generator=torch.Generator().manual_seed(seed + r)))
-        b, tb = timed(lambda: spec.generate(prompts, generator=torch.Generator().manual_seed(seed + r)))
+        a, ta, ca = timed(lambda: plain.generate(prompts, generator=torch.Generator().manual_seed(seed + r)))
+        b, tb, cb = timed(lambda: spec.generate(prompts, generator=torch.Generator().manual_seed(seed + r)))
+        rows["plain_cpu_s"].append(ca / a.stats.generated_tokens)  # CPU seconds per token
+        rows["sd_cpu_s"].append(cb / b.stats.generated_tokens)
         rows["plain_tps"].append(a.stats.generated_tokens / ta)
         rows["sd_tps"].append(b.stats.generated_tokens / tb)
         rows["plain_s"].append(ta)
@@ -48,6 +50,7 @@ def _pair(plain: RolloutEngine, spec: SpeculativeRolloutLoop, prompts, repeats: 
         "plain_tokens_per_s": median(rows["plain_tps"]),
         "sd_tokens_per_s": median(rows["sd_tps"]),
         "speedup_tokens_per_s": median(rows["sd_tps"]) / median(rows["plain_tps"]),
+        "speedup_cpu_time_per_token": median(rows["plain_cpu_s"]) / median(rows["sd_cpu_s"]),
         "plain_seconds": median(rows["plain_s"]),
         "sd_seconds": median(rows["sd_s"]),
         "mean_accept_length": median(rows["accept"]),
@@ -61,7 +64,7 @@ def _prompt_lookup_peer(model, prompt: list[int], max_new: int, seed: int) -> fl
     """HF generate with prompt-lookup decoding at batch 1, temperature 1; tokens/s."""
     torch.manual_seed(seed)
     ids = torch.tensor([prompt])
-    out, t = timed(lambda: model.generate(ids, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=max_new,
+    out, t, _ = timed(lambda: model.generate(ids, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=max_new,
                                           prompt_lookup_num_tokens=4))
     return (out.shape[1] - len(prompt)) / t
 
@@ -133,7 +136,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out.pop("_last")
         payload["batches"].append(out)
         print(f"  plain {out['plain_tokens_per_s']:.1f} tok/s, SD {out['sd_tokens_per_s']:.1f} tok/s, "
-              f"x{out['speedup_tokens_per_s']:.2f}, accept {out['mean_accept_length']:.2f}", flush=True)
+              f"x{out['speedup_tokens_per_s']:.2f} (CPU time x{out['speedup_cpu_time_per_token']:.2f}), "
+              f"accept {out['mean_accept_length']:.2f}", flush=True)
         if bs == 1:
             peer = [_prompt_lookup_peer(loaded.model, prompts[0], args.max_new_tokens, args.seed + r)
                     for r in range(args.repeats)]
