@@ -1,12 +1,15 @@
-"""``tlt-lightning``: benchmarks and tools on the command line.
+"""``tlt-lightning``: GRPO training, benchmarks and tools on the command line.
 
+    tlt-lightning fit --config CONFIG [--model.x=...] [--trainer.x=...]   GRPO training (LightningCLI)
     tlt-lightning bench rollout [--json PATH] ...   engine vs HF generate, long-tail workload
     tlt-lightning bench bandit [--json PATH]          BEG-MAB vs UCB vs fixed arms, simulated
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning models                              list the registry
 
 Every subcommand takes ``--threads`` (torch intra-op threads; on shared 2-core machines one
-thread is often faster than two) before the subcommand name.
+thread is often faster than two) before the subcommand name. ``fit`` is handed to
+:mod:`tlt_lightning.fit` (jsonargparse) before argparse sees it: ``tlt-lightning fit --help``
+lists its options, and ``fit`` also takes ``--threads`` after its name.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tlt-lightning", description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     sub = parser.add_subparsers(dest="command", required=True)
+    # Listed for --help only: main() hands `fit` to LightningCLI before this parser runs.
+    sub.add_parser("fit", add_help=False,
+                   help="GRPO training from a YAML config (LightningCLI; tlt-lightning fit --help)")
 
     bench = sub.add_parser("bench", help="benchmarks (JSON + PNG)").add_subparsers(dest="bench", required=True)
     bench_rollout.add_arguments(bench.add_parser("rollout", help="RolloutEngine vs HF generate"))
@@ -44,18 +50,52 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    args.argv = argv
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may wait on a hub download
+def _split_fit(argv: list[str]) -> tuple[list[str], list[str]] | None:
+    """``(global options, ["fit", ...])`` when the subcommand is ``fit``, else ``None``.
+
+    The only global option is ``--threads N`` / ``--threads=N``; anything else before the
+    subcommand (``-h``, a typo) is left to argparse.
+    """
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--threads":
+            i += 2
+        elif argv[i].startswith("--threads="):
+            i += 1
+        else:
+            break
+    if i < len(argv) and argv[i] == "fit":
+        return argv[:i], argv[i:]
+    return None
+
+
+def _set_threads(threads: int | None) -> None:
     import torch
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if threads is not None:
+        if threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may wait on a hub download
+    fit = _split_fit(argv)
+    if fit is not None:
+        global_args, fit_args = fit
+        threads = argparse.ArgumentParser(prog="tlt-lightning", add_help=False)
+        threads.add_argument("--threads", type=int, default=None)
+        _set_threads(threads.parse_args(global_args).threads)
+        from tlt_lightning import fit as fit_job
+
+        fit_job.main(fit_args)
+        return 0
+    # Not for fit: Lightning and MLflow configure their own loggers, a root handler would repeat them.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args = _parser().parse_args(argv)
+    args.argv = argv
+    _set_threads(args.threads)
     if args.command == "models":
         from tlt_lightning.models import available_models
 

@@ -13,10 +13,12 @@ from tlt_lightning.rl.rewards import (
     follows_format,
 )
 from tlt_lightning.rl.sources import (
+    SYNTHETIC_REWARDS,
     IndexDataset,
     PromptIndexLoader,
     PromptSource,
     RewardFn,
+    SyntheticPromptSource,
     TaskPromptSource,
     TokenPromptSource,
 )
@@ -40,6 +42,7 @@ __all__ = [
     "EASY_TASK_KWARGS",
     "EXPLICIT_SOURCES",
     "SUPPORTED_TASKS",
+    "SYNTHETIC_REWARDS",
     "AnswerKind",
     "Extraction",
     "GRPOLossOutput",
@@ -54,6 +57,7 @@ __all__ = [
     "RewardBatch",
     "RewardError",
     "RewardFn",
+    "SyntheticPromptSource",
     "TaskConfig",
     "TaskDataset",
     "TaskPromptSource",

@@ -7,6 +7,8 @@ prompt. Two implementations:
   completion is decoded with the tokenizer and scored by the task (the real path).
 * :class:`TokenPromptSource`: fixed token-id prompts and a :class:`RewardFn` on token ids, for tiny
   random models that have no tokenizer (tests, benchmarks of the machinery alone).
+  :class:`SyntheticPromptSource` is one built from plain settings and a reward named in
+  :data:`SYNTHETIC_REWARDS`, so a YAML config (``tlt-lightning fit``) can select it by ``class_path``.
 
 :class:`PromptIndexLoader` is the ``DataLoader`` over prompt indices: it remembers how many
 batches of the current epoch it has served, so a run resumed from a mid-epoch checkpoint sees the
@@ -24,12 +26,16 @@ from torch.utils.data import DataLoader, Dataset
 from tlt_lightning.rl.tasks import Reward, TaskDataset
 
 __all__ = [
+    "SYNTHETIC_REWARDS",
     "IndexDataset",
     "PromptIndexLoader",
     "PromptSource",
     "RewardFn",
+    "SyntheticPromptSource",
     "TaskPromptSource",
     "TokenPromptSource",
+    "copy_reward",
+    "even_reward",
 ]
 
 
@@ -131,6 +137,66 @@ class TokenPromptSource:
     def score(self, index: int, prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> Reward:
         r = float(self.reward_fn(prompt_ids, completion_ids))
         return Reward(total=r, correctness=r, format=0.0, answer=None)
+
+
+def even_reward(prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> float:
+    """Share of even token ids in the completion (``0`` for an empty one): varies within a group."""
+    if completion_ids.numel() == 0:
+        return 0.0
+    return float((completion_ids % 2 == 0).float().mean())
+
+
+def copy_reward(prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> float:
+    """Share of completion positions ``t`` that repeat the prompt: ``completion[t] == prompt[t % P]``."""
+    if completion_ids.numel() == 0 or prompt_ids.numel() == 0:
+        return 0.0
+    t = torch.arange(completion_ids.numel())
+    return float((completion_ids == prompt_ids[t % prompt_ids.numel()]).float().mean())
+
+
+# Module-level functions, so sources built from them pickle for DDP with spawned processes.
+SYNTHETIC_REWARDS: dict[str, RewardFn] = {"copy": copy_reward, "even": even_reward}
+
+# Ids below this are the tiny models' pad / bos / eos (0, 1, 2): prompts never contain them.
+_FIRST_SYNTHETIC_ID = 3
+
+
+class SyntheticPromptSource(TokenPromptSource):
+    """Random token-id prompts scored by a reward named in :data:`SYNTHETIC_REWARDS`.
+
+    A :class:`TokenPromptSource` built from plain settings (no callables), so a config file can
+    select it: ``prompt_source: {class_path: tlt_lightning.rl.SyntheticPromptSource, init_args:
+    {reward: even}}``. Prompt ids are drawn uniformly from ``[3, vocab_size)`` (ids 0-2 are the
+    tiny models' pad, bos and eos) with a generator seeded by ``seed``.
+
+    Args:
+        reward: a key of :data:`SYNTHETIC_REWARDS` (``"even"``: share of even ids; ``"copy"``:
+            share of positions that repeat the prompt).
+        num_prompts: number of distinct prompts.
+        prompt_length: tokens per prompt.
+        vocab_size: the model's vocabulary size (``128`` for the tiny registry models).
+        seed: seeds the prompts.
+
+    Example:
+        >>> source = SyntheticPromptSource("even", num_prompts=4, prompt_length=3)
+        >>> len(source), source.name
+        (4, 'synthetic:even')
+    """
+
+    def __init__(
+        self, reward: str = "even", num_prompts: int = 16, prompt_length: int = 4, vocab_size: int = 128,
+        seed: int = 0,
+    ) -> None:
+        if reward not in SYNTHETIC_REWARDS:
+            raise ValueError(f"reward must be one of {sorted(SYNTHETIC_REWARDS)}, got {reward!r}")
+        for name, value, low in (("num_prompts", num_prompts, 1), ("prompt_length", prompt_length, 1),
+                                 ("vocab_size", vocab_size, _FIRST_SYNTHETIC_ID + 1), ("seed", seed, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        generator = torch.Generator().manual_seed(seed)
+        shape = (num_prompts, prompt_length)
+        prompts = torch.randint(_FIRST_SYNTHETIC_ID, vocab_size, shape, generator=generator)
+        super().__init__(prompts.tolist(), SYNTHETIC_REWARDS[reward], name=f"synthetic:{reward}")
 
 
 class IndexDataset(Dataset):

@@ -1,0 +1,275 @@
+"""``tlt-lightning fit``: GRPO training from a YAML config, through Lightning's ``LightningCLI``.
+
+    tlt-lightning --threads 1 fit --config configs/grpo_smollm2.yaml
+    tlt-lightning fit --config configs/grpo_smollm2.yaml --model.lr=3e-5 --trainer.max_steps=30
+    tlt-lightning fit --config configs/grpo_smollm2.yaml --print_config     # the resolved config
+
+The module is :class:`~tlt_lightning.rl.GRPOModule`: its constructor arguments are the ``model:``
+section (``--model.x=...``), Lightning's ``Trainer`` arguments the ``trainer:`` section
+(``--trainer.x=...``). jsonargparse checks both against the signatures, so a misspelt key stops
+the run before anything loads, naming the key. ``--ckpt_path`` resumes a run.
+
+Tracking goes through :func:`tracking_logger`, a logger factory the configs name as
+``trainer.logger``: an MLflow run in a local sqlite store by default (any tracking URI with
+``--trainer.logger.init_args.tracking_uri=...``), or a CSV logger with a one-line warning where
+MLflow is not installed. The resolved config is saved next to the run and, with MLflow, as the
+run's ``config.yaml`` artifact.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
+
+from tlt_lightning.rl.module import GRPOModule
+
+__all__ = [
+    "DEFAULT_TRACKING_URI",
+    "GRPOCLI",
+    "GRPOProgressBar",
+    "TrackingSaveConfig",
+    "main",
+    "mlflow_available",
+    "tracking_logger",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"
+DEFAULT_EXPERIMENT = "tlt-lightning"
+
+
+def mlflow_available(tracking_uri: str = DEFAULT_TRACKING_URI) -> bool:
+    """Whether MLflow can log to ``tracking_uri``: ``mlflow`` imports, and sqlite stores find SQLAlchemy.
+
+    Found without importing them (``mlflow`` takes a second to import).
+    """
+    needed = ["mlflow"]
+    if tracking_uri.startswith("sqlite:"):
+        needed += ["sqlalchemy", "alembic"]  # the sqlite store's ORM and its schema migrations
+    return all(importlib.util.find_spec(name) is not None for name in needed)
+
+
+def _sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a ``sqlite:///PATH`` URI (relative to the working directory), else ``None``."""
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix) or tracking_uri[len(prefix):] in ("", ":memory:"):
+        return None
+    return Path(tracking_uri[len(prefix):])
+
+
+def tracking_logger(
+    tracking_uri: str = DEFAULT_TRACKING_URI,
+    experiment_name: str = DEFAULT_EXPERIMENT,
+    run_name: str | None = None,
+    tags: dict[str, Any] | None = None,
+    artifact_location: str | None = None,
+    fallback_dir: str = "runs/fit",
+) -> Logger:
+    """An :class:`~lightning.pytorch.loggers.MLFlowLogger`, or a ``CSVLogger`` where MLflow is missing.
+
+    A factory, so that a config can name it as ``trainer.logger`` (``class_path:
+    tlt_lightning.fit.tracking_logger``) and the same config runs with and without the ``mlflow``
+    extra. Metrics and the module's hyper-parameters reach either logger.
+
+    Args:
+        tracking_uri: MLflow tracking URI; default a local sqlite store, ``runs/mlflow.db`` (MLflow 3
+            keeps its ``./mlruns`` file store in maintenance mode). Any URI MLflow accepts works
+            (``http://host:5000``, ``databricks``, ...).
+        experiment_name: MLflow experiment (created on first use); the CSV logger's ``name``.
+        run_name: MLflow run name; ``None``: ``fit-<local time>`` (MLflow's random names repeat
+            from run to run once ``seed_everything`` has seeded Python's ``random``).
+        tags: MLflow run tags.
+        artifact_location: where a *new* experiment stores artifacts; ``None``: for a sqlite store,
+            ``mlartifacts/`` beside the database file, else MLflow's default.
+        fallback_dir: the CSV logger's directory when MLflow is not available.
+
+    Example:
+        >>> logger = tracking_logger("sqlite:////tmp/mlflow.db", run_name="try-1")  # doctest: +SKIP
+        >>> Trainer(logger=logger, max_steps=2).fit(module)  # doctest: +SKIP
+    """
+    if not mlflow_available(tracking_uri):
+        log.warning(
+            "MLflow is not installed (pip install 'tlt-lightning[mlflow]'): logging to CSV under %s instead",
+            fallback_dir,
+        )
+        return CSVLogger(fallback_dir, name=experiment_name)
+    if run_name is None:
+        run_name = time.strftime("fit-%Y%m%d-%H%M%S")
+    database = _sqlite_path(tracking_uri)
+    if database is not None:
+        # sqlite creates the file but not its directory.
+        database.parent.mkdir(parents=True, exist_ok=True)
+        if artifact_location is None:
+            artifact_location = (database.parent / "mlartifacts").resolve().as_uri()
+    return MLFlowLogger(
+        experiment_name=experiment_name, run_name=run_name, tracking_uri=tracking_uri, tags=tags,
+        artifact_location=artifact_location,
+    )
+
+
+class GRPOProgressBar(TQDMProgressBar):
+    """One bar over the optimizer steps of the run, showing the GRPO numbers of the last step.
+
+    ``step 7/16 [..] reward=0.412, acc=0.31, len=38, accept=2.10, tok/s=212``: mean reward,
+    accuracy (share of completions scored ``> 0`` by the task), mean response length, mean accept
+    length of speculative decoding (``off`` when no speculative step ran: no drafter) and rollout
+    tokens per second. The module's own rollout bar (``rollout_progress``) shows below it while a
+    rollout runs. Counts steps up to ``trainer.max_steps`` across epochs when it is set, else
+    Lightning's per-epoch batches.
+    """
+
+    # Lightning's, with tqdm's own rate (``48.2s/it`` for GRPO steps, not ``0.02it/s``).
+    BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
+    # (label, logged metric, format)
+    SHOWN = (
+        ("reward", "reward/mean", "{:.3f}"),
+        ("acc", "reward/accuracy", "{:.2f}"),
+        ("len", "response/length_mean", "{:.0f}"),
+        ("accept", "rollout/accept_length", "{:.2f}"),
+        ("tok/s", "rollout/tokens_per_s", "{:.0f}"),
+    )
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, str]:
+        metrics = trainer.callback_metrics
+        shown = {label: fmt.format(float(metrics[key])) for label, key, fmt in self.SHOWN if key in metrics}
+        if "accept" in shown and float(metrics["rollout/accept_length"]) == 0:
+            shown["accept"] = "off"  # the metric is 0 when no speculative step ran (no drafter)
+        return shown
+
+    def on_train_epoch_start(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.max_steps <= 0:  # no step budget: Lightning's per-epoch bar
+            super().on_train_epoch_start(trainer, *args)
+            return
+        bar = self.train_progress_bar
+        if bar.total != trainer.max_steps:  # first epoch of this fit: one bar for all of them
+            bar.reset(total=trainer.max_steps)
+            bar.n = trainer.global_step  # a resumed run starts where it left off
+            bar.set_description("step")
+            bar.refresh()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.max_steps <= 0:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return
+        bar = self.train_progress_bar
+        if not bar.disable:
+            bar.n = trainer.global_step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes
+
+
+class TrackingSaveConfig(SaveConfigCallback):
+    """Saves the resolved config beside the run and, with MLflow, as the run's ``config.yaml`` artifact.
+
+    Beside the run: ``<default_root_dir>/<experiment id>/<run id>/`` for MLflow (where Lightning's
+    ``ModelCheckpoint`` writes that run's checkpoints; an MLflow logger with a database store has no
+    log directory of its own), else the logger's log directory. Construct with
+    ``save_to_log_dir=False`` (Lightning's own saving needs a log directory).
+    """
+
+    # Trainer arguments that are objects (logged elsewhere or not parameters at all).
+    _UNLOGGED_TRAINER_KEYS = frozenset({"callbacks", "logger", "plugins", "profiler", "strategy"})
+
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        text = self.parser.dump(self.config, skip_none=False)
+        logger = trainer.logger
+        if isinstance(logger, MLFlowLogger):
+            logger.experiment.log_text(logger.run_id, text, self.config_filename)
+            directory = Path(trainer.default_root_dir, str(logger.experiment_id), str(logger.run_id))
+        else:
+            directory = Path(trainer.log_dir or trainer.default_root_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / self.config_filename).write_text(text)
+        if logger is not None:
+            logger.log_hyperparams(self.extra_hyperparams(pl_module))
+
+    def extra_hyperparams(self, pl_module: LightningModule) -> dict[str, Any]:
+        """What the Trainer's own hyper-parameter logging misses: the task, the prompt source, the trainer.
+
+        Lightning logs the module's initial hyper-parameters; the task and the prompt source are
+        not among them (the module keeps the task as a dataclass, a source may not serialise).
+        """
+        config = self.config.as_dict()
+        trainer = {k: v for k, v in config.get("trainer", {}).items()
+                   if k not in self._UNLOGGED_TRAINER_KEYS and v is not None}
+        params: dict[str, Any] = {"trainer": trainer, "seed_everything": config.get("seed_everything"),
+                                  "threads": config.get("threads")}
+        task = getattr(pl_module, "hparams", {}).get("task")
+        source = config.get("model", {}).get("prompt_source")
+        if source is not None:
+            params["prompt_source"] = source
+        elif task is not None:
+            params["task"] = task
+        return params
+
+
+class GRPOCLI(LightningCLI):
+    """``LightningCLI`` for :class:`~tlt_lightning.rl.GRPOModule`, with only the ``fit`` subcommand.
+
+    Adds ``--threads`` (torch intra-op threads, set before anything is built). The optimizer is the
+    module's own (AdamW with ``model.lr``), so no ``--optimizer`` section is added.
+
+    Example:
+        >>> GRPOCLI(args=["fit", "--config", "configs/grpo_tiny.yaml"])  # doctest: +SKIP
+    """
+
+    def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
+        super().__init__(
+            GRPOModule,
+            save_config_callback=TrackingSaveConfig,
+            save_config_kwargs={"save_to_log_dir": False},
+            seed_everything_default=0,
+            auto_configure_optimizers=False,
+            parser_kwargs={"fit": {"prog": "tlt-lightning fit"}},
+            args=None if args is None else list(args),
+            run=run,
+        )
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # GRPO has no validation or test loop: fit is the job. The set holds the Trainer.fit
+        # arguments the CLI supplies itself (everything else, e.g. ckpt_path, becomes a flag).
+        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"}}
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--threads", type=int | None, default=None,
+            help="torch intra-op threads (on shared 2-core machines 1 is often faster than 2)",
+        )
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand
+        threads = config.get("threads")
+        if threads is not None:
+            if threads < 1:
+                raise ValueError(f"threads must be an int >= 1, got {threads}")
+            torch.set_num_threads(threads)
+
+
+def main(args: Sequence[str]) -> None:
+    """Run ``tlt-lightning fit``; ``args`` start with ``"fit"``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may wait on a hub download
+    # GRPO takes one optimizer step per rollout batch: a checkpoint holds the weights after that
+    # step, which is what resuming needs. Lightning warns about it on every manual-optimization run.
+    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+    # Parsed as the command line (LightningCLI warns when given both `args` and a sys.argv).
+    saved, sys.argv = sys.argv, ["tlt-lightning", *args]
+    try:
+        GRPOCLI()
+    finally:
+        sys.argv = saved

@@ -1,0 +1,224 @@
+"""``tlt-lightning`` and its ``fit`` job: LightningCLI configs, key checking, MLflow tracking."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
+
+from tlt_lightning import cli
+from tlt_lightning.fit import GRPOCLI, GRPOProgressBar, mlflow_available, tracking_logger
+from tlt_lightning.rl import GRPOModule, SyntheticPromptSource
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "grpo_tiny.yaml")
+SMOLLM2 = str(ROOT / "configs" / "grpo_smollm2.yaml")
+
+needs_mlflow = pytest.mark.skipif(not mlflow_available(), reason="the mlflow extra is not installed")
+
+
+def tmp_args(tmp_path: Path) -> list[str]:
+    """Overrides that keep a run's files (MLflow store, checkpoints, config) inside ``tmp_path``."""
+    return [f"--trainer.logger.init_args.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+            f"--trainer.logger.init_args.fallback_dir={tmp_path}/csv",
+            f"--trainer.default_root_dir={tmp_path}/fit"]
+
+
+def mlflow_runs(tmp_path: Path, experiment: str) -> tuple:
+    """``(client, runs)`` of ``experiment`` in the sqlite store of :func:`tmp_args`, newest first."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    return client, client.search_runs(
+        [client.get_experiment_by_name(experiment).experiment_id], order_by=["start_time DESC"]
+    )
+
+
+# ---------------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize("argv", [
+    ["fit", "--model.no_such_key=1"],
+    ["--threads", "1", "fit", "--config", TINY, "--model.no_such_key=1"],
+])
+def test_fit_rejects_a_bad_key_naming_it(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code != 0
+    assert "no_such_key" in capsys.readouterr().err
+
+
+def test_fit_rejects_a_bad_key_in_the_config_file(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text("trainer:\n  max_stepz: 3\n")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--config", str(config)])
+    assert exit_info.value.code != 0
+    assert "max_stepz" in capsys.readouterr().err
+
+
+def test_print_config_resolves_the_config_and_overrides(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--config", TINY, "--model.lr=0.5", "--print_config"])
+    assert exit_info.value.code in (0, None)
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["model"]["model"] == "tiny-llama"
+    assert config["model"]["lr"] == 0.5
+    assert config["model"]["prompt_source"]["class_path"] == "tlt_lightning.rl.SyntheticPromptSource"
+    assert config["trainer"]["logger"]["class_path"] == "tlt_lightning.fit.tracking_logger"
+
+
+def test_default_config_is_the_real_model_on_the_default_task(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", SMOLLM2, "--print_config"])
+    config = yaml.safe_load(capsys.readouterr().out)
+    model, trainer = config["model"], config["trainer"]
+    assert model["model"] == "smollm2-135m"
+    assert model["task"]["name"] == "chain_sum" and model["task"]["easy"] is True
+    assert model["speculative"] is True and model["rollout_progress"] is True
+    assert trainer["log_every_n_steps"] == 1 and trainer["max_steps"] > 0
+    assert trainer["default_root_dir"] == "runs/fit"
+    assert trainer["logger"]["init_args"]["tracking_uri"] == "sqlite:///runs/mlflow.db"
+    callbacks = {c["class_path"] for c in trainer["callbacks"]}
+    assert {"tlt_lightning.fit.GRPOProgressBar", "lightning.pytorch.callbacks.ModelCheckpoint"} <= callbacks
+
+
+def test_global_threads_option_is_split_off_before_fit():
+    split = cli._split_fit(["--threads", "1", "fit", "-c", "x.yaml"])
+    assert split == (["--threads", "1"], ["fit", "-c", "x.yaml"])
+    assert cli._split_fit(["--threads=2", "fit"]) == (["--threads=2"], ["fit"])
+    assert cli._split_fit(["fit", "--print_config"]) == ([], ["fit", "--print_config"])
+    assert cli._split_fit(["models"]) is None
+    assert cli._split_fit(["bench", "rollout", "fit"]) is None
+
+
+def test_other_subcommands_still_work(capsys):
+    assert cli.main(["--threads", "1", "models"]) == 0
+    assert "tiny-llama" in capsys.readouterr().out.split()
+    with pytest.raises(SystemExit, match="--threads must be >= 1, got 0"):
+        cli.main(["--threads", "0", "fit", "--print_config"])
+
+
+# ---------------------------------------------------------------------------------- tracking
+
+
+def test_tracking_logger_falls_back_to_csv_without_mlflow(tmp_path, monkeypatch, caplog):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "mlflow" else real(name, *a))
+    assert not mlflow_available()
+    with caplog.at_level(logging.WARNING, logger="tlt_lightning.fit"):
+        logger = tracking_logger(fallback_dir=str(tmp_path / "csv"))
+    assert isinstance(logger, CSVLogger)
+    assert Path(logger.save_dir) == tmp_path / "csv"
+    assert [r.getMessage() for r in caplog.records] == [
+        "MLflow is not installed (pip install 'tlt-lightning[mlflow]'): "
+        f"logging to CSV under {tmp_path / 'csv'} instead"
+    ]
+
+
+@needs_mlflow
+def test_tracking_logger_is_mlflow_on_a_sqlite_store(tmp_path):
+    logger = tracking_logger(f"sqlite:///{tmp_path}/db/mlflow.db", experiment_name="x", run_name="r")
+    assert isinstance(logger, MLFlowLogger)
+    assert (tmp_path / "db").is_dir()  # sqlite creates the file, not its directory
+    experiment = logger.experiment.get_experiment(logger.experiment_id)  # created on first access
+    assert experiment.name == "x"
+    assert experiment.artifact_location == (tmp_path / "db" / "mlartifacts").resolve().as_uri()
+    assert (tmp_path / "db" / "mlflow.db").is_file()
+
+
+@needs_mlflow
+def test_fit_tiny_config_logs_metrics_and_params_to_mlflow(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # anything a relative default would write lands here
+    argv = ["--threads", "1", "fit", "--config", TINY, "--trainer.max_steps=2", *tmp_args(tmp_path)]
+    assert cli.main(argv) == 0
+    client, runs = mlflow_runs(tmp_path, "tlt-lightning-tiny")
+    (run,) = runs
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name.startswith("fit-")
+    history = client.get_metric_history(run.info.run_id, "reward/mean")
+    assert sorted(m.step for m in history) == [0, 1]
+    expected = {"reward/mean", "reward/accuracy", "response/length_mean", "rollout/accept_length",
+                "rollout/tokens_per_s", "train/loss", "train/grad_norm", "time/rollout_s"}
+    assert expected <= set(run.data.metrics)
+    params = run.data.params
+    assert params["model"] == "tiny-llama" and params["lr"] == "0.01" and params["group_size"] == "4"
+    assert params["prompt_source/init_args/reward"] == "even"
+    assert params["trainer/max_steps"] == "2" and params["threads"] == "None"
+    # The resolved config, as an MLflow artifact and beside the run's checkpoints.
+    config = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
+    assert yaml.safe_load(Path(config).read_text())["trainer"]["max_steps"] == 2
+    (beside,) = (tmp_path / "fit").glob(f"*/{run.info.run_id}/config.yaml")
+    assert yaml.safe_load(beside.read_text())["model"]["model"] == "tiny-llama"
+    # The checkpoint callback of the config: last.ckpt beside it, saved at the end of the run.
+    checkpoint = beside.parent / "checkpoints" / "last.ckpt"
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == 2
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "lightning_logs").exists()
+
+
+def test_fit_without_mlflow_logs_to_csv(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("tlt_lightning.fit.mlflow_available", lambda uri=None: False)
+    assert cli.main(["fit", "--config", TINY, "--trainer.max_steps=1", *tmp_args(tmp_path)]) == 0
+    (metrics,) = (tmp_path / "csv").rglob("metrics.csv")
+    assert "reward/mean" in metrics.read_text().splitlines()[0]
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_cli_builds_the_module_progress_bar_and_trainer_from_the_tiny_config(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])  # args only (LightningCLI warns about both)
+    args = ["--config", TINY, "--trainer.max_steps=2", "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}", "--model.prompt_source.init_args.reward=copy"]
+    fit = GRPOCLI(args=args, run=False)
+    assert isinstance(fit.model, GRPOModule)
+    assert isinstance(fit.model.prompt_source, SyntheticPromptSource)
+    assert fit.model.prompt_source.name == "synthetic:copy"
+    bar = fit.trainer.progress_bar_callback
+    assert isinstance(bar, GRPOProgressBar)
+    fit.trainer.fit(fit.model)
+    assert fit.trainer.global_step == 2
+    assert bar.train_progress_bar.n == 2 and bar.train_progress_bar.total == 2
+    shown = bar.get_metrics(fit.trainer, fit.model)
+    assert list(shown) == ["reward", "acc", "len", "accept", "tok/s"]
+    reward = float(fit.trainer.callback_metrics["reward/mean"])
+    assert float(shown["reward"]) == pytest.approx(reward, abs=1e-3)
+    assert float(shown["accept"]) >= 1.0  # the config attaches a fresh drafter: speculative rollouts
+
+
+def test_threads_inside_fit_sets_torch_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    GRPOCLI(args=["--config", TINY, "--threads=1", "--trainer.logger=false",
+                  f"--trainer.default_root_dir={tmp_path}"], run=False)
+    assert calls == [1]
+
+
+# ---------------------------------------------------------------------------------- real model
+
+
+@pytest.mark.slow
+@needs_mlflow
+def test_fit_default_config_one_small_step_on_smollm2(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    small = ["--trainer.max_steps=1", "--model.prompts_per_step=2", "--model.group_size=2",
+             "--model.max_new_tokens=16"]
+    assert cli.main(["--threads", "1", "fit", "--config", SMOLLM2, *small, *tmp_args(tmp_path)]) == 0
+    client, (run,) = mlflow_runs(tmp_path, "tlt-lightning")
+    assert run.info.status == "FINISHED"
+    metrics, params = run.data.metrics, run.data.params
+    assert 0 <= metrics["reward/mean"] <= 1.1
+    assert 1 <= metrics["response/length_max"] <= 16
+    assert metrics["rollout/accept_length"] == 0.0  # no drafter in the default yet: no speculative step
+    assert params["model"] == "smollm2-135m" and params["task/name"] == "chain_sum"
+    assert params["task/easy"] == "True" and params["max_new_tokens"] == "16"
+    (checkpoint,) = (tmp_path / "fit").glob(f"*/{run.info.run_id}/checkpoints/*.ckpt")
+    assert checkpoint.name == "last.ckpt"
+    assert torch.load(checkpoint, weights_only=False, mmap=True)["global_step"] == 1
