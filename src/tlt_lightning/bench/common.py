@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine_info", "median", "task_prompts", "timed", "write_json"]
+__all__ = ["machine_info", "median", "save_figure", "task_prompts", "timed", "write_json"]
 
 
 def machine_info() -> dict[str, Any]:
@@ -56,4 +56,16 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path

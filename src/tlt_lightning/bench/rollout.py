@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tlt_lightning.bench.common import machine_info, median, task_prompts, timed, write_json
+from tlt_lightning.bench.common import machine_info, median, save_figure, task_prompts, timed, write_json
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
 
@@ -117,11 +117,7 @@ def plot(long_tail: RolloutResult | None, batches: list[dict[str, Any]], path: P
             r = long_tail.rollouts[i]
             b.barh(y, r.finish_time - r.first_token_time, left=r.first_token_time, height=1.0, color="tab:orange")
         b.set(xlabel="seconds", ylabel="request (by finish time)", title="Per-request timeline")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tlt_lightning.bench.common import machine_info, median, task_prompts, timed, write_json
+from tlt_lightning.bench.common import machine_info, median, save_figure, task_prompts, timed, write_json
 from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
@@ -103,11 +103,7 @@ def plot(results: dict[str, Any], long_tail: RolloutResult | None, path: Path) -
         c.scatter(spec_t, spec_n, s=4, color="tab:red", label="speculative step")
         c.set(xlabel="seconds", ylabel="active requests", title="Long tail: batch over time (SD run)")
         c.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
