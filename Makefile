@@ -6,8 +6,10 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: setup demo bench-demo test test-fast bench-rollout
 
+EXTRAS ?= mlflow,test
+
 setup:
-	VENV=$(VENV) bash scripts/setup.sh
+	VENV=$(VENV) EXTRAS=$(EXTRAS) bash scripts/setup.sh
 
 ## Main job on its default config: GRPO on the real SmolLM2-135M, reasoning-gym chain_sum, CPU
 ## (~10 minutes with 1 thread), tracked in MLflow (runs/mlflow.db).
@@ -20,10 +22,13 @@ bench-demo: setup
 		--max-new-tokens 64 --long-tail-requests 64 --long-tail-max-new 256 --repeats 1 \
 		--json runs/demo/rollout.json
 
-## The whole test suite (fast tests on tiny random models, slow ones on the real model).
+## The whole test suite (fast tests on tiny random models, slow ones on the real model), with the
+## optional torchtune and efficiency extras installed so their tests run too.
+test: EXTRAS = mlflow,test,torchtune,efficiency
 test: setup
 	$(PY) -m pytest -m "not gpu" -q
 
+test-fast: EXTRAS = mlflow,test,torchtune,efficiency
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not gpu" -q
 

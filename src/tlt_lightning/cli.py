@@ -3,7 +3,11 @@
     tlt-lightning fit --config CONFIG [--model.x=...] [--trainer.x=...]   GRPO training (LightningCLI)
     tlt-lightning bench rollout [--json PATH] ...   engine vs HF generate, long-tail workload
     tlt-lightning bench bandit [--json PATH]          BEG-MAB vs UCB vs fixed arms, simulated
+    tlt-lightning bench checkpoint [--json PATH] ...  budgeted vs static activation checkpointing
+    tlt-lightning bench strategies --drafter DIR ...  BEG-MAB vs fixed SD arms on a real long-tail rollout
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
+    tlt-lightning export-drafter CKPT OUT [--model M]  drafter checkpoint -> EAGLE dir for vLLM / SGLang
+    tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune-style recipe config
     tlt-lightning models                              list the registry
 
 Every subcommand takes ``--threads`` (torch intra-op threads; on shared 2-core machines one
@@ -25,7 +29,9 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
+    from tlt_lightning.bench import checkpoint as bench_checkpoint
     from tlt_lightning.bench import rollout as bench_rollout
+    from tlt_lightning.bench import strategies as bench_strategies
     from tlt_lightning.recipes import drafter_warmup
 
     parser = argparse.ArgumentParser(prog="tlt-lightning", description=__doc__.split("\n")[0])
@@ -43,8 +49,29 @@ def _parser() -> argparse.ArgumentParser:
     bandit.add_argument("--json", default="runs/bench/bandit.json")
     bandit.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 
+    bench_checkpoint.add_arguments(
+        bench.add_parser("checkpoint", help="budgeted (DP) vs static every-other-layer activation checkpointing")
+    )
+
+    bench_strategies.add_arguments(
+        bench.add_parser("strategies", help="BEG-MAB vs every fixed SD arm vs no SD on a real long-tail rollout")
+    )
+
     drafter = sub.add_parser("drafter", help="drafter tools").add_subparsers(dest="drafter", required=True)
     drafter_warmup.add_arguments(drafter.add_parser("warmup", help="train a drafter on the target's rollouts"))
+
+    export = sub.add_parser("export-drafter", help="write a drafter checkpoint in the EAGLE format of vLLM / SGLang")
+    export.add_argument("checkpoint", help="drafter checkpoint directory (from `drafter warmup` or save_drafter)")
+    export.add_argument("out", help="output directory (config.json, model.safetensors, README.md)")
+    export.add_argument("--model", default="smollm2-135m",
+                        help="the target the drafter drafts for: registry name or local HF directory")
+    export.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="weight dtype of the export (default: the target's)")
+    export.add_argument("--seed", type=int, default=0, help="seed of a tiny registry model's random weights")
+
+    tune = sub.add_parser("torchtune", help="GRPO from a torchtune-style recipe config (needs the torchtune extra)")
+    tune.add_argument("--config", required=True, help="recipe YAML with _component_ entries")
+    tune.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (torchtune syntax)")
 
     sub.add_parser("models", help="list registry model names")
     return parser
@@ -114,11 +141,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         ratios = {name: round(v["reward_vs_oracle"], 3) for name, v in result["strategies"].items()}
         print(f"[bench bandit] reward / per-bucket oracle: {json.dumps(ratios)}")
         print(f"[bench bandit] wrote {args.json} and {plot}")
+    elif args.command == "bench" and args.bench == "checkpoint":
+        from tlt_lightning.bench import checkpoint
+
+        checkpoint.run(args)
+    elif args.command == "bench" and args.bench == "strategies":
+        from tlt_lightning.bench import strategies
+
+        strategies.run(args)
     elif args.command == "drafter" and args.drafter == "warmup":
         from tlt_lightning.recipes import drafter_warmup
 
         drafter_warmup.run(args)
+    elif args.command == "export-drafter":
+        _export_drafter(args)
+    elif args.command == "torchtune":
+        from tlt_lightning.recipes import grpo_torchtune
+
+        try:
+            config = grpo_torchtune.load_config(args.config, args.overrides)
+        except ValueError as err:  # a misspelt key or a bad override: one line, before anything loads
+            raise SystemExit(f"torchtune: {err}") from err
+        grpo_torchtune.run(config)
     return 0
+
+
+def _export_drafter(args: argparse.Namespace) -> None:
+    from tlt_lightning.drafter import export_drafter, import_drafter
+    from tlt_lightning.models import HFTarget, load_model
+
+    target = HFTarget(load_model(args.model, seed=args.seed).model)
+    try:
+        out = export_drafter(args.checkpoint, args.out, target, dtype=args.dtype)
+    except ValueError as err:  # a wrong checkpoint or target: one line, no traceback
+        raise SystemExit(f"export-drafter: {err}") from err
+    config = import_drafter(out, target).config  # proves the export loads back
+    vocab = f"{config.draft_vocab} of {config.vocab_size}" if config.reduced_vocab else f"all {config.vocab_size}"
+    print(f"[export-drafter] wrote a {config.kind} drafter ({vocab} tokens) for {args.model} to {out}")
 
 
 if __name__ == "__main__":

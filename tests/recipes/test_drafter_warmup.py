@@ -12,7 +12,8 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     """The two commands chained on SmolLM2 with tiny settings: artefacts exist and reload."""
     out, cache = tmp_path / "drafter", tmp_path / "rollouts.pt"
     args = ["--threads", "1", "drafter", "warmup", "--task", "countdown", "--prompts", "12", "--max-new-tokens", "24",
-            "--rollout-batch", "6", "--draft-vocab", "2048", "--rollouts-cache", str(cache), "--out", str(out)]
+            "--rollout-batch", "6", "--draft-vocab", "2048",
+            "--dtype", "bfloat16", "--precision", "bf16-mixed", "--rollouts-cache", str(cache), "--out", str(out)]
     main([*args, "--steps", "2"])
     main([*args, "--steps", "15"])  # same rollouts, read back from the cache
     assert "reusing 12 rollouts" in capsys.readouterr().out
@@ -29,10 +30,11 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     path = tmp_path / "sd.json"
     main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "2",
           "--max-new-tokens", "12", "--long-tail-requests", "4", "--long-tail-max-new", "16", "--threshold", "5",
-          "--repeats", "1", "--json", str(path)])
+          "--depth", "2", "--topk", "2", "--draft-tokens", "3", "--dtype", "bfloat16", "--repeats", "1", "--json", str(path)])
     data = json.loads(path.read_text())
     batch = data["batches"][0]
     assert batch["requests"] == 2 and batch["sd_step_fraction"] == 1.0 and batch["mean_accept_length"] >= 1
+    assert data["strategy"] == "tree2x2/3" and data["dtype"] == "bfloat16"
     assert data["long_tail"]["threshold"] == 5 and data["long_tail"]["sd_step_fraction"] == 1.0
     assert path.with_suffix(".png").stat().st_size > 10_000
 

@@ -134,7 +134,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sd = p.add_argument_group("speculative decoding (--speculative)")
     sd.add_argument("--speculative", action="store_true", help="compare plain decoding with speculative decoding")
     sd.add_argument("--drafter", default=None, help="drafter checkpoint directory (from `drafter warmup`)")
-    sd.add_argument("--depth", type=int, default=4, help="drafted tokens per step (chain)")
+    sd.add_argument("--depth", type=int, default=4, help="draft steps per speculation (chain length, tree depth)")
+    sd.add_argument("--topk", type=int, default=1, help="children per tree node (1 = chain)")
+    sd.add_argument("--draft-tokens", type=int, default=None,
+                    help="tree nodes verified per step (default: 2 x depth for trees)")
     sd.add_argument("--threshold", type=int, default=32, help="speculate below this many active requests")
     sd.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the comparison")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
@@ -167,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     long_tail = None
     payload: dict[str, Any] = {
         "benchmark": "rollout",
-        "command": "tlt-lightning bench rollout " + " ".join(getattr(args, "argv", [])),
+        "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "task": args.task, "machine": machine_info(),
         "batches": batches,
     }

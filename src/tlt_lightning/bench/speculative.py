@@ -114,14 +114,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
     target = HFTarget(loaded.model)
     drafter = load_drafter(args.drafter, target).eval()
-    strategy = SDStrategy(args.depth)
+    strategy = SDStrategy(args.depth, args.topk, args.draft_tokens)
     count = max([*args.batch_sizes, args.long_tail_requests, 1])
     prompts = task_prompts(loaded.tokenizer, args.task, count, seed=args.seed)
     cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     plain = RolloutEngine(target, cfg)
     payload: dict[str, Any] = {
         "benchmark": "rollout-speculative",
-        "command": "tlt-lightning bench rollout " + " ".join(getattr(args, "argv", [])),
+        "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "task": args.task, "drafter": str(args.drafter),
         "strategy": str(strategy), "temperature": args.temperature, "machine": machine_info(), "batches": [],
     }

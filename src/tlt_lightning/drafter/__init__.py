@@ -1,4 +1,4 @@
-"""EAGLE-style drafter: config, model, losses, training on rollouts, checkpoint I/O (no Lightning)."""
+"""EAGLE-style drafter: config, model, losses, training on rollouts, checkpoint I/O, EAGLE export (no Lightning)."""
 
 from tlt_lightning.drafter.buffer import BufferConfig, DrafterSample, RolloutBuffer
 from tlt_lightning.drafter.checkpoint import (
@@ -8,6 +8,13 @@ from tlt_lightning.drafter.checkpoint import (
     snapshot_state,
 )
 from tlt_lightning.drafter.config import DRAFTER_KINDS, SUPPORTED_MODEL_TYPES, DrafterConfig
+from tlt_lightning.drafter.eagle_format import EXPORT_MODEL_TYPES
+from tlt_lightning.drafter.export import (
+    eagle_state_dict,
+    export_drafter,
+    export_drafter_model,
+    import_drafter,
+)
 from tlt_lightning.drafter.io import load_drafter, read_drafter_config, save_drafter
 from tlt_lightning.drafter.losses import DrafterLoss, LossOutput, feature_loss, soft_ce, top1_agreement
 from tlt_lightning.drafter.model import AttentionCache, Drafter
@@ -26,6 +33,7 @@ from tlt_lightning.drafter.train import (
 
 __all__ = [
     "DRAFTER_KINDS",
+    "EXPORT_MODEL_TYPES",
     "SUPPORTED_MODEL_TYPES",
     "AsyncCheckpointer",
     "AttentionCache",
@@ -45,9 +53,13 @@ __all__ = [
     "benchmark_packing",
     "drafter_losses",
     "drafter_train_step",
+    "eagle_state_dict",
     "evaluate_drafter",
+    "export_drafter",
+    "export_drafter_model",
     "feature_loss",
     "fill_ratio",
+    "import_drafter",
     "load_drafter",
     "make_batches",
     "pack_batches",

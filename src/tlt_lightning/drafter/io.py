@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,16 +53,27 @@ def save_drafter(drafter: Drafter, directory: str | os.PathLike) -> Path:
         not directory.is_dir() or (any(directory.iterdir()) and not (directory / CONFIG_NAME).is_file())
     ):
         raise ValueError(f"{directory} exists and is not a drafter checkpoint; refusing to overwrite it")
-    directory.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
     meta = {"format_version": FORMAT_VERSION, "config": drafter.config.to_dict()}
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt", "format_version": str(FORMAT_VERSION)})
+        (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+
+    return replace_directory(directory, write)
+
+
+def replace_directory(directory: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` into a temp dir beside ``directory``, then rename it into place.
+
+    The caller checks that ``directory`` may be replaced. Killed at any point, the old directory
+    (or, after the swap, the new one) is complete: readers never see a half-written checkpoint.
+    """
+    directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
     old = None
     try:
-        save_file(
-            tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt", "format_version": str(FORMAT_VERSION)}
-        )
-        (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+        write(tmp)
         tmp.chmod(0o755)
         if directory.exists():  # rename() cannot replace a non-empty directory: move the old one aside
             old = directory.with_name(f".{directory.name}-old-{os.getpid()}")

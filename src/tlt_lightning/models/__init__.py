@@ -1,4 +1,11 @@
-"""Target models: registry and offline loading, the target adapter protocol, the KV cache."""
+"""Target models: registry and offline loading, the target adapter protocol, the KV cache.
+
+``TorchtuneTarget`` and ``torchtune_from_hf`` (:mod:`tlt_lightning.models.torchtune_target`) need the
+optional ``torchtune`` extra: they are imported on first access, so importing this package never
+needs torchtune, and accessing them without it raises an ``ImportError`` naming the extra.
+"""
+
+from typing import Any
 
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.registry import LoadedModel, ModelNotFoundError, available_models, cache_dir, load_model
@@ -17,3 +24,13 @@ __all__ = [
     "default_feature_layers",
     "load_model",
 ]
+
+_TORCHTUNE = ("TorchtuneTarget", "torchtune_from_hf")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCHTUNE:  # optional extra: imported on first use only
+        from tlt_lightning.models import torchtune_target
+
+        return getattr(torchtune_target, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

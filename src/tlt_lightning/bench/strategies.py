@@ -1,0 +1,146 @@
+"""``tlt-lightning bench strategies``: BEG-MAB vs every fixed SD arm vs no SD on a real long-tail rollout.
+
+The same prompts, seeds, model and drafter for every run; only the strategy chooser differs. Each
+fixed arm is applied at every step below ``--threshold`` active requests (above it every run
+decodes plainly), and the bandit chooses among the same arms. The bandit keeps its state across
+rollouts, as it does across RL steps: it first learns on ``--warm-rollouts`` rollouts of other
+prompts of the task, then the measured rollout runs (cold numbers are reported too). "SD off" runs
+first and last, so a drift of the machine's speed during the benchmark shows in the JSON.
+
+Goal (issue): the bandit within 5% of the best fixed arm in hindsight, better than the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlt_lightning.bench.common import machine_info, median, task_prompts, timed, write_json
+from tlt_lightning.drafter import load_drafter
+from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.rollout import RolloutConfig
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.scheduling.bandit import BEGMABStrategy, arm_key, default_arms
+from tlt_lightning.scheduling.baselines import FixedStrategy
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", required=True, help="drafter checkpoint directory (from `drafter warmup`)")
+    p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
+    p.add_argument("--requests", type=int, default=128, help="prompts in the long-tail rollout")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--threshold", type=int, default=32, help="strategies apply below this many active requests")
+    p.add_argument("--warm-rollouts", type=int, default=1, help="bandit rollouts on other prompts before the measured one")
+    p.add_argument("--epsilon", type=float, default=0.1, help="BEG-MAB exploration probability")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="runs/bench/strategies.json")
+    p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+
+
+def _measure(loop: SpeculativeRolloutLoop, prompts: list[list[int]], seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    result, wall, cpu = timed(lambda: loop.generate(prompts, generator=gen))
+    stats = result.stats
+    return {
+        "seconds": wall, "cpu_seconds": cpu, "tokens": stats.generated_tokens, "steps": stats.num_steps,
+        "sd_steps": sum(stats.step_speculative), "mean_accept_length": stats.mean_accept_length,
+    }
+
+
+def plot(payload: dict[str, Any], bandit: BEGMABStrategy, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tlt_lightning.scheduling.bandit import draw_heatmaps
+
+    runs = payload["runs"]
+    names = list(runs)
+    edges, rows = bandit.heatmap_data(num_bins=10)
+    fig = plt.figure(figsize=(6 + 3.2 * len(rows), 4.2), layout="constrained")
+    grid = fig.add_gridspec(1, 1 + len(rows), width_ratios=[2] + [1] * len(rows))
+    a = fig.add_subplot(grid[0])
+    colors = ["tab:red" if n.startswith("BEG-MAB") else "tab:gray" if n.startswith("off") else "tab:blue"
+              for n in names]
+    a.barh(names, [runs[n]["seconds"] for n in names], color=colors)
+    for i, n in enumerate(names):
+        a.text(runs[n]["seconds"], i, f" {runs[n]['speedup_vs_off']:.2f}x", va="center", fontsize=8)
+    a.invert_yaxis()
+    a.set(xlabel="rollout seconds (lower is better)",
+          title=f"{payload['requests']} requests, SD below {payload['threshold']} active")
+    draw_heatmaps([fig.add_subplot(grid[1 + i]) for i in range(len(rows))], edges, rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)  # not save_figure: its tight_layout would undo the constrained layout
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("requests", "max_new_tokens", "threshold"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warm_rollouts < 0:
+        raise ValueError(f"--warm-rollouts must be >= 0, got {args.warm_rollouts}")
+    loaded = load_model(args.model, dtype=args.dtype)
+    if loaded.tokenizer is None:
+        raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
+    target = HFTarget(loaded.model)
+    drafter = load_drafter(args.drafter, target).eval()
+    n = args.requests
+    prompts = task_prompts(loaded.tokenizer, args.task, n * (1 + args.warm_rollouts), seed=args.seed)
+    measured, warm = prompts[:n], prompts[n:]
+    cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+
+    def loop(chooser) -> SpeculativeRolloutLoop:
+        return SpeculativeRolloutLoop(target, drafter, cfg, chooser, threshold=args.threshold)
+
+    arms = default_arms()
+    runs: dict[str, dict[str, Any]] = {}
+    order = [("off", None), *((arm_key(a), a) for a in arms if a is not None), ("off (again)", None)]
+    for name, arm in order:
+        print(f"[bench strategies] {name} ...", flush=True)
+        runs[name] = _measure(loop(FixedStrategy(arm)), measured, args.seed)
+        print(f"  {runs[name]['seconds']:.1f} s, accept {runs[name]['mean_accept_length']:.2f}", flush=True)
+        if name == "off":  # the bandit goes in the middle of the fixed arms' runs
+            bandit = BEGMABStrategy(arms, epsilon=args.epsilon, seed=args.seed)
+            cold = _measure(loop(bandit), measured, args.seed)
+            for i in range(args.warm_rollouts):
+                print(f"[bench strategies] BEG-MAB warm-up rollout {i + 1}/{args.warm_rollouts} ...", flush=True)
+                loop(bandit).generate(warm[i * n : (i + 1) * n], generator=torch.Generator().manual_seed(args.seed + 1 + i))
+            runs["BEG-MAB"] = _measure(loop(bandit), measured, args.seed)
+            runs["BEG-MAB (cold)"] = cold
+            print(f"  BEG-MAB {runs['BEG-MAB']['seconds']:.1f} s (cold {cold['seconds']:.1f} s)", flush=True)
+
+    off = median([runs["off"]["seconds"], runs["off (again)"]["seconds"]])
+    for r in runs.values():
+        r["speedup_vs_off"] = off / r["seconds"]
+    fixed = {arm_key(a): runs[arm_key(a)]["seconds"] for a in arms if a is not None} | {"off": off}
+    best, worst = min(fixed, key=fixed.get), max(fixed, key=fixed.get)
+    payload = {
+        "benchmark": "strategies-long-tail",
+        "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
+        "model": args.model, "dtype": args.dtype, "task": args.task, "drafter": str(args.drafter),
+        "requests": n, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "threshold": args.threshold, "warm_rollouts": args.warm_rollouts, "machine": machine_info(),
+        "best_fixed": best, "worst_fixed": worst,
+        "bandit_vs_best_fixed": fixed[best] / runs["BEG-MAB"]["seconds"],
+        "bandit_vs_worst_fixed": fixed[worst] / runs["BEG-MAB"]["seconds"],
+        "bandit_best_arms": {k: arm_key(v) for k, v in bandit.best_arms().items()},
+        "bandit_counts": bandit.counts,
+        "runs": runs,
+    }
+    json_path = write_json(args.json, payload)
+    payload["plot"] = str(plot(payload, bandit, Path(args.plot) if args.plot else json_path.with_suffix(".png")))
+    write_json(json_path, payload)
+    print(f"[bench strategies] best fixed {best}, BEG-MAB at {payload['bandit_vs_best_fixed']:.3f}x of it "
+          f"({payload['bandit_vs_worst_fixed']:.2f}x the worst); wrote {json_path}", flush=True)
+    return payload

@@ -1,0 +1,203 @@
+"""Lightning glue for the efficiency transforms: thin hooks over :mod:`.checkpoint` and :mod:`.precision`.
+
+Both work on any LightningModule; ``blocks`` / ``module`` name the part to transform (an attribute
+path such as ``"policy"`` or module-name patterns), so the same callback serves the policy, the
+drafter or a plain model.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from typing_extensions import override
+
+from tlt_lightning.efficiency.checkpoint import (
+    CheckpointHandle,
+    CheckpointPlan,
+    DynamicCheckpointing,
+    apply_checkpointing,
+    find_blocks,
+    profile_blocks,
+)
+from tlt_lightning.efficiency.precision import LayerwisePrecision, PrecisionConfig, PrecisionHandle
+
+__all__ = ["DynamicCheckpointingCallback", "LayerwisePrecisionCallback"]
+
+
+def _training_step_loss(pl_module: L.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor:
+    out = pl_module.training_step(batch, batch_idx)
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def _submodule(pl_module: nn.Module, path: str | None, field: str) -> nn.Module:
+    if path is None:
+        return pl_module
+    try:
+        return pl_module.get_submodule(path)
+    except AttributeError as err:
+        raise ValueError(f"{field}={path!r} is not a submodule of {type(pl_module).__name__}: {err}") from err
+
+
+class DynamicCheckpointingCallback(L.Callback):
+    """Profile the blocks on the first training batch, plan under the budget, checkpoint, undo at the end.
+
+    At the first ``on_train_batch_start`` the callback runs ``forward_fn(pl_module, batch)``
+    ``repeats + 1`` times (forward only, no optimizer step) to profile the blocks, plans with
+    :class:`~tlt_lightning.efficiency.checkpoint.DynamicCheckpointing` and checkpoints the chosen
+    blocks for the rest of the fit (removed at ``teardown``). Logs ``checkpoint/blocks``,
+    ``checkpoint/predicted_peak_mib`` and ``checkpoint/budget_mib``. The plan is saved with Lightning
+    checkpoints and reused on resume without profiling again. Models must be called with
+    ``use_cache=False`` in training (a KV cache would be written again by the recomputation).
+
+    Args:
+        memory_budget: peak activation bytes (see :mod:`~tlt_lightning.efficiency.memory`), or ``None``
+            with ``budget_fraction``.
+        budget_fraction: the budget as a fraction in (0, 1] of the peak without checkpointing.
+        blocks: module-name patterns of the candidate blocks (see
+            :func:`~tlt_lightning.efficiency.checkpoint.find_blocks`), relative to the LightningModule;
+            ``None``: the children of its longest ``nn.ModuleList``.
+        forward_fn: ``(pl_module, batch) -> scalar loss`` used for profiling; default: the module's
+            ``training_step`` (give a cheaper one when the step does more than a forward, e.g. an
+            RL step that generates rollouts).
+        repeats: timed profiling runs.
+
+    Example:
+        >>> # L.Trainer(callbacks=[DynamicCheckpointingCallback(budget_fraction=0.6, blocks="model.model.layers.*")])
+    """
+
+    def __init__(
+        self,
+        memory_budget: int | None = None,
+        budget_fraction: float | None = None,
+        blocks: str | Sequence[str] | None = None,
+        forward_fn: Callable[[L.LightningModule, Any], torch.Tensor] | None = None,
+        repeats: int = 2,
+    ) -> None:
+        super().__init__()
+        self.policy = DynamicCheckpointing(memory_budget, budget_fraction, repeats=repeats)
+        self.blocks = blocks
+        self.forward_fn = forward_fn
+        self.plan: CheckpointPlan | None = None
+        self._loaded: tuple[bool, ...] | None = None
+        self._handle: CheckpointHandle | None = None
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._handle is not None:
+            return
+        blocks = find_blocks(pl_module, self.blocks)
+        if self._loaded is not None and len(self._loaded) == len(blocks):
+            self._handle = apply_checkpointing(blocks, self._loaded)
+            return
+        if self.forward_fn is None:
+            forward = functools.partial(_training_step_loss, pl_module, batch, batch_idx)
+        else:
+            forward = functools.partial(self.forward_fn, pl_module, batch)
+        profile = profile_blocks(blocks, forward, self.policy.repeats)
+        self.plan = self.policy.plan(profile)
+        self._handle = apply_checkpointing(blocks, self.plan)
+        pl_module.log_dict(
+            {
+                "checkpoint/blocks": float(len(self.plan.indices)),
+                "checkpoint/predicted_peak_mib": self.plan.peak_bytes / 2**20,
+                "checkpoint/budget_mib": self.policy.budget_bytes(profile) / 2**20,
+            },
+            on_step=True, on_epoch=False,
+        )
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        flags = self.plan.checkpointed if self.plan is not None else self._loaded
+        return {"checkpointed": list(flags)} if flags is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "checkpointed" in state_dict:
+            self._loaded = tuple(bool(c) for c in state_dict["checkpointed"])
+
+
+class LayerwisePrecisionCallback(L.Callback):
+    """Apply :class:`~tlt_lightning.efficiency.precision.LayerwisePrecision` for the fit; fp16: per-group scalers.
+
+    Use with the Trainer's default ``precision="32-true"``: this callback does the autocast per
+    group. With fp16 it unscales each group's gradients in ``on_before_optimizer_step`` (before
+    Lightning clips them); on an overflow it drops every gradient (the optimizer step then changes
+    nothing) and lowers only the overflowing groups' scales. Logs ``precision/scale/{group}`` and
+    ``precision/skipped_steps``. Scales are saved with Lightning checkpoints.
+
+    Args:
+        config: the groups and dtype (default: attention and MLP in bf16).
+        module: attribute path of the part to transform (e.g. ``"policy"``); ``None``: the whole
+            LightningModule.
+
+    Example:
+        >>> # L.Trainer(callbacks=[LayerwisePrecisionCallback(PrecisionConfig(compute_dtype="float16"))])
+    """
+
+    def __init__(self, config: PrecisionConfig | None = None, module: str | None = None) -> None:
+        super().__init__()
+        self.transform = LayerwisePrecision(config)
+        self.module = module
+        self.handle: PrecisionHandle | None = None
+        self.skipped_steps = 0
+        self._pending: dict[str, Any] = {}
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.handle is None:
+            self.handle = self.transform.apply(_submodule(pl_module, self.module, "module"))
+            for name, state in self._pending.get("scalers", {}).items():
+                if name in self.handle.scalers:
+                    self.handle.scalers[name].load_state_dict(state)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.handle is None or not self.handle.scalers:
+            return
+        if not self.handle.unscale_():
+            self.skipped_steps += 1
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None  # optimizers skip parameters without a gradient
+        self.handle.update()
+        logs = {f"precision/scale/{k}": v for k, v in self.handle.scales().items()}
+        logs["precision/skipped_steps"] = float(self.skipped_steps)
+        pl_module.log_dict(logs, on_step=True, on_epoch=False)
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.handle is not None:
+            self._pending = self.state_dict()
+            self.handle.remove()
+            self.handle = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.handle is None:
+            return dict(self._pending)
+        return {
+            "scalers": {k: s.state_dict() for k, s in self.handle.scalers.items()},
+            "skipped_steps": self.skipped_steps,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_steps = int(state_dict.get("skipped_steps", self.skipped_steps))
+        self._pending = dict(state_dict)
+        if self.handle is not None:
+            for name, state in state_dict.get("scalers", {}).items():
+                if name in self.handle.scalers:
+                    self.handle.scalers[name].load_state_dict(state)

@@ -1,0 +1,30 @@
+import json
+
+import pytest
+
+from tlt_lightning.cli import main
+from tlt_lightning.drafter import Drafter, DrafterConfig, save_drafter
+from tlt_lightning.models import HFTarget, load_model
+
+
+@pytest.mark.slow
+def test_bench_strategies_runs_every_arm_and_the_bandit(tmp_path):
+    target = HFTarget(load_model("smollm2-135m", dtype="bfloat16").model)
+    save_drafter(Drafter(DrafterConfig.from_target(target, draft_vocab_size=512), target), tmp_path / "drafter")
+    path = tmp_path / "strategies.json"
+    main(["--threads", "1", "bench", "strategies", "--drafter", str(tmp_path / "drafter"), "--requests", "3",
+          "--max-new-tokens", "6", "--threshold", "4", "--warm-rollouts", "1", "--json", str(path)])
+    data = json.loads(path.read_text())
+    runs = data["runs"]
+    assert set(runs) == {"off", "off (again)", "chain2", "chain4", "chain6", "tree4x2/8", "tree5x4/16",
+                         "BEG-MAB", "BEG-MAB (cold)"}
+    assert runs["off"]["sd_steps"] == 0 and runs["chain4"]["sd_steps"] == runs["chain4"]["steps"]
+    assert all(r["tokens"] == 18 for r in runs.values())  # random drafter, yet every run emits 3 x 6 tokens
+    assert data["best_fixed"] in runs and data["bandit_vs_best_fixed"] > 0
+    assert sum(sum(c.values()) for c in data["bandit_counts"].values()) > 0
+    assert path.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_bench_strategies_rejects_bad_counts(tmp_path):
+    with pytest.raises(ValueError, match="--requests must be >= 1, got 0"):
+        main(["bench", "strategies", "--drafter", str(tmp_path), "--requests", "0"])
