@@ -13,7 +13,7 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     out, cache = tmp_path / "drafter", tmp_path / "rollouts.pt"
     args = ["--threads", "1", "drafter", "warmup", "--task", "countdown", "--prompts", "12", "--max-new-tokens", "24",
             "--rollout-batch", "6", "--draft-vocab", "2048",
-            "--dtype", "bfloat16", "--precision", "bf16-mixed", "--rollouts-cache", str(cache), "--out", str(out)]
+            "--dtype", "bfloat16", "--rollouts-cache", str(cache), "--out", str(out)]
     main([*args, "--steps", "2"])
     main([*args, "--steps", "15"])  # same rollouts, read back from the cache
     assert "reusing 12 rollouts" in capsys.readouterr().out

@@ -37,8 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="target dtype while sampling the rollouts (bfloat16 is much faster on CPUs with AMX)")
-    p.add_argument("--precision", default="32", choices=["32", "bf16-mixed"],
-                   help="drafter training precision: fp32, or fp32 weights with bf16 autocast")
     p.add_argument("--task", default="basic_arithmetic", help="reasoning-gym task for the prompts")
     p.add_argument("--prompts", type=int, default=256, help="task prompts to sample")
     p.add_argument("--samples", type=int, default=1, help="responses per prompt")
@@ -142,9 +140,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"(target {sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M); "
           f"training {args.steps} steps on {sum(r.length for r in train)} tokens ...", flush=True)
     start = time.perf_counter()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
-        history = warmup_drafter(drafter, target, train, args.steps, lr=args.lr, batch_size=args.batch_size,
-                                 loss_cfg=loss_cfg, seed=args.seed, max_len=args.max_len)
+    history = warmup_drafter(drafter, target, train, args.steps, lr=args.lr, batch_size=args.batch_size,
+                             loss_cfg=loss_cfg, seed=args.seed, max_len=args.max_len)
     train_s = time.perf_counter() - start
     after = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
     out = Path(args.out)

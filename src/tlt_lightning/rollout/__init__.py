@@ -1,6 +1,21 @@
-"""Rollout generation: the batched engine, its results, and speculative decoding on top of it."""
+"""Rollout generation: the batched engine, its results, and speculative decoding on top of it.
 
-from tlt_lightning.rollout.engine import ActiveBatch, DecodeStep, Emission, PlainStep, RolloutBackend, RolloutEngine
+``VLLMRolloutBackend``, ``VLLMBackendConfig`` and ``VLLMRolloutStats``
+(:mod:`tlt_lightning.rollout.vllm_backend`) drive the optional ``vllm`` extra on a GPU: they are
+imported on first access, and the module itself imports vLLM only when an engine is built, so
+importing this package never needs vLLM.
+"""
+
+from typing import Any
+
+from tlt_lightning.rollout.engine import (
+    ActiveBatch,
+    DecodeStep,
+    Emission,
+    PlainStep,
+    RolloutBackend,
+    RolloutEngine,
+)
 from tlt_lightning.rollout.types import Rollout, RolloutConfig, RolloutResult, RolloutStats
 
 __all__ = [
@@ -14,4 +29,17 @@ __all__ = [
     "RolloutEngine",
     "RolloutResult",
     "RolloutStats",
+    "VLLMBackendConfig",
+    "VLLMRolloutBackend",
+    "VLLMRolloutStats",
 ]
+
+_VLLM = ("VLLMBackendConfig", "VLLMRolloutBackend", "VLLMRolloutStats")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VLLM:  # optional extra: imported on first use only
+        from tlt_lightning.rollout import vllm_backend
+
+        return getattr(vllm_backend, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
