@@ -28,14 +28,21 @@ from tlt_lightning.speculative import SDStrategy
 __all__ = ["run"]
 
 
-def _pair(plain: RolloutEngine, spec: SpeculativeRolloutLoop, prompts, repeats: int, seed: int) -> dict[str, Any]:
-    """Alternate plain and speculative rollouts of ``prompts``; medians of tokens/s and times."""
+def _pair(plain: RolloutEngine, spec: SpeculativeRolloutLoop, prompts, size: int, repeats: int, seed: int
+          ) -> dict[str, Any]:
+    """Alternate plain and speculative rollouts of ``size`` prompts; medians of tokens/s and times.
+
+    Repeat ``r`` takes the ``r``-th group of ``size`` prompts (wrapping around), so small batches
+    average over several prompts instead of timing one prompt again and again.
+    """
     rows: dict[str, list[float]] = {"plain_tps": [], "sd_tps": [], "plain_s": [], "sd_s": [], "plain_cpu_s": [],
                                     "sd_cpu_s": [], "accept": [], "sd_step_fraction": []}
     last: RolloutResult | None = None
     for r in range(repeats):
-        a, ta, ca = timed(lambda: plain.generate(prompts, generator=torch.Generator().manual_seed(seed + r)))
-        b, tb, cb = timed(lambda: spec.generate(prompts, generator=torch.Generator().manual_seed(seed + r)))
+        start = (r * size) % len(prompts)
+        group = (prompts[start:] + prompts[:start])[:size]
+        a, ta, ca = timed(lambda: plain.generate(group, generator=torch.Generator().manual_seed(seed + r)))
+        b, tb, cb = timed(lambda: spec.generate(group, generator=torch.Generator().manual_seed(seed + r)))
         rows["plain_cpu_s"].append(ca / a.stats.generated_tokens)  # CPU seconds per token
         rows["sd_cpu_s"].append(cb / b.stats.generated_tokens)
         rows["plain_tps"].append(a.stats.generated_tokens / ta)
@@ -46,7 +53,7 @@ def _pair(plain: RolloutEngine, spec: SpeculativeRolloutLoop, prompts, repeats: 
         rows["sd_step_fraction"].append(sum(b.stats.step_speculative) / max(1, b.stats.num_steps))
         last = b
     out = {
-        "requests": len(prompts),
+        "requests": size,
         "plain_tokens_per_s": median(rows["plain_tps"]),
         "sd_tokens_per_s": median(rows["sd_tps"]),
         "speedup_tokens_per_s": median(rows["sd_tps"]) / median(rows["plain_tps"]),
@@ -115,7 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     target = HFTarget(loaded.model)
     drafter = load_drafter(args.drafter, target).eval()
     strategy = SDStrategy(args.depth, args.topk, args.draft_tokens)
-    count = max([*args.batch_sizes, args.long_tail_requests, 1])
+    count = max([bs * args.repeats for bs in args.batch_sizes] + [args.long_tail_requests, 1])
     prompts = task_prompts(loaded.tokenizer, args.task, count, seed=args.seed)
     cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     plain = RolloutEngine(target, cfg)
@@ -128,14 +135,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for bs in args.batch_sizes:
         print(f"[bench speculative] batch {bs}, T={args.temperature}, {args.max_new_tokens} new tokens ...", flush=True)
         spec = SpeculativeRolloutLoop(target, drafter, cfg, FixedChooser(strategy), threshold=bs + 1)
-        out = _pair(plain, spec, prompts[:bs], args.repeats, args.seed)
+        out = _pair(plain, spec, prompts, bs, args.repeats, args.seed)
         out.pop("_last")
         payload["batches"].append(out)
         print(f"  plain {out['plain_tokens_per_s']:.1f} tok/s, SD {out['sd_tokens_per_s']:.1f} tok/s, "
               f"x{out['speedup_tokens_per_s']:.2f} (CPU time x{out['speedup_cpu_time_per_token']:.2f}), "
               f"accept {out['mean_accept_length']:.2f}", flush=True)
         if bs == 1:
-            peer = [_prompt_lookup_peer(loaded.model, prompts[0], args.max_new_tokens, args.seed + r)
+            peer = [_prompt_lookup_peer(loaded.model, prompts[r % len(prompts)], args.max_new_tokens, args.seed + r)
                     for r in range(args.repeats)]
             payload["hf_prompt_lookup_batch1_tokens_per_s"] = median(peer)
             print(f"  HF prompt-lookup (batch 1) {median(peer):.1f} tok/s", flush=True)
@@ -147,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[bench speculative] long tail: {n} requests, up to {args.long_tail_max_new} tokens, "
               f"SD below {args.threshold} active ...", flush=True)
         spec = SpeculativeRolloutLoop(target, drafter, lt_cfg, FixedChooser(strategy), threshold=args.threshold)
-        out = _pair(RolloutEngine(target, lt_cfg), spec, prompts[:n], args.repeats, args.seed)
+        out = _pair(RolloutEngine(target, lt_cfg), spec, prompts[:n], n, args.repeats, args.seed)
         long_tail = out.pop("_last")
         out["speedup_rollout_time"] = out["plain_seconds"] / out["sd_seconds"]
         out["threshold"] = args.threshold

@@ -6,7 +6,12 @@
   loss scalers;
 * :mod:`.dora`: DoRA adapters through peft for the policy and the drafter, merged on export
   (needs the ``efficiency`` extra);
-* :mod:`.callbacks`: :class:`DynamicCheckpointingCallback`, :class:`LayerwisePrecisionCallback`.
+* :mod:`.sampler`: importance sampling of batches (proxy loss or RHO-LOSS, softmax without
+  replacement), a ``batch_sampler`` for any DataLoader;
+* :mod:`.distill`: hierarchical distillation (mapped hidden states + ``T^2``-scaled KD on logits);
+* :mod:`.qat`: INT4 quantization-aware training through torchao (needs ``torchao``);
+* :mod:`.callbacks`: :class:`DynamicCheckpointingCallback`, :class:`LayerwisePrecisionCallback`;
+* :mod:`.training`: :class:`ImportanceSamplingCallback`, :class:`DistillationModule`, :class:`QATCallback`.
 """
 
 from tlt_lightning.efficiency.callbacks import DynamicCheckpointingCallback, LayerwisePrecisionCallback
@@ -25,6 +30,15 @@ from tlt_lightning.efficiency.checkpoint import (
     plan_static,
     profile_blocks,
 )
+from tlt_lightning.efficiency.distill import (
+    DistillConfig,
+    DistillLoss,
+    HierarchicalDistillation,
+    distill_step,
+    hidden_state_loss,
+    kd_kl_loss,
+    proportional_layer_map,
+)
 from tlt_lightning.efficiency.dora import DoraConfig, apply_dora, merge_dora
 from tlt_lightning.efficiency.memory import ActivationMemoryMeter, MemoryReport, measure_step
 from tlt_lightning.efficiency.precision import (
@@ -33,6 +47,26 @@ from tlt_lightning.efficiency.precision import (
     PrecisionConfig,
     PrecisionHandle,
 )
+from tlt_lightning.efficiency.qat import (
+    Int4QATConfig,
+    convert_qat,
+    fake_quantized_modules,
+    prepare_qat,
+    quantize_ptq,
+    quantized_modules,
+)
+from tlt_lightning.efficiency.sampler import (
+    ImportanceSampler,
+    ImportanceSamplerConfig,
+    LossScorer,
+    RhoLossScorer,
+    Scorer,
+    SelectionStats,
+    per_example_loss,
+    sample_without_replacement,
+    selection_probabilities,
+)
+from tlt_lightning.efficiency.training import DistillationModule, ImportanceSamplingCallback, QATCallback
 
 __all__ = [
     "ActivationMemoryMeter",
@@ -40,24 +74,49 @@ __all__ = [
     "CheckpointHandle",
     "CheckpointPlan",
     "CheckpointProfile",
+    "DistillConfig",
+    "DistillLoss",
+    "DistillationModule",
     "DoraConfig",
     "DynamicCheckpointing",
     "DynamicCheckpointingCallback",
     "Gap",
     "GroupLossScaler",
+    "HierarchicalDistillation",
+    "ImportanceSampler",
+    "ImportanceSamplerConfig",
+    "ImportanceSamplingCallback",
+    "Int4QATConfig",
     "LayerwisePrecision",
     "LayerwisePrecisionCallback",
+    "LossScorer",
     "MemoryReport",
     "PrecisionConfig",
     "PrecisionHandle",
+    "QATCallback",
+    "RhoLossScorer",
+    "Scorer",
+    "SelectionStats",
     "apply_checkpointing",
     "apply_dora",
+    "convert_qat",
+    "distill_step",
+    "fake_quantized_modules",
     "find_blocks",
+    "hidden_state_loss",
     "is_checkpointed",
+    "kd_kl_loss",
     "measure_step",
     "merge_dora",
+    "per_example_loss",
     "plan_greedy",
     "plan_optimal",
     "plan_static",
+    "prepare_qat",
     "profile_blocks",
+    "proportional_layer_map",
+    "quantize_ptq",
+    "quantized_modules",
+    "sample_without_replacement",
+    "selection_probabilities",
 ]
