@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tlt_lightning.bench.efficiency_data import collate  # noqa: F401  (re-exported for the tests)
+
 VOCAB = 32
 
 
@@ -32,12 +34,3 @@ def toy_dataset(n: int = 40, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def collate(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    width = max(len(e["input_ids"]) for e in examples)
-    ids = torch.zeros(len(examples), width, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    mask = torch.zeros(len(examples), width, dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e["input_ids"])
-        ids[i, :n], labels[i, :n], mask[i, :n] = e["input_ids"], e["labels"], 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
