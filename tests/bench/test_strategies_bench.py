@@ -20,6 +20,7 @@ def test_bench_strategies_runs_every_arm_and_the_bandit(tmp_path):
                          "BEG-MAB", "BEG-MAB (cold)"}
     assert runs["off"]["sd_steps"] == 0 and runs["chain4"]["sd_steps"] == runs["chain4"]["steps"]
     assert all(r["tokens"] == 18 for r in runs.values())  # random drafter, yet every run emits 3 x 6 tokens
+    assert all(r["cpu_ms_per_token"] > 0 for r in runs.values())
     assert data["best_fixed"] in runs and data["bandit_vs_best_fixed"] > 0
     assert sum(sum(c.values()) for c in data["bandit_counts"].values()) > 0
     assert path.with_suffix(".png").stat().st_size > 10_000
