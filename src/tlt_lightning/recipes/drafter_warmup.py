@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             feature_layers=config.rollout_feature_layers,
         ))
         rollouts, rollout_s = collect_rollouts(engine, prompts, args.rollout_batch, args.seed)
-        # Training reads features in fp32 (under bf16 autocast too): store them so.
+        # The drafter trains in fp32 on these features: store them so.
         rollouts = [replace(r, features=r.features.float()) for r in rollouts]
         del sampler, engine
         if cache is not None:
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     coverage = float(counts[drafter.draft_ids.cpu()].sum() / counts.sum()) if config.reduced_vocab else 1.0
     payload = {
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "task": args.task, "kind": args.kind, "machine": machine_info(),
+        "model": args.model, "dtype": args.dtype, "task": args.task, "kind": args.kind, "machine": machine_info(),
         "rollouts": len(rollouts), "train_tokens": sum(r.length for r in train),
         "rollout_seconds": rollout_s, "train_seconds": train_s,
         "trainable_parameters": drafter.num_trainable_parameters(),
