@@ -17,7 +17,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from tlt_lightning.models.kv_cache import KVCache
 
-__all__ = ["HFTarget", "TargetInfo", "TargetModel", "TargetOutput", "default_feature_layers"]
+__all__ = ["HFTarget", "TargetInfo", "TargetModel", "TargetOutput", "begin_forward", "default_feature_layers"]
 
 
 class TargetOutput(NamedTuple):
@@ -87,6 +87,27 @@ class TargetModel(Protocol):
         feature_layers: tuple[int, ...] = (),
         slots: torch.Tensor | None = None,
     ) -> TargetOutput: ...
+
+
+def begin_forward(
+    cache: KVCache,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attention_mask: torch.Tensor,
+    slots: torch.Tensor | None = None,
+) -> int:
+    """Declare a target forward's cache writes and check its mask; every adapter's forward starts here.
+
+    Returns:
+        ``kv_len``; ``attention_mask`` must be ``[n, 1, q, kv_len]`` for ``[n, q]`` ``input_ids``.
+    """
+    n, q = input_ids.shape
+    kv_len = cache.begin_step(n, positions if slots is None else slots)
+    if attention_mask.shape != (n, 1, q, kv_len):
+        raise ValueError(
+            f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, q, kv_len]}, got {list(attention_mask.shape)}"
+        )
+    return kv_len
 
 
 def _eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
@@ -177,13 +198,7 @@ class HFTarget(nn.Module):
         Returns:
             The final hidden states and the requested features, ``[n, q, H]`` / ``[n, q, C, H]``.
         """
-        n = input_ids.shape[0]
-        kv_len = cache.begin_step(n, positions if slots is None else slots)
-        if attention_mask.shape != (n, 1, input_ids.shape[1], kv_len):
-            raise ValueError(
-                f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, input_ids.shape[1], kv_len]}, "
-                f"got {list(attention_mask.shape)}"
-            )
+        begin_forward(cache, input_ids, positions, attention_mask, slots)
         out = self.model.get_decoder()(
             input_ids=input_ids,
             attention_mask=attention_mask,

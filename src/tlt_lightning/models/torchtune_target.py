@@ -29,7 +29,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from tlt_lightning.models.kv_cache import KVCache
-from tlt_lightning.models.target import TargetInfo, TargetOutput, _eos_ids
+from tlt_lightning.models.target import TargetInfo, TargetOutput, _eos_ids, begin_forward
 
 try:
     from torchtune.models.convert_weights import hf_to_tune
@@ -174,12 +174,7 @@ class TorchtuneTarget(nn.Module):
         returns ``[n, q, H]`` final normalised states and ``[n, q, C, H]`` features (index ``i < L``:
         the stream entering layer ``i``, ``L``: the final normalised state).
         """
-        n, q = input_ids.shape
-        kv_len = cache.begin_step(n, positions if slots is None else slots)
-        if attention_mask.shape != (n, 1, q, kv_len):
-            raise ValueError(
-                f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, q, kv_len]}, got {list(attention_mask.shape)}"
-            )
+        begin_forward(cache, input_ids, positions, attention_mask, slots)
         L = self.info.num_layers
         if any(not 0 <= i <= L for i in feature_layers):
             raise ValueError(f"feature_layers must lie in [0, {L}], got {feature_layers}")

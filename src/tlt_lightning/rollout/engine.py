@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.target import TargetModel
-from tlt_lightning.rollout.types import Rollout, RolloutConfig, RolloutResult, RolloutStats
+from tlt_lightning.rollout.types import Rollout, RolloutConfig, RolloutResult, RolloutStats, validate_prompts
 from tlt_lightning.speculative.sampling import sample, sampling_probs
 
 __all__ = ["ActiveBatch", "DecodeStep", "Emission", "PlainStep", "RolloutBackend", "RolloutEngine"]
@@ -172,29 +172,6 @@ class RolloutEngine:
         """A copy of this engine with some config fields changed (shares the target)."""
         return RolloutEngine(self.target, replace(self.config, **changes), self.cache_margin)
 
-    def _validate(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        if len(prompts) == 0:
-            raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
-        info, out = self.target.info, []
-        for i, prompt in enumerate(prompts):
-            try:
-                ids = torch.as_tensor(prompt, dtype=torch.long).flatten()
-            except (TypeError, ValueError) as err:
-                raise TypeError(
-                    f"prompts[{i}] must be a sequence of int token ids, got {type(prompt).__name__}"
-                ) from err
-            if ids.numel() == 0:
-                raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
-            if ids.numel() >= info.max_positions:
-                raise ValueError(
-                    f"prompts[{i}] has {ids.numel()} tokens, which leaves no room to generate in the "
-                    f"model's context of {info.max_positions} tokens"
-                )
-            if int(ids.min()) < 0 or int(ids.max()) >= info.vocab_size:
-                raise ValueError(f"prompts[{i}] has token ids outside [0, {info.vocab_size})")
-            out.append(ids)
-        return out
-
     @torch.inference_mode()
     def generate(
         self,
@@ -215,7 +192,7 @@ class RolloutEngine:
             One :class:`Rollout` per prompt, in order, and the run's :class:`RolloutStats`.
         """
         cfg, info = self.config, self.target.info
-        ids = self._validate(prompts)
+        ids = validate_prompts(prompts, self.target.info.max_positions, self.target.info.vocab_size)
         step = step or PlainStep(self.target, cfg)
         device, B = self.target.device, len(ids)
         batch = self._new_batch(ids)

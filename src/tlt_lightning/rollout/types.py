@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from tlt_lightning.speculative.sampling import SamplingParams
 
-__all__ = ["Rollout", "RolloutConfig", "RolloutResult", "RolloutStats"]
+__all__ = ["Rollout", "RolloutConfig", "RolloutResult", "RolloutStats", "validate_prompts"]
 
 
 @dataclass(frozen=True)
@@ -130,3 +131,31 @@ class RolloutResult:
     def lengths(self) -> torch.Tensor:
         """``[B]`` int64 response lengths."""
         return torch.tensor([r.length for r in self.rollouts], dtype=torch.long)
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], context: int, vocab_size: int) -> list[torch.Tensor]:
+    """Check ``B`` token-id prompts against a model's context and vocabulary; return them as ``[P_i]`` int64.
+
+    Raises:
+        ValueError / TypeError: an empty batch or prompt, a non-integer prompt, a prompt that fills
+            the context, token ids outside ``[0, vocab_size)``; the message names the prompt index.
+    """
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
+    out = []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids = torch.as_tensor(prompt, dtype=torch.long).flatten()
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"prompts[{i}] must be a sequence of int token ids, got {type(prompt).__name__}") from err
+        if ids.numel() == 0:
+            raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
+        if ids.numel() >= context:
+            raise ValueError(
+                f"prompts[{i}] has {ids.numel()} tokens, which leaves no room to generate in the "
+                f"model's context of {context} tokens"
+            )
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size})")
+        out.append(ids)
+    return out

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tlt_lightning.rollout.types import Rollout, RolloutConfig
+from tlt_lightning.rollout.types import Rollout, RolloutConfig, validate_prompts
 
 __all__ = [
     "SAMPLING_EPS",
@@ -179,29 +179,15 @@ def build_requests(
             vocabulary, a prompt that fills the context, or a setting :func:`check_supported` rejects.
     """
     check_supported(config, limits)
-    if len(prompts) == 0:
-        raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
+    ids = validate_prompts(prompts, limits.max_model_len, limits.vocab_size)
     seeds = list(seeds) if seeds is not None else [None] * len(prompts)
     if len(seeds) != len(prompts):
         raise ValueError(f"seeds must have one entry per prompt ({len(prompts)}), got {len(seeds)}")
-    out = []
-    for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
-        try:
-            ids = torch.as_tensor(prompt, dtype=torch.long).flatten()
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"prompts[{i}] must be a sequence of int token ids, got {type(prompt).__name__}") from err
-        if ids.numel() == 0:
-            raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
-        if ids.numel() >= limits.max_model_len:
-            raise ValueError(
-                f"prompts[{i}] has {ids.numel()} tokens, which leaves no room to generate in the "
-                f"model's context of {limits.max_model_len} tokens"
-            )
-        if int(ids.min()) < 0 or int(ids.max()) >= limits.vocab_size:
-            raise ValueError(f"prompts[{i}] has token ids outside [0, {limits.vocab_size})")
-        max_tokens = min(config.max_new_tokens, limits.max_model_len - ids.numel())
-        out.append(VLLMRequest(ids.tolist(), sampling_kwargs(config, max_tokens, limits.eos_token_ids, seed)))
-    return out
+    return [
+        VLLMRequest(p.tolist(), sampling_kwargs(config, min(config.max_new_tokens, limits.max_model_len - p.numel()),
+                                                limits.eos_token_ids, seed))
+        for p, seed in zip(ids, seeds)
+    ]
 
 
 # ------------------------------------------------------------------------------------------ outputs
