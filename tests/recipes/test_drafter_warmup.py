@@ -27,6 +27,15 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     drafter = load_drafter(out, HFTarget(load_model("smollm2-135m").model))
     assert drafter.config.draft_vocab == 2048
 
+    # Continue training the saved drafter with an unroll: it starts where the first run ended.
+    more = tmp_path / "continued"
+    main([*args, "--steps", "2", "--unroll", "2", "--init-from", str(out), "--out", str(more)])
+    resumed = json.loads((more / "warmup.json").read_text())
+    assert resumed["held_out_before"]["top1"] == pytest.approx(report["held_out_after"]["top1"], abs=1e-6)
+    assert "top1_step2" in resumed["held_out_after"] and resumed["unroll"] == 2
+    with pytest.raises(ValueError, match="is an eagle1 drafter, but --kind is eagle3"):
+        main([*args, "--steps", "1", "--kind", "eagle3", "--init-from", str(out), "--out", str(more)])
+
     path = tmp_path / "sd.json"
     main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "2",
           "--max-new-tokens", "12", "--long-tail-requests", "4", "--long-tail-max-new", "16", "--threshold", "5",

@@ -24,6 +24,7 @@ from tlt_lightning.drafter import (
     DrafterLoss,
     evaluate_drafter,
     make_batches,
+    load_drafter,
     save_drafter,
     warmup_drafter,
 )
@@ -52,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollout-batch", type=int, default=64, help="requests per rollout call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/drafter/warmup", help="output directory")
+    p.add_argument("--init-from", default=None,
+                   help="drafter checkpoint directory to continue training (its kind and draft vocabulary win)")
     p.add_argument("--rollouts-cache", default=None,
                    help="file to reuse rollouts from (and save them to): retrain without resampling")
 
@@ -103,7 +106,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: warm-up samples real task prompts")
     target = HFTarget(loaded.model)
-    config = DrafterConfig.from_target(target, kind=args.kind, draft_vocab_size=args.draft_vocab or None)
+    if args.init_from:
+        drafter = load_drafter(args.init_from, target, dtype=torch.float32)
+        config = drafter.config
+        if config.kind != args.kind:
+            raise ValueError(f"--init-from {args.init_from} is an {config.kind} drafter, but --kind is {args.kind}")
+    else:
+        config = DrafterConfig.from_target(target, kind=args.kind, draft_vocab_size=args.draft_vocab or None)
     prompts = task_prompts(loaded.tokenizer, args.task, args.prompts, seed=args.seed)
     prompts = [p for p in prompts for _ in range(args.samples)]
     cache = Path(args.rollouts_cache) if args.rollouts_cache else None
@@ -132,7 +141,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     train, valid = rollouts[held_out:], rollouts[:held_out]
 
     counts = torch.bincount(torch.cat([r.token_ids for r in train]), minlength=target.info.vocab_size)
-    drafter = Drafter(config, target, token_counts=counts if config.reduced_vocab else None)
+    if not args.init_from:
+        drafter = Drafter(config, target, token_counts=counts if config.reduced_vocab else None)
     loss_cfg = DrafterLoss.for_kind(args.kind, unroll_steps=args.unroll)
     valid_batches = make_batches(valid, config, args.batch_size, shuffle=False, max_len=args.max_len)
     before = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
@@ -149,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     coverage = float(counts[drafter.draft_ids.cpu()].sum() / counts.sum()) if config.reduced_vocab else 1.0
     payload = {
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "task": args.task, "kind": args.kind, "machine": machine_info(),
+        "model": args.model, "dtype": args.dtype, "init_from": args.init_from, "unroll": args.unroll, "task": args.task, "kind": args.kind, "machine": machine_info(),
         "rollouts": len(rollouts), "train_tokens": sum(r.length for r in train),
         "rollout_seconds": rollout_s, "train_seconds": train_s,
         "trainable_parameters": drafter.num_trainable_parameters(),
