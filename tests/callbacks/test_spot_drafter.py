@@ -143,6 +143,31 @@ def test_module_drafter_is_taken_over_and_drafter_path_loads(tmp_path):
         make_trainer(1, callbacks=[SpotDrafterCallback(drafter_path=tmp_path / "nowhere")]).fit(make_module())
 
 
+def test_fp32_drafter_training_with_bf16_rollouts():
+    """The trainer's drafter is fp32 on the fp32 policy; rollouts draft with bf16 copies on the mirror."""
+    module, spot = make_module(rollout_dtype="bfloat16", drafter_kind="eagle1"), SpotDrafterCallback()
+    served = []
+
+    class Served(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            d = pl_module.drafter
+            served.append((d.dtype, d._refs.head is pl_module.rollout_policy.get_output_embeddings(),
+                           weights(d)))
+
+    trainer = make_trainer(2, callbacks=[spot, Served()])
+    trainer.fit(module)
+    assert spot.drafter.dtype == torch.float32
+    assert spot.drafter._refs.head is module.policy.get_output_embeddings()
+    assert [(dtype, on_mirror) for dtype, on_mirror, _ in served] == [(torch.bfloat16, True)] * 2
+    assert spot.steps == 2 * spot.max_steps_per_rollout and spot.publisher.version == 2
+    # Step 2 drafted with version 1: the trainer's weights after step 1, rounded to bf16.
+    assert not all(torch.equal(served[0][2][k], v) for k, v in served[1][2].items())
+    assert float(trainer.callback_metrics["drafter/accept_length"]) >= 1.0
+    final = {k: v.to(torch.bfloat16) for k, v in weights(spot.drafter).items()}
+    with spot.publisher.acquire() as lease:
+        assert_same(weights(lease.drafter), final)
+
+
 # ---------------------------------------------------------------------------------- resume
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from tlt_lightning.drafter import DrafterPublisher
+from tlt_lightning.models import HFTarget
 
 from .conftest import make_drafter
 
@@ -114,3 +116,22 @@ def test_errors_and_resume(llama):
     resumed.load_state_dict({"version": 7})
     resumed.load_state_dict({})  # missing keys are tolerated
     assert resumed.version == 7 and resumed.publish(d) == 8
+
+
+def test_serving_copies_on_a_bf16_mirror(llama):
+    """An fp32 trainer drafter publishes into bf16 instances that read the mirror's embedding and head."""
+    mirror = HFTarget(copy.deepcopy(llama.model).to(torch.bfloat16))
+    d = make_drafter(llama, draft_vocab_size=64)
+    d.set_draft_vocab(torch.arange(llama.info.vocab_size).flip(0))  # not the default first ids
+    pub = DrafterPublisher(d, serving_target=mirror)
+    fill(d, 0.5)
+    pub.publish(d)
+    with pub.acquire() as lease:
+        served = lease.drafter
+        assert served.dtype == torch.bfloat16 and d.dtype == torch.float32
+        assert served._refs.head is mirror.model.get_output_embeddings()
+        assert values(served) == {0.5} and torch.equal(served.draft_ids, d.draft_ids)
+        assert not served.training and not any(p.requires_grad for p in served.parameters())
+    # The copy drafts: its logits come from the mirror's bf16 head rows of the draft vocabulary.
+    logits = served.logits(torch.randn(2, llama.info.hidden_size))
+    assert logits.dtype == torch.bfloat16 and logits.shape == (2, 64)

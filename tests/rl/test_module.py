@@ -268,6 +268,39 @@ def test_injected_chooser_and_speculative_off():
     assert record.speculative == [False]
 
 
+class MirrorRecord(L.Callback):
+    """Whether the bf16 rollout mirror equals the (rounded) policy when each rollout starts."""
+
+    def __init__(self) -> None:
+        self.in_sync, self.drifts = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        mirror = dict(pl_module.rollout_policy.named_parameters())
+        self.in_sync.append(all(torch.equal(mirror[k], p.to(torch.bfloat16))
+                                for k, p in pl_module.policy.named_parameters()))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.drifts.append(float(trainer.logged_metrics["train/logprob_drift"]))
+
+
+def test_bf16_rollout_mirror_follows_the_policy():
+    module, record = make_module(rollout_dtype="bfloat16", drafter_kind="eagle1", max_new_tokens=12), MirrorRecord()
+    trainer = make_trainer(3, callbacks=[record])
+    trainer.fit(module)
+    assert module.policy.dtype == torch.float32 and module.rollout_policy.dtype == torch.bfloat16
+    assert module.rollout_target.model is module.rollout_policy and module.policy_target.model is module.policy
+    assert module.drafter.dtype == torch.bfloat16  # a module drafter drafts on the rollout target
+    # Every rollout sampled on the weights of the latest optimizer step (the policy moves: lr 1e-2).
+    assert record.in_sync == [True, True, True]
+    assert initial_params().keys() == params(module).keys()
+    assert not all(torch.equal(v, initial_params()[k]) for k, v in params(module).items())
+    # bf16 sampling, fp32 training: the log-probabilities differ, within the 16-bit tolerance.
+    assert all(0 < d < 0.2 for d in record.drifts)
+    assert all(k.startswith("policy.") for k in module.state_dict())  # the mirror is not checkpointed
+    with pytest.raises(ValueError, match="rollout_dtype must be 'float32', 'bfloat16', 'float16' or None"):
+        make_module(rollout_dtype="int8")
+
+
 # ---------------------------------------------------------------------------------- DDP
 
 

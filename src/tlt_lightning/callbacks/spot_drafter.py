@@ -282,14 +282,14 @@ class SpotDrafterCallback(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not isinstance(pl_module, GRPOModule):
             raise TypeError(f"SpotDrafterCallback needs a GRPOModule, got {type(pl_module).__name__}")
-        module, target = pl_module, pl_module.rollout_target
+        module, target = pl_module, pl_module.policy_target
         self._module = module
         self.drafter = self._initial_drafter(module)
         self._pending, pending = None, self._pending or {}
         saved_config = pending.get("drafter_config")
         if saved_config is not None and DrafterConfig.from_dict(saved_config) != self.drafter.config:
             # The checkpoint's drafter wins (e.g. resumed with other callback arguments).
-            self.drafter = Drafter(DrafterConfig.from_dict(saved_config), target)
+            self.drafter = Drafter(DrafterConfig.from_dict(saved_config), target, dtype=torch.float32)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
         self.loss_cfg = DrafterLoss.for_kind(self.drafter.config.kind)
@@ -297,7 +297,7 @@ class SpotDrafterCallback(L.Callback):
         self.coordinator = WorkerCoordinator(CoordinatorConfig(min_idle_s=self.min_idle_s))
         self.checkpointer = AsyncCheckpointer(Path(trainer.default_root_dir) / "drafter" / "checkpoints")
         self._apply(pending, publisher_too=False)
-        self.publisher = DrafterPublisher(self.drafter)
+        self.publisher = DrafterPublisher(self.drafter, serving_target=module.rollout_target)
         self.publisher.load_state_dict(pending.get("publisher", {}))
         self.accept_length = MeanAcceptLength().to(module.device)
         layers = tuple(self.drafter.config.rollout_feature_layers)
@@ -309,23 +309,29 @@ class SpotDrafterCallback(L.Callback):
         self._epoch_start = time.time()
 
     def _initial_drafter(self, module: GRPOModule) -> Drafter:
-        target = module.rollout_target
+        """The drafter to train: in fp32 (bf16 drafter training diverges) on the policy's own target.
+
+        Rollouts draft with published copies on ``module.rollout_target`` in its dtype.
+        """
+        target = module.policy_target
         if module.drafter is not None:
             if self.drafter_path is not None:
                 raise ValueError(
                     f"drafter_path={str(self.drafter_path)!r} given to SpotDrafterCallback, but the module "
                     "already has a drafter (GRPOModule drafter_kind / drafter_path): pass only one"
                 )
-            return module.drafter
+            if module.drafter.dtype == torch.float32 and module.rollout_target is target:
+                return module.drafter
+            return module.drafter.for_target(target, dtype=torch.float32)
         if self.drafter_path is not None:
             if not Path(self.drafter_path).is_dir():
                 raise ValueError(f"drafter_path {str(self.drafter_path)!r} is not a drafter directory")
-            return load_drafter(self.drafter_path, target)
+            return load_drafter(self.drafter_path, target, dtype=torch.float32)
         vocab = target.info.vocab_size
         size = None if self.draft_vocab_size is None else min(self.draft_vocab_size, vocab)
         with torch.random.fork_rng(devices=[]):  # identical initial weights on every rank
             torch.manual_seed(self.seed)
-            return Drafter(DrafterConfig.from_target(target, self.kind, size), target)
+            return Drafter(DrafterConfig.from_target(target, self.kind, size), target, dtype=torch.float32)
 
     def _wrap_rollout(self, module: GRPOModule) -> None:
         """Wrap ``module.rollout``: mark the end of this rank's share and train in the others' tail."""
@@ -435,7 +441,7 @@ class SpotDrafterCallback(L.Callback):
         batch = next(self._batches, None)
         if batch is None:
             return False
-        metrics = drafter_train_step(self.drafter, self._module.rollout_target, batch, self.optimizer,
+        metrics = drafter_train_step(self.drafter, self._module.policy_target, batch, self.optimizer,
                                      self.loss_cfg, self.max_grad_norm)
         self._step_stats["loss"] += metrics["loss"]
         self._step_stats["top1"] += metrics["top1"]

@@ -142,6 +142,16 @@ class Drafter(nn.Module):
         """
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
+    def for_target(self, target: TargetModel, dtype: torch.dtype | None = None) -> Drafter:
+        """A copy (same config, weights and draft vocabulary) reading ``target``'s embedding and LM head.
+
+        For example the bf16 serving copy of a drafter trained in fp32 on the fp32 policy, for
+        rollouts on the policy's bf16 mirror. ``dtype``: parameter dtype (default: ``target``'s).
+        """
+        copy = Drafter(self.config, target, dtype=dtype)
+        copy.load_state_dict(self.state_dict())  # copy_ casts and moves
+        return copy.train(self.training)
+
     # ------------------------------------------------------------------------------ vocabulary
     def set_draft_vocab(self, token_counts: torch.Tensor) -> None:
         """Use the ``draft_vocab_size`` most frequent target tokens (ties: lower id first).

@@ -11,6 +11,8 @@ and the one being written. If the trainer publishes again while a rollout still 
 version, a third instance is created rather than waiting (publishing never blocks on readers);
 in general there are at most ``2 + concurrent rollouts`` instances. Serving instances are
 ``deepcopy`` s of the trainer's drafter: they share the target's embedding and LM head by reference.
+With ``serving_target`` they are :meth:`Drafter.for_target` copies instead: the trainer's fp32
+drafter on the fp32 policy publishes into bf16 instances that read the policy's bf16 rollout mirror.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from typing_extensions import Self
 
 from tlt_lightning.drafter.model import Drafter
+from tlt_lightning.models.target import TargetModel
 
 __all__ = ["DrafterLease", "DrafterPublisher"]
 
@@ -85,6 +88,9 @@ class DrafterPublisher:
 
     Args:
         drafter: the trainer's drafter; version 0 is a copy of its current weights.
+        serving_target: the target the rollouts run on, when it is not the one ``drafter`` was
+            built on (e.g. a bf16 mirror of the policy): serving instances read its embedding and
+            LM head and take its dtype. ``None``: the trainer's target and dtype.
 
     Example:
         >>> # publisher = DrafterPublisher(drafter)
@@ -94,19 +100,21 @@ class DrafterPublisher:
         >>> #     loop = SpeculativeRolloutLoop(target, lease.drafter, ...); loop.generate(prompts)
     """
 
-    def __init__(self, drafter: Drafter) -> None:
+    def __init__(self, drafter: Drafter, serving_target: TargetModel | None = None) -> None:
         if not isinstance(drafter, torch.nn.Module):
             raise TypeError(f"drafter must be a Drafter (nn.Module), got {type(drafter).__name__}")
-        self._template = drafter
+        self._serving_target = serving_target
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()  # one publish at a time
         self._slots = [_Slot(self._serving_copy(drafter), 0), _Slot(self._serving_copy(drafter), -1)]
         self._front = self._slots[0]
         self.published = 0
 
-    @staticmethod
-    def _serving_copy(drafter: Drafter) -> Drafter:
-        copy_ = copy.deepcopy(drafter).eval()
+    def _serving_copy(self, drafter: Drafter) -> Drafter:
+        if self._serving_target is None:
+            copy_ = copy.deepcopy(drafter).eval()
+        else:
+            copy_ = drafter.for_target(self._serving_target).eval()
         for p in copy_.parameters():
             p.grad = None
             p.requires_grad_(False)

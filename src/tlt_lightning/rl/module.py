@@ -25,6 +25,13 @@ serve as a consistency check: when they describe the full tempered distribution 
 ``top_k == 0``), their mean absolute difference to the training forward's must stay below
 ``logprob_tolerance``, which catches misaligned tokens, stale weights or a lossy rollout at once.
 
+Rollout precision. ``rollout_dtype="bfloat16"`` samples on a bf16 mirror of the fp32 policy
+(about 2.5x faster decoding on CPUs with AMX, and what vLLM does on GPUs), refreshed after every
+optimizer step; the loss is still computed by the fp32 policy. The sampling policy is then the
+bf16 rounding of the trained one: ``old_logprobs`` stay the fp32 forward's (the usual
+training/inference mismatch of RL stacks; the log-probability check bounds it, with the 16-bit
+tolerance). Speculative decoding is lossless with respect to the bf16 mirror it verifies on.
+
 Distributed. Each rank rolls out its own share of prompts (Lightning's ``DistributedSampler``);
 DDP all-reduces the gradients. Token-level aggregation divides by the token count of *all* ranks
 (all-reduced), so the averaged gradient is exactly the global token mean. Micro-batches other than
@@ -35,6 +42,7 @@ gradients. Cross-rank decisions (a failing reward, a non-finite loss) go through
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import time
@@ -103,6 +111,9 @@ class GRPOModule(L.LightningModule):
     Args:
         model: registry name (``"smollm2-135m"``, ``"tiny-llama"``, ...) or a local HF directory.
         dtype: parameter dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        rollout_dtype: sample the rollouts on a copy of the policy in this dtype, refreshed after
+            every optimizer step (``"bfloat16"``: fast CPU/GPU decoding with fp32 training);
+            ``None``: on the policy itself.
         task: the reasoning-gym task (a :class:`~tlt_lightning.rl.tasks.TaskConfig` or its fields
             as a dict; default ``TaskConfig()``). Ignored when a ``prompt_source`` is given.
         group_size: ``G``, rollouts per prompt.
@@ -133,7 +144,7 @@ class GRPOModule(L.LightningModule):
         check_logprobs: check that the rollout's log-probabilities agree with the training
             forward's (when ``top_p == 1`` and ``top_k == 0``, where they describe the same
             distribution); a mean absolute difference above ``logprob_tolerance`` stops the run.
-        logprob_tolerance: in nats; ``None``: 0.01 for float32, 0.2 for 16-bit weights (bf16
+        logprob_tolerance: in nats; ``None``: 0.01 for float32, 0.2 for 16-bit weights or rollouts (bf16
             drifts ~0.04 between the KV-cached decode and the full forward on SmolLM2; a token
             misalignment costs several nats).
         rollout_progress: show a progress bar of finished requests during rollouts (rank 0).
@@ -144,8 +155,11 @@ class GRPOModule(L.LightningModule):
     Hooks and attributes for callbacks and subclasses:
         :meth:`rollout`, :meth:`compute_rewards`, :meth:`policy_logprobs`, :meth:`policy_loss`;
         ``strategy_chooser`` (any :class:`~tlt_lightning.speculative.StrategyChooser`, e.g. the
-        bandit), ``drafter`` (``None`` or a :class:`~tlt_lightning.drafter.Drafter`; not a
-        submodule: it has its own trainer and checkpoints), ``rollout_feature_layers`` (extra target
+        bandit), ``drafter`` (``None`` or a :class:`~tlt_lightning.drafter.Drafter` on
+        ``rollout_target``; not a submodule: it has its own trainer and checkpoints),
+        ``rollout_target`` (the adapter rollouts run on: the policy or its ``rollout_dtype``
+        mirror), ``policy_target`` (the policy's own adapter, e.g. to train a drafter in the
+        policy's precision), ``rollout_feature_layers`` (extra target
         layers the rollouts return, e.g. drafter training data), ``last_rollout``. ``training_step``
         returns ``{"loss", "rollout", "rewards", "advantages"}`` to ``on_train_batch_end``.
 
@@ -157,13 +171,15 @@ class GRPOModule(L.LightningModule):
 
     # Used, not owned: the drafter is trained by its own callback and saved as its own artifact;
     # the reference is frozen and rebuilt from `model`; the rollout target wraps the policy's own
-    # modules. Registered, they would sit in DDP's gradient buckets and in every checkpoint.
-    _UNREGISTERED = frozenset({"drafter", "reference", "rollout_target"})
+    # modules (or a mirror refreshed from them). Registered, they would sit in DDP's gradient buckets
+    # and in every checkpoint.
+    _UNREGISTERED = frozenset({"drafter", "reference", "rollout_target", "policy_target", "rollout_policy"})
 
     def __init__(
         self,
         model: str = "smollm2-135m",
         dtype: str = "float32",
+        rollout_dtype: str | None = None,
         task: TaskConfig | dict[str, Any] | None = None,
         group_size: int = 4,
         prompts_per_step: int = 4,
@@ -214,6 +230,8 @@ class GRPOModule(L.LightningModule):
         _check(max_grad_norm is None or max_grad_norm > 0, "max_grad_norm", max_grad_norm, "> 0 or None")
         _check(logprob_tolerance is None or logprob_tolerance > 0, "logprob_tolerance", logprob_tolerance,
                "> 0 or None")
+        _check(rollout_dtype in (None, "float32", "bfloat16", "float16"), "rollout_dtype", rollout_dtype,
+               "'float32', 'bfloat16', 'float16' or None")
         _check(drafter_kind in (None, "eagle1", "eagle3"), "drafter_kind", drafter_kind,
                "'eagle1', 'eagle3' or None")
         _check(prompt_source is None or isinstance(prompt_source, PromptSource), "prompt_source",
@@ -232,7 +250,9 @@ class GRPOModule(L.LightningModule):
         self.last_rollout: RolloutResult | None = None
         self.policy: nn.Module | None = None  # built in configure_model (no I/O here)
         self.reference: nn.Module | None = None
+        self.rollout_policy: nn.Module | None = None  # the rollout_dtype mirror, when there is one
         self.rollout_target: HFTarget | None = None
+        self.policy_target: HFTarget | None = None
         self.tokenizer = None
         self.accept_length = MeanAcceptLength()
         self.rollout_tokens_per_s = RolloutTokensPerSecond()
@@ -254,7 +274,12 @@ class GRPOModule(L.LightningModule):
         if hp.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.tokenizer = loaded.tokenizer
-        self.rollout_target = HFTarget(self.policy)
+        self.policy_target = HFTarget(self.policy)
+        self.rollout_target = self.policy_target
+        if hp.rollout_dtype not in (None, hp.dtype):
+            mirror = copy.deepcopy(self.policy).to(getattr(torch, hp.rollout_dtype))
+            self.rollout_policy = mirror.eval().requires_grad_(False)
+            self.rollout_target = HFTarget(self.rollout_policy)
         if hp.kl_coef > 0:
             reference = load_model(hp.model, dtype=hp.dtype, seed=hp.seed).model
             self.reference = reference.eval().requires_grad_(False)
@@ -284,9 +309,19 @@ class GRPOModule(L.LightningModule):
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def on_fit_start(self) -> None:
-        for module in (self.reference, self.drafter):
+        for module in (self.reference, self.drafter, self.rollout_policy):
             if module is not None:
                 module.to(self.device)
+        self.sync_rollout_policy()  # after a checkpoint restore too
+
+    @torch.no_grad()
+    def sync_rollout_policy(self) -> None:
+        """Copy the policy's weights into the ``rollout_dtype`` mirror (no-op without one)."""
+        if self.rollout_policy is None:
+            return
+        mirror = dict(self.rollout_policy.named_parameters())
+        for name, param in self.policy.named_parameters():
+            mirror[name].copy_(param)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
@@ -446,7 +481,8 @@ class GRPOModule(L.LightningModule):
                 rows = torch.zeros(1, dtype=torch.long, device=self.device)
         chunks = rows.split(hp.micro_batch_size or rows.numel())
         check_logprobs = hp.check_logprobs and hp.top_p == 1 and hp.top_k == 0
-        tolerance = hp.logprob_tolerance or (0.01 if hp.dtype == "float32" else 0.2)
+        full = hp.dtype == "float32" and hp.rollout_dtype in (None, "float32")
+        tolerance = hp.logprob_tolerance or (0.01 if full else 0.2)
         sums = dict.fromkeys(("loss", "pg_loss", "kl", "clip", "ratio", "tokens", "drift"), 0.0)
         finite = True
         opt.zero_grad()
@@ -489,6 +525,7 @@ class GRPOModule(L.LightningModule):
                 f"stopping at {where}: another rank's loss, gradient or log-probabilities failed their check"
             )
         opt.step()
+        self.sync_rollout_policy()
         tokens = max(float(sums["tokens"]), 1.0)
         return {
             "loss": sums["loss"], "pg_loss": sums["pg_loss"], "kl": sums["kl"],
