@@ -5,6 +5,7 @@
     tlt-lightning bench bandit [--json PATH]          BEG-MAB vs UCB vs fixed arms, simulated
     tlt-lightning bench checkpoint [--json PATH] ...  budgeted vs static activation checkpointing
     tlt-lightning bench strategies --drafter DIR ...  BEG-MAB vs fixed SD arms on a real long-tail rollout
+    tlt-lightning bench e2e [--drafter DIR] ...       GRPO steps with TLT vs the identical run without it
     tlt-lightning bench efficiency --part P ...       importance sampling / distillation / INT4 QAT vs baselines
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning export-drafter CKPT OUT [--model M]  drafter checkpoint -> EAGLE dir for vLLM / SGLang
@@ -31,6 +32,7 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     from tlt_lightning.bench import checkpoint as bench_checkpoint
+    from tlt_lightning.bench import e2e as bench_e2e
     from tlt_lightning.bench import efficiency as bench_efficiency
     from tlt_lightning.bench import rollout as bench_rollout
     from tlt_lightning.bench import strategies as bench_strategies
@@ -58,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     bench_strategies.add_arguments(
         bench.add_parser("strategies", help="BEG-MAB vs every fixed SD arm vs no SD on a real long-tail rollout")
     )
+
+    bench_e2e.add_arguments(bench.add_parser("e2e", help="GRPO steps with TLT vs the identical run without it"))
 
     bench_efficiency.add_arguments(
         bench.add_parser("efficiency", help="importance sampling / hierarchical distillation / INT4 QAT vs baselines")
@@ -155,6 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tlt_lightning.bench import strategies
 
         strategies.run(args)
+    elif args.command == "bench" and args.bench == "e2e":
+        from tlt_lightning.bench import e2e
+
+        e2e.run(args)
     elif args.command == "bench" and args.bench == "efficiency":
         from tlt_lightning.bench import efficiency
 

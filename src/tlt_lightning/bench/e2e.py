@@ -1,0 +1,199 @@
+"""``tlt-lightning bench e2e``: GRPO steps with TLT against the identical run without it.
+
+Two Lightning fits of :class:`~tlt_lightning.rl.GRPOModule` on the same model, task, prompts and
+seeds; both sample on the same rollout precision (``--rollout-dtype``):
+
+* ``baseline``: plain decoding (``speculative=False``), no drafter, no callbacks.
+* ``tlt``: speculative rollouts below ``--threshold`` active requests with the drafter of
+  ``--drafter`` (or a fresh one), trained on the rollouts by
+  :class:`~tlt_lightning.callbacks.SpotDrafterCallback`, the strategy chosen by
+  :class:`~tlt_lightning.callbacks.BanditCallback` (``--bandit``) or fixed (``--depth``).
+
+Per RL step: wall and CPU seconds, and their parts as the module and the callback log them
+(rollout, reward, policy training, drafter training), reward, accuracy, response length, mean
+accept length. The speedup is the ratio of median step times; with one torch thread the CPU-time
+ratio is the steadier figure on a shared machine (both are reported). The reward curves of the
+two runs are drawn together: speculative decoding is lossless, so they must agree within the
+noise of sampling (the runs draw different random numbers once a draft is rejected, so they are
+not identical sample for sample). ``--trl`` adds TRL's ``GRPOTrainer`` on the same model, task
+and batch shape as a peer (needs the ``peers`` extra).
+
+Goal (issue): >= 1.7x end to end against the run without TLT (TLT paper: 1.7-2.1x on GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from tlt_lightning.bench.common import machine_info, median, save_figure, write_json
+from tlt_lightning.rl.module import GRPOModule
+from tlt_lightning.rl.tasks import TaskConfig
+
+__all__ = ["StepRecorder", "add_arguments", "run"]
+
+PARTS = ("rollout_s", "reward_s", "train_s", "drafter_s")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
+    p.add_argument("--task", default="countdown", help="reasoning-gym task (easy settings)")
+    p.add_argument("--steps", type=int, default=6, help="GRPO optimizer steps per run")
+    p.add_argument("--prompts-per-step", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=384)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--rollout-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="precision of the rollouts in both runs (the policy trains in float32)")
+    p.add_argument("--drafter", default=None, help="warmed-up drafter directory (default: a fresh drafter)")
+    p.add_argument("--threshold", type=int, default=8, help="speculate below this many active requests")
+    p.add_argument("--depth", type=int, default=4, help="chain depth of the fixed strategy (without --bandit)")
+    p.add_argument("--bandit", action="store_true", help="choose the strategy with BEG-MAB (BanditCallback)")
+    p.add_argument("--drafter-steps", type=int, default=4,
+                   help="drafter steps per RL step (single worker: paid for, no idle time to hide them)")
+    p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer as a peer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", action="store_true", help="Lightning progress bars")
+    p.add_argument("--out", default="runs/bench/e2e", help="working directory of the runs")
+    p.add_argument("--json", default="runs/bench/e2e.json")
+    p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+
+
+class StepRecorder(L.Callback):
+    """Times every RL step (wall and CPU) and keeps what the module and callbacks logged for it.
+
+    Place it after the callbacks whose work should count in the step (drafter training runs in
+    :class:`~tlt_lightning.callbacks.SpotDrafterCallback`'s ``on_train_batch_end``).
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._start = (0.0, 0.0)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._start = (time.perf_counter(), time.process_time())
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        wall, cpu = time.perf_counter() - self._start[0], time.process_time() - self._start[1]
+        m = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        stats = pl_module.last_rollout.stats
+        self.steps.append({
+            "step": trainer.global_step, "wall_s": wall, "cpu_s": cpu,
+            "rollout_s": m["time/rollout_s"], "reward_s": m["time/reward_s"], "train_s": m["time/train_s"],
+            "drafter_s": m.get("drafter/paid_seconds", 0.0),
+            "reward_mean": m["reward/mean"], "accuracy": m["reward/accuracy"],
+            "length_mean": m["response/length_mean"], "tokens": stats.generated_tokens,
+            "accept_length": stats.mean_accept_length,
+            "sd_step_fraction": sum(stats.step_speculative) / max(1, stats.num_steps),
+        })
+
+
+def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    from tlt_lightning.callbacks import BanditCallback, SpotDrafterCallback
+    from tlt_lightning.rollout.speculative import FixedChooser
+    from tlt_lightning.speculative import SDStrategy
+
+    tlt = name == "tlt"
+    module = GRPOModule(
+        model=args.model, rollout_dtype=args.rollout_dtype, task=TaskConfig(name=args.task),
+        group_size=args.group_size, prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
+        lr=args.lr, speculative=tlt, threshold=args.threshold, sd_steps=args.depth, seed=args.seed,
+    )
+    recorder = StepRecorder()
+    callbacks: list[L.Callback] = []
+    if tlt:
+        callbacks.append(SpotDrafterCallback(drafter_path=args.drafter, max_steps_per_rollout=args.drafter_steps,
+                                             max_seconds_per_rollout=None, checkpoint_interval=None,
+                                             timeline=False, seed=args.seed))
+        if args.bandit:
+            callbacks.append(BanditCallback())
+        else:
+            module.strategy_chooser = FixedChooser(SDStrategy(args.depth))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
+        enable_model_summary=False, enable_progress_bar=args.progress, num_sanity_val_steps=0,
+        default_root_dir=str(Path(args.out) / name), callbacks=[*callbacks, recorder],
+    )
+    L.seed_everything(args.seed, verbose=False)
+    print(f"[bench e2e] {name}: {args.steps} GRPO steps ...", flush=True)
+    trainer.fit(module)
+    steps = recorder.steps
+    summary = {key: median([s[key] for s in steps]) for key in ("wall_s", "cpu_s", *PARTS)}
+    summary["reward_mean"] = sum(s["reward_mean"] for s in steps) / len(steps)
+    print(f"[bench e2e] {name}: median step {summary['wall_s']:.1f} s wall, {summary['cpu_s']:.1f} s CPU; "
+          f"mean reward {summary['reward_mean']:.3f}", flush=True)
+    return {"steps": steps, "median": summary}
+
+
+def plot(payload: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = payload["runs"]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name, run in runs.items():
+        steps = [s["step"] for s in run["steps"]]
+        a.plot(steps, [s["reward_mean"] for s in run["steps"]], marker="o", label=name)
+        b.plot(steps, [s["wall_s"] for s in run["steps"]], marker="o", label=f"{name} wall")
+        b.plot(steps, [s["cpu_s"] for s in run["steps"]], ls="--", label=f"{name} CPU")
+    a.set(xlabel="RL step", ylabel="mean reward", title="Reward (lossless: equal within noise)")
+    b.set(xlabel="RL step", ylabel="seconds", title="Step time")
+    names = [n for n in runs if n in ("baseline", "tlt")]
+    bottom = [0.0] * len(names)
+    for part in PARTS:
+        values = [runs[n]["median"][part] for n in names]
+        c.bar(names, values, bottom=bottom, label=part.removesuffix("_s"))
+        bottom = [x + y for x, y in zip(bottom, values)]
+    ratio = payload["speedup"]
+    c.set(ylabel="median seconds per step",
+          title=f"Breakdown: {ratio['wall']:.2f}x wall, {ratio['cpu']:.2f}x CPU")
+    for ax in (a, b, c):
+        ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "threshold", "depth"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.group_size < 2:
+        raise ValueError(f"--group-size must be >= 2 (GRPO compares samples of a group), got {args.group_size}")
+    if args.drafter is not None and not Path(args.drafter).is_dir():
+        raise ValueError(f"--drafter {args.drafter!r} is not a drafter directory (from `drafter warmup`)")
+    TaskConfig(name=args.task)  # names the supported tasks before anything loads
+    runs = {name: _fit(args, name) for name in ("baseline", "tlt")}
+    base, tlt = runs["baseline"]["median"], runs["tlt"]["median"]
+    payload: dict[str, Any] = {
+        "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
+        "machine": machine_info(),
+        "config": {k: v for k, v in vars(args).items() if k not in ("argv", "func")},
+        "runs": runs,
+        "speedup": {
+            "wall": base["wall_s"] / tlt["wall_s"], "cpu": base["cpu_s"] / tlt["cpu_s"],
+            "rollout": base["rollout_s"] / tlt["rollout_s"],
+        },
+        "goal": {"speedup": 1.7},
+    }
+    if args.trl:
+        from tlt_lightning.bench.trl_peer import run_trl_grpo
+
+        print(f"[bench e2e] TRL GRPOTrainer peer: {args.steps} steps ...", flush=True)
+        peer = run_trl_grpo(args.model, TaskConfig(name=args.task), args.steps, args.prompts_per_step,
+                            args.group_size, args.max_new_tokens, args.lr, seed=args.seed,
+                            output_dir=Path(args.out) / "trl")
+        payload["peers"] = {"trl": peer}
+        payload["speedup"]["tlt_vs_trl_wall"] = peer["median_step_s"] / tlt["wall_s"]
+    path = write_json(args.json, payload)
+    figure = plot(payload, Path(args.plot) if args.plot else path.with_suffix(".png"))
+    s = payload["speedup"]
+    print(f"[bench e2e] TLT vs baseline: {s['wall']:.2f}x wall, {s['cpu']:.2f}x CPU per step "
+          f"(rollout {s['rollout']:.2f}x); {path}, {figure}", flush=True)
+    return payload
