@@ -20,6 +20,7 @@ def test_e2e_bench_on_the_real_model(tmp_path):
             parts = s["rollout_s"] + s["reward_s"] + s["train_s"] + s["drafter_s"]
             assert 0 < parts <= s["wall_s"] and s["cpu_s"] > 0 and s["tokens"] > 0
             assert 0 <= s["reward_mean"] <= 1.1
+        assert 0 < run["median"]["rollout_share"] < 1
             # Only the TLT run speculates (4 requests, threshold 4: every step below it) and trains a drafter.
             assert (s["sd_step_fraction"] > 0) == (name == "tlt") and (s["drafter_s"] > 0) == (name == "tlt")
     assert data["speedup"]["wall"] == pytest.approx(

@@ -12,7 +12,8 @@ seeds; both sample on the same rollout precision (``--rollout-dtype``):
 Per RL step: wall and CPU seconds, and their parts as the module and the callback log them
 (rollout, reward, policy training, drafter training), reward, accuracy, response length, mean
 accept length. The speedup is the ratio of median step times; with one torch thread the CPU-time
-ratio is the steadier figure on a shared machine (both are reported). The reward curves of the
+ratio is the steadier figure on a shared machine (both are reported), next to the baseline's rollout
+share of the step (the ceiling of what a faster rollout can give). The reward curves of the
 two runs are drawn together: speculative decoding is lossless, so they must agree within the
 noise of sampling (the runs draw different random numbers once a draft is rejected, so they are
 not identical sample for sample). ``--trl`` adds TRL's ``GRPOTrainer`` on the same model, task
@@ -126,8 +127,10 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     steps = recorder.steps
     summary = {key: median([s[key] for s in steps]) for key in ("wall_s", "cpu_s", *PARTS)}
     summary["reward_mean"] = sum(s["reward_mean"] for s in steps) / len(steps)
+    # The ceiling of any rollout speedup: the share of the step spent generating.
+    summary["rollout_share"] = median([s["rollout_s"] / s["wall_s"] for s in steps])
     print(f"[bench e2e] {name}: median step {summary['wall_s']:.1f} s wall, {summary['cpu_s']:.1f} s CPU; "
-          f"mean reward {summary['reward_mean']:.3f}", flush=True)
+          f"rollout share {summary['rollout_share']:.0%}; mean reward {summary['reward_mean']:.3f}", flush=True)
     return {"steps": steps, "median": summary}
 
 
