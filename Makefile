@@ -24,11 +24,11 @@ bench-demo: setup
 
 ## The whole test suite (fast tests on tiny random models, slow ones on the real model), with the
 ## optional torchtune and efficiency extras installed so their tests run too.
-test: EXTRAS = mlflow,test,torchtune,efficiency
+test: EXTRAS = mlflow,test,torchtune,efficiency,peers
 test: setup
 	$(PY) -m pytest -m "not gpu" -q
 
-test-fast: EXTRAS = mlflow,test,torchtune,efficiency
+test-fast: EXTRAS = mlflow,test,torchtune,efficiency,peers
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not gpu" -q
 

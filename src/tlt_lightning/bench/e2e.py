@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandit", action="store_true", help="choose the strategy with BEG-MAB (BanditCallback)")
     p.add_argument("--drafter-steps", type=int, default=4,
                    help="drafter steps per RL step (single worker: paid for, no idle time to hide them)")
+    p.add_argument("--drift-every", type=int, default=0,
+                   help="probe the spot-trained vs a frozen drafter every N RL steps (DrafterDriftProbe; 0 = off)")
+    p.add_argument("--drift-tokens", type=int, default=128, help="response cap of the drift probe rollouts")
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer as a peer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="Lightning progress bars")
@@ -96,7 +99,7 @@ class StepRecorder(L.Callback):
 
 
 def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    from tlt_lightning.callbacks import BanditCallback, SpotDrafterCallback
+    from tlt_lightning.callbacks import BanditCallback, DrafterDriftProbe, SpotDrafterCallback
     from tlt_lightning.rollout.speculative import FixedChooser
     from tlt_lightning.speculative import SDStrategy
 
@@ -116,10 +119,14 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
             callbacks.append(BanditCallback())
         else:
             module.strategy_chooser = FixedChooser(SDStrategy(args.depth))
+    # The probe measures after the recorder has closed the step: its time is not the method's.
+    probe = None
+    if tlt and args.drift_every:
+        probe = DrafterDriftProbe(max_new_tokens=args.drift_tokens, every_n_steps=args.drift_every, seed=args.seed)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
         enable_model_summary=False, enable_progress_bar=args.progress, num_sanity_val_steps=0,
-        default_root_dir=str(Path(args.out) / name), callbacks=[*callbacks, recorder],
+        default_root_dir=str(Path(args.out) / name), callbacks=[*callbacks, recorder, *([probe] if probe else [])],
     )
     L.seed_everything(args.seed, verbose=False)
     print(f"[bench e2e] {name}: {args.steps} GRPO steps ...", flush=True)
@@ -131,7 +138,10 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     summary["rollout_share"] = median([s["rollout_s"] / s["wall_s"] for s in steps])
     print(f"[bench e2e] {name}: median step {summary['wall_s']:.1f} s wall, {summary['cpu_s']:.1f} s CPU; "
           f"rollout share {summary['rollout_share']:.0%}; mean reward {summary['reward_mean']:.3f}", flush=True)
-    return {"steps": steps, "median": summary}
+    out = {"steps": steps, "median": summary}
+    if probe is not None:
+        out["drift"] = probe.history
+    return out
 
 
 def plot(payload: dict[str, Any], path: Path) -> Path:
@@ -141,12 +151,18 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     runs = payload["runs"]
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
+    drift = runs["tlt"].get("drift")
+    fig, axes = plt.subplots(1, 4 if drift else 3, figsize=(20 if drift else 15, 4.2))
+    a, b, c = axes[:3]
     for name, run in runs.items():
         steps = [s["step"] for s in run["steps"]]
         a.plot(steps, [s["reward_mean"] for s in run["steps"]], marker="o", label=name)
         b.plot(steps, [s["wall_s"] for s in run["steps"]], marker="o", label=f"{name} wall")
         b.plot(steps, [s["cpu_s"] for s in run["steps"]], ls="--", label=f"{name} CPU")
+    for name, peer in payload.get("peers", {}).items():
+        steps = [s["step"] for s in peer["steps"]]
+        a.plot(steps, [s["reward_mean"] for s in peer["steps"]], marker="^", ls=":", label=f"{name} (peer)")
+        b.plot(steps, [s["wall_s"] for s in peer["steps"]], marker="^", ls=":", label=f"{name} wall (peer)")
     a.set(xlabel="RL step", ylabel="mean reward", title="Reward (lossless: equal within noise)")
     b.set(xlabel="RL step", ylabel="seconds", title="Step time")
     names = [n for n in runs if n in ("baseline", "tlt")]
@@ -158,7 +174,12 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
     ratio = payload["speedup"]
     c.set(ylabel="median seconds per step",
           title=f"Breakdown: {ratio['wall']:.2f}x wall, {ratio['cpu']:.2f}x CPU")
-    for ax in (a, b, c):
+    if drift:
+        d = axes[3]
+        d.plot([h["step"] for h in drift], [h["spot"] for h in drift], marker="o", label="spot-trained")
+        d.plot([h["step"] for h in drift], [h["frozen"] for h in drift], marker="s", label="frozen")
+        d.set(xlabel="RL step", ylabel="mean accept length (probe)", title="Drafter drift")
+    for ax in axes:
         ax.legend(fontsize=8)
     return save_figure(fig, path)
 
@@ -167,6 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "threshold", "depth"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.drift_every < 0:
+        raise ValueError(f"--drift-every must be >= 0, got {args.drift_every}")
     if args.group_size < 2:
         raise ValueError(f"--group-size must be >= 2 (GRPO compares samples of a group), got {args.group_size}")
     if args.drafter is not None and not Path(args.drafter).is_dir():

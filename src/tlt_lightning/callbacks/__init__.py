@@ -1,6 +1,7 @@
 """Lightning glue: thin callbacks over the drafter, scheduling and tracking objects."""
 
 from tlt_lightning.callbacks.bandit import BanditCallback
+from tlt_lightning.callbacks.drift import DrafterDriftProbe
 from tlt_lightning.callbacks.spot_drafter import SpotDrafterCallback, log_artifact
 
-__all__ = ["BanditCallback", "SpotDrafterCallback", "log_artifact"]
+__all__ = ["BanditCallback", "DrafterDriftProbe", "SpotDrafterCallback", "log_artifact"]

@@ -1,4 +1,11 @@
-"""RL: reasoning-gym tasks and rewards, prompt sources, the GRPO math and the GRPO LightningModule."""
+"""RL: reasoning-gym tasks and rewards, prompt sources, the GRPO math and the GRPO LightningModule.
+
+``TorchtuneGRPOModule`` (:mod:`tlt_lightning.rl.torchtune_module`, a torchtune decoder as the policy)
+needs the optional ``torchtune`` extra: it is imported on first access, so importing this package
+never needs torchtune, and accessing it without torchtune raises an ``ImportError`` naming the extra.
+"""
+
+from typing import Any
 
 from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs, policy_batch
 from tlt_lightning.rl.grpo import AGGREGATIONS, GRPOLossOutput, group_advantages, grpo_loss, token_logprobs
@@ -72,3 +79,13 @@ __all__ = [
     "policy_batch",
     "token_logprobs",
 ]
+
+_TORCHTUNE = ("TorchtuneGRPOModule",)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCHTUNE:  # optional extra: imported on first use only
+        from tlt_lightning.rl import torchtune_module
+
+        return getattr(torchtune_module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -58,7 +58,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import nn
 
 from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter
-from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.models import HFTarget, TargetModel, load_model
 from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs, policy_batch
 from tlt_lightning.rl.grpo import AGGREGATIONS, GRPOLossOutput, group_advantages, grpo_loss
 from tlt_lightning.rl.sources import IndexDataset, PromptIndexLoader, PromptSource, TaskPromptSource
@@ -153,6 +153,7 @@ class GRPOModule(L.LightningModule):
             tokenizer. Tiny models have none: pass a :class:`~tlt_lightning.rl.TokenPromptSource`.
 
     Hooks and attributes for callbacks and subclasses:
+        :meth:`configure_policy` and :meth:`make_target` (which model is trained, and its adapter),
         :meth:`rollout`, :meth:`compute_rewards`, :meth:`policy_logprobs`, :meth:`policy_loss`;
         ``strategy_chooser`` (any :class:`~tlt_lightning.speculative.StrategyChooser`, e.g. the
         bandit), ``drafter`` (``None`` or a :class:`~tlt_lightning.drafter.Drafter` on
@@ -251,8 +252,8 @@ class GRPOModule(L.LightningModule):
         self.policy: nn.Module | None = None  # built in configure_model (no I/O here)
         self.reference: nn.Module | None = None
         self.rollout_policy: nn.Module | None = None  # the rollout_dtype mirror, when there is one
-        self.rollout_target: HFTarget | None = None
-        self.policy_target: HFTarget | None = None
+        self.rollout_target: TargetModel | None = None
+        self.policy_target: TargetModel | None = None
         self.tokenizer = None
         self.accept_length = MeanAcceptLength()
         self.rollout_tokens_per_s = RolloutTokensPerSecond()
@@ -269,17 +270,12 @@ class GRPOModule(L.LightningModule):
         if self.policy is not None:
             return
         hp = self.hparams
-        loaded = load_model(hp.model, dtype=hp.dtype, seed=hp.seed)
-        self.policy = loaded.model.train()
-        if hp.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
-        self.tokenizer = loaded.tokenizer
-        self.policy_target = HFTarget(self.policy)
+        self.policy, self.tokenizer, self.policy_target = self.configure_policy()
         self.rollout_target = self.policy_target
         if hp.rollout_dtype not in (None, hp.dtype):
             mirror = copy.deepcopy(self.policy).to(getattr(torch, hp.rollout_dtype))
             self.rollout_policy = mirror.eval().requires_grad_(False)
-            self.rollout_target = HFTarget(self.rollout_policy)
+            self.rollout_target = self.make_target(self.rollout_policy)
         if hp.kl_coef > 0:
             reference = load_model(hp.model, dtype=hp.dtype, seed=hp.seed).model
             self.reference = reference.eval().requires_grad_(False)
@@ -292,6 +288,27 @@ class GRPOModule(L.LightningModule):
                 torch.manual_seed(hp.seed)
                 self.drafter = Drafter(DrafterConfig.from_target(self.rollout_target, kind=hp.drafter_kind),
                                        self.rollout_target)
+
+    def configure_policy(self) -> tuple[nn.Module, Any, TargetModel]:
+        """Build the trained policy: ``(module in train mode, tokenizer or None, its target adapter)``.
+
+        Called once by :meth:`configure_model`. The default loads ``model`` in ``dtype`` with
+        :func:`~tlt_lightning.models.load_model` (a transformers causal LM) and wraps it with
+        :meth:`make_target`. A subclass that builds another kind of model overrides this,
+        :meth:`make_target` and :meth:`policy_logprobs` together (see
+        :class:`~tlt_lightning.rl.TorchtuneGRPOModule`).
+        """
+        hp = self.hparams
+        loaded = load_model(hp.model, dtype=hp.dtype, seed=hp.seed)
+        policy = loaded.model.train()
+        if hp.gradient_checkpointing:
+            policy.gradient_checkpointing_enable()
+        return policy, loaded.tokenizer, self.make_target(policy)
+
+    def make_target(self, module: nn.Module) -> TargetModel:
+        """The target adapter rollouts and drafters use for ``module`` (the policy or its ``rollout_dtype``
+        mirror, a ``copy.deepcopy`` of the policy); default :class:`~tlt_lightning.models.HFTarget`."""
+        return HFTarget(module)
 
     def configure_prompt_source(self) -> PromptSource:
         """The default prompt source: the task's prompts, rendered with the model's tokenizer."""

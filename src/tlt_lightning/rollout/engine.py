@@ -29,10 +29,16 @@ __all__ = ["ActiveBatch", "DecodeStep", "Emission", "PlainStep", "RolloutBackend
 
 
 class RolloutBackend(Protocol):
-    """Anything that turns prompts into rollouts (this engine, the speculative loop, vLLM)."""
+    """Anything that turns prompts into rollouts (this engine, the speculative loop, vLLM).
+
+    ``generate(prompts, generator=None, progress=False)``: ``prompts`` are ``B`` sequences of token
+    ids; ``generator`` is the random source (same state, same rollouts; ``None``: the backend's
+    own); ``progress`` shows a progress bar of finished requests. Returns one rollout per prompt,
+    in order, with the backend's :class:`~tlt_lightning.rollout.RolloutStats`.
+    """
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], generator: torch.Generator | None = None
+        self, prompts: Sequence[Sequence[int]], generator: torch.Generator | None = None, progress: bool = False
     ) -> RolloutResult: ...
 
 
