@@ -125,7 +125,7 @@ class GRPOProgressBar(TQDMProgressBar):
     """One bar over the optimizer steps of the run, showing the GRPO numbers of the last step.
 
     ``step 7/16 [..] reward=0.412, acc=0.31, len=38, accept=2.10, tok/s=212``: mean reward,
-    accuracy (share of completions scored ``> 0`` by the task), mean response length, mean accept
+    accuracy (share of completions the task scores fully correct), mean response length, mean accept
     length of speculative decoding (``off`` when no speculative step ran: no drafter) and rollout
     tokens per second. The module's own rollout bar (``rollout_progress``) shows below it while a
     rollout runs. Counts steps up to ``trainer.max_steps`` across epochs when it is set, else

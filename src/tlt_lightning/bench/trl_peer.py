@@ -147,6 +147,7 @@ def run_trl_grpo(
     seed: int = 0,
     dtype: str = "float32",
     output_dir: str | Path = "runs/bench/trl",
+    bf16_mixed: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` GRPO optimizer steps with TRL's ``GRPOTrainer`` on the CPU and time each one.
 
@@ -169,6 +170,8 @@ def run_trl_grpo(
         dtype: parameter dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         output_dir: the ``Trainer``'s output directory (nothing is saved there: no checkpoints, no
             reports).
+        bf16_mixed: train with bf16 autocast (TRL's ``bf16=True``), as our module under Lightning's
+            ``precision="bf16-mixed"``.
 
     Returns:
         ``{"peer": "trl", "trl_version", "steps": [...], "median_step_s", "median_step_cpu_s",
@@ -283,7 +286,7 @@ def run_trl_grpo(
         weight_decay=0.0,
         optim="adamw_torch",
         max_grad_norm=1.0,
-        bf16=False,
+        bf16=bool(bf16_mixed),
         fp16=False,
         logging_strategy="steps",
         logging_steps=1,
@@ -345,6 +348,7 @@ def run_trl_grpo(
             "temperature": temperature,
             "seed": seed,
             "dtype": dtype,
+            "bf16_mixed": bool(bf16_mixed),
             "torch_threads": torch.get_num_threads(),
         },
     }

@@ -84,7 +84,8 @@ class RewardBatch(NamedTuple):
 
     Attributes:
         total: ``[N]`` float32, the reward GRPO trains on.
-        correctness: ``[N]`` float32, the task score alone (accuracy = share ``> 0``).
+        correctness: ``[N]`` float32, the task score alone (accuracy = share ``>= 1``: fully correct;
+            reasoning-gym gives partial credit, e.g. countdown 0.01 for a well-formed wrong answer).
     """
 
     total: torch.Tensor
@@ -103,6 +104,16 @@ def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _StepCheck(NamedTuple):
+    """What :meth:`GRPOModule._optimize` hands its ``on_before_optimizer_step`` (clip and check there)."""
+
+    finite: bool  # every micro-batch loss was finite
+    drift: torch.Tensor  # mean |policy - rollout| log-probability per completion token
+    tolerance: float | None  # None: the log-probability check is off
+    loss: torch.Tensor
+    grad_norm: torch.Tensor | None = None  # set by the hook: the norm before clipping
 
 
 class GRPOModule(L.LightningModule):
@@ -257,6 +268,7 @@ class GRPOModule(L.LightningModule):
         self.tokenizer = None
         self.accept_length = MeanAcceptLength()
         self.rollout_tokens_per_s = RolloutTokensPerSecond()
+        self._step_check: _StepCheck | None = None  # set while _optimize's opt.step() runs
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in GRPOModule._UNREGISTERED:
@@ -480,7 +492,8 @@ class GRPOModule(L.LightningModule):
         return rewards
 
     def _optimize(self, data: PolicyBatch) -> dict[str, torch.Tensor]:
-        """Accumulate the gradient over micro-batches, check it, clip it, take the optimizer step."""
+        """Accumulate the gradient over micro-batches, then the optimizer step (clipped and checked in
+        :meth:`on_before_optimizer_step`)."""
         hp, strategy = self.hparams, self.trainer.strategy
         opt = self.optimizers()
         N = data.advantages.shape[0]
@@ -519,29 +532,15 @@ class GRPOModule(L.LightningModule):
             sums["ratio"] += out.ratio_mean * tokens
             sums["tokens"] += tokens
             sums["drift"] += ((logprobs.detach() - mb.rollout_logprobs).abs() * mb.mask).sum()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), hp.max_grad_norm or math.inf)
         drift = sums["drift"] / max(float(sums["tokens"]), 1.0)
-        finite &= bool(torch.isfinite(grad_norm))
-        drifted = check_logprobs and bool(drift > tolerance)
-        if self._any_rank(not finite or drifted):
-            opt.zero_grad()
-            where = f"step {self.global_step} (rank {self.global_rank})"
-            if not finite:
-                raise NonFiniteLossError(
-                    f"non-finite loss or gradient at {where}: loss {float(sums['loss'])}, grad norm "
-                    f"{float(grad_norm)}; the optimizer step was skipped and the weights are unchanged"
-                )
-            if drifted:
-                raise RuntimeError(
-                    f"at {where} the policy's log-probabilities of the rollout tokens differ from the "
-                    f"rollout's by {float(drift):.4g} nats on average (logprob_tolerance={tolerance}): the "
-                    "rollout and the training forward disagree (misaligned tokens, stale weights or a lossy "
-                    "rollout); the optimizer step was skipped"
-                )
-            raise NonFiniteLossError(
-                f"stopping at {where}: another rank's loss, gradient or log-probabilities failed their check"
-            )
-        opt.step()
+        self._step_check = _StepCheck(finite, drift, tolerance if check_logprobs else None, sums["loss"])
+        # Inside opt.step(): the callbacks' on_before_optimizer_step, ours (clip and check), the update.
+        try:
+            opt.step()
+            grad_norm = self._step_check.grad_norm
+        finally:
+            self._step_check = None
+        assert grad_norm is not None, "the optimizer step ran without Lightning's on_before_optimizer_step"
         self.sync_rollout_policy()
         tokens = max(float(sums["tokens"]), 1.0)
         return {
@@ -549,6 +548,47 @@ class GRPOModule(L.LightningModule):
             "clip_fraction": sums["clip"] / tokens, "ratio_mean": sums["ratio"] / tokens,
             "grad_norm": grad_norm.detach(), "logprob_drift": drift,
         }
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clip and check the step's accumulated gradient, right before the update.
+
+        Lightning calls this inside ``opt.step()`` of :meth:`_optimize`, after every callback's
+        ``on_before_optimizer_step`` (the order of automatic optimization, where Lightning clips at
+        this point too). So a callback that rescales the gradients in its own hook, such as
+        :class:`~tlt_lightning.efficiency.LayerwisePrecisionCallback` unscaling its per-group fp16
+        gradients, does so before they are clipped and checked; one that drops every gradient (a
+        skipped fp16 step) leaves a zero norm and an optimizer step that changes nothing.
+
+        Raises (on every rank, before the update, the gradients zeroed) when the loss, the gradient
+        norm or the log-probability check failed on any rank. A subclass overriding this hook must
+        call ``super()``.
+        """
+        check = self._step_check
+        if check is None:  # not a step of _optimize: nothing to check
+            return
+        hp = self.hparams
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), hp.max_grad_norm or math.inf)
+        finite = check.finite and bool(torch.isfinite(grad_norm))
+        drifted = check.tolerance is not None and bool(check.drift > check.tolerance)
+        self._step_check = check._replace(grad_norm=grad_norm)
+        if self._any_rank(not finite or drifted):
+            optimizer.zero_grad()
+            where = f"step {self.global_step} (rank {self.global_rank})"
+            if not finite:
+                raise NonFiniteLossError(
+                    f"non-finite loss or gradient at {where}: loss {float(check.loss)}, grad norm "
+                    f"{float(grad_norm)}; the optimizer step was skipped and the weights are unchanged"
+                )
+            if drifted:
+                raise RuntimeError(
+                    f"at {where} the policy's log-probabilities of the rollout tokens differ from the "
+                    f"rollout's by {float(check.drift):.4g} nats on average (logprob_tolerance={check.tolerance}): "
+                    "the rollout and the training forward disagree (misaligned tokens, stale weights or a lossy "
+                    "rollout); the optimizer step was skipped"
+                )
+            raise NonFiniteLossError(
+                f"stopping at {where}: another rank's loss, gradient or log-probabilities failed their check"
+            )
 
     def _log_step(self, result: RolloutResult, rewards: RewardBatch, parts: dict[str, torch.Tensor],
                   reward_time: float, train_time: float) -> None:
@@ -563,7 +603,7 @@ class GRPOModule(L.LightningModule):
         log = lambda name, value, **kw: self.log(name, value, sync_dist=True, **kw)  # noqa: E731
         log("reward/mean", rewards.total.mean(), prog_bar=True)
         log("reward/std", rewards.total.std() if rewards.total.numel() > 1 else torch.tensor(0.0))
-        log("reward/accuracy", (rewards.correctness > 0).float().mean())
+        log("reward/accuracy", (rewards.correctness >= 1).float().mean())
         log("response/length_mean", lengths.mean())
         log("response/length_max", lengths.max(), reduce_fx="max")
         log("time/rollout_s", stats.total_time)

@@ -98,7 +98,7 @@ class TokenPromptSource:
     """Fixed token-id prompts scored by a reward function on token ids.
 
     The reward is its own correctness (``Reward(total=r, correctness=r)``), so "accuracy" in the
-    logs is the share of completions with a positive reward.
+    logs is the share of completions with a reward of at least 1.
 
     Args:
         prompts: the prompts, each a non-empty sequence of token ids.
