@@ -93,6 +93,8 @@ def test_bad_arguments_raise_naming_them():
         ImportanceSampler(4, lambda idx: torch.zeros(len(idx)), ImportanceSamplerConfig(batch_size=8))
     with pytest.raises(ValueError, match="chunk_size must be an int >= 1"):
         LossScorer(tiny_lm(), [], collate, chunk_size=0)
+    with pytest.raises(ValueError, match=r"rank must be an int >= 0 or None \(the torch.distributed rank\), got -1"):
+        ImportanceSampler(8, lambda idx: torch.zeros(len(idx)), ImportanceSamplerConfig(batch_size=2), rank=-1)
 
 
 def test_per_example_loss_matches_cross_entropy_by_hand():
@@ -165,3 +167,37 @@ def test_sampler_feeds_a_dataloader_with_a_real_proxy():
     batches = list(DataLoader(data, batch_sampler=sampler, collate_fn=collate))
     assert len(batches) == 3 and all(b["input_ids"].shape[0] == 4 for b in batches)
     assert sampler.last_stats is not None and math.isfinite(sampler.last_stats.selected_score)
+
+
+def _ddp_sampler(rank=None, seed=0):
+    config = ImportanceSamplerConfig(batch_size=4, candidate_factor=3, temperature=1.0, num_batches=5, seed=seed)
+    return ImportanceSampler(100, lambda idx: torch.tensor(idx, dtype=torch.float32) / 50, config, rank=rank)
+
+
+def test_each_rank_draws_its_own_reproducible_batches():
+    runs = {rank: list(_ddp_sampler(rank)) for rank in (0, 1, 2)}
+    for a, b in ((0, 1), (0, 2), (1, 2)):  # every batch differs between ranks
+        assert all(x != y for x, y in zip(runs[a], runs[b])), (a, b)
+    assert list(_ddp_sampler(1)) == runs[1]  # each rank's stream is reproducible
+    assert list(_ddp_sampler(1, seed=1)) != runs[1]  # and follows the seed
+    # Lightning checkpoints keep rank 0's callback state: the batch count resumes every rank's own stream.
+    rank0 = _ddp_sampler(0)
+    it = iter(rank0)
+    next(it), next(it)
+    resumed = _ddp_sampler(1)
+    resumed.load_state_dict(rank0.state_dict())
+    assert list(resumed)[:3] == runs[1][2:5]
+    resumed.load_state_dict({"generator": torch.Generator().get_state()})  # an old state: count kept
+    assert resumed.batches_drawn == 7
+
+
+def test_rank_defaults_to_the_process_group_rank(monkeypatch):
+    import tlt_lightning.efficiency.sampler as sampler_module
+
+    sampler = _ddp_sampler()  # built before the process group exists (as before a DDP launch)
+    assert sampler.current_rank() == 0
+    monkeypatch.setattr(sampler_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sampler_module.dist, "get_rank", lambda group=None: 2)
+    assert sampler.current_rank() == 2
+    assert list(sampler) == list(_ddp_sampler(2))  # iterating inside the process group: rank 2's batches
+    assert _ddp_sampler(rank=1).current_rank() == 1  # an explicit rank wins

@@ -374,3 +374,11 @@ class TensorRewards(GRPOModule):
 def test_compute_rewards_must_return_a_reward_batch():
     with pytest.raises(TypeError, match="compute_rewards must return a RewardBatch, got Tensor"):
         make_trainer(1).fit(make_module(cls=TensorRewards))
+
+
+def test_a_policy_changed_after_setup_no_longer_fits_its_mirror():
+    module = make_module(rollout_dtype="bfloat16")
+    module.configure_model()
+    module.policy.extra = torch.nn.Linear(2, 2)  # e.g. an adapter added after configure_model
+    with pytest.raises(ValueError, match=r"no longer match its rollout_dtype mirror \(e.g. \['extra.bias'"):
+        module.sync_rollout_policy()

@@ -11,7 +11,9 @@
 * :mod:`.distill`: hierarchical distillation (mapped hidden states + ``T^2``-scaled KD on logits);
 * :mod:`.qat`: INT4 quantization-aware training through torchao (needs ``torchao``);
 * :mod:`.callbacks`: :class:`DynamicCheckpointingCallback`, :class:`LayerwisePrecisionCallback`;
-* :mod:`.training`: :class:`ImportanceSamplingCallback`, :class:`DistillationModule`, :class:`QATCallback`.
+* :mod:`.training`: :class:`ImportanceSamplingCallback`, :class:`DistillationModule`, :class:`QATCallback`;
+* :mod:`.grpo`: the profiling batch and forward :class:`DynamicCheckpointingCallback` needs on a
+  :class:`~tlt_lightning.rl.GRPOModule` (no ``forward``); the other helpers apply to its ``policy`` as is.
 """
 
 from tlt_lightning.efficiency.callbacks import DynamicCheckpointingCallback, LayerwisePrecisionCallback
@@ -40,6 +42,7 @@ from tlt_lightning.efficiency.distill import (
     proportional_layer_map,
 )
 from tlt_lightning.efficiency.dora import DoraConfig, apply_dora, merge_dora
+from tlt_lightning.efficiency.grpo import grpo_policy_loss, grpo_profile_batch
 from tlt_lightning.efficiency.memory import ActivationMemoryMeter, MemoryReport, measure_step
 from tlt_lightning.efficiency.precision import (
     GroupLossScaler,
@@ -103,6 +106,8 @@ __all__ = [
     "distill_step",
     "fake_quantized_modules",
     "find_blocks",
+    "grpo_policy_loss",
+    "grpo_profile_batch",
     "hidden_state_loss",
     "is_checkpointed",
     "kd_kl_loss",

@@ -2,7 +2,10 @@
 
 Both work on any LightningModule; ``blocks`` / ``module`` name the part to transform (an attribute
 path such as ``"policy"`` or module-name patterns), so the same callback serves the policy, the
-drafter or a plain model.
+drafter or a plain model. Both transform at ``on_fit_start`` or later, so modules built in
+``configure_model`` (the :class:`~tlt_lightning.rl.GRPOModule` policy) are there. A module without
+a ``forward`` of its own (GRPO, whose step generates before it trains) gives
+:class:`DynamicCheckpointingCallback` a profiling forward: see :mod:`~tlt_lightning.efficiency.grpo`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ def _training_step_loss(pl_module: L.LightningModule, batch: Any, batch_idx: int
     return out["loss"] if isinstance(out, dict) else out
 
 
+def _training_batch(pl_module: L.LightningModule, batch: Any) -> Any:
+    return batch
+
+
 def _submodule(pl_module: nn.Module, path: str | None, field: str) -> nn.Module:
     if path is None:
         return pl_module
@@ -46,8 +53,10 @@ def _submodule(pl_module: nn.Module, path: str | None, field: str) -> nn.Module:
 class DynamicCheckpointingCallback(L.Callback):
     """Profile the blocks on the first training batch, plan under the budget, checkpoint, undo at the end.
 
-    At the first ``on_train_batch_start`` the callback runs ``forward_fn(pl_module, batch)``
-    ``repeats + 1`` times (forward only, no optimizer step) to profile the blocks, plans with
+    At the first ``on_train_batch_start`` the callback builds the profiling batch
+    ``data = profile_batch_fn(pl_module, batch)`` once, outside the measurement, then runs
+    ``forward_fn(pl_module, data)`` ``repeats + 1`` times (forward only, no optimizer step) to
+    profile the blocks, plans with
     :class:`~tlt_lightning.efficiency.checkpoint.DynamicCheckpointing` and checkpoints the chosen
     blocks for the rest of the fit (removed at ``teardown``). Logs ``checkpoint/blocks``,
     ``checkpoint/predicted_peak_mib`` and ``checkpoint/budget_mib``. The plan is saved with Lightning
@@ -61,13 +70,22 @@ class DynamicCheckpointingCallback(L.Callback):
         blocks: module-name patterns of the candidate blocks (see
             :func:`~tlt_lightning.efficiency.checkpoint.find_blocks`), relative to the LightningModule;
             ``None``: the children of its longest ``nn.ModuleList``.
-        forward_fn: ``(pl_module, batch) -> scalar loss`` used for profiling; default: the module's
-            ``training_step`` (give a cheaper one when the step does more than a forward, e.g. an
-            RL step that generates rollouts).
+        forward_fn: ``(pl_module, data) -> scalar loss``, one training forward on the profiling
+            batch, calling each block exactly once; default: the module's ``training_step``, which
+            must then only compute the loss (automatic optimization). A module with manual
+            optimization (its step runs the optimizer; a GRPO step also generates rollouts first)
+            must give one, e.g. :func:`~tlt_lightning.efficiency.grpo.grpo_policy_loss`.
+        profile_batch_fn: ``(pl_module, batch) -> data``, run once before profiling, outside the
+            measurement: what ``forward_fn`` profiles on; default: the first training batch itself.
+            E.g. :func:`~tlt_lightning.efficiency.grpo.grpo_profile_batch` turns a GRPO batch of
+            prompt indices into the largest micro-batch of sequences the step can train on.
         repeats: timed profiling runs.
 
     Example:
         >>> # L.Trainer(callbacks=[DynamicCheckpointingCallback(budget_fraction=0.6, blocks="model.model.layers.*")])
+        >>> # on a GRPOModule (no forward): profile its policy's training forward on the worst-case micro-batch
+        >>> # DynamicCheckpointingCallback(budget_fraction=0.6, blocks="policy.model.layers.*",
+        >>> #                              forward_fn=grpo_policy_loss, profile_batch_fn=grpo_profile_batch)
     """
 
     def __init__(
@@ -77,11 +95,16 @@ class DynamicCheckpointingCallback(L.Callback):
         blocks: str | Sequence[str] | None = None,
         forward_fn: Callable[[L.LightningModule, Any], torch.Tensor] | None = None,
         repeats: int = 2,
+        profile_batch_fn: Callable[[L.LightningModule, Any], Any] | None = None,
     ) -> None:
         super().__init__()
         self.policy = DynamicCheckpointing(memory_budget, budget_fraction, repeats=repeats)
+        for name, fn in (("forward_fn", forward_fn), ("profile_batch_fn", profile_batch_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable (pl_module, batch) -> ..., got {type(fn).__name__}")
         self.blocks = blocks
         self.forward_fn = forward_fn
+        self.profile_batch_fn = profile_batch_fn or _training_batch
         self.plan: CheckpointPlan | None = None
         self._loaded: tuple[bool, ...] | None = None
         self._handle: CheckpointHandle | None = None
@@ -94,10 +117,18 @@ class DynamicCheckpointingCallback(L.Callback):
         if self._loaded is not None and len(self._loaded) == len(blocks):
             self._handle = apply_checkpointing(blocks, self._loaded)
             return
+        if self.forward_fn is None and not pl_module.automatic_optimization:
+            raise ValueError(
+                f"forward_fn=None profiles training_step, but {type(pl_module).__name__} uses manual optimization "
+                "(its training_step would step the optimizer while profiling): pass forward_fn (and "
+                "profile_batch_fn), e.g. forward_fn=grpo_policy_loss, profile_batch_fn=grpo_profile_batch from "
+                "tlt_lightning.efficiency for a GRPOModule"
+            )
+        data = self.profile_batch_fn(pl_module, batch)
         if self.forward_fn is None:
-            forward = functools.partial(_training_step_loss, pl_module, batch, batch_idx)
+            forward = functools.partial(_training_step_loss, pl_module, data, batch_idx)
         else:
-            forward = functools.partial(self.forward_fn, pl_module, batch)
+            forward = functools.partial(self.forward_fn, pl_module, data)
         profile = profile_blocks(blocks, forward, self.policy.repeats)
         self.plan = self.policy.plan(profile)
         self._handle = apply_checkpointing(blocks, self.plan)
@@ -131,10 +162,15 @@ class LayerwisePrecisionCallback(L.Callback):
     """Apply :class:`~tlt_lightning.efficiency.precision.LayerwisePrecision` for the fit; fp16: per-group scalers.
 
     Use with the Trainer's default ``precision="32-true"``: this callback does the autocast per
-    group. With fp16 it unscales each group's gradients in ``on_before_optimizer_step`` (before
-    Lightning clips them); on an overflow it drops every gradient (the optimizer step then changes
-    nothing) and lowers only the overflowing groups' scales. Logs ``precision/scale/{group}`` and
-    ``precision/skipped_steps``. Scales are saved with Lightning checkpoints.
+    group. It transforms at ``on_fit_start``: after ``configure_model`` (a GRPO policy exists by
+    then) and after the strategy moved the model, so the fp16 scalers live where the gradients do.
+    With fp16 it unscales each group's gradients in ``on_before_optimizer_step``, before they are
+    clipped: Lightning clips after that hook in automatic optimization, and
+    :class:`~tlt_lightning.rl.GRPOModule` (manual optimization) clips in its own
+    ``on_before_optimizer_step``, which Lightning calls after the callbacks'. On an overflow it
+    drops every gradient (the optimizer step then changes nothing) and lowers only the
+    overflowing groups' scales. Logs ``precision/scale/{group}`` and ``precision/skipped_steps``.
+    Scales are saved with Lightning checkpoints.
 
     Args:
         config: the groups and dtype (default: attention and MLP in bf16).
@@ -143,6 +179,7 @@ class LayerwisePrecisionCallback(L.Callback):
 
     Example:
         >>> # L.Trainer(callbacks=[LayerwisePrecisionCallback(PrecisionConfig(compute_dtype="float16"))])
+        >>> # L.Trainer(callbacks=[LayerwisePrecisionCallback(module="policy")]).fit(grpo_module)
     """
 
     def __init__(self, config: PrecisionConfig | None = None, module: str | None = None) -> None:
@@ -154,7 +191,7 @@ class LayerwisePrecisionCallback(L.Callback):
         self._pending: dict[str, Any] = {}
 
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.handle is None:
             self.handle = self.transform.apply(_submodule(pl_module, self.module, "module"))
             for name, state in self._pending.get("scalers", {}).items():

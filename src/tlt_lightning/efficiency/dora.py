@@ -14,6 +14,18 @@ Export: :func:`merge_dora` folds the adapters into plain weights (the original m
 parameter names), so the merged policy or drafter is saved and served as if DoRA had never been
 there (for the drafter: merge, then export it as usual).
 
+On a :class:`~tlt_lightning.rl.GRPOModule`: build the policy, then wrap it before the fit
+(``module.configure_model(); module.policy = apply_dora(module.policy)``). peft injects the adapters
+into the policy's own modules, so the rollouts (whose adapter holds the same base model) sample from
+the adapted policy; ``configure_optimizers`` hands the frozen base weights to AdamW too, which skips
+them (they never get a gradient). Merge for export with ``module.policy = merge_dora(module.policy)``.
+With a ``rollout_dtype`` mirror (a copy made in ``configure_model``, before the wrapping) wrap the
+policy in an overridden :meth:`~tlt_lightning.rl.GRPOModule.configure_policy` instead, so the mirror
+copies the wrapped model; that is also the way for ``GRPOModule.load_from_checkpoint``, which builds
+the model from its arguments. On the drafter: ``apply_dora(drafter)`` trains with
+:func:`~tlt_lightning.drafter.drafter_train_step` as the drafter itself does (peft forwards its
+attributes), then ``merge_dora`` gives the :class:`~tlt_lightning.drafter.Drafter` back.
+
 Example:
     >>> from tlt_lightning.models import load_model
     >>> model = apply_dora(load_model("tiny-llama").model, DoraConfig(rank=4))

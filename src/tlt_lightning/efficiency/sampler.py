@@ -13,6 +13,12 @@ logs its choices and can keep a small proxy in step with the learner. Selected e
 re-weighted: like RHO-LOSS, the sampler changes what is learnt first, it is not an unbiased
 estimate of the uniform-batch gradient.
 
+Distributed (DDP): every rank runs its own sampler over the whole dataset, each with its own random
+stream (seeded from the seed, the rank and the batch number), so ranks pick different batches, and
+every rank's stream is reproducible and resumes exactly from the batch count alone. Ranks sample
+independently: an example can now and then be picked on two ranks in the same step. Lightning
+cannot put its ``DistributedSampler`` into this batch sampler: use ``Trainer(use_distributed_sampler=False)``.
+
 Example:
     >>> from torch.utils.data import DataLoader
     >>> scorer = LossScorer(proxy, dataset, collate)  # doctest: +SKIP
@@ -22,12 +28,14 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Sampler
@@ -60,7 +68,8 @@ class ImportanceSamplerConfig:
         temperature: softmax temperature over scores (> 0); large is close to uniform, small close
             to "take the top ``batch_size``".
         num_batches: batches per epoch; ``None``: ``dataset_size // batch_size`` (at least 1).
-        seed: seed of the candidate draws and of the Gumbel noise.
+        seed: seed of the candidate draws and of the Gumbel noise (each rank's stream derives from
+            it and the rank).
 
     Example:
         >>> ImportanceSamplerConfig(batch_size=8).num_candidates
@@ -265,20 +274,34 @@ class SelectionStats(NamedTuple):
     max_probability: float
 
 
+def _batch_seed(seed: int, rank: int, batch: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{rank}:{batch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
 class ImportanceSampler(Sampler[list[int]]):
     """A ``batch_sampler`` that yields batches of dataset indices picked by importance.
 
     Iterate it in the process that owns the scorer's model (``DataLoader`` workers only load the
     examples; the batch sampler always runs in the main process).
 
+    Batch ``b`` (counted over the sampler's life, across epochs) draws its candidates and its Gumbel
+    noise from a generator seeded with ``(config.seed, rank, b)``: the state is the batch count
+    alone, the same on every rank, so a Lightning checkpoint (which keeps rank 0's callback state)
+    resumes every rank's own stream exactly. Under DDP pass ``Trainer(use_distributed_sampler=False)``.
+
     Args:
         dataset_size: number of examples (indices ``0 .. dataset_size - 1``).
         scorer: ``indices -> [N] scores`` (:class:`LossScorer`, :class:`RhoLossScorer`, or any
             callable); not called when ``candidate_factor`` leaves no choice.
         config: batch size, candidate factor, temperature, epoch length, seed.
+        rank: this process's rank (>= 0), which picks its random stream; ``None``: the
+            ``torch.distributed`` rank when a process group is initialised when iteration starts
+            (so a sampler built before DDP starts still gets each rank's own), else 0.
 
     Attributes:
         last_stats: the :class:`SelectionStats` of the latest batch (``None`` before the first).
+        batches_drawn: batches drawn so far (the random state).
 
     Example:
         >>> scores = lambda idx: torch.tensor([float(i) for i in idx])  # prefer high indices
@@ -289,7 +312,7 @@ class ImportanceSampler(Sampler[list[int]]):
     """
 
     def __init__(self, dataset_size: int, scorer: Scorer | Callable[[Sequence[int]], torch.Tensor],
-                 config: ImportanceSamplerConfig) -> None:
+                 config: ImportanceSamplerConfig, rank: int | None = None) -> None:
         if not isinstance(config, ImportanceSamplerConfig):
             raise TypeError(f"config must be an ImportanceSamplerConfig, got {type(config).__name__}")
         if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < config.batch_size:
@@ -298,16 +321,31 @@ class ImportanceSampler(Sampler[list[int]]):
             )
         if not callable(scorer):
             raise TypeError(f"scorer must be callable (indices -> scores), got {type(scorer).__name__}")
-        self.dataset_size, self.scorer, self.config = dataset_size, scorer, config
-        self.generator = torch.Generator().manual_seed(config.seed)
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ValueError(f"rank must be an int >= 0 or None (the torch.distributed rank), got {rank!r}")
+        self.dataset_size, self.scorer, self.config, self.rank = dataset_size, scorer, config, rank
         self.last_stats: SelectionStats | None = None
         self.batches_drawn = 0
+
+    def current_rank(self) -> int:
+        """``rank`` if given, else the ``torch.distributed`` rank when initialised, else 0."""
+        if self.rank is not None:
+            return self.rank
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def batch_generator(self, batch: int, rank: int | None = None) -> torch.Generator:
+        """The CPU generator of batch number ``batch`` on ``rank`` (default :meth:`current_rank`)."""
+        rank = self.current_rank() if rank is None else rank
+        return torch.Generator().manual_seed(_batch_seed(self.config.seed, rank, batch))
 
     def __len__(self) -> int:
         return self.config.num_batches or max(self.dataset_size // self.config.batch_size, 1)
 
-    def select(self, candidates: torch.Tensor) -> torch.Tensor:
-        """Score ``[N]`` candidate indices and return the ``[batch_size]`` chosen ones (draw order)."""
+    def select(self, candidates: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Score ``[N]`` candidate indices and return the ``[batch_size]`` chosen ones (draw order).
+
+        ``generator``: source of the Gumbel noise (default: the next batch's, :meth:`batch_generator`).
+        """
         k = self.config.batch_size
         if len(candidates) == k:  # nothing to choose: skip the scorer
             self.last_stats = SelectionStats(float("nan"), float("nan"), 1.0 / k)
@@ -315,22 +353,29 @@ class ImportanceSampler(Sampler[list[int]]):
         scores = torch.as_tensor(self.scorer(candidates.tolist()), dtype=torch.float32).flatten()
         if scores.shape != candidates.shape:
             raise ValueError(f"scorer returned {tuple(scores.shape)} scores for {len(candidates)} candidates")
-        pick = sample_without_replacement(scores, k, self.config.temperature, self.generator)
+        if generator is None:
+            generator = self.batch_generator(self.batches_drawn)
+        pick = sample_without_replacement(scores, k, self.config.temperature, generator)
         probs = selection_probabilities(scores, self.config.temperature)
         self.last_stats = SelectionStats(float(scores.mean()), float(scores[pick].mean()), float(probs.max()))
         return candidates[pick]
 
     def __iter__(self) -> Iterator[list[int]]:
         m = min(self.config.num_candidates, self.dataset_size)
+        rank = self.current_rank()  # once per epoch: the process group exists by the time DDP iterates
         for _ in range(len(self)):
-            candidates = torch.randperm(self.dataset_size, generator=self.generator)[:m]
+            generator = self.batch_generator(self.batches_drawn, rank)
+            candidates = torch.randperm(self.dataset_size, generator=generator)[:m]
             self.batches_drawn += 1
-            yield self.select(candidates).tolist()
+            yield self.select(candidates, generator).tolist()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state(), "batches_drawn": self.batches_drawn}
+        """``{"batches_drawn"}``: with the seed and the rank, all a resumed sampler needs (on every rank)."""
+        return {"batches_drawn": self.batches_drawn}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if "generator" in state:
-            self.generator.set_state(state["generator"])
+        """Resume after ``state["batches_drawn"]`` batches; missing keys keep the current count.
+
+        A ``"generator"`` entry (saved by versions that kept one stream per sampler) is ignored.
+        """
         self.batches_drawn = int(state.get("batches_drawn", self.batches_drawn))

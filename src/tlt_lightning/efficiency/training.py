@@ -100,9 +100,15 @@ def proxy_step(proxy: nn.Module, optimizer: torch.optim.Optimizer, batch: Mappin
 class DistillationModule(L.LightningModule):
     """Train ``student`` against a frozen ``teacher`` with hierarchical (or logits-only) distillation.
 
-    The teacher is a submodule (it moves with the module and is saved in its checkpoints) but never
-    trains: its parameters are frozen and it stays in eval mode. The optimizer covers the student and the distillation
-    projections. Batches are dicts with ``input_ids``, optional ``attention_mask`` and ``labels``.
+    The teacher is used, not owned (as :class:`~tlt_lightning.rl.GRPOModule` keeps its reference
+    model): it is not a registered submodule, so it is neither in ``state_dict()`` and Lightning
+    checkpoints (it is an input, rebuilt by whoever builds the module) nor in ``parameters()`` and
+    DDP's buckets and broadcasts; it still follows the module's ``.to()`` (device and dtype, so
+    Lightning moves it with the student). Its parameters are frozen and it stays in eval mode. The
+    optimizer covers the student and the distillation projections. Batches are dicts with
+    ``input_ids``, optional ``attention_mask`` and ``labels``. Resume: build the module with the same
+    teacher and pass ``ckpt_path``; checkpoints that still hold ``teacher.*`` weights load too (those
+    keys are dropped).
 
     Args:
         student, teacher: HF causal LMs with the same vocabulary.
@@ -115,6 +121,9 @@ class DistillationModule(L.LightningModule):
         >>> L.Trainer(max_steps=100).fit(module, loader)  # doctest: +SKIP
     """
 
+    # Not submodules: out of state_dict, checkpoints, parameters() and DDP (see the class docstring).
+    _UNREGISTERED = frozenset({"teacher"})
+
     def __init__(self, student: nn.Module, teacher: nn.Module, config: DistillConfig | None = None,
                  ce_weight: float = 1.0, lr: float = 1e-3) -> None:
         super().__init__()
@@ -124,14 +133,29 @@ class DistillationModule(L.LightningModule):
         self.distill = HierarchicalDistillation.from_models(student, teacher, config)
         self.ce_weight, self.lr = ce_weight, lr
         self.teacher.requires_grad_(False)
-        self.student.train()  # Lightning keeps each module's mode: the student trains, the teacher
-        self.teacher.eval()  # does not (Lightning warns that the teacher is in eval mode: intended)
+        self.student.train()
+        self.teacher.eval()  # and it stays so: train() does not reach an unregistered module
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in DistillationModule._UNREGISTERED:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     @override
-    def train(self, mode: bool = True) -> DistillationModule:
-        super().train(mode)
-        self.teacher.eval()  # Lightning puts the whole module in train mode at fit start
+    def _apply(self, fn: Any, recurse: bool = True) -> DistillationModule:
+        # .to()/.cuda()/.half() all end here: the teacher follows the student's device and dtype.
+        super()._apply(fn, recurse)
+        if recurse:
+            self.teacher._apply(fn)
         return self
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Checkpoints from versions that registered the teacher: its weights are not ours to load.
+        state = checkpoint.get("state_dict", {})
+        for key in [k for k in state if k.startswith("teacher.")]:
+            del state[key]
 
     @override
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

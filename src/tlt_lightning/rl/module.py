@@ -349,7 +349,15 @@ class GRPOModule(L.LightningModule):
         if self.rollout_policy is None:
             return
         mirror = dict(self.rollout_policy.named_parameters())
-        for name, param in self.policy.named_parameters():
+        params = dict(self.policy.named_parameters())
+        if params.keys() != mirror.keys():
+            extra = sorted(params.keys() - mirror.keys())[:3]
+            raise ValueError(
+                f"the policy's parameters no longer match its rollout_dtype mirror (e.g. {extra}): the policy "
+                "was changed after configure_model (such as apply_dora(module.policy)); make the change in an "
+                "overridden configure_policy() instead, so the mirror is built from the changed policy"
+            )
+        for name, param in params.items():
             mirror[name].copy_(param)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
