@@ -1,10 +1,11 @@
 """SpotDrafterCallback: train the drafter on idle rollout-worker time, keep it aligned with the policy.
 
 Lightning glue over plain objects (:mod:`tlt_lightning.drafter`, :mod:`tlt_lightning.scheduling`):
-a :class:`~tlt_lightning.drafter.RolloutBuffer` of harvested features, a
-:class:`~tlt_lightning.scheduling.WorkerCoordinator` (BUSY / IDLE / TRAINING), packed batches and
-:func:`~tlt_lightning.drafter.drafter_train_step`, an AdamW optimizer owned by the callback, a
-:class:`~tlt_lightning.drafter.DrafterPublisher` and an :class:`~tlt_lightning.drafter.AsyncCheckpointer`.
+a :class:`~tlt_lightning.drafter.SpotTrainer` (the drafter's AdamW optimizer, packed batches from a
+:class:`~tlt_lightning.drafter.RolloutBuffer` of harvested features, local and paid drafter steps,
+cross-rank averaging), a :class:`~tlt_lightning.scheduling.WorkerCoordinator` (BUSY / IDLE /
+TRAINING), a :class:`~tlt_lightning.drafter.DrafterPublisher` and an
+:class:`~tlt_lightning.drafter.AsyncCheckpointer`.
 
 One RL step, per rank:
 
@@ -19,29 +20,22 @@ One RL step, per rank:
    tail (a single worker never can: there is no idle device; or perfectly balanced rollouts), every
    rank trains a *paid* bounded budget (``max_steps_per_rollout`` / ``max_seconds_per_rollout``),
    logged as ``drafter/paid_seconds`` and ``drafter/overhead_fraction``, never as recovered idle
-   time. Then the ranks' drafters are made identical (below), the result is published (version + 1),
-   logged, and every ``checkpoint_interval`` RL steps saved asynchronously by rank 0.
-
-DDP weight sync: ranks train different numbers of steps on their own rollouts during their own
-windows, so gradients cannot be all-reduced step by step. At the sync point each rank's drafter
-(and AdamW moments and step count) is replaced by the average over ranks *weighted by the drafter
-steps each rank took this RL step*: one ``trainer.strategy.reduce`` of a flat vector. Ranks start
-the step identical, so this is ``theta + sum_r w_r * delta_r`` (local-SGD style model averaging); a
-rank that did not train contributes nothing (weights ``(1, 0)`` reproduce the trainer's copy
-exactly), and the result is bit-identical on every rank.
+   time. Then the ranks' drafters are made identical by a step-weighted average of weights and
+   AdamW state (:meth:`~tlt_lightning.drafter.SpotTrainer.average`: one ``trainer.strategy.reduce``;
+   a rank that did not train contributes nothing), the result is published (version + 1), logged,
+   and every ``checkpoint_interval`` RL steps saved asynchronously by rank 0.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import os
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,16 +50,13 @@ from tlt_lightning.drafter import (
     AsyncCheckpointer,
     BufferConfig,
     Drafter,
-    DrafterBatch,
     DrafterConfig,
     DrafterLease,
-    DrafterLoss,
     DrafterPublisher,
     RolloutBuffer,
-    drafter_train_step,
+    SpotTrainer,
+    SpotTrainerConfig,
     load_drafter,
-    pack_batches,
-    snapshot_state,
 )
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.rollout.types import RolloutResult
@@ -97,11 +88,6 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _seed(*parts: Any) -> int:
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def log_artifact(trainer: L.Trainer, path: str | os.PathLike, artifact_path: str | None = None) -> bool:
@@ -182,7 +168,8 @@ class SpotDrafterCallback(L.Callback):
 
     Attributes:
         drafter: the trained drafter (after fit also ``module.drafter``); ``optimizer``,
-            ``buffer``, ``coordinator``, ``publisher``, ``checkpointer``: the objects it drives.
+            ``buffer``, ``coordinator``, ``publisher``, ``checkpointer``: the objects it drives;
+            ``spot_trainer``: the :class:`~tlt_lightning.drafter.SpotTrainer` of ``drafter``.
         steps, tail_steps, paid_steps, rl_steps: counters over all ranks (checkpointed).
         local_stats: this rank's share of the last RL step.
 
@@ -211,23 +198,18 @@ class SpotDrafterCallback(L.Callback):
         seed: int = 0,
     ) -> None:
         super().__init__()
+        SpotTrainerConfig(  # validates the drafter training's own arguments
+            lr=lr, packing_budget=packing_budget, max_steps_per_rollout=max_steps_per_rollout,
+            max_seconds_per_rollout=max_seconds_per_rollout, weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm, seed=seed,
+        )
         num, pos_int = _is_number, _is_int
         for name, value, ok, allowed in (
-            ("lr", lr, num(lr) and lr > 0, "a finite number > 0"),
             ("buffer_mb", buffer_mb, num(buffer_mb) and buffer_mb > 0, "a finite number > 0 (MiB)"),
-            ("packing_budget", packing_budget, pos_int(packing_budget) and packing_budget >= 2,
-             "an int >= 2"),
             ("checkpoint_interval", checkpoint_interval,
              checkpoint_interval is None or (pos_int(checkpoint_interval) and checkpoint_interval >= 1),
              "an int >= 1 or None"),
             ("min_idle_s", min_idle_s, num(min_idle_s) and min_idle_s >= 0, "a finite number >= 0"),
-            ("max_steps_per_rollout", max_steps_per_rollout,
-             max_steps_per_rollout is None or (pos_int(max_steps_per_rollout) and max_steps_per_rollout >= 0),
-             "an int >= 0 or None"),
-            ("max_seconds_per_rollout", max_seconds_per_rollout,
-             max_seconds_per_rollout is None
-             or (num(max_seconds_per_rollout) and max_seconds_per_rollout > 0),
-             "a finite number > 0 or None"),
             ("kind", kind, kind in DRAFTER_KINDS, f"one of {DRAFTER_KINDS}"),
             ("draft_vocab_size", draft_vocab_size,
              draft_vocab_size is None or (pos_int(draft_vocab_size) and draft_vocab_size >= 1),
@@ -236,18 +218,8 @@ class SpotDrafterCallback(L.Callback):
              drafter_path is None or isinstance(drafter_path, (str, os.PathLike)),
              "a directory path or None"),
             ("recency_decay", recency_decay, num(recency_decay) and 0 < recency_decay <= 1, "in (0, 1]"),
-            ("weight_decay", weight_decay, num(weight_decay) and weight_decay >= 0, "a number >= 0"),
-            ("max_grad_norm", max_grad_norm,
-             max_grad_norm is None or (num(max_grad_norm) and max_grad_norm > 0),
-             "a number > 0 or None"),
-            ("seed", seed, pos_int(seed) and seed >= 0, "an int >= 0"),
         ):
             _check(ok, name, value, allowed)
-        if max_steps_per_rollout is None and max_seconds_per_rollout is None:
-            raise ValueError(
-                "max_steps_per_rollout and max_seconds_per_rollout are both None: training between "
-                "rollouts (a single worker has no idle time) must be bounded; set at least one"
-            )
         self.lr, self.buffer_mb, self.packing_budget = float(lr), float(buffer_mb), packing_budget
         self.checkpoint_interval, self.min_idle_s = checkpoint_interval, float(min_idle_s)
         self.max_steps_per_rollout = max_steps_per_rollout
@@ -257,6 +229,7 @@ class SpotDrafterCallback(L.Callback):
         self.max_grad_norm = max_grad_norm
         self.save_buffer, self.timeline, self.seed = bool(save_buffer), bool(timeline), seed
         # Built at fit start (no I/O here; nothing unpicklable before ddp_spawn pickles the callback).
+        self.spot_trainer: SpotTrainer | None = None
         self.drafter: Drafter | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.buffer: RolloutBuffer | None = None
@@ -270,7 +243,6 @@ class SpotDrafterCallback(L.Callback):
         self._paid: deque[Segment] = deque(maxlen=100_000)  # paid-training spans, for the timeline
         self.local_stats: dict[str, float] = {}  # this rank's share of the last RL step (see _STATS)
         self._armed = self._added = False
-        self._trained = 0  # drafter steps taken in this process (tail and paid)
         self.steps = self.tail_steps = self.paid_steps = self.rl_steps = 0
         self.paid_seconds = 0.0
         self.last_checkpoint: str | None = None
@@ -284,17 +256,21 @@ class SpotDrafterCallback(L.Callback):
             raise TypeError(f"SpotDrafterCallback needs a GRPOModule, got {type(pl_module).__name__}")
         module, target = pl_module, pl_module.policy_target
         self._module = module
-        self.drafter = self._initial_drafter(module)
+        drafter = self._initial_drafter(module)
         self._pending, pending = None, self._pending or {}
         saved_config = pending.get("drafter_config")
-        if saved_config is not None and DrafterConfig.from_dict(saved_config) != self.drafter.config:
+        if saved_config is not None and DrafterConfig.from_dict(saved_config) != drafter.config:
             # The checkpoint's drafter wins (e.g. resumed with other callback arguments).
-            self.drafter = Drafter(DrafterConfig.from_dict(saved_config), target, dtype=torch.float32)
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
-        self.loss_cfg = DrafterLoss.for_kind(self.drafter.config.kind)
+            drafter = Drafter(DrafterConfig.from_dict(saved_config), target, dtype=torch.float32)
         self.buffer = RolloutBuffer(BufferConfig(max_mb=self.buffer_mb, decay=self.recency_decay))
         self.coordinator = WorkerCoordinator(CoordinatorConfig(min_idle_s=self.min_idle_s))
+        config = SpotTrainerConfig(
+            lr=self.lr, packing_budget=self.packing_budget, max_steps_per_rollout=self.max_steps_per_rollout,
+            max_seconds_per_rollout=self.max_seconds_per_rollout, weight_decay=self.weight_decay,
+            max_grad_norm=self.max_grad_norm, seed=self.seed,
+        )
+        self.spot_trainer = SpotTrainer(drafter, target, self.buffer, config, rank=self.coordinator.rank)
+        self.drafter, self.optimizer = drafter, self.spot_trainer.optimizer
         self.checkpointer = AsyncCheckpointer(Path(trainer.default_root_dir) / "drafter" / "checkpoints")
         self._apply(pending, publisher_too=False)
         self.publisher = DrafterPublisher(self.drafter, serving_target=module.rollout_target)
@@ -342,16 +318,16 @@ class SpotDrafterCallback(L.Callback):
             if not self._armed:  # a rollout outside the training step (evaluation, a second call)
                 return original(prompts, generator)
             self._armed = False
-            coord = self.coordinator
+            coord, spot = self.coordinator, self.spot_trainer
             coord.rollout_started()
             result = original(prompts, generator)
             coord.share_done()  # first: the others' preemption signal must not wait for our bookkeeping
-            self.buffer.add(result.rollouts, step=self._policy_step)
+            self.buffer.add(result.rollouts, step=spot.policy_step)
             self._added = True
             if coord.distributed:
-                before = self._trained
-                window = coord.maybe_train(self._train_one, has_data=lambda: len(self.buffer) > 0)
-                self._step_stats["tail_steps"] += self._trained - before
+                before = spot.steps
+                window = coord.maybe_train(spot.train_one, has_data=lambda: len(self.buffer) > 0)
+                self._step_stats["tail_steps"] += spot.steps - before
                 if window.latency_s is not None:
                     self._step_stats["latency_sum"] += window.latency_s
                     self._step_stats["latency_n"] += 1
@@ -366,9 +342,8 @@ class SpotDrafterCallback(L.Callback):
                              batch_idx: int) -> None:
         self._lease = self.publisher.acquire()
         pl_module.drafter = self._lease.drafter  # this rollout's consistent, versioned copy
-        self._policy_step = trainer.global_step
+        self.spot_trainer.begin_step(trainer.global_step)  # fresh batches, drawn for this policy step
         self._armed, self._added = True, False
-        self._batches: Iterator[DrafterBatch] | None = None
         self._step_stats = dict.fromkeys(_STATS, 0.0)
         self._coord_base = (self.coordinator.train_seconds, self.coordinator.idle_seconds)
         self._step_start = time.perf_counter()
@@ -379,9 +354,10 @@ class SpotDrafterCallback(L.Callback):
         if self._lease is not None:
             self._lease.release()
             self._lease = None
+        spot, coord = self.spot_trainer, self.coordinator
         result: RolloutResult = outputs["rollout"] if isinstance(outputs, Mapping) else pl_module.last_rollout
         if not self._added:  # training_step did not go through module.rollout
-            self.buffer.add(result.rollouts, step=self._policy_step)
+            self.buffer.add(result.rollouts, step=spot.policy_step)
         self._armed = False
         stats, strategy = self._step_stats, trainer.strategy
         stats["step_s"] = time.perf_counter() - self._step_start
@@ -391,9 +367,13 @@ class SpotDrafterCallback(L.Callback):
             tail = float(tail)
         else:
             tail = stats["tail_steps"]
-        if tail == 0:
-            self._paid_train()
-        coord = self.coordinator
+        paid = spot.train_paid() if tail == 0 else None
+        if paid is not None:
+            stats["paid_steps"] += paid.steps
+            stats["paid_s"] += paid.seconds
+            self.paid_seconds += paid.seconds
+            self._paid.append(Segment(coord.rank, WorkerState.TRAINING, paid.start, paid.start + paid.seconds))
+        stats["loss"], stats["top1"] = spot.loss_sum, spot.top1_sum
         stats["tail_s"] = coord.train_seconds - self._coord_base[0]
         stats["idle_s"] = coord.idle_seconds - self._coord_base[1]
         stats["buffer_mb"], stats["buffer_tokens"] = self.buffer.size_mb, float(self.buffer.num_tokens)
@@ -404,7 +384,7 @@ class SpotDrafterCallback(L.Callback):
         steps_all = total["tail_steps"] + total["paid_steps"]
         if steps_all > 0:
             if trainer.world_size > 1:
-                self._average(strategy, steps_here / steps_all)
+                spot.average(lambda flat: strategy.reduce(flat, reduce_op="sum"), steps_here / steps_all)
             self.publisher.publish(self.drafter)
         self.steps += int(steps_all)
         self.tail_steps += int(total["tail_steps"])
@@ -417,90 +397,6 @@ class SpotDrafterCallback(L.Callback):
             and trainer.global_step % self.checkpoint_interval == 0
         ):
             self._save(trainer.global_step)
-
-    def _generator(self) -> torch.Generator:
-        # A function of (seed, policy step, rank): a resumed run samples what the uninterrupted one did.
-        return torch.Generator().manual_seed(_seed(self.seed, self._policy_step, self.coordinator.rank))
-
-    def _stream(self, generator: torch.Generator) -> Iterator[DrafterBatch]:
-        """Packed batches of buffered rollouts, recent policy steps preferred, resampled when used up."""
-        while len(self.buffer):
-            mean_len = max(1.0, self.buffer.num_tokens / max(1, len(self.buffer)))
-            n = max(1, math.ceil(4 * self.packing_budget / mean_len))  # about four steps per draw
-            samples = self.buffer.sample(n, generator, dtype=self.drafter.dtype)
-            batches = pack_batches(samples, self.drafter.config, self.packing_budget, rows=1,
-                                   shuffle=True, generator=generator)
-            if not batches:
-                return
-            yield from batches
-
-    def _train_one(self) -> bool:
-        """One local drafter step (no collectives: it may run inside a coordinator window)."""
-        if self._batches is None:
-            self._batches = self._stream(self._generator())
-        batch = next(self._batches, None)
-        if batch is None:
-            return False
-        metrics = drafter_train_step(self.drafter, self._module.policy_target, batch, self.optimizer,
-                                     self.loss_cfg, self.max_grad_norm)
-        self._step_stats["loss"] += metrics["loss"]
-        self._step_stats["top1"] += metrics["top1"]
-        self._trained += 1
-        return True
-
-    def _paid_train(self) -> None:
-        """Bounded drafter training that the RL step pays for (no idle device to hide it in)."""
-        limit_steps, limit_s = self.max_steps_per_rollout, self.max_seconds_per_rollout
-        if limit_steps == 0 or not len(self.buffer):
-            return
-        t0, start, steps = time.time(), time.perf_counter(), 0
-        while limit_steps is None or steps < limit_steps:
-            elapsed = time.perf_counter() - start
-            # Do not start a step the time budget cannot hold (judged by the mean step so far).
-            if limit_s is not None and steps and elapsed + elapsed / steps > limit_s:
-                break
-            if not self._train_one():
-                break
-            steps += 1
-        seconds = time.perf_counter() - start
-        self._step_stats["paid_steps"] += steps
-        self._step_stats["paid_s"] += seconds
-        self.paid_seconds += seconds
-        self._paid.append(Segment(self.coordinator.rank, WorkerState.TRAINING, t0, t0 + seconds))
-
-    def _average(self, strategy: Any, weight: float) -> None:
-        """Make the drafter and its AdamW state identical on every rank: a step-weighted average."""
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        slots = []  # (tensor to write back, or (param, key) for state a rank does not have yet)
-        for p in params:
-            state = self.optimizer.state[p]
-            slots.append((p.data, None))
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                slots.append((state.get(key), (p, key)))
-        device = self.drafter.device
-        pieces = []
-        for tensor, where in slots:
-            if tensor is None:
-                p, key = where
-                shape = () if key == "step" else p.shape
-                pieces.append(torch.zeros(shape, dtype=torch.float32, device=device).flatten())
-            else:
-                pieces.append(tensor.detach().to(device, torch.float32).flatten())
-        flat = torch.cat(pieces) * weight
-        flat = strategy.reduce(flat, reduce_op="sum")
-        at = 0
-        with torch.no_grad():
-            for (tensor, where), piece in zip(slots, pieces):
-                value = flat[at : at + piece.numel()]
-                at += piece.numel()
-                if tensor is None:
-                    p, key = where
-                    if key == "step":
-                        tensor = torch.zeros((), dtype=torch.float32)
-                    else:
-                        tensor = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    self.optimizer.state[p][key] = tensor
-                tensor.copy_(value.view_as(tensor).to(tensor.device, tensor.dtype))
 
     def _log(self, module: GRPOModule, result: RolloutResult, total: dict[str, float], steps: float,
              world: int) -> None:
@@ -545,11 +441,9 @@ class SpotDrafterCallback(L.Callback):
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None or self.drafter is None:  # loaded, not applied yet
             return dict(self._pending or {})
-        state = {
+        return {
             "format": 1,
-            "drafter_config": self.drafter.config.to_dict(),
-            "drafter": snapshot_state(self.drafter.state_dict()),
-            "optimizer": snapshot_state(self.optimizer.state_dict()),
+            **self.spot_trainer.state_dict(),  # drafter_config, drafter, optimizer
             "buffer": self.buffer.state_dict(include_data=self.save_buffer),
             "coordinator": self.coordinator.state_dict(),
             "publisher": self.publisher.state_dict(),
@@ -558,7 +452,6 @@ class SpotDrafterCallback(L.Callback):
                          "rl_steps": self.rl_steps, "paid_seconds": self.paid_seconds},
             "last_checkpoint": self.last_checkpoint,
         }
-        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -574,10 +467,7 @@ class SpotDrafterCallback(L.Callback):
             self._apply(state_dict, publisher_too=True)
 
     def _apply(self, state: Mapping[str, Any], publisher_too: bool) -> None:
-        if "drafter" in state:
-            self.drafter.load_state_dict(state["drafter"], strict=True)
-        if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.spot_trainer.load_state_dict(state)  # drafter weights, optimizer
         if "buffer" in state:
             self.buffer.load_state_dict(state["buffer"])
         if "coordinator" in state:

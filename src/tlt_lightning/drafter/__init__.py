@@ -1,4 +1,5 @@
-"""EAGLE-style drafter: config, model, losses, training on rollouts, checkpoint I/O, EAGLE export (no Lightning)."""
+"""EAGLE-style drafter: config, model, losses, training on rollouts (offline and spot), checkpoint I/O,
+EAGLE export (no Lightning)."""
 
 from tlt_lightning.drafter.buffer import BufferConfig, DrafterSample, RolloutBuffer
 from tlt_lightning.drafter.checkpoint import (
@@ -20,6 +21,7 @@ from tlt_lightning.drafter.losses import DrafterLoss, LossOutput, feature_loss, 
 from tlt_lightning.drafter.model import AttentionCache, Drafter
 from tlt_lightning.drafter.packing import benchmark_packing, fill_ratio, pack_batches, pack_bins
 from tlt_lightning.drafter.publish import DrafterLease, DrafterPublisher
+from tlt_lightning.drafter.spot_trainer import PaidTraining, SpotTrainer, SpotTrainerConfig
 from tlt_lightning.drafter.train import (
     ConcatCache,
     DrafterBatch,
@@ -48,7 +50,10 @@ __all__ = [
     "DrafterPublisher",
     "DrafterSample",
     "LossOutput",
+    "PaidTraining",
     "RolloutBuffer",
+    "SpotTrainer",
+    "SpotTrainerConfig",
     "benchmark_checkpoint",
     "benchmark_packing",
     "drafter_losses",
