@@ -184,7 +184,7 @@ def test_benchmark_reports_and_beats_every_fixed_arm(tmp_path):
     assert on_disk["best_fixed"] == result["best_fixed"]
     assert (tmp_path / "bandit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     strategies = on_disk["strategies"]
-    assert set(strategies) == {"begmab", "ucb"} | {f"fixed:{arm_key(a)}" for a in default_arms()}
+    assert set(strategies) == {"begmab", "begmab-decay", "ucb"} | {f"fixed:{arm_key(a)}" for a in default_arms()}
     assert strategies["begmab"]["total_reward_vs_best_fixed"] > 1.0
     assert strategies["ucb"]["total_reward_vs_best_fixed"] > 1.0
     assert set(strategies["begmab"]["steps_to_follow_change"]) == {"2-4", "5-20"}
@@ -322,3 +322,25 @@ def test_bad_benchmark_and_environment():
         SimulatedSDEnvironment(acceptance=1.0)
     with pytest.raises(ValueError, match="batch_sizes"):
         SimulatedSDEnvironment(batch_sizes=())
+
+
+def test_decaying_epsilon_explores_less_and_still_converges():
+    env = SimulatedSDEnvironment(seed=2)
+    constant, decaying = BEGMABStrategy(seed=2), BEGMABStrategy(seed=2, epsilon_half_life=200, epsilon_floor=0.01)
+    explored = {}
+    for name, bandit in (("constant", constant), ("decaying", decaying)):
+        trace = run_chooser(bandit, env, 4000)
+        explored[name] = sum(r["mode"] == "explore" for r in trace[2000:])
+        exploit = [r["arm"] == r["best"] for r in trace[2000:] if r["mode"] == "exploit"]
+        assert sum(exploit) / len(exploit) >= 0.85, name
+    # ~10% of late decisions explore at a constant epsilon, ~1% once each bucket's epsilon has decayed.
+    assert explored["constant"] > 150 and explored["decaying"] < 60
+    assert 0.01 < decaying.epsilon_of(0) < 0.02
+    assert constant.epsilon_of(0) == 0.1
+
+
+def test_decaying_epsilon_arguments_are_checked():
+    with pytest.raises(ValueError, match="epsilon_half_life must be an int >= 1 or None, got 0"):
+        BEGMABStrategy(epsilon_half_life=0)
+    with pytest.raises(ValueError, match=r"epsilon_floor must be a number in \[0, epsilon=0.1\], got 0.2"):
+        BEGMABStrategy(epsilon_half_life=10, epsilon_floor=0.2)

@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=int, default=32, help="strategies apply below this many active requests")
     p.add_argument("--warm-rollouts", type=int, default=1, help="bandit rollouts on other prompts before the measured one")
     p.add_argument("--epsilon", type=float, default=0.1, help="BEG-MAB exploration probability")
+    p.add_argument("--epsilon-half-life", type=int, default=None,
+                   help="decay each bucket's epsilon with this half-life in decisions (default: constant)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="runs/bench/strategies.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
@@ -116,7 +118,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  {runs[name]['seconds']:.1f} s, {runs[name]['cpu_ms_per_token']:.2f} CPU ms/token, "
               f"accept {runs[name]['mean_accept_length']:.2f}", flush=True)
         if name == "off":  # the bandit goes in the middle of the fixed arms' runs
-            bandit = BEGMABStrategy(arms, epsilon=args.epsilon, seed=args.seed)
+            bandit = BEGMABStrategy(arms, epsilon=args.epsilon, seed=args.seed,
+                                    epsilon_half_life=args.epsilon_half_life)
             cold = _measure(loop(bandit), measured, args.seed)
             for i in range(args.warm_rollouts):
                 print(f"[bench strategies] BEG-MAB warm-up rollout {i + 1}/{args.warm_rollouts} ...", flush=True)
