@@ -24,6 +24,11 @@ One RL step, per rank:
    AdamW state (:meth:`~tlt_lightning.drafter.SpotTrainer.average`: one ``trainer.strategy.reduce``;
    a rank that did not train contributes nothing), the result is published (version + 1), logged,
    and every ``checkpoint_interval`` RL steps saved asynchronously by rank 0.
+
+With an :class:`~lightning.pytorch.loggers.MLFlowLogger`, rank 0 registers every checkpoint once it
+is on disk as a version of a registered model (:func:`~tlt_lightning.tracking.log_drafter_version`)
+at the next ``on_train_batch_end`` when the writer is idle, the rest at the end of fit: the rollouts
+never wait for a write. Without one, MLflow is not imported.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from tlt_lightning.drafter import (
     SpotTrainerConfig,
     load_drafter,
 )
+from tlt_lightning.drafter.checkpoint import META_NAME
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.rollout.types import RolloutResult
 from tlt_lightning.scheduling import (
@@ -68,7 +74,7 @@ from tlt_lightning.scheduling import (
     idle_fraction_recovered,
     plot_timeline,
 )
-from tlt_lightning.tracking import MeanAcceptLength
+from tlt_lightning.tracking import MeanAcceptLength, drafter_model_name, log_drafter_version
 
 __all__ = ["SpotDrafterCallback", "log_artifact"]
 
@@ -106,6 +112,19 @@ def log_artifact(trainer: L.Trainer, path: str | os.PathLike, artifact_path: str
                 client.log_artifact(run_id, str(path), artifact_path)
             logged = True
     return logged
+
+
+def _mlflow_loggers(trainer: L.Trainer) -> list[MLFlowLogger]:
+    return [logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger)]
+
+
+def _written_since(checkpoint: Path, requested: float) -> bool:
+    """Whether ``checkpoint`` is complete and was saved no earlier than ``requested`` (not a stale one)."""
+    try:
+        meta = json.loads((checkpoint / META_NAME).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(meta, dict) and float(meta.get("time", 0.0)) >= requested
 
 
 def _without(segment: Segment, cuts: list[Segment]) -> list[Segment]:
@@ -155,6 +174,11 @@ class SpotDrafterCallback(L.Callback):
             drafter's training, at the cost of up to ``buffer_mb`` per checkpoint).
         timeline: save a per-worker Gantt chart PNG per epoch and for the whole fit.
         seed: seeds a built drafter's weights (identical on every rank) and batch sampling.
+        registered_model_name: with an ``MLFlowLogger``, each drafter checkpoint becomes a version of
+            this registered model (tag ``rl_step``; load one with
+            :func:`~tlt_lightning.tracking.load_drafter_from_mlflow`); ``None``:
+            :func:`~tlt_lightning.tracking.drafter_model_name` of the module's ``model``, e.g.
+            ``"tlt-drafter-smollm2-135m"``.
 
     Logged after every RL step (values summed or averaged over ranks, identical on all):
         ``drafter/loss``, ``drafter/top1`` (mean over this step's drafter steps, when there were
@@ -171,6 +195,9 @@ class SpotDrafterCallback(L.Callback):
             ``buffer``, ``coordinator``, ``publisher``, ``checkpointer``: the objects it drives;
             ``spot_trainer``: the :class:`~tlt_lightning.drafter.SpotTrainer` of ``drafter``.
         steps, tail_steps, paid_steps, rl_steps: counters over all ranks (checkpointed).
+        registered_steps: RL steps whose checkpoint is a registered-model version (checkpointed: a
+            resumed fit does not register a step twice); ``registered_versions``: the
+            ``ModelVersion`` objects this fit created.
         local_stats: this rank's share of the last RL step.
 
     Example:
@@ -196,6 +223,7 @@ class SpotDrafterCallback(L.Callback):
         save_buffer: bool = False,
         timeline: bool = True,
         seed: int = 0,
+        registered_model_name: str | None = None,
     ) -> None:
         super().__init__()
         SpotTrainerConfig(  # validates the drafter training's own arguments
@@ -218,6 +246,10 @@ class SpotDrafterCallback(L.Callback):
              drafter_path is None or isinstance(drafter_path, (str, os.PathLike)),
              "a directory path or None"),
             ("recency_decay", recency_decay, num(recency_decay) and 0 < recency_decay <= 1, "in (0, 1]"),
+            ("registered_model_name", registered_model_name,
+             registered_model_name is None or (isinstance(registered_model_name, str)
+                                               and bool(registered_model_name.strip())),
+             "a non-empty string or None"),
         ):
             _check(ok, name, value, allowed)
         self.lr, self.buffer_mb, self.packing_budget = float(lr), float(buffer_mb), packing_budget
@@ -228,6 +260,7 @@ class SpotDrafterCallback(L.Callback):
         self.recency_decay, self.weight_decay = float(recency_decay), float(weight_decay)
         self.max_grad_norm = max_grad_norm
         self.save_buffer, self.timeline, self.seed = bool(save_buffer), bool(timeline), seed
+        self.registered_model_name = registered_model_name
         # Built at fit start (no I/O here; nothing unpicklable before ddp_spawn pickles the callback).
         self.spot_trainer: SpotTrainer | None = None
         self.drafter: Drafter | None = None
@@ -248,6 +281,10 @@ class SpotDrafterCallback(L.Callback):
         self.last_checkpoint: str | None = None
         self.last_metrics: dict[str, float] = {}  # what the last RL step logged
         self._saved_at = -1
+        self.registered_steps: list[int] = []
+        self.registered_versions: list[Any] = []
+        self._to_register: list[tuple[int, float]] = []  # (rl_step, time the save was requested)
+        self._registry_name: str | None = None
 
     # ------------------------------------------------------------------------------ fit start
     @override
@@ -272,6 +309,10 @@ class SpotDrafterCallback(L.Callback):
         self.spot_trainer = SpotTrainer(drafter, target, self.buffer, config, rank=self.coordinator.rank)
         self.drafter, self.optimizer = drafter, self.spot_trainer.optimizer
         self.checkpointer = AsyncCheckpointer(Path(trainer.default_root_dir) / "drafter" / "checkpoints")
+        self._to_register, self.registered_steps, self.registered_versions = [], [], []  # restored by _apply
+        self._registry_name = None
+        if trainer.is_global_zero and _mlflow_loggers(trainer):
+            self._registry_name = self.registered_model_name or drafter_model_name(str(module.hparams.model))
         self._apply(pending, publisher_too=False)
         self.publisher = DrafterPublisher(self.drafter, serving_target=module.rollout_target)
         self.publisher.load_state_dict(pending.get("publisher", {}))
@@ -391,6 +432,7 @@ class SpotDrafterCallback(L.Callback):
         self.paid_steps += int(total["paid_steps"])
         self.rl_steps += 1
         self._log(pl_module, result, total, steps_all, trainer.world_size)
+        self._register(trainer)  # the checkpoints written since the last step (never waits)
         if (
             trainer.is_global_zero
             and self.checkpoint_interval is not None
@@ -433,9 +475,33 @@ class SpotDrafterCallback(L.Callback):
         if self._saved_at == rl_step:
             return
         extra = {"rl_step": rl_step, "drafter_steps": self.steps, "version": self.publisher.version}
+        requested = time.time()
         self.checkpointer.save(self.drafter, self.optimizer, rl_step, extra)  # returns at once
         self._saved_at = rl_step
         self.last_checkpoint = str(self.checkpointer.directory / f"step-{rl_step:08d}")
+        if self._registry_name is not None:
+            self._to_register.append((rl_step, requested))
+
+    def _register(self, trainer: L.Trainer) -> None:
+        """Register (rank 0) each checkpoint saved since the last call as a model version, in step order.
+
+        Only while the writer is idle: every requested save has then landed or been superseded by a
+        newer one, and no write can delete a checkpoint being logged. A checkpoint that is not on disk
+        (superseded, or deleted beyond the checkpointer's ``keep``), or a stale one left by an earlier
+        fit (written before the save was requested), is skipped.
+        """
+        if not self._to_register or self.checkpointer.in_flight:
+            return
+        pending, self._to_register = sorted(self._to_register), []
+        for step, requested in pending:
+            path = self.checkpointer.directory / f"step-{step:08d}"
+            if step in self.registered_steps or not _written_since(path, requested):
+                continue
+            for logger in _mlflow_loggers(trainer):
+                self.registered_versions.append(
+                    log_drafter_version(logger.experiment, logger.run_id, path, self._registry_name, step)
+                )
+            self.registered_steps.append(step)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -451,6 +517,7 @@ class SpotDrafterCallback(L.Callback):
             "counters": {"steps": self.steps, "tail_steps": self.tail_steps, "paid_steps": self.paid_steps,
                          "rl_steps": self.rl_steps, "paid_seconds": self.paid_seconds},
             "last_checkpoint": self.last_checkpoint,
+            "registered_steps": list(self.registered_steps),
         }
 
     @override
@@ -482,6 +549,7 @@ class SpotDrafterCallback(L.Callback):
             setattr(self, key, int(counters.get(key, getattr(self, key))))
         self.paid_seconds = float(counters.get("paid_seconds", self.paid_seconds))
         self.last_checkpoint = state.get("last_checkpoint", self.last_checkpoint)
+        self.registered_steps = [int(s) for s in state.get("registered_steps", self.registered_steps)]
 
     # ------------------------------------------------------------------------------ timeline / end
     def _gather(self, since: float | None) -> tuple[list[Segment], list[Segment]]:
@@ -524,6 +592,7 @@ class SpotDrafterCallback(L.Callback):
         if trainer.is_global_zero:
             self._save(trainer.global_step)
             self.checkpointer.wait()
+            self._register(trainer)
             summary = {"drafter_steps": self.steps, "tail_steps": self.tail_steps,
                        "paid_steps": self.paid_steps, "paid_seconds_rank0": self.paid_seconds,
                        "idle_fraction_recovered": recovered, "rl_steps": self.rl_steps,
@@ -533,8 +602,6 @@ class SpotDrafterCallback(L.Callback):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(summary, indent=2) + "\n")
             log_artifact(trainer, path, "drafter")
-            if self.last_checkpoint is not None:
-                log_artifact(trainer, self.last_checkpoint, "drafter/model")
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

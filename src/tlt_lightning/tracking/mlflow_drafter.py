@@ -1,0 +1,306 @@
+"""The drafter in MLflow's model registry: one model version per drafter checkpoint, loaded back in one call.
+
+A drafter checkpoint (:func:`~tlt_lightning.drafter.save_drafter` or an
+:class:`~tlt_lightning.drafter.AsyncCheckpointer` ``step-*`` directory) becomes
+
+* artifacts of the training run under ``drafter/model/step-XXXXXXXX/`` (``model.safetensors``,
+  ``drafter_config.json`` and ``meta.json`` when present; the optimizer state is not logged: a
+  registered drafter is for drafting, a Lightning checkpoint is for resuming), and
+* a version of the registered model ``name`` whose source is ``runs:/<run_id>/drafter/model/step-...``,
+  tagged ``rl_step``, ``kind``, ``draft_vocab``, ``run_id`` and ``sha256`` (of the weights file).
+
+:func:`load_drafter_from_mlflow` resolves ``"models:/<name>/<version>"``, ``"models:/<name>@<alias>"``
+or a bare name (newest version), downloads the version's files and returns the
+:class:`~tlt_lightning.drafter.Drafter` for a target.
+
+MLflow is imported inside the functions: ``tlt_lightning.tracking`` imports without it.
+
+Example:
+    >>> # version = log_drafter_version(client, run_id, "runs/drafter/checkpoints/step-00000010",
+    >>> #                               drafter_model_name("smollm2-135m"), rl_step=10)
+    >>> # drafter = load_drafter_from_mlflow("tlt-drafter-smollm2-135m", target)        # newest
+    >>> # drafter = load_drafter_from_mlflow("models:/tlt-drafter-smollm2-135m/1", target)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tlt_lightning.drafter.io import CONFIG_NAME, WEIGHTS_NAME, load_drafter
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities.model_registry import ModelVersion
+
+    from tlt_lightning.drafter import Drafter
+    from tlt_lightning.models.target import TargetModel
+
+__all__ = [
+    "DEFAULT_TRACKING_URI",
+    "DRAFTER_ARTIFACT_PATH",
+    "drafter_model_name",
+    "load_drafter_from_mlflow",
+    "log_drafter_version",
+]
+
+# The tracking store of `tlt-lightning fit` (tlt_lightning.fit.DEFAULT_TRACKING_URI; a test keeps them equal).
+DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"
+DRAFTER_ARTIFACT_PATH = "drafter/model"
+_LOGGED_FILES = (WEIGHTS_NAME, CONFIG_NAME, "meta.json")  # not optimizer.pt: not needed to draft
+_INSTALL = "pip install 'tlt-lightning[mlflow]'"
+_DESCRIPTION = (
+    "EAGLE-style speculative-decoding drafter trained by tlt_lightning's SpotDrafterCallback on the "
+    "policy's own rollouts during GRPO training; one version per drafter checkpoint (tag rl_step). "
+    "Load one with: tlt_lightning.tracking.load_drafter_from_mlflow('{name}', target[, version])."
+)
+
+
+def _mlflow() -> Any:
+    try:
+        import mlflow
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            f"MLflow is not installed: the drafter registry needs the mlflow extra ({_INSTALL})"
+        ) from err
+    return mlflow
+
+
+def drafter_model_name(model: str | os.PathLike) -> str:
+    """A clear registered-model name for the drafter of ``model``: ``tlt-drafter-<model>``.
+
+    A local path gives its last component; the result is lower case, with runs of characters
+    other than letters, digits, ``.``, ``_`` and ``-`` replaced by ``-``.
+
+    Example:
+        >>> drafter_model_name("smollm2-135m")
+        'tlt-drafter-smollm2-135m'
+        >>> drafter_model_name("/models/HuggingFaceTB/SmolLM2-135M-Instruct/")
+        'tlt-drafter-smollm2-135m-instruct'
+    """
+    text = os.fspath(model).strip().rstrip("/\\")
+    last = re.split(r"[/\\]", text)[-1]
+    slug = re.sub(r"[^a-z0-9._-]+", "-", last.lower()).strip("-.")
+    if not slug:
+        raise ValueError(f"model must name a model (a registry name or a directory), got {model!r}")
+    return f"tlt-drafter-{slug}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _quote(value: str) -> str:
+    return f'"{value}"' if "'" in value else f"'{value}'"
+
+
+def log_drafter_version(
+    client: MlflowClient,
+    run_id: str,
+    checkpoint_dir: str | os.PathLike,
+    name: str,
+    rl_step: int,
+) -> ModelVersion:
+    """Log a drafter checkpoint to run ``run_id`` and register it as a new version of ``name``.
+
+    The files go under ``drafter/model/step-XXXXXXXX`` of the run; the registered model is created
+    (with a description saying how to load it) if it does not exist; the version's source is
+    ``runs:/<run_id>/drafter/model/step-XXXXXXXX``. The same checkpoint again (same ``rl_step``,
+    same weights: tag ``sha256`` of ``model.safetensors``) returns its existing version: no duplicate.
+
+    Args:
+        client: an ``mlflow.MlflowClient`` (e.g. ``MLFlowLogger.experiment``); its registry must
+            be a database or server store (``sqlite:///...``, ``http://...``).
+        run_id: the run that trained the drafter.
+        checkpoint_dir: a drafter checkpoint directory (``model.safetensors`` + ``drafter_config.json``).
+        name: registered-model name (see :func:`drafter_model_name`).
+        rl_step: the RL (policy) step of the checkpoint (``>= 0``).
+
+    Returns:
+        The ``ModelVersion``, tagged ``rl_step``, ``kind``, ``draft_vocab``, ``run_id``, ``sha256``.
+
+    Raises:
+        ValueError: ``checkpoint_dir`` is not a drafter checkpoint, or a bad ``rl_step`` / ``name``.
+        ModuleNotFoundError: MLflow is not installed (the ``mlflow`` extra).
+    """
+    if isinstance(rl_step, bool) or not isinstance(rl_step, int) or rl_step < 0:
+        raise ValueError(f"rl_step must be an int >= 0, got {rl_step!r}")
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"name must be a non-empty registered-model name, got {name!r}")
+    directory = Path(checkpoint_dir)
+    missing = [f for f in (WEIGHTS_NAME, CONFIG_NAME) if not (directory / f).is_file()]
+    if missing:
+        raise ValueError(f"{directory} is not a drafter checkpoint: {', '.join(missing)} not found")
+    try:
+        config = json.loads((directory / CONFIG_NAME).read_text())["config"]
+        kind, vocab = config["kind"], config.get("draft_vocab_size") or config["vocab_size"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{directory / CONFIG_NAME} is not a drafter config: {err!r}") from err
+    mlflow = _mlflow()
+    artifact_path = f"{DRAFTER_ARTIFACT_PATH}/step-{rl_step:08d}"
+    digest = _sha256(directory / WEIGHTS_NAME)
+    # The same checkpoint registered before (a resumed fit saving its restored step again, a retry):
+    # that version, not a duplicate.
+    same = client.search_model_versions(
+        f"name={_quote(name)} and tags.rl_step = '{rl_step}' and tags.sha256 = '{digest}'"
+    )
+    if same:
+        return min(same, key=lambda v: int(v.version))
+    for file in _LOGGED_FILES:
+        if (directory / file).is_file():
+            client.log_artifact(run_id, str(directory / file), artifact_path)
+    try:
+        client.get_registered_model(name)
+    except mlflow.exceptions.MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        client.create_registered_model(
+            name, tags={"library": "tlt_lightning"}, description=_DESCRIPTION.format(name=name)
+        )
+    return client.create_model_version(
+        name,
+        source=f"runs:/{run_id}/{artifact_path}",
+        run_id=run_id,
+        tags={
+            "rl_step": str(rl_step),
+            "kind": str(kind),
+            "draft_vocab": str(vocab),
+            "run_id": run_id,
+            "sha256": digest,
+        },
+        description=f"drafter at RL step {rl_step} of run {run_id}",
+    )
+
+
+def _sqlite_missing(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI when it does not exist (MLflow would create it empty)."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix) or uri[len(prefix) :] in ("", ":memory:"):
+        return None
+    path = Path(uri[len(prefix) :])
+    return None if path.is_file() else path
+
+
+def _parse(uri_or_name: str, version: int | str | None) -> tuple[str, str | None, str | None]:
+    """``(name, version, alias)`` of a ``models:/`` URI or a bare name (+ ``version``)."""
+    forms = "'models:/<name>/<version>', 'models:/<name>@<alias>' or a registered-model name"
+    if not isinstance(uri_or_name, str) or not uri_or_name.strip():
+        raise ValueError(f"uri_or_name must be {forms}, got {uri_or_name!r}")
+    if version is not None and (
+        isinstance(version, bool)
+        or not isinstance(version, (int, str))
+        or (isinstance(version, int) and version < 1)
+        or (isinstance(version, str) and not version.strip())
+    ):
+        raise ValueError(
+            f"version must be an int >= 1, a version string, 'latest', an alias or None, got {version!r}"
+        )
+    text = uri_or_name.strip()
+    if text.startswith("models:/"):
+        body = text[len("models:/") :]
+        if "@" in body:
+            name, alias = body.split("@", 1)
+            parsed: tuple[str, str | None, str | None] = (name, None, alias)
+        elif body.count("/") == 1:
+            name, ver = body.split("/")
+            parsed = (name, ver, None)
+        else:
+            raise ValueError(f"uri_or_name must be {forms}, got {uri_or_name!r}")
+        if not parsed[0] or "" in parsed[1:] or "/" in (parsed[2] or ""):
+            raise ValueError(f"uri_or_name must be {forms}, got {uri_or_name!r}")
+        if version is not None:
+            raise ValueError(
+                f"version={version!r} given with a models:/ URI that names one already ({text!r})"
+            )
+        return parsed
+    if ":/" in text:
+        raise ValueError(f"uri_or_name must be {forms}, got {uri_or_name!r}")
+    if version is None:
+        return text, None, None
+    ver = str(version).strip()
+    if ver.isdigit() or ver.lower() == "latest":
+        return text, ver, None
+    return text, None, ver.lstrip("@")
+
+
+def load_drafter_from_mlflow(
+    uri_or_name: str,
+    target: TargetModel,
+    version: int | str | None = None,
+    tracking_uri: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Drafter:
+    """Load a registered drafter version for ``target`` in one call.
+
+    Args:
+        uri_or_name: ``"models:/<name>/<version>"``, ``"models:/<name>@<alias>"`` or a registered
+            name (see :func:`drafter_model_name`).
+        target: the target model it drafts for (see :func:`~tlt_lightning.drafter.load_drafter`).
+        version: with a bare name: a version number, ``"latest"`` or an alias; ``None``: the newest version.
+        tracking_uri: the MLflow store; ``None``: ``$MLFLOW_TRACKING_URI``, else the store of
+            ``tlt-lightning fit`` (``sqlite:///runs/mlflow.db``).
+        dtype: parameter dtype (default: the target's).
+
+    Returns:
+        The :class:`~tlt_lightning.drafter.Drafter` with that version's weights.
+
+    Raises:
+        ModuleNotFoundError: MLflow is not installed (the ``mlflow`` extra).
+        ValueError: a malformed URI, no such store, registered model, version or alias (the message
+            names those that exist), or files that do not fit ``target``.
+
+    Example:
+        >>> # drafter = load_drafter_from_mlflow("tlt-drafter-smollm2-135m", target)
+        >>> # drafter = load_drafter_from_mlflow("models:/tlt-drafter-smollm2-135m/3", target,
+        >>> #                                    tracking_uri="sqlite:///runs/mlflow.db")
+    """
+    name, ver, alias = _parse(uri_or_name, version)
+    mlflow = _mlflow()
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    missing_db = _sqlite_missing(uri)
+    if missing_db is not None:
+        raise ValueError(f"no MLflow store at {uri!r} ({missing_db} does not exist): pass tracking_uri=")
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    not_found = mlflow.exceptions.MlflowException
+    try:
+        registered = client.get_registered_model(name)
+    except not_found as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        names = sorted(m.name for m in client.search_registered_models())
+        raise ValueError(
+            f"no registered model {name!r} in {uri}; registered models: {names or 'none'}"
+        ) from err
+    versions = sorted(int(v.version) for v in client.search_model_versions(f"name={_quote(name)}"))
+    if alias is not None:
+        if alias not in registered.aliases:
+            raise ValueError(
+                f"registered model {name!r} has no alias {alias!r}; aliases: {sorted(registered.aliases) or 'none'}"
+                f", versions: {versions}"
+            )
+        number = int(registered.aliases[alias])
+    elif ver is None or ver.lower() == "latest":
+        if not versions:
+            raise ValueError(f"registered model {name!r} in {uri} has no versions yet")
+        number = versions[-1]
+    else:
+        number = int(ver)
+        if number not in versions:
+            raise ValueError(
+                f"registered model {name!r} has no version {ver}; versions: {versions or 'none'}"
+            )
+    with tempfile.TemporaryDirectory(prefix="tlt-drafter-") as tmp:
+        source = client.get_model_version_download_uri(name, str(number))
+        local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=tmp, tracking_uri=uri)
+        return load_drafter(local, target, dtype=dtype)  # reads the tensors into memory before tmp goes
