@@ -78,7 +78,8 @@ class StepRecorder(L.Callback):
     :class:`~tlt_lightning.callbacks.SpotDrafterCallback`'s ``on_train_batch_end``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "", verbose: bool = False) -> None:
+        self.name, self.verbose = name, verbose
         self.steps: list[dict[str, float]] = []
         self._start = (0.0, 0.0)
 
@@ -100,6 +101,11 @@ class StepRecorder(L.Callback):
             "accept_length": stats.mean_accept_length,
             "sd_step_fraction": sum(stats.step_speculative) / max(1, stats.num_steps),
         })
+        if self.verbose:
+            s = self.steps[-1]
+            print(f"[bench e2e] {self.name} step {s['step']}/{trainer.max_steps}: {wall:.1f} s (rollout "
+                  f"{s['rollout_s']:.1f}, train {s['train_s']:.1f}, drafter {s['drafter_s']:.1f}), "
+                  f"reward {s['reward_mean']:.3f}, accept {s['accept_length']:.2f}", flush=True)
 
 
 def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -113,7 +119,7 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         group_size=args.group_size, prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
         lr=args.lr, speculative=tlt, threshold=args.threshold, sd_steps=args.depth, seed=args.seed,
     )
-    recorder = StepRecorder()
+    recorder = StepRecorder(name, verbose=True)
     callbacks: list[L.Callback] = []
     if tlt:
         callbacks.append(SpotDrafterCallback(drafter_path=args.drafter, max_steps_per_rollout=args.drafter_steps,
