@@ -114,7 +114,7 @@ def test_mlflow_logger_gets_the_plots_and_the_drafter(tmp_path):
     # The final drafter checkpoint is a registered model version: a directory that load_drafter reads.
     listed = {a.path for folder in ("bandit", "drafter", "drafter/timeline", "drafter/model/step-00000001")
               for a in client.list_artifacts(run, folder)}
-    assert {"bandit/heatmap.png", "bandit/best_arms.json", "drafter/summary.json",
+    assert {"bandit/heatmap.png", "bandit/best_arms.json", "drafter/summary.json", "drafter/accept_length.png",
             "drafter/timeline/fit.png", "drafter/model/step-00000001/model.safetensors",
             "drafter/model/step-00000001/drafter_config.json"} <= listed
     assert client.get_metric_history(run, "drafter/loss")

@@ -90,6 +90,7 @@ def test_defaults_fit_trains_publishes_and_logs(tmp_path):
     assert (root / "timeline" / "epoch-000.png").stat().st_size > 0
     assert (root / "timeline" / "fit.png").stat().st_size > 0
     assert (root / "summary.json").is_file()
+    assert (root / "accept_length.png").stat().st_size > 5_000
     (checkpoint,) = (root / "checkpoints").iterdir()
     assert checkpoint.name == "step-00000002"
     assert_same(weights(load_drafter(checkpoint, module.rollout_target)), weights(spot.drafter))

@@ -74,7 +74,7 @@ from tlt_lightning.scheduling import (
     idle_fraction_recovered,
     plot_timeline,
 )
-from tlt_lightning.tracking import MeanAcceptLength, drafter_model_name, log_drafter_version
+from tlt_lightning.tracking import MeanAcceptLength, drafter_model_name, log_drafter_version, plot_accept_lengths
 
 __all__ = ["SpotDrafterCallback", "log_artifact"]
 
@@ -281,6 +281,8 @@ class SpotDrafterCallback(L.Callback):
         self.last_checkpoint: str | None = None
         self.last_metrics: dict[str, float] = {}  # what the last RL step logged
         self._saved_at = -1
+        self._accepts: list[tuple[int, float]] = []  # (RL step, mean accept length) of this fit
+        self._accept_hist = torch.zeros(0, dtype=torch.long)  # request-steps per tokens emitted
         self.registered_steps: list[int] = []
         self.registered_versions: list[Any] = []
         self._to_register: list[tuple[int, float]] = []  # (rl_step, time the save was requested)
@@ -324,6 +326,7 @@ class SpotDrafterCallback(L.Callback):
         module.rollout_feature_layers = layers
         self._wrap_rollout(module)
         self._epoch_start = time.time()
+        self._accepts, self._accept_hist = [], torch.zeros(0, dtype=torch.long)
 
     def _initial_drafter(self, module: GRPOModule) -> Drafter:
         """The drafter to train: in fp32 (bf16 drafter training diverges) on the policy's own target.
@@ -446,6 +449,13 @@ class SpotDrafterCallback(L.Callback):
         self.accept_length.update(result.stats)
         accept = float(self.accept_length.compute())
         self.accept_length.reset()
+        self._accepts.append((self.rl_steps, accept))
+        counts = torch.bincount(result.stats.accept_lengths.cpu().long())
+        if counts.numel() > self._accept_hist.numel():
+            counts[: self._accept_hist.numel()] += self._accept_hist
+            self._accept_hist = counts
+        else:
+            self._accept_hist[: counts.numel()] += counts
         idle_pool = total["tail_s"] + total["idle_s"]
         metrics = {
             "drafter/version": float(self.publisher.version),
@@ -602,6 +612,11 @@ class SpotDrafterCallback(L.Callback):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(summary, indent=2) + "\n")
             log_artifact(trainer, path, "drafter")
+            if self._accepts:
+                steps, means = zip(*self._accepts)
+                figure = plot_accept_lengths(steps, means, self._accept_hist.tolist(),
+                                             path.parent / "accept_length.png")
+                log_artifact(trainer, figure, "drafter")
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -1,4 +1,4 @@
-"""Tracking: torchmetrics metrics over rollouts, and the drafter in MLflow's model registry.
+"""Tracking: torchmetrics metrics over rollouts, plots, and the drafter in MLflow's model registry.
 
 MLflow itself is imported only when a registry function runs: this package imports without it.
 """
@@ -9,6 +9,7 @@ from tlt_lightning.tracking.mlflow_drafter import (
     load_drafter_from_mlflow,
     log_drafter_version,
 )
+from tlt_lightning.tracking.plots import plot_accept_lengths
 
 __all__ = [
     "AcceptanceRate",
@@ -17,4 +18,5 @@ __all__ = [
     "drafter_model_name",
     "load_drafter_from_mlflow",
     "log_drafter_version",
+    "plot_accept_lengths",
 ]

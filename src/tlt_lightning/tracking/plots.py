@@ -1,0 +1,37 @@
+"""Plots of rollout statistics for run tracking (PNG files a logger can attach as artifacts)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["plot_accept_lengths"]
+
+
+def plot_accept_lengths(
+    steps: Sequence[int], means: Sequence[float], histogram: Sequence[int], path: str | Path
+) -> Path:
+    """Mean accept length per RL step (left) and the histogram of per-request accept lengths (right).
+
+    Args:
+        steps: RL steps.
+        means: mean accept length of each step's speculative steps (``0``: none ran).
+        histogram: ``histogram[k]`` = how many request-steps emitted ``k`` tokens over the fit.
+        path: PNG path (its folder is created).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    a.plot(list(steps), list(means), marker="o")
+    a.set(xlabel="RL step", ylabel="mean accept length", title="Tokens per speculative step")
+    b.bar(range(len(histogram)), list(histogram))
+    b.set(xlabel="tokens emitted per request-step", ylabel="count", title="Accept lengths over the fit")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
