@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--micro-batch-size", type=int, default=4,
+                   help="sequences per training forward/backward (bounds the [B, T, vocab] logits in memory)")
     p.add_argument("--rollout-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="precision of the rollouts in both runs (the policy keeps float32 weights)")
     p.add_argument("--precision", default="bf16-mixed", choices=["32-true", "bf16-mixed"],
@@ -117,7 +119,7 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     module = GRPOModule(
         model=args.model, rollout_dtype=args.rollout_dtype, task=TaskConfig(name=args.task),
         group_size=args.group_size, prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
-        lr=args.lr, speculative=tlt, threshold=args.threshold, sd_steps=args.depth, seed=args.seed,
+        lr=args.lr, micro_batch_size=args.micro_batch_size, speculative=tlt, threshold=args.threshold, sd_steps=args.depth, seed=args.seed,
     )
     recorder = StepRecorder(name, verbose=True)
     callbacks: list[L.Callback] = []
@@ -196,7 +198,7 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "threshold", "depth"):
+    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "threshold", "depth", "micro_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.drift_every < 0:

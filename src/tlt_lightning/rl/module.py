@@ -141,7 +141,8 @@ class GRPOModule(L.LightningModule):
         scale_advantages: divide advantages by the group std (``False``: Dr. GRPO).
         aggregation: ``"token"`` (DAPO) or ``"sequence"`` loss aggregation.
         micro_batch_size: sequences per forward/backward (gradient accumulation inside the
-            optimizer step); ``None``: all at once.
+            optimizer step); ``None``: all at once. The forward holds ``[B, T, vocab]`` fp32 logits
+            and their log-softmax: SmolLM2 (49k vocabulary), 32 sequences of 384 tokens, is ~5 GB.
         max_grad_norm: gradient clipping norm; ``None``: no clipping.
         gradient_checkpointing: recompute activations in backward (less memory, ~30% slower).
         speculative: use speculative decoding whenever a drafter is attached (``False``: always
@@ -206,7 +207,7 @@ class GRPOModule(L.LightningModule):
         kl_coef: float = 0.0,
         scale_advantages: bool = True,
         aggregation: str = "token",
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | None = 8,
         max_grad_norm: float | None = 1.0,
         gradient_checkpointing: bool = False,
         speculative: bool = True,
