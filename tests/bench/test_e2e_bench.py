@@ -22,7 +22,7 @@ def test_e2e_bench_on_the_real_model(tmp_path):
             assert 0 <= s["reward_mean"] <= 1.1
             # Only the TLT run speculates (4 requests, threshold 4: once one has finished) and trains a drafter.
             assert (s["sd_step_fraction"] > 0) == (name == "tlt") and (s["drafter_s"] > 0) == (name == "tlt")
-        assert 0 < run["median"]["rollout_share"] < 1
+        assert 0 < run["median"]["rollout_share"] < 1 and run["median"]["wall_ms_per_token"] > 0
     assert data["speedup"]["wall"] == pytest.approx(
         data["runs"]["baseline"]["median"]["wall_s"] / data["runs"]["tlt"]["median"]["wall_s"])
     assert [h["step"] for h in data["runs"]["tlt"]["drift"]] == [0, 2] and "drift" not in data["runs"]["baseline"]

@@ -149,12 +149,21 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     summary["reward_mean"] = sum(s["reward_mean"] for s in steps) / len(steps)
     # The ceiling of any rollout speedup: the share of the step spent generating.
     summary["rollout_share"] = median([s["rollout_s"] / s["wall_s"] for s in steps])
+    summary.update(per_token(steps))
     print(f"[bench e2e] {name}: median step {summary['wall_s']:.1f} s wall, {summary['cpu_s']:.1f} s CPU; "
           f"rollout share {summary['rollout_share']:.0%}; mean reward {summary['reward_mean']:.3f}", flush=True)
     out = {"steps": steps, "median": summary}
     if probe is not None:
         out["drift"] = probe.history
     return out
+
+
+def per_token(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Milliseconds per generated token over all steps: the runs sample responses of different
+    lengths (T=1), so per-step times compare different amounts of work; these do not."""
+    tokens = max(1, sum(s["tokens"] for s in steps))
+    return {f"{key.removesuffix('_s')}_ms_per_token": 1e3 * sum(s[key] for s in steps) / tokens
+            for key in ("wall_s", "cpu_s", *PARTS)}
 
 
 def plot(payload: dict[str, Any], path: Path) -> Path:
@@ -218,6 +227,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "speedup": {
             "wall": base["wall_s"] / tlt["wall_s"], "cpu": base["cpu_s"] / tlt["cpu_s"],
             "rollout": base["rollout_s"] / tlt["rollout_s"],
+            "per_token_wall": base["wall_ms_per_token"] / tlt["wall_ms_per_token"],
+            "per_token_rollout": base["rollout_ms_per_token"] / tlt["rollout_ms_per_token"],
         },
         "goal": {"speedup": 1.7},
     }
@@ -234,5 +245,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     figure = plot(payload, Path(args.plot) if args.plot else path.with_suffix(".png"))
     s = payload["speedup"]
     print(f"[bench e2e] TLT vs baseline: {s['wall']:.2f}x wall, {s['cpu']:.2f}x CPU per step "
-          f"(rollout {s['rollout']:.2f}x); {path}, {figure}", flush=True)
+          f"(rollout {s['rollout']:.2f}x); per token {s['per_token_wall']:.2f}x (rollout "
+          f"{s['per_token_rollout']:.2f}x); {path}, {figure}", flush=True)
     return payload
