@@ -24,14 +24,11 @@ def plot_accept_lengths(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from tlt_lightning.bench.common import save_figure
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
     a.plot(list(steps), list(means), marker="o")
     a.set(xlabel="RL step", ylabel="mean accept length", title="Tokens per speculative step")
     b.bar(range(len(histogram)), list(histogram))
     b.set(xlabel="tokens emitted per request-step", ylabel="count", title="Accept lengths over the fit")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
