@@ -216,7 +216,11 @@ def test_fit_default_config_one_small_step_on_smollm2(tmp_path, monkeypatch):
     metrics, params = run.data.metrics, run.data.params
     assert 0 <= metrics["reward/mean"] <= 1.1
     assert 1 <= metrics["response/length_max"] <= 16
-    assert metrics["rollout/accept_length"] == 0.0  # no drafter in the default yet: no speculative step
+    # TLT is on: 4 requests are below the threshold of 8, so every step speculates with the spot
+    # drafter, which then trains 4 paid steps (a single worker) and is published.
+    assert metrics["rollout/accept_length"] >= 1.0
+    assert metrics["drafter/paid_steps"] == 4 and metrics["drafter/version"] == 1
+    assert params["rollout_dtype"] == "bfloat16"
     assert params["model"] == "smollm2-135m" and params["task/name"] == "chain_sum"
     assert params["task/easy"] == "True" and params["max_new_tokens"] == "16"
     (checkpoint,) = (tmp_path / "fit").glob(f"*/{run.info.run_id}/checkpoints/*.ckpt")
