@@ -112,14 +112,13 @@ class StepRecorder(L.Callback):
 
 def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     from tlt_lightning.callbacks import BanditCallback, DrafterDriftProbe, SpotDrafterCallback
-    from tlt_lightning.rollout.speculative import FixedChooser
-    from tlt_lightning.speculative import SDStrategy
 
     tlt = name == "tlt"
     module = GRPOModule(
         model=args.model, rollout_dtype=args.rollout_dtype, task=TaskConfig(name=args.task),
         group_size=args.group_size, prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
-        lr=args.lr, micro_batch_size=args.micro_batch_size, speculative=tlt, threshold=args.threshold, sd_steps=args.depth, seed=args.seed,
+        lr=args.lr, micro_batch_size=args.micro_batch_size, speculative=tlt, threshold=args.threshold,
+        sd_steps=args.depth, seed=args.seed,  # without --bandit: a fixed chain of this depth
     )
     recorder = StepRecorder(name, verbose=True)
     callbacks: list[L.Callback] = []
@@ -129,16 +128,14 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
                                              timeline=False, seed=args.seed))
         if args.bandit:
             callbacks.append(BanditCallback())
-        else:
-            module.strategy_chooser = FixedChooser(SDStrategy(args.depth))
     # The probe measures after the recorder has closed the step: its time is not the method's.
     probe = None
     if tlt and args.drift_every:
         probe = DrafterDriftProbe(max_new_tokens=args.drift_tokens, every_n_steps=args.drift_every, seed=args.seed)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=args.steps, precision=args.precision, logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False, enable_progress_bar=args.progress, num_sanity_val_steps=0,
+        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=args.progress,
+        num_sanity_val_steps=0,
         default_root_dir=str(Path(args.out) / name), callbacks=[*callbacks, recorder, *([probe] if probe else [])],
     )
     L.seed_everything(args.seed, verbose=False)
