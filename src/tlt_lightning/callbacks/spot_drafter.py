@@ -450,12 +450,9 @@ class SpotDrafterCallback(L.Callback):
         accept = float(self.accept_length.compute())
         self.accept_length.reset()
         self._accepts.append((self.rl_steps, accept))
-        counts = torch.bincount(result.stats.accept_lengths.cpu().long())
-        if counts.numel() > self._accept_hist.numel():
-            counts[: self._accept_hist.numel()] += self._accept_hist
-            self._accept_hist = counts
-        else:
-            self._accept_hist[: counts.numel()] += counts
+        counts = torch.bincount(result.stats.accept_lengths.cpu().long(), minlength=self._accept_hist.numel())
+        counts[: self._accept_hist.numel()] += self._accept_hist
+        self._accept_hist = counts
         idle_pool = total["tail_s"] + total["idle_s"]
         metrics = {
             "drafter/version": float(self.publisher.version),
