@@ -6,6 +6,7 @@
     tlt-lightning bench checkpoint [--json PATH] ...  budgeted vs static activation checkpointing
     tlt-lightning bench strategies --drafter DIR ...  BEG-MAB vs fixed SD arms on a real long-tail rollout
     tlt-lightning bench e2e [--drafter DIR] ...       GRPO steps with TLT vs the identical run without it
+    tlt-lightning bench spot [--drafter DIR] ...      spot drafter training: packing, preemption, 2-rank DDP overhead
     tlt-lightning bench efficiency --part P ...       importance sampling / distillation / INT4 QAT vs baselines
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning export-drafter CKPT OUT [--model M]  drafter checkpoint -> EAGLE dir for vLLM / SGLang
@@ -34,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     from tlt_lightning.bench import checkpoint as bench_checkpoint
     from tlt_lightning.bench import e2e as bench_e2e
     from tlt_lightning.bench import efficiency as bench_efficiency
+    from tlt_lightning.bench import spot as bench_spot
     from tlt_lightning.bench import rollout as bench_rollout
     from tlt_lightning.bench import strategies as bench_strategies
     from tlt_lightning.recipes import drafter_warmup
@@ -62,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     bench_e2e.add_arguments(bench.add_parser("e2e", help="GRPO steps with TLT vs the identical run without it"))
+
+    bench_spot.add_arguments(bench.add_parser(
+        "spot", help="spot drafter training: packing vs padding, preemption latency, 2-rank DDP overhead"))
 
     bench_efficiency.add_arguments(
         bench.add_parser("efficiency", help="importance sampling / hierarchical distillation / INT4 QAT vs baselines")
@@ -163,6 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tlt_lightning.bench import e2e
 
         e2e.run(args)
+    elif args.command == "bench" and args.bench == "spot":
+        from tlt_lightning.bench import spot
+
+        spot.run(args)
     elif args.command == "bench" and args.bench == "efficiency":
         from tlt_lightning.bench import efficiency
 

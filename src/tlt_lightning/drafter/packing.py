@@ -180,6 +180,9 @@ def benchmark_packing(
     max_length: int = 512,
     repeats: int = 3,
     seed: int = 0,
+    target: Any = None,
+    rollouts: Sequence[Rollout] | None = None,
+    draft_vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """Training throughput (samples/s) of packed vs padded batches on long-tailed lengths.
 
@@ -191,6 +194,11 @@ def benchmark_packing(
     the same number of optimizer steps per epoch as padding (so a step holds as many real samples
     on average: the comparison is per sample, not per step). One epoch over the same samples each,
     alternating padded / packed ``repeats`` times; medians.
+
+    With ``target`` (a :class:`~tlt_lightning.models.TargetModel`, e.g. SmolLM2) and ``rollouts``
+    (real rollouts of it with features, e.g. a ``drafter warmup`` rollouts cache) the real model
+    and lengths are measured instead (``hidden_size``, ``vocab_size``, the length settings are then
+    unused); ``draft_vocab_size`` sets the drafter's reduced vocabulary.
 
     Returns:
         ``{"padded": {...}, "packed": {...}, "speedup": packed/padded samples per second, ...}``.
@@ -206,20 +214,27 @@ def benchmark_packing(
     _positive_int("repeats", repeats)
     if rows is not None:
         _positive_int("rows", rows)
-    if max_length - 1 > budget:
+    if rollouts is None and max_length - 1 > budget:
         raise ValueError(f"budget must hold the longest rollout's samples ({max_length - 1}), got {budget}")
+    if (target is None) != (rollouts is None):
+        raise ValueError("target and rollouts go together: pass both (a real model) or neither (synthetic)")
     torch.manual_seed(seed)
-    heads = max(1, hidden_size // 64)
-    hf = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=4, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=2048, tie_word_embeddings=True,
-    )  # fmt: skip
-    target = HFTarget(LlamaForCausalLM(hf).eval())
-    drafter = Drafter(DrafterConfig.from_target(target, kind), target)
-    rollouts = _synthetic_rollouts(
-        num_rollouts, drafter.config, median_length, sigma, min_length, max_length, seed
-    )
+    if target is None:
+        heads = max(1, hidden_size // 64)
+        hf = LlamaConfig(
+            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+            num_hidden_layers=4, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+            max_position_embeddings=2048, tie_word_embeddings=True,
+        )  # fmt: skip
+        target = HFTarget(LlamaForCausalLM(hf).eval())
+    drafter = Drafter(DrafterConfig.from_target(target, kind, draft_vocab_size=draft_vocab_size), target)
+    if rollouts is None:
+        rollouts = _synthetic_rollouts(
+            num_rollouts, drafter.config, median_length, sigma, min_length, max_length, seed
+        )
+    elif max(r.length for r in rollouts) - 1 > budget:
+        raise ValueError(f"budget must hold the longest rollout's samples "
+                         f"({max(r.length for r in rollouts) - 1}), got {budget}")
     loss_cfg = DrafterLoss.for_kind(kind, unroll_steps)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(seed)
@@ -259,15 +274,16 @@ def benchmark_packing(
             "p50": float(lengths.median()),
             "p90": float(lengths.quantile(0.9)),
             "mean": float(lengths.mean()),
-            "at_cap": float((lengths >= max_length).double().mean()),
+            "max": float(lengths.max()),
         },
         "settings": {
-            "num_rollouts": num_rollouts,
+            "num_rollouts": len(rollouts),
             "budget": budget,
             "batch_size": batch_size,
             "rows": rows,
-            "hidden_size": hidden_size,
-            "vocab_size": vocab_size,
+            "hidden_size": target.info.hidden_size,
+            "vocab_size": target.info.vocab_size,
+            "draft_vocab": drafter.config.draft_vocab,
             "kind": kind,
             "unroll_steps": unroll_steps,
             "median_length": median_length,
