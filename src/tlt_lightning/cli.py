@@ -35,8 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     from tlt_lightning.bench import checkpoint as bench_checkpoint
     from tlt_lightning.bench import e2e as bench_e2e
     from tlt_lightning.bench import efficiency as bench_efficiency
-    from tlt_lightning.bench import spot as bench_spot
     from tlt_lightning.bench import rollout as bench_rollout
+    from tlt_lightning.bench import spot as bench_spot
     from tlt_lightning.bench import strategies as bench_strategies
     from tlt_lightning.recipes import drafter_warmup
 

@@ -156,7 +156,7 @@ def test_without_an_mlflow_logger_no_registry_is_touched(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("log_drafter_version called without an MLFlowLogger")
 
-    monkeypatch.setattr("tlt_lightning.callbacks.spot_drafter.log_drafter_version", fail)
+    monkeypatch.setattr("tlt_lightning.tracking.lightning_mlflow.log_drafter_version", fail)
     for logger in (False, CSVLogger(tmp_path / "csv")):
         spot = SpotDrafterCallback(checkpoint_interval=1, max_steps_per_rollout=1, timeline=False)
         make_trainer(2, callbacks=[spot], logger=logger, default_root_dir=tmp_path / "run").fit(make_module())

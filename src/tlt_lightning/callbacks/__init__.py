@@ -2,6 +2,6 @@
 
 from tlt_lightning.callbacks.bandit import BanditCallback
 from tlt_lightning.callbacks.drift import DrafterDriftProbe
-from tlt_lightning.callbacks.spot_drafter import SpotDrafterCallback, log_artifact
+from tlt_lightning.callbacks.spot_drafter import SpotDrafterCallback
 
-__all__ = ["BanditCallback", "DrafterDriftProbe", "SpotDrafterCallback", "log_artifact"]
+__all__ = ["BanditCallback", "DrafterDriftProbe", "SpotDrafterCallback"]

@@ -20,9 +20,9 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from tlt_lightning.callbacks.spot_drafter import log_artifact
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.scheduling import BEGMABStrategy, BucketedChooser, arm_key
+from tlt_lightning.tracking import log_artifact
 
 __all__ = ["BanditCallback"]
 

@@ -28,12 +28,13 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from tlt_lightning.callbacks.spot_drafter import SpotDrafterCallback, log_artifact
+from tlt_lightning.callbacks.spot_drafter import SpotDrafterCallback
 from tlt_lightning.drafter import Drafter
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.rollout import RolloutConfig
 from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
 from tlt_lightning.speculative import SDStrategy
+from tlt_lightning.tracking import log_artifact
 
 __all__ = ["DrafterDriftProbe"]
 

@@ -47,7 +47,6 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.loggers import MLFlowLogger
 from typing_extensions import override
 
 from tlt_lightning.drafter import (
@@ -63,7 +62,6 @@ from tlt_lightning.drafter import (
     SpotTrainerConfig,
     load_drafter,
 )
-from tlt_lightning.drafter.checkpoint import META_NAME
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.rollout.types import RolloutResult
 from tlt_lightning.scheduling import (
@@ -74,9 +72,16 @@ from tlt_lightning.scheduling import (
     idle_fraction_recovered,
     plot_timeline,
 )
-from tlt_lightning.tracking import MeanAcceptLength, drafter_model_name, log_drafter_version, plot_accept_lengths
+from tlt_lightning.tracking import (
+    CheckpointRegistrar,
+    MeanAcceptLength,
+    drafter_model_name,
+    log_artifact,
+    mlflow_loggers,
+    plot_accept_lengths,
+)
 
-__all__ = ["SpotDrafterCallback", "log_artifact"]
+__all__ = ["SpotDrafterCallback"]
 
 # The per-step statistics every rank contributes to one summed reduce.
 _STATS = ("tail_steps", "paid_steps", "loss", "top1", "tail_s", "idle_s", "paid_s", "step_s",
@@ -94,37 +99,6 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def log_artifact(trainer: L.Trainer, path: str | os.PathLike, artifact_path: str | None = None) -> bool:
-    """Log a file (or a directory's files) to every :class:`MLFlowLogger` of ``trainer`` (rank 0).
-
-    Returns:
-        Whether some logger took it (other loggers have no artifact store: the file stays on disk).
-    """
-    logged = False
-    for logger in trainer.loggers:
-        if isinstance(logger, MLFlowLogger) and trainer.is_global_zero:
-            client, run_id = logger.experiment, logger.run_id
-            if Path(path).is_dir():
-                client.log_artifacts(run_id, str(path), artifact_path)
-            else:
-                client.log_artifact(run_id, str(path), artifact_path)
-            logged = True
-    return logged
-
-
-def _mlflow_loggers(trainer: L.Trainer) -> list[MLFlowLogger]:
-    return [logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger)]
-
-
-def _written_since(checkpoint: Path, requested: float) -> bool:
-    """Whether ``checkpoint`` is complete and was saved no earlier than ``requested`` (not a stale one)."""
-    try:
-        meta = json.loads((checkpoint / META_NAME).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return isinstance(meta, dict) and float(meta.get("time", 0.0)) >= requested
 
 
 def _without(segment: Segment, cuts: list[Segment]) -> list[Segment]:
@@ -283,10 +257,16 @@ class SpotDrafterCallback(L.Callback):
         self._saved_at = -1
         self._accepts: list[tuple[int, float]] = []  # (RL step, mean accept length) of this fit
         self._accept_hist = torch.zeros(0, dtype=torch.long)  # request-steps per tokens emitted
-        self.registered_steps: list[int] = []
-        self.registered_versions: list[Any] = []
-        self._to_register: list[tuple[int, float]] = []  # (rl_step, time the save was requested)
-        self._registry_name: str | None = None
+        self.registrar: CheckpointRegistrar | None = None  # rank 0 with an MLFlowLogger, from fit start
+        self._registered: list[int] = []  # registered_steps before fit start (a restored state)
+
+    @property
+    def registered_steps(self) -> list[int]:
+        return self.registrar.registered_steps if self.registrar is not None else self._registered
+
+    @property
+    def registered_versions(self) -> list[Any]:
+        return self.registrar.versions if self.registrar is not None else []
 
     # ------------------------------------------------------------------------------ fit start
     @override
@@ -311,10 +291,11 @@ class SpotDrafterCallback(L.Callback):
         self.spot_trainer = SpotTrainer(drafter, target, self.buffer, config, rank=self.coordinator.rank)
         self.drafter, self.optimizer = drafter, self.spot_trainer.optimizer
         self.checkpointer = AsyncCheckpointer(Path(trainer.default_root_dir) / "drafter" / "checkpoints")
-        self._to_register, self.registered_steps, self.registered_versions = [], [], []  # restored by _apply
-        self._registry_name = None
-        if trainer.is_global_zero and _mlflow_loggers(trainer):
-            self._registry_name = self.registered_model_name or drafter_model_name(str(module.hparams.model))
+        self.registrar, self._registered = None, []  # restored by _apply
+        if trainer.is_global_zero and mlflow_loggers(trainer):
+            self.registrar = CheckpointRegistrar(
+                self.registered_model_name or drafter_model_name(str(module.hparams.model))
+            )
         self._apply(pending, publisher_too=False)
         self.publisher = DrafterPublisher(self.drafter, serving_target=module.rollout_target)
         self.publisher.load_state_dict(pending.get("publisher", {}))
@@ -435,7 +416,8 @@ class SpotDrafterCallback(L.Callback):
         self.paid_steps += int(total["paid_steps"])
         self.rl_steps += 1
         self._log(pl_module, result, total, steps_all, trainer.world_size)
-        self._register(trainer)  # the checkpoints written since the last step (never waits)
+        if self.registrar is not None:  # the checkpoints written since the last step (never waits)
+            self.registrar.register(trainer, self.checkpointer)
         if (
             trainer.is_global_zero
             and self.checkpoint_interval is not None
@@ -486,29 +468,8 @@ class SpotDrafterCallback(L.Callback):
         self.checkpointer.save(self.drafter, self.optimizer, rl_step, extra)  # returns at once
         self._saved_at = rl_step
         self.last_checkpoint = str(self.checkpointer.directory / f"step-{rl_step:08d}")
-        if self._registry_name is not None:
-            self._to_register.append((rl_step, requested))
-
-    def _register(self, trainer: L.Trainer) -> None:
-        """Register (rank 0) each checkpoint saved since the last call as a model version, in step order.
-
-        Only while the writer is idle: every requested save has then landed or been superseded by a
-        newer one, and no write can delete a checkpoint being logged. A checkpoint that is not on disk
-        (superseded, or deleted beyond the checkpointer's ``keep``), or a stale one left by an earlier
-        fit (written before the save was requested), is skipped.
-        """
-        if not self._to_register or self.checkpointer.in_flight:
-            return
-        pending, self._to_register = sorted(self._to_register), []
-        for step, requested in pending:
-            path = self.checkpointer.directory / f"step-{step:08d}"
-            if step in self.registered_steps or not _written_since(path, requested):
-                continue
-            for logger in _mlflow_loggers(trainer):
-                self.registered_versions.append(
-                    log_drafter_version(logger.experiment, logger.run_id, path, self._registry_name, step)
-                )
-            self.registered_steps.append(step)
+        if self.registrar is not None:
+            self.registrar.request(rl_step, requested)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -556,7 +517,11 @@ class SpotDrafterCallback(L.Callback):
             setattr(self, key, int(counters.get(key, getattr(self, key))))
         self.paid_seconds = float(counters.get("paid_seconds", self.paid_seconds))
         self.last_checkpoint = state.get("last_checkpoint", self.last_checkpoint)
-        self.registered_steps = [int(s) for s in state.get("registered_steps", self.registered_steps)]
+        steps = [int(s) for s in state.get("registered_steps", self.registered_steps)]
+        if self.registrar is not None:
+            self.registrar.registered_steps = steps
+        else:
+            self._registered = steps
 
     # ------------------------------------------------------------------------------ timeline / end
     def _gather(self, since: float | None) -> tuple[list[Segment], list[Segment]]:
@@ -599,7 +564,8 @@ class SpotDrafterCallback(L.Callback):
         if trainer.is_global_zero:
             self._save(trainer.global_step)
             self.checkpointer.wait()
-            self._register(trainer)
+            if self.registrar is not None:
+                self.registrar.register(trainer, self.checkpointer)
             summary = {"drafter_steps": self.steps, "tail_steps": self.tail_steps,
                        "paid_steps": self.paid_steps, "paid_seconds_rank0": self.paid_seconds,
                        "idle_fraction_recovered": recovered, "rl_steps": self.rl_steps,

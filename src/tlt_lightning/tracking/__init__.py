@@ -1,8 +1,10 @@
-"""Tracking: torchmetrics metrics over rollouts, plots, and the drafter in MLflow's model registry.
+"""Tracking: torchmetrics metrics over rollouts, plots, MLflow artifacts through Lightning's
+``MLFlowLogger``, and the drafter in MLflow's model registry.
 
 MLflow itself is imported only when a registry function runs: this package imports without it.
 """
 
+from tlt_lightning.tracking.lightning_mlflow import CheckpointRegistrar, log_artifact, mlflow_loggers
 from tlt_lightning.tracking.metrics import AcceptanceRate, MeanAcceptLength, RolloutTokensPerSecond
 from tlt_lightning.tracking.mlflow_drafter import (
     drafter_model_name,
@@ -13,10 +15,13 @@ from tlt_lightning.tracking.plots import plot_accept_lengths
 
 __all__ = [
     "AcceptanceRate",
+    "CheckpointRegistrar",
     "MeanAcceptLength",
     "RolloutTokensPerSecond",
     "drafter_model_name",
     "load_drafter_from_mlflow",
+    "log_artifact",
     "log_drafter_version",
+    "mlflow_loggers",
     "plot_accept_lengths",
 ]

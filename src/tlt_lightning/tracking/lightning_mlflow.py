@@ -1,0 +1,89 @@
+"""Lightning's ``MLFlowLogger`` as the callbacks use it: artifacts, and drafter checkpoints registered
+as model versions once an asynchronous writer has put them on disk.
+
+Nothing here imports MLflow: without an ``MLFlowLogger`` in the trainer every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.loggers import MLFlowLogger
+
+from tlt_lightning.drafter.checkpoint import META_NAME
+from tlt_lightning.tracking.mlflow_drafter import log_drafter_version
+
+__all__ = ["CheckpointRegistrar", "log_artifact", "mlflow_loggers"]
+
+
+def mlflow_loggers(trainer: L.Trainer) -> list[MLFlowLogger]:
+    """The trainer's ``MLFlowLogger`` s (none: MLflow is not in use)."""
+    return [logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger)]
+
+
+def log_artifact(trainer: L.Trainer, path: str | os.PathLike, artifact_path: str | None = None) -> bool:
+    """Log a file (or a directory's files) to every :class:`MLFlowLogger` of ``trainer`` (rank 0).
+
+    Returns:
+        Whether some logger took it (other loggers have no artifact store: the file stays on disk).
+    """
+    if not trainer.is_global_zero:
+        return False
+    for logger in mlflow_loggers(trainer):
+        client, run_id = logger.experiment, logger.run_id
+        if Path(path).is_dir():
+            client.log_artifacts(run_id, str(path), artifact_path)
+        else:
+            client.log_artifact(run_id, str(path), artifact_path)
+    return bool(mlflow_loggers(trainer))
+
+
+def _written_since(checkpoint: Path, requested: float) -> bool:
+    """Whether ``checkpoint`` is complete and was saved no earlier than ``requested`` (not a stale one)."""
+    try:
+        meta = json.loads((checkpoint / META_NAME).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(meta, dict) and float(meta.get("time", 0.0)) >= requested
+
+
+class CheckpointRegistrar:
+    """Registers drafter checkpoints of an :class:`~tlt_lightning.drafter.AsyncCheckpointer` as versions
+    of the registered model ``name``, in step order, once they are on disk (rank 0).
+
+    :meth:`register` acts only while the writer is idle: every requested save has then landed or
+    been superseded by a newer one, and no write can delete a checkpoint being logged. A
+    checkpoint that is not on disk (superseded, or deleted beyond the checkpointer's ``keep``), or a
+    stale one left by an earlier fit (written before the save was requested), is skipped.
+
+    Attributes:
+        registered_steps: RL steps already registered (restore it on resume: no step twice).
+        versions: the ``ModelVersion`` objects this registrar created.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.registered_steps: list[int] = []
+        self.versions: list[Any] = []
+        self._pending: list[tuple[int, float]] = []  # (RL step, time the save was requested)
+
+    def request(self, rl_step: int, requested: float) -> None:
+        """A save of ``rl_step`` was requested at ``requested`` (``time.time()``)."""
+        self._pending.append((rl_step, requested))
+
+    def register(self, trainer: L.Trainer, checkpoints: Any) -> None:
+        """Register what landed since the last call (``checkpoints``: the ``AsyncCheckpointer``)."""
+        if not self._pending or checkpoints.in_flight:
+            return
+        pending, self._pending = sorted(self._pending), []
+        for step, requested in pending:
+            path = checkpoints.directory / f"step-{step:08d}"
+            if step in self.registered_steps or not _written_since(path, requested):
+                continue
+            for logger in mlflow_loggers(trainer):
+                self.versions.append(log_drafter_version(logger.experiment, logger.run_id, path, self.name, step))
+            self.registered_steps.append(step)
