@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from tlt_lightning.bench.rollout import length_summary
 from tlt_lightning.cli import main
@@ -25,3 +26,18 @@ def test_bench_rollout_cli_writes_json_and_plot(tmp_path):
     assert batch["tokens_per_s"] > 0 and batch["hf_tokens_per_s"] > 0
     assert set(data["long_tail"]["lengths"]) >= {"p50", "p90", "max", "idle_fraction_static_batch"}
     assert path.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_layer_skip_assistant_shares_the_targets_first_layers():
+    from tlt_lightning.bench.speculative import layer_skip_assistant
+    from tlt_lightning.models import load_model
+
+    model = load_model("tiny-llama", seed=0).model
+    assistant = layer_skip_assistant(model, 2)
+    assert assistant.config.num_hidden_layers == len(assistant.model.layers) == 2
+    assert model.config.num_hidden_layers == 4  # the target is untouched
+    target_weights = model.state_dict()
+    for name, value in assistant.state_dict().items():
+        assert torch.equal(value, target_weights[name]), name
+    with pytest.raises(ValueError, match=r"--assistant-layers must be in \[1, 3\], got 4"):
+        layer_skip_assistant(model, 4)

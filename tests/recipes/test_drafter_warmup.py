@@ -37,13 +37,16 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
         main([*args, "--steps", "1", "--kind", "eagle3", "--init-from", str(out), "--out", str(more)])
 
     path = tmp_path / "sd.json"
-    main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "2",
+    main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "1", "2",
           "--max-new-tokens", "12", "--long-tail-requests", "4", "--long-tail-max-new", "16", "--threshold", "5",
           "--depth", "2", "--topk", "2", "--draft-tokens", "3", "--dtype", "bfloat16", "--repeats", "1", "--json", str(path)])
     data = json.loads(path.read_text())
-    batch = data["batches"][0]
+    batch = data["batches"][1]
     assert batch["requests"] == 2 and batch["sd_step_fraction"] == 1.0 and batch["mean_accept_length"] >= 1
     assert data["strategy"] == "tree2x2/3" and data["dtype"] == "bfloat16"
+    # The batch-1 peers: HF generate plain, with the 6-layer layer-skip assistant, with prompt lookup.
+    assert set(data["hf_batch1_tokens_per_s"]) == {"plain", "assisted", "prompt_lookup"}
+    assert all(v > 0 for v in data["hf_batch1_tokens_per_s"].values()) and data["hf_batch1_assistant_layers"] == 6
     assert data["long_tail"]["threshold"] == 5 and data["long_tail"]["sd_step_fraction"] == 1.0
     assert path.with_suffix(".png").stat().st_size > 10_000
 

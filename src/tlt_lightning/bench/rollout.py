@@ -140,6 +140,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="tree nodes verified per step (default: 2 x depth for trees)")
     sd.add_argument("--threshold", type=int, default=32, help="speculate below this many active requests")
     sd.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the comparison")
+    sd.add_argument("--assistant-layers", type=int, default=6,
+                    help="batch-1 peer: HF assisted generation with the target's first N layers as the "
+                         "assistant (0 skips it)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 
 

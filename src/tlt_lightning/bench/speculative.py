@@ -6,8 +6,10 @@ Same prompts, same sampling (temperature 1 by default, as RL rollouts), runs alt
 * fixed batches (1, 8, 32, 128): speculation on at every step, throughput and mean accept length;
 * the long-tail rollout (``--long-tail-requests`` prompts, up to ``--long-tail-max-new`` tokens):
   speculation switches on below ``--threshold`` active requests; total rollout time of both;
-* batch 1 peer: HF ``generate`` with prompt-lookup decoding, HF's built-in speculative method
-  that needs no assistant model (no smaller model of the same family exists for SmolLM2).
+* batch 1 peers, HF ``generate`` at the same temperature: plain, assisted generation
+  (``assistant_model=``) with the target's own first ``--assistant-layers`` decoder layers as the
+  assistant (no smaller model shares SmolLM2's vocabulary; a layer-skip draft is the closest
+  assistant there is), and prompt-lookup decoding (HF's assistant-free speculative method).
 """
 
 from __future__ import annotations
@@ -67,12 +69,30 @@ def _pair(plain: RolloutEngine, spec: SpeculativeRolloutLoop, prompts, size: int
     return out | {"_last": last}
 
 
-def _prompt_lookup_peer(model, prompt: list[int], max_new: int, seed: int) -> float:
-    """HF generate with prompt-lookup decoding at batch 1, temperature 1; tokens/s."""
+def layer_skip_assistant(model: Any, layers: int) -> Any:
+    """A copy of the causal LM ``model`` with only its first ``layers`` decoder layers (and its
+    embeddings, final norm and LM head): an assistant for HF assisted generation."""
+    import copy
+
+    if not 1 <= layers < model.config.num_hidden_layers:
+        raise ValueError(f"--assistant-layers must be in [1, {model.config.num_hidden_layers - 1}], got {layers}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:layers]
+    assistant = type(model)(config).to(model.dtype).eval()
+    missing, _ = assistant.load_state_dict(model.state_dict(), strict=False)  # the deeper layers are unexpected
+    if missing:
+        raise RuntimeError(f"layer-skip assistant: weights missing from the target: {missing[:3]}")
+    return assistant
+
+
+def _hf_peer(model, prompt: list[int], max_new: int, seed: int, temperature: float, **kwargs: Any) -> float:
+    """HF ``generate`` at batch 1 (``kwargs``: its speculative options); tokens/s."""
     torch.manual_seed(seed)
     ids = torch.tensor([prompt])
-    out, t, _ = timed(lambda: model.generate(ids, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=max_new,
-                                          prompt_lookup_num_tokens=4))
+    out, t, _ = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                          temperature=temperature, top_k=0, max_new_tokens=max_new, **kwargs))
     return (out.shape[1] - len(prompt)) / t
 
 
@@ -142,10 +162,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"x{out['speedup_tokens_per_s']:.2f} (CPU time x{out['speedup_cpu_time_per_token']:.2f}), "
               f"accept {out['mean_accept_length']:.2f}", flush=True)
         if bs == 1:
-            peer = [_prompt_lookup_peer(loaded.model, prompts[r % len(prompts)], args.max_new_tokens, args.seed + r)
-                    for r in range(args.repeats)]
-            payload["hf_prompt_lookup_batch1_tokens_per_s"] = median(peer)
-            print(f"  HF prompt-lookup (batch 1) {median(peer):.1f} tok/s", flush=True)
+            peers = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 4}}
+            if args.assistant_layers:
+                peers["assisted"] = {"assistant_model": layer_skip_assistant(loaded.model, args.assistant_layers)}
+            hf = {}
+            for r in range(args.repeats):  # alternated, as the pairs above
+                for name, kwargs in peers.items():
+                    hf.setdefault(name, []).append(_hf_peer(loaded.model, prompts[r % len(prompts)],
+                                                            args.max_new_tokens, args.seed + r, args.temperature,
+                                                            **kwargs))
+            payload["hf_batch1_tokens_per_s"] = {name: median(v) for name, v in hf.items()}
+            payload["hf_batch1_assistant_layers"] = args.assistant_layers
+            print("  HF generate (batch 1): " + ", ".join(f"{k} {median(v):.1f} tok/s" for k, v in hf.items()),
+                  flush=True)
 
     long_tail = None
     if args.long_tail_requests:
