@@ -1,0 +1,37 @@
+import json
+from types import SimpleNamespace
+
+from lightning.pytorch.loggers import CSVLogger
+
+from tlt_lightning.drafter.checkpoint import META_NAME
+from tlt_lightning.tracking import CheckpointRegistrar, log_artifact, mlflow_loggers
+
+
+def _checkpoint(directory, step, saved_at):
+    path = directory / f"step-{step:08d}"
+    path.mkdir(parents=True)
+    (path / META_NAME).write_text(json.dumps({"time": saved_at}))
+
+
+def test_registrar_waits_for_the_writer_and_skips_stale_or_missing_checkpoints(tmp_path):
+    trainer = SimpleNamespace(loggers=[], is_global_zero=True)
+    writer = SimpleNamespace(directory=tmp_path, in_flight=True)
+    registrar = CheckpointRegistrar("tlt-drafter-x")
+    _checkpoint(tmp_path, 2, saved_at=100.0)  # fresh: saved after the request at 99
+    _checkpoint(tmp_path, 1, saved_at=50.0)  # stale: left by an earlier fit, requested at 60
+    for step, requested in ((2, 99.0), (1, 60.0), (3, 99.5)):  # step 3 never reached the disk
+        registrar.request(step, requested)
+    registrar.register(trainer, writer)
+    assert registrar.registered_steps == []  # a write is in flight: nothing yet
+    writer.in_flight = False
+    registrar.register(trainer, writer)
+    assert registrar.registered_steps == [2]
+    registrar.request(2, 99.0)
+    registrar.register(trainer, writer)
+    assert registrar.registered_steps == [2]  # never twice
+
+
+def test_without_mlflow_nothing_is_logged(tmp_path):
+    trainer = SimpleNamespace(loggers=[CSVLogger(tmp_path)], is_global_zero=True)
+    assert mlflow_loggers(trainer) == []
+    assert log_artifact(trainer, tmp_path) is False
