@@ -29,3 +29,10 @@ def test_bench_strategies_runs_every_arm_and_the_bandit(tmp_path):
 def test_bench_strategies_rejects_bad_counts(tmp_path):
     with pytest.raises(ValueError, match="--requests must be >= 1, got 0"):
         main(["bench", "strategies", "--drafter", str(tmp_path), "--requests", "0"])
+
+
+def test_bench_strategies_arms_are_named_like_arm_key():
+    with pytest.raises(ValueError, match="--arms must include 'off'"):
+        main(["bench", "strategies", "--drafter", "unused", "--arms", "chain2", "chain4"])
+    with pytest.raises(ValueError, match=r"arm 'chain' is not 'off', 'chain<depth>'"):
+        main(["bench", "strategies", "--drafter", "unused", "--arms", "off", "chain"])

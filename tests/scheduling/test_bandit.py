@@ -344,3 +344,13 @@ def test_decaying_epsilon_arguments_are_checked():
         BEGMABStrategy(epsilon_half_life=0)
     with pytest.raises(ValueError, match=r"epsilon_floor must be a number in \[0, epsilon=0.1\], got 0.2"):
         BEGMABStrategy(epsilon_half_life=10, epsilon_floor=0.2)
+
+
+def test_parse_arm_inverts_arm_key():
+    from tlt_lightning.scheduling import parse_arm
+
+    for arm in (*default_arms(), SDStrategy(8), SDStrategy(3, 2, 5)):
+        assert parse_arm(arm_key(arm)) == arm
+    for bad in ("", "chain", "tree4x2", "chain0", "on"):
+        with pytest.raises(ValueError):
+            parse_arm(bad)

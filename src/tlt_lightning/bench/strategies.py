@@ -25,7 +25,7 @@ from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig
 from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
-from tlt_lightning.scheduling.bandit import BEGMABStrategy, arm_key, default_arms
+from tlt_lightning.scheduling.bandit import BEGMABStrategy, arm_key, default_arms, parse_arm
 from tlt_lightning.scheduling.baselines import FixedStrategy
 
 __all__ = ["add_arguments", "run"]
@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epsilon", type=float, default=0.1, help="BEG-MAB exploration probability")
     p.add_argument("--epsilon-half-life", type=int, default=None,
                    help="decay each bucket's epsilon with this half-life in decisions (default: constant)")
+    p.add_argument("--arms", nargs="+", default=None, metavar="ARM",
+                   help="candidate arms of every bucket and the fixed runs, e.g. off chain2 chain4 chain6 chain8 "
+                        "(default: default_arms(): off, chains of 2/4/6, trees 4x2/8 and 5x4/16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="runs/bench/strategies.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
@@ -96,6 +99,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warm_rollouts < 0:
         raise ValueError(f"--warm-rollouts must be >= 0, got {args.warm_rollouts}")
+    arms = default_arms() if args.arms is None else tuple(dict.fromkeys(parse_arm(a) for a in args.arms))
+    if None not in arms:
+        raise ValueError(f"--arms must include 'off' (the baseline every arm is compared with), got {args.arms}")
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
@@ -109,7 +115,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def loop(chooser) -> SpeculativeRolloutLoop:
         return SpeculativeRolloutLoop(target, drafter, cfg, chooser, threshold=args.threshold)
 
-    arms = default_arms()
     runs: dict[str, dict[str, Any]] = {}
     order = [("off", None), *((arm_key(a), a) for a in arms if a is not None), ("off (again)", None)]
     for name, arm in order:

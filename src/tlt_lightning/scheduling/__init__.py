@@ -9,6 +9,7 @@ from tlt_lightning.scheduling.bandit import (
     Decision,
     arm_key,
     default_arms,
+    parse_arm,
 )
 from tlt_lightning.scheduling.baselines import FixedStrategy, UCBStrategy
 from tlt_lightning.scheduling.coordinator import (
@@ -40,6 +41,7 @@ __all__ = [
     "arm_key",
     "benchmark_preemption",
     "default_arms",
+    "parse_arm",
     "idle_fraction_recovered",
     "plot_timeline",
     "run_bandit_benchmark",

@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import math
 import random
+import re
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,7 @@ __all__ = [
     "Decision",
     "arm_key",
     "default_arms",
+    "parse_arm",
 ]
 
 Arm = SDStrategy | None
@@ -54,6 +56,22 @@ def default_arms() -> tuple[Arm, ...]:
 def arm_key(arm: Arm) -> str:
     """A short unique name for an arm: ``"off"``, ``"chain4"``, ``"tree5x4/16"``."""
     return "off" if arm is None else str(arm)
+
+
+def parse_arm(key: str) -> Arm:
+    """The arm an :func:`arm_key` names: ``"off"`` -> ``None``, ``"chain6"``, ``"tree4x2/8"``.
+
+    Example:
+        >>> parse_arm("tree4x2/8")
+        SDStrategy(num_steps=4, topk=2, num_draft_tokens=8)
+    """
+    match = re.fullmatch(r"off|chain(\d+)|tree(\d+)x(\d+)/(\d+)", key.strip())
+    if match is None:
+        raise ValueError(f"arm {key!r} is not 'off', 'chain<depth>' or 'tree<depth>x<topk>/<tokens>'")
+    chain, depth, topk, tokens = match.groups()
+    if chain is not None:
+        return SDStrategy(int(chain))
+    return None if depth is None else SDStrategy(int(depth), int(topk), int(tokens))
 
 
 def _arm_to_dict(arm: Arm) -> dict[str, int] | None:
