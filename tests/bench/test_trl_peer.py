@@ -43,6 +43,8 @@ GOOD = {
         ("seed", -1),
         ("dtype", "float64"),
         ("output_dir", ""),
+        ("micro_batch_size", 3),  # does not divide 2 prompts x 2 completions
+        ("micro_batch_size", 0),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(name, value, tmp_path):
@@ -54,7 +56,8 @@ def test_bad_arguments_raise_value_error_naming_them(name, value, tmp_path):
 @pytest.mark.slow
 def test_two_trl_grpo_steps_on_smollm2(tmp_path):
     task = GOOD["task"]
-    out = run_trl_grpo(**GOOD, seed=0, output_dir=tmp_path / "trl")
+    # Micro-batches of 2 completions: two accumulated forward/backward passes per optimizer step.
+    out = run_trl_grpo(**GOOD, seed=0, output_dir=tmp_path / "trl", micro_batch_size=2)
 
     assert out["peer"] == "trl"
     import trl
@@ -77,6 +80,7 @@ def test_two_trl_grpo_steps_on_smollm2(tmp_path):
     # and AdamW moves the policy; a group with equal rewards has none.
     assert any(s["frac_reward_zero_std"] < 1.0 for s in steps)
     assert out["weights_changed"] is True
+    assert out["config"]["per_device_train_batch_size"] == 2 and out["config"]["gradient_accumulation_steps"] == 2
     # Nothing is saved: no checkpoints.
     assert not list((tmp_path / "trl").glob("checkpoint-*"))
 

@@ -232,10 +232,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.trl:
         from tlt_lightning.bench.trl_peer import run_trl_grpo
 
+        write_json(args.json, payload)  # our two runs survive whatever happens to the peer's
+
         print(f"[bench e2e] TRL GRPOTrainer peer: {args.steps} steps ...", flush=True)
         peer = run_trl_grpo(args.model, TaskConfig(name=args.task), args.steps, args.prompts_per_step,
                             args.group_size, args.max_new_tokens, args.lr, seed=args.seed,
-                            output_dir=Path(args.out) / "trl", bf16_mixed=args.precision == "bf16-mixed")
+                            output_dir=Path(args.out) / "trl", bf16_mixed=args.precision == "bf16-mixed",
+                            micro_batch_size=args.micro_batch_size)
         payload["peers"] = {"trl": peer}
         payload["speedup"]["tlt_vs_trl_wall"] = peer["median_step_s"] / tlt["wall_s"]
     path = write_json(args.json, payload)

@@ -148,6 +148,7 @@ def run_trl_grpo(
     dtype: str = "float32",
     output_dir: str | Path = "runs/bench/trl",
     bf16_mixed: bool = False,
+    micro_batch_size: int | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` GRPO optimizer steps with TRL's ``GRPOTrainer`` on the CPU and time each one.
 
@@ -172,6 +173,10 @@ def run_trl_grpo(
             reports).
         bf16_mixed: train with bf16 autocast (TRL's ``bf16=True``), as our module under Lightning's
             ``precision="bf16-mixed"``.
+        micro_batch_size: completions per forward/backward, as ``GRPOModule(micro_batch_size=)``
+            (TRL's ``per_device_train_batch_size`` with gradient accumulation over the rest; one
+            generation per optimizer step either way); ``None``: all at once. It must divide
+            ``prompts_per_step * group_size``.
 
     Returns:
         ``{"peer": "trl", "trl_version", "steps": [...], "median_step_s", "median_step_cpu_s",
@@ -193,6 +198,11 @@ def run_trl_grpo(
     """
     _validate(model, task, steps, prompts_per_step, group_size, max_new_tokens, lr, temperature, seed, dtype,
               output_dir)
+    batch = prompts_per_step * group_size
+    micro = batch if micro_batch_size is None else micro_batch_size
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or batch % micro:
+        raise ValueError(f"micro_batch_size must be an int >= 1 dividing prompts_per_step * group_size = {batch} "
+                         f"(or None), got {micro_batch_size!r}")
     trl = _import_trl()
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -233,12 +243,15 @@ def run_trl_grpo(
     records: dict[int, dict[str, Any]] = {}
 
     class _StepTimer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
+        # From one optimizer step's end to the next (the first from the start of training): with
+        # gradient accumulation a step spans several micro-steps, and the generation before them.
+        def on_train_begin(self, args, state, control, **kwargs):
             self._wall, self._cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             wall, cpu = time.perf_counter() - self._wall, time.process_time() - self._cpu
             records[state.global_step] = {"step": state.global_step, "wall_s": wall, "cpu_s": cpu}
+            self._wall, self._cpu = time.perf_counter(), time.process_time()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or "reward" not in logs:  # the end-of-training summary has no metrics
@@ -265,8 +278,8 @@ def run_trl_grpo(
         seed=seed,
         max_steps=steps,
         # One optimizer step = one generation batch of prompts_per_step prompts x group_size completions.
-        per_device_train_batch_size=prompts_per_step * group_size,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch // micro,
         num_generations=group_size,
         num_iterations=1,
         shuffle_dataset=False,
@@ -349,6 +362,8 @@ def run_trl_grpo(
             "seed": seed,
             "dtype": dtype,
             "bf16_mixed": bool(bf16_mixed),
+            "per_device_train_batch_size": config.per_device_train_batch_size,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps,
             "torch_threads": torch.get_num_threads(),
         },
     }
