@@ -157,18 +157,16 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     trainer.fit(module)
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
     # A DDP step ends together on both ranks (gradient all-reduce): the step is the slower rank's.
+    # The module's time/* metrics are already averaged over ranks (sync_dist); tokens are per rank.
     steps = [
         {**a, "wall_s": max(a["wall_s"], b["wall_s"]), "cpu_s": a["cpu_s"] + b["cpu_s"],
-         "rollout_s": max(a["rollout_s"], b["rollout_s"]), "tokens": a["tokens"] + b["tokens"],
-         "rollout_imbalance_s": abs(a["rollout_s"] - b["rollout_s"])}
+         "tokens": a["tokens"] + b["tokens"]}
         for a, b in zip(ranks[0]["steps"], ranks[1]["steps"])
     ]
     timed = steps[1:] if len(steps) > 1 else steps  # step 0 also pays one-time warm-up
     out: dict[str, Any] = {
         "steps": steps,
-        "median": {"wall_s": median([s["wall_s"] for s in timed]),
-                   "rollout_imbalance_s": median([s["rollout_imbalance_s"] for s in timed]),
-                   **per_token(timed)},
+        "median": {"wall_s": median([s["wall_s"] for s in timed]), **per_token(timed)},
     }
     if spot_on:
         summary = json.loads((root / "drafter" / "summary.json").read_text())
