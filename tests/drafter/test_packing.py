@@ -152,3 +152,5 @@ def test_benchmark_packing_smoke():
     assert out["speedup"] > 0
     with pytest.raises(ValueError, match="budget must hold the longest rollout's samples"):
         benchmark_packing(budget=16, max_length=64)
+    with pytest.raises(ValueError, match="target and rollouts go together"):
+        benchmark_packing(rollouts=[])
