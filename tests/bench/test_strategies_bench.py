@@ -12,14 +12,15 @@ def test_bench_strategies_runs_every_arm_and_the_bandit(tmp_path):
     target = HFTarget(load_model("smollm2-135m", dtype="bfloat16").model)
     save_drafter(Drafter(DrafterConfig.from_target(target, draft_vocab_size=512), target), tmp_path / "drafter")
     path = tmp_path / "strategies.json"
-    main(["--threads", "1", "bench", "strategies", "--drafter", str(tmp_path / "drafter"), "--requests", "3",
+    main(["--threads", "1", "bench", "strategies", "--drafter", str(tmp_path / "drafter"), "--requests", "3", "--groups", "2",
           "--max-new-tokens", "6", "--threshold", "4", "--warm-rollouts", "1", "--json", str(path)])
     data = json.loads(path.read_text())
     runs = data["runs"]
     assert set(runs) == {"off", "off (again)", "chain2", "chain4", "chain6", "tree4x2/8", "tree5x4/16",
                          "BEG-MAB", "BEG-MAB (cold)"}
     assert runs["off"]["sd_steps"] == 0 and runs["chain4"]["sd_steps"] == runs["chain4"]["steps"]
-    assert all(r["tokens"] == 18 for r in runs.values())  # random drafter, yet every run emits 3 x 6 tokens
+    # Random drafter, yet every run emits 2 groups x 3 requests x 6 tokens.
+    assert all(r["tokens"] == 36 and [g["tokens"] for g in r["groups"]] == [18, 18] for r in runs.values())
     assert all(r["cpu_ms_per_token"] > 0 for r in runs.values())
     assert data["best_fixed"] in runs and data["bandit_vs_best_fixed"] > 0
     assert sum(sum(c.values()) for c in data["bandit_counts"].values()) > 0

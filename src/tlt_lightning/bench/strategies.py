@@ -15,6 +15,7 @@ Goal (issue): the bandit within 5% of the best fixed arm in hindsight, better th
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
     p.add_argument("--requests", type=int, default=128, help="prompts in the long-tail rollout")
+    p.add_argument("--groups", type=int, default=1,
+                   help="prompt groups of --requests each: every run rolls out all of them (totals reported)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--threshold", type=int, default=32, help="strategies apply below this many active requests")
@@ -52,14 +55,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 
 
-def _measure(loop: SpeculativeRolloutLoop, prompts: list[list[int]], seed: int) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(seed)
-    result, wall, cpu = timed(lambda: loop.generate(prompts, generator=gen))
-    stats = result.stats
-    return {
-        "seconds": wall, "cpu_seconds": cpu, "tokens": stats.generated_tokens, "steps": stats.num_steps,
-        "sd_steps": sum(stats.step_speculative), "mean_accept_length": stats.mean_accept_length,
-        "cpu_ms_per_token": 1e3 * cpu / max(1, stats.generated_tokens),
+def _measure(loop: SpeculativeRolloutLoop, groups: list[list[list[int]]], seed: int) -> dict[str, Any]:
+    """One rollout per prompt group (group ``g`` seeded ``seed + 1000 g``); totals over the groups.
+
+    At T=1 every run samples its own responses, so one group's total length varies a lot between
+    runs; CPU time over all groups per token over all groups averages that out.
+    """
+    parts = []
+    for g, prompts in enumerate(groups):
+        gen = torch.Generator().manual_seed(seed + 1000 * g)
+        result, wall, cpu = timed(functools.partial(loop.generate, prompts, generator=gen))
+        stats = result.stats
+        parts.append({
+            "seconds": wall, "cpu_seconds": cpu, "tokens": stats.generated_tokens, "steps": stats.num_steps,
+            "sd_steps": sum(stats.step_speculative), "mean_accept_length": stats.mean_accept_length,
+        })
+    total = {k: sum(p[k] for p in parts) for k in ("seconds", "cpu_seconds", "tokens", "steps", "sd_steps")}
+    accepts = [p["mean_accept_length"] for p in parts if p["sd_steps"]]
+    return total | {
+        "mean_accept_length": sum(accepts) / len(accepts) if accepts else 0.0,
+        "cpu_ms_per_token": 1e3 * total["cpu_seconds"] / max(1, total["tokens"]),
+        "groups": parts,
     }
 
 
@@ -85,7 +101,7 @@ def plot(payload: dict[str, Any], bandit: BEGMABStrategy, path: Path) -> Path:
                va="center", fontsize=8)
     a.invert_yaxis()
     a.set(xlabel="CPU ms per generated token (lower is better)",
-          title=f"{payload['requests']} requests, SD below {payload['threshold']} active")
+          title=f"{payload['groups']} x {payload['requests']} requests, SD below {payload['threshold']} active")
     draw_heatmaps([fig.add_subplot(grid[1 + i]) for i in range(len(rows))], edges, rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)  # not save_figure: its tight_layout would undo the constrained layout
@@ -94,7 +110,7 @@ def plot(payload: dict[str, Any], bandit: BEGMABStrategy, path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    for name in ("requests", "max_new_tokens", "threshold"):
+    for name in ("requests", "groups", "max_new_tokens", "threshold"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warm_rollouts < 0:
@@ -108,8 +124,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     target = HFTarget(loaded.model)
     drafter = load_drafter(args.drafter, target).eval()
     n = args.requests
-    prompts = task_prompts(loaded.tokenizer, args.task, n * (1 + args.warm_rollouts), seed=args.seed)
-    measured, warm = prompts[:n], prompts[n:]
+    g = args.groups
+    prompts = task_prompts(loaded.tokenizer, args.task, n * (g + args.warm_rollouts), seed=args.seed)
+    measured, warm = [prompts[i * n : (i + 1) * n] for i in range(g)], prompts[g * n :]
     cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
 
     def loop(chooser) -> SpeculativeRolloutLoop:
@@ -142,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "strategies-long-tail",
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "task": args.task, "drafter": str(args.drafter),
-        "requests": n, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "requests": n, "groups": g, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "threshold": args.threshold, "warm_rollouts": args.warm_rollouts, "machine": machine_info(),
         "best_fixed": best, "worst_fixed": worst,
         "bandit_vs_best_fixed": fixed[best] / runs["BEG-MAB"]["cpu_ms_per_token"],
