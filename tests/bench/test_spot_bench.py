@@ -19,7 +19,7 @@ def test_spot_bench_on_the_real_model(tmp_path):
     packing = data["packing"]
     assert packing["settings"]["num_rollouts"] == 6 and packing["settings"]["vocab_size"] == 49152
     assert packing["packed"]["fill_ratio"] >= packing["padded"]["fill_ratio"] and packing["speedup"] > 0
-    assert data["preemption"]["windows"] > 0 and data["preemption"]["straggler_windows"] == 0
+    assert data["preemption"]["windows"] > 0 and data["preemption"]["last_finisher_windows"] == 0
     ddp = data["ddp"]
     for name in ("frozen", "spot"):
         assert [s["step"] for s in ddp[name]["steps"]] == [1, 2]
