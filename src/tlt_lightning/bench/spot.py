@@ -65,11 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _packing(args: argparse.Namespace) -> dict[str, Any]:
     from dataclasses import replace
 
-    from tlt_lightning.drafter import benchmark_packing, load_drafter
+    from tlt_lightning.drafter import DrafterConfig, benchmark_packing, read_drafter_config
     from tlt_lightning.models import HFTarget, load_model
 
     loaded = load_model(args.model)
     target = HFTarget(loaded.model)
+    vocab = read_drafter_config(args.drafter).draft_vocab_size if args.drafter else 8192
     if args.rollouts_cache:
         rollouts = torch.load(args.rollouts_cache, weights_only=False)["rollouts"][: args.packing_rollouts]
     else:
@@ -78,11 +79,11 @@ def _packing(args: argparse.Namespace) -> dict[str, Any]:
 
         print(f"[bench spot] packing: sampling {args.packing_rollouts} rollouts ...", flush=True)
         engine = RolloutEngine(HFTarget(load_model(args.model, dtype="bfloat16").model),
-                               RolloutConfig(max_new_tokens=args.packing_budget, feature_layers=(-1,)))
+                               RolloutConfig(max_new_tokens=args.packing_budget,
+                                             feature_layers=DrafterConfig.from_target(target).rollout_feature_layers))
         prompts = task_prompts(loaded.tokenizer, args.task, args.packing_rollouts, seed=args.seed)
         result = engine.generate(prompts, generator=torch.Generator().manual_seed(args.seed), progress=True)
         rollouts = [replace(r, features=r.features.float()) for r in result.rollouts]
-    vocab = load_drafter(args.drafter, target).config.draft_vocab_size if args.drafter else 8192
     print(f"[bench spot] packing: {len(rollouts)} rollouts, budget {args.packing_budget} ...", flush=True)
     out = benchmark_packing(budget=args.packing_budget, repeats=args.packing_repeats, seed=args.seed,
                             target=target, rollouts=rollouts, draft_vocab_size=vocab)

@@ -257,16 +257,15 @@ class SpotDrafterCallback(L.Callback):
         self._saved_at = -1
         self._accepts: list[tuple[int, float]] = []  # (RL step, mean accept length) of this fit
         self._accept_hist = torch.zeros(0, dtype=torch.long)  # request-steps per tokens emitted
-        self.registrar: CheckpointRegistrar | None = None  # rank 0 with an MLFlowLogger, from fit start
-        self._registered: list[int] = []  # registered_steps before fit start (a restored state)
+        self.registrar = CheckpointRegistrar(None)  # named at fit start: rank 0 with an MLFlowLogger
 
     @property
     def registered_steps(self) -> list[int]:
-        return self.registrar.registered_steps if self.registrar is not None else self._registered
+        return self.registrar.registered_steps
 
     @property
     def registered_versions(self) -> list[Any]:
-        return self.registrar.versions if self.registrar is not None else []
+        return self.registrar.versions
 
     # ------------------------------------------------------------------------------ fit start
     @override
@@ -291,11 +290,10 @@ class SpotDrafterCallback(L.Callback):
         self.spot_trainer = SpotTrainer(drafter, target, self.buffer, config, rank=self.coordinator.rank)
         self.drafter, self.optimizer = drafter, self.spot_trainer.optimizer
         self.checkpointer = AsyncCheckpointer(Path(trainer.default_root_dir) / "drafter" / "checkpoints")
-        self.registrar, self._registered = None, []  # restored by _apply
-        if trainer.is_global_zero and mlflow_loggers(trainer):
-            self.registrar = CheckpointRegistrar(
-                self.registered_model_name or drafter_model_name(str(module.hparams.model))
-            )
+        registry = trainer.is_global_zero and bool(mlflow_loggers(trainer))
+        self.registrar = CheckpointRegistrar(  # its registered_steps are restored by _apply
+            (self.registered_model_name or drafter_model_name(str(module.hparams.model))) if registry else None
+        )
         self._apply(pending, publisher_too=False)
         self.publisher = DrafterPublisher(self.drafter, serving_target=module.rollout_target)
         self.publisher.load_state_dict(pending.get("publisher", {}))
@@ -416,8 +414,7 @@ class SpotDrafterCallback(L.Callback):
         self.paid_steps += int(total["paid_steps"])
         self.rl_steps += 1
         self._log(pl_module, result, total, steps_all, trainer.world_size)
-        if self.registrar is not None:  # the checkpoints written since the last step (never waits)
-            self.registrar.register(trainer, self.checkpointer)
+        self.registrar.register(trainer, self.checkpointer)  # what landed since the last step (never waits)
         if (
             trainer.is_global_zero
             and self.checkpoint_interval is not None
@@ -468,8 +465,7 @@ class SpotDrafterCallback(L.Callback):
         self.checkpointer.save(self.drafter, self.optimizer, rl_step, extra)  # returns at once
         self._saved_at = rl_step
         self.last_checkpoint = str(self.checkpointer.directory / f"step-{rl_step:08d}")
-        if self.registrar is not None:
-            self.registrar.request(rl_step, requested)
+        self.registrar.request(rl_step, requested)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -517,11 +513,7 @@ class SpotDrafterCallback(L.Callback):
             setattr(self, key, int(counters.get(key, getattr(self, key))))
         self.paid_seconds = float(counters.get("paid_seconds", self.paid_seconds))
         self.last_checkpoint = state.get("last_checkpoint", self.last_checkpoint)
-        steps = [int(s) for s in state.get("registered_steps", self.registered_steps)]
-        if self.registrar is not None:
-            self.registrar.registered_steps = steps
-        else:
-            self._registered = steps
+        self.registrar.registered_steps = [int(s) for s in state.get("registered_steps", self.registered_steps)]
 
     # ------------------------------------------------------------------------------ timeline / end
     def _gather(self, since: float | None) -> tuple[list[Segment], list[Segment]]:
@@ -564,8 +556,7 @@ class SpotDrafterCallback(L.Callback):
         if trainer.is_global_zero:
             self._save(trainer.global_step)
             self.checkpointer.wait()
-            if self.registrar is not None:
-                self.registrar.register(trainer, self.checkpointer)
+            self.registrar.register(trainer, self.checkpointer)
             summary = {"drafter_steps": self.steps, "tail_steps": self.tail_steps,
                        "paid_steps": self.paid_steps, "paid_seconds_rank0": self.paid_seconds,
                        "idle_fraction_recovered": recovered, "rl_steps": self.rl_steps,

@@ -60,12 +60,15 @@ class CheckpointRegistrar:
     checkpoint that is not on disk (superseded, or deleted beyond the checkpointer's ``keep``), or a
     stale one left by an earlier fit (written before the save was requested), is skipped.
 
+    With ``name=None`` (not rank 0, or no ``MLFlowLogger``) it registers nothing but still carries
+    ``registered_steps`` through checkpoints.
+
     Attributes:
         registered_steps: RL steps already registered (restore it on resume: no step twice).
         versions: the ``ModelVersion`` objects this registrar created.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str | None) -> None:
         self.name = name
         self.registered_steps: list[int] = []
         self.versions: list[Any] = []
@@ -73,7 +76,8 @@ class CheckpointRegistrar:
 
     def request(self, rl_step: int, requested: float) -> None:
         """A save of ``rl_step`` was requested at ``requested`` (``time.time()``)."""
-        self._pending.append((rl_step, requested))
+        if self.name is not None:
+            self._pending.append((rl_step, requested))
 
     def register(self, trainer: L.Trainer, checkpoints: Any) -> None:
         """Register what landed since the last call (``checkpoints``: the ``AsyncCheckpointer``)."""
