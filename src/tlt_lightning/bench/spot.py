@@ -172,7 +172,11 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     if spot_on:
         summary = json.loads((root / "drafter" / "summary.json").read_text())
         latencies = sorted(x for r in ranks for x in r["latencies_s"])
-        q = torch.tensor(latencies, dtype=torch.float64).quantile(torch.tensor([0.5, 0.99], dtype=torch.float64))
+        # No latency when no rank was preempted while training (a tail shorter than min_idle_s).
+        p50, p99 = (
+            torch.tensor(latencies, dtype=torch.float64).quantile(torch.tensor([0.5, 0.99], dtype=torch.float64))
+            .tolist() if latencies else (None, None)
+        )
         step_s = [s["tail_s"] / s["tail_steps"] for r in ranks for s in r["spot_steps"] if s["tail_steps"]]
         out["spot_training"] = {
             "idle_fraction_recovered": summary["idle_fraction_recovered"],
@@ -182,8 +186,8 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
             "idle_seconds_per_rank": [sum(s["idle_s"] for s in r["spot_steps"]) for r in ranks],
             "drafter_step_s": median(step_s),
             "preemption_latency_s": latencies,
-            "preemption_latency_p50_s": float(q[0]) if latencies else None,
-            "preemption_latency_p99_s": float(q[1]) if latencies else None,
+            "preemption_latency_p50_s": p50,
+            "preemption_latency_p99_s": p99,
             "top1": [s.get("all/drafter/top1") for s in ranks[0]["spot_steps"]],
             "accept_length": [s.get("all/drafter/accept_length") for s in ranks[0]["spot_steps"]],
             "timeline": str(root / "drafter" / "timeline" / "fit.png"),
