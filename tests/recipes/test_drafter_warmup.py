@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from tlt_lightning.cli import main
 from tlt_lightning.drafter import load_drafter
@@ -35,6 +36,20 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     assert "top1_step2" in resumed["held_out_after"] and resumed["unroll"] == 2
     with pytest.raises(ValueError, match="is an eagle1 drafter, but --kind is eagle3"):
         main([*args, "--steps", "1", "--kind", "eagle3", "--init-from", str(out), "--out", str(more)])
+
+    # Train on this run's rollouts plus those of another warm-up (other prompts); held out: this run's.
+    other = tmp_path / "other.pt"
+    other_args = [str(other) if a == str(cache) else "6" if a == "12" else a for a in args]
+    main([*other_args, "--steps", "1", "--seed", "5", "--out", str(tmp_path / "o")])
+    main([*args, "--steps", "1", "--more-rollouts", str(other), "--out", str(tmp_path / "merged")])
+    merged = json.loads((tmp_path / "merged" / "warmup.json").read_text())
+    assert merged["rollouts"] == 12 and merged["more_rollouts"] == 6
+    other_tokens = sum(r.length for r in torch.load(other, weights_only=False)["rollouts"])
+    assert merged["train_tokens"] == report["train_tokens"] + other_tokens  # all 6 train, none held out
+    with pytest.raises(ValueError, match="sampled with other settings"):
+        main([*args, "--steps", "1", "--max-new-tokens", "20", "--more-rollouts", str(other)])
+    with pytest.raises(FileNotFoundError, match="--more-rollouts"):
+        main([*args, "--steps", "1", "--more-rollouts", str(tmp_path / "missing.pt")])
 
     path = tmp_path / "sd.json"
     main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "1", "2",

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tlt_lightning.drafter import Drafter, DrafterConfig, DrafterLoss, warmup_drafter
 from tlt_lightning.models import HFTarget
+from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
 from tlt_lightning.speculative import SamplingParams, SDStrategy, sampling_probs
@@ -17,6 +18,17 @@ from tlt_lightning.speculative import SamplingParams, SDStrategy, sampling_probs
 from tests.rollout.test_engine import random_prompts
 
 BOS = 1
+
+
+class _ShiftedCache(KVCache):
+    """The oracle's cache: drafter position ``p`` sits at slot ``p + 1``, so a row's last entry is
+    at slot ``lengths``, one past what :meth:`KVCache.move_rows` copies."""
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.lengths[src] += 1
+        super().move_rows(src, dst)
+        self.lengths[src] -= 1
+        self.lengths[dst] -= 1
 
 
 class OracleDrafter:
@@ -32,7 +44,8 @@ class OracleDrafter:
         self.config = SimpleNamespace(feature_layers=(target.info.num_layers,))
 
     def new_cache(self, max_batch, max_len):
-        return self.target.new_cache(max_batch, max_len + 1)
+        i = self.target.info
+        return _ShiftedCache(i.num_layers, max_batch, i.num_kv_heads, max_len + 1, i.head_dim, self.target.dtype)
 
     def lift(self, features):
         return features[..., 0, :]
@@ -67,9 +80,11 @@ class OracleDrafter:
         return hidden[:, 1:] if first else hidden
 
 
-def no_eos(target: HFTarget) -> HFTarget:
-    target.model.generation_config.eos_token_id = target.model.config.eos_token_id = None
-    return HFTarget(target.model)
+def with_eos(target: HFTarget, eos_token_ids: tuple[int, ...] = ()) -> HFTarget:
+    """The same model with other end-of-sequence tokens (none by default); the model is not touched."""
+    other = HFTarget(target.model)
+    other.info = replace(other.info, eos_token_ids=eos_token_ids)
+    return other
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
@@ -108,7 +123,7 @@ def test_greedy_equals_plain_with_a_trained_drafter(tiny_llama, arm):
 @pytest.mark.parametrize(("arm", "temperature"), [(SDStrategy(2), 1.0), (SDStrategy(5), 1.0), (SDStrategy(3), 0.0)])
 def test_oracle_drafter_accepts_everything(tiny_llama, arm, temperature):
     """Chain drafts sampled from the target's own distribution are always accepted."""
-    target = no_eos(tiny_llama)
+    target = with_eos(tiny_llama)
     prompts = [[BOS, *p] for p in random_prompts(6, seed=12)]
     depth = arm.num_steps
     config = RolloutConfig(max_new_tokens=1 + 4 * (depth + 1), temperature=temperature)
@@ -122,11 +137,30 @@ def test_oracle_drafter_accepts_everything(tiny_llama, arm, temperature):
         assert all(a.token_ids.tolist() == b.token_ids.tolist() for a, b in zip(plain.rollouts, result.rollouts))
 
 
+def test_oracle_drafter_keeps_accepting_after_rows_finish(tiny_llama):
+    """Rows that end early are removed and the last rows move into their slots, drafter cache and
+    all: a moved row must keep drafting from its own context. With the oracle every step but a
+    request's last (cut at its end-of-sequence token) accepts the whole chain."""
+    target = with_eos(tiny_llama, eos_token_ids=tuple(range(10, 22)))
+    prompts = [[BOS, *p] for p in random_prompts(16, seed=13)]
+    arm = SDStrategy(3)
+    config = RolloutConfig(max_new_tokens=1 + 12 * (arm.num_steps + 1), temperature=1.0)
+    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(arm), threshold=100,
+                                  drafter_context="prompt")
+    result = loop.generate(prompts, generator=torch.Generator().manual_seed(3))
+    sizes = result.stats.step_batch_sizes
+    assert len(set(sizes)) >= 3 and sizes[-1] < sizes[0], "rows should have finished at different steps"
+    per_step = result.stats.accept_lengths.split(sizes)
+    for step, (accepts, size, size_after) in enumerate(zip(per_step, sizes, [*sizes[1:], 0])):
+        short = int((accepts < arm.num_steps + 1).sum())
+        assert short <= size - size_after, f"step {step}: {short} rows accepted less, {size - size_after} finished"
+
+
 @pytest.mark.parametrize("arm", [SDStrategy(3, 2, 4), SDStrategy(4, 3, 12)], ids=str)
 def test_oracle_drafter_trees_accept_their_argmax_path(tiny_llama, arm):
     """Under greedy, a tree from the target's own distribution is accepted along its argmax path:
     fully whenever the pruned tree kept that path, which a wide tree nearly always does."""
-    target = no_eos(tiny_llama)
+    target = with_eos(tiny_llama)
     prompts = [[BOS, *p] for p in random_prompts(6, seed=12)]
     config = RolloutConfig(max_new_tokens=40, temperature=0)
     loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(arm), threshold=100,

@@ -23,8 +23,8 @@ from tlt_lightning.drafter import (
     DrafterConfig,
     DrafterLoss,
     evaluate_drafter,
-    make_batches,
     load_drafter,
+    make_batches,
     save_drafter,
     warmup_drafter,
 )
@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafter checkpoint directory to continue training (its kind and draft vocabulary win)")
     p.add_argument("--rollouts-cache", default=None,
                    help="file to reuse rollouts from (and save them to): retrain without resampling")
+    p.add_argument("--more-rollouts", nargs="+", default=[], metavar="CACHE",
+                   help="rollout caches of other warm-ups (same model, dtype, task, sampling; other prompts or "
+                        "--seed) added to the training set; the held-out tenth stays this run's own")
 
 
 def collect_rollouts(
@@ -74,10 +77,29 @@ def collect_rollouts(
     return rollouts, time.perf_counter() - start
 
 
+_SAMPLING_KEYS = ("model", "dtype", "task", "max_new_tokens", "temperature", "feature_layers")
+"""The cache-key entries that rollouts merged into one training set must share."""
+
+
 def _cache_key(args: argparse.Namespace, config: DrafterConfig) -> dict[str, Any]:
     """What the cached rollouts depend on."""
     keys = ("model", "dtype", "task", "prompts", "samples", "max_new_tokens", "temperature", "seed")
     return {k: getattr(args, k) for k in keys} | {"feature_layers": list(config.rollout_feature_layers)}
+
+
+def load_more_rollouts(paths: list[str], key: dict[str, Any]) -> list[Rollout]:
+    """Rollouts of other warm-up caches, checked to come from the same sampling setup as ``key``."""
+    rollouts: list[Rollout] = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--more-rollouts {path}: no such file (make it with `drafter warmup --rollouts-cache`)")
+        saved = torch.load(path, weights_only=False)
+        differ = {k: saved["key"].get(k) for k in _SAMPLING_KEYS if saved["key"].get(k) != key[k]}
+        if differ:
+            raise ValueError(f"--more-rollouts {path} was sampled with other settings: {differ}, this run: "
+                             f"{ {k: key[k] for k in differ} }")
+        rollouts += saved["rollouts"]
+    return rollouts
 
 
 def plot(history: list[dict[str, float]], path: Path) -> Path:
@@ -115,6 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         config = DrafterConfig.from_target(target, kind=args.kind, draft_vocab_size=args.draft_vocab or None)
     prompts = task_prompts(loaded.tokenizer, args.task, args.prompts, seed=args.seed)
     prompts = [p for p in prompts for _ in range(args.samples)]
+    more = load_more_rollouts(args.more_rollouts, _cache_key(args, config))  # before sampling: fail fast
     cache = Path(args.rollouts_cache) if args.rollouts_cache else None
     if cache is not None and cache.is_file():
         saved = torch.load(cache, weights_only=False)
@@ -138,7 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cache.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"key": _cache_key(args, config), "rollouts": rollouts, "seconds": rollout_s}, cache)
     held_out = max(1, len(rollouts) // 10)
-    train, valid = rollouts[held_out:], rollouts[:held_out]
+    train, valid = rollouts[held_out:] + more, rollouts[:held_out]
 
     counts = torch.bincount(torch.cat([r.token_ids for r in train]), minlength=target.info.vocab_size)
     if not args.init_from:
@@ -160,7 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload = {
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "init_from": args.init_from, "unroll": args.unroll, "task": args.task, "kind": args.kind, "machine": machine_info(),
-        "rollouts": len(rollouts), "train_tokens": sum(r.length for r in train),
+        "rollouts": len(rollouts), "more_rollouts": len(more), "train_tokens": sum(r.length for r in train),
         "rollout_seconds": rollout_s, "train_seconds": train_s,
         "trainable_parameters": drafter.num_trainable_parameters(),
         "draft_vocab": config.draft_vocab, "draft_vocab_token_coverage": coverage,
