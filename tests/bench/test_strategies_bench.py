@@ -19,11 +19,18 @@ def test_bench_strategies_runs_every_arm_and_the_bandit(tmp_path):
     assert set(runs) == {"off", "off (again)", "chain2", "chain4", "chain6", "tree4x2/8", "tree5x4/16",
                          "BEG-MAB", "BEG-MAB (cold)"}
     assert runs["off"]["sd_steps"] == 0 and runs["chain4"]["sd_steps"] == runs["chain4"]["steps"]
-    # Random drafter, yet every run emits 2 groups x 3 requests x 6 tokens.
-    assert all(r["tokens"] == 36 and [g["tokens"] for g in r["groups"]] == [18, 18] for r in runs.values())
+    # Random drafter, yet every fixed run emits 2 groups x 3 requests x 6 tokens. The bandit's runs
+    # depend on timing (its rewards are measured), so they sample other tokens and may end early.
+    bandit_runs = {"BEG-MAB", "BEG-MAB (cold)"}
+    assert all(r["tokens"] == 36 and [g["tokens"] for g in r["groups"]] == [18, 18]
+               for name, r in runs.items() if name not in bandit_runs)
+    assert all(0 < runs[name]["tokens"] <= 36 for name in bandit_runs)
     assert all(r["cpu_ms_per_token"] > 0 for r in runs.values())
     assert data["best_fixed"] in runs and data["bandit_vs_best_fixed"] > 0
     assert sum(sum(c.values()) for c in data["bandit_counts"].values()) > 0
+    tried = {(b, a) for b, c in data["bandit_counts"].items() for a, n in c.items() if n}
+    rated = {(b, a) for b, v in data["bandit_values"].items() for a, x in v.items() if x is not None}
+    assert rated == tried and all(x > 0 for v in data["bandit_values"].values() for x in v.values() if x)
     assert path.with_suffix(".png").stat().st_size > 10_000
 
 

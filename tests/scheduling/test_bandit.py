@@ -103,6 +103,8 @@ def test_reward_is_tokens_per_second_and_best_is_window_median():
     bandit.update(8, CHAIN2, 2.5, 0.5 / 25_000)
     bandit.update(8, None, 1.0, 0.16)
     assert bandit.best_arms() == {"5-20": None}
+    assert bandit.values()["5-20"] == {"off": pytest.approx(50.0), "chain2": pytest.approx(40.0)}
+    assert set(bandit.values()["1"].values()) == {None}  # nothing tried at batch 1 yet
     assert bandit.select(8) is None
 
 

@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bandit_vs_worst_fixed": fixed[worst] / runs["BEG-MAB"]["cpu_ms_per_token"],
         "bandit_best_arms": {k: arm_key(v) for k, v in bandit.best_arms().items()},
         "bandit_counts": bandit.counts,
+        "bandit_values": bandit.values(),  # median tokens/s per bucket and arm: why it chose what it chose
         "runs": runs,
     }
     json_path = write_json(args.json, payload)

@@ -265,6 +265,14 @@ class BucketedChooser:
             for label, arms, counts in zip(self.bucket_labels, self.arms, self._counts)
         }
 
+    def values(self) -> dict[str, dict[str, float | None]]:
+        """How each bucket currently rates each arm (tokens per second; ``None``: not tried yet):
+        ``{bucket_label: {arm_key: value}}``, the statistic the exploit decision compares."""
+        return {
+            label: {arm_key(a): self._value(b, i) for i, a in enumerate(self.arms[b])}
+            for b, label in enumerate(self.bucket_labels)
+        }
+
     def best_arms(self) -> dict[str, Arm]:
         """The arm each bucket currently rates best; buckets with no observation are left out."""
         out: dict[str, Arm] = {}
