@@ -174,6 +174,24 @@ def test_warmup_validation(llama):
         warmup_drafter(d, llama, [fake_rollout(1, 2, 1)], steps=1, progress=False)
     with pytest.raises(ValueError, match="batches is empty"):
         evaluate_drafter(d, llama, [])
+    with pytest.raises(ValueError, match="lr_warmup must be >= 0, got -1"):
+        warmup_drafter(d, llama, [fake_rollout(6, 2, 1)], steps=1, lr_warmup=-1)
+
+
+def test_lr_warmup_scales_the_first_steps(llama):
+    """AdamW's first step moves every weight by about the learning rate: with a 9-step linear
+    warm-up the first step runs at a tenth of it, so the weights move about ten times less."""
+    rollouts = [fake_rollout(6, 2, 1, i) for i in range(4)]
+
+    def first_step_change(lr_warmup: int) -> float:
+        torch.manual_seed(0)
+        d = make_drafter(llama)
+        before = [p.detach().clone() for p in d.parameters() if p.requires_grad]
+        warmup_drafter(d, llama, rollouts, steps=1, lr=1e-3, progress=False, lr_warmup=lr_warmup, max_grad_norm=None)
+        after = [p for p in d.parameters() if p.requires_grad]
+        return max(float((a - b).abs().max()) for a, b in zip(after, before))
+
+    assert first_step_change(9) == pytest.approx(first_step_change(0) / 10, rel=0.05)
 
 
 def test_losses_ignore_padding(llama):

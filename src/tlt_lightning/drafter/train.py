@@ -343,6 +343,7 @@ def warmup_drafter(
     weight_decay: float = 0.0,
     max_grad_norm: float | None = 1.0,
     max_len: int | None = None,
+    lr_warmup: int = 0,
 ) -> list[dict[str, float]]:
     """Train ``drafter`` for ``steps`` AdamW steps on ``rollouts`` (reshuffled every epoch).
 
@@ -356,6 +357,9 @@ def warmup_drafter(
         progress: show a tqdm bar with the loss and top-1 agreement.
         loss_cfg: objective (default :meth:`DrafterLoss.for_kind`).
         seed: shuffling seed.
+        lr_warmup: steps of linear learning-rate warm-up. Use it when continuing a trained drafter:
+            the first steps of a fresh AdamW at full rate undo much of what it learned (SmolLM2,
+            lr 1e-3: held-out top-1 0.52 -> 0.37 after one step).
 
     Returns:
         The metrics of every step (see :func:`drafter_train_step`); shorter than ``steps`` when
@@ -369,12 +373,16 @@ def warmup_drafter(
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr!r}")
+    if lr_warmup < 0:
+        raise ValueError(f"lr_warmup must be >= 0, got {lr_warmup!r}")
     generator = torch.Generator().manual_seed(seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda t: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t / steps, 1.0)))
-    )
+
+    def rate(t: int) -> float:  # linear warm-up, then cosine decay to 10%
+        return min(1.0, (t + 1) / (lr_warmup + 1)) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(t / steps, 1.0))))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
 
     def epochs():
         while True:

@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--max-len", type=int, default=256, help="samples per sequence (longer ones are cut)")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-warmup", type=int, default=0,
+                   help="steps of linear learning-rate warm-up (use ~50 with --init-from)")
     p.add_argument("--unroll", type=int, default=1, help="multi-step unroll during training")
     p.add_argument("--rollout-batch", type=int, default=64, help="requests per rollout call")
     p.add_argument("--seed", type=int, default=0)
@@ -174,7 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"training {args.steps} steps on {sum(r.length for r in train)} tokens ...", flush=True)
     start = time.perf_counter()
     history = warmup_drafter(drafter, target, train, args.steps, lr=args.lr, batch_size=args.batch_size,
-                             loss_cfg=loss_cfg, seed=args.seed, max_len=args.max_len)
+                             loss_cfg=loss_cfg, seed=args.seed, max_len=args.max_len, lr_warmup=args.lr_warmup)
     train_s = time.perf_counter() - start
     after = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
     out = Path(args.out)
