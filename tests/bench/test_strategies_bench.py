@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from tlt_lightning.bench.strategies import standardized_ms_per_token
 from tlt_lightning.cli import main
 from tlt_lightning.drafter import Drafter, DrafterConfig, save_drafter
 from tlt_lightning.models import HFTarget, load_model
@@ -25,7 +26,10 @@ def test_bench_strategies_runs_every_arm_and_the_bandit(tmp_path):
     assert all(r["tokens"] == 36 and [g["tokens"] for g in r["groups"]] == [18, 18]
                for name, r in runs.items() if name not in bandit_runs)
     assert all(0 < runs[name]["tokens"] <= 36 for name in bandit_runs)
-    assert all(r["cpu_ms_per_token"] > 0 for r in runs.values())
+    assert all(r["cpu_ms_per_token"] > 0 and r["std_ms_per_token"] > 0 for r in runs.values())
+    off_mix = {b: tok for b, (_, tok) in runs["off"]["by_batch_size"].items()}
+    assert off_mix == {b: tok for b, (_, tok) in runs["off (again)"]["by_batch_size"].items()}
+    assert sum(off_mix.values()) == 36 - 6  # the prefill samples each request's first token
     assert data["best_fixed"] in runs and data["bandit_vs_best_fixed"] > 0
     assert sum(sum(c.values()) for c in data["bandit_counts"].values()) > 0
     tried = {(b, a) for b, c in data["bandit_counts"].items() for a, n in c.items() if n}
@@ -44,3 +48,17 @@ def test_bench_strategies_arms_are_named_like_arm_key():
         main(["bench", "strategies", "--drafter", "unused", "--arms", "chain2", "chain4"])
     with pytest.raises(ValueError, match=r"arm 'chain' is not 'off', 'chain<depth>'"):
         main(["bench", "strategies", "--drafter", "unused", "--arms", "off", "chain"])
+
+
+def test_standardized_cost_reweights_to_the_reference_mix():
+    run = {1: (0.5, 10), 8: (0.2, 40)}  # 50 ms per token alone, 5 ms per token among 8
+    assert standardized_ms_per_token(run, {1: 10, 8: 40}) == pytest.approx(1e3 * 0.7 / 50)  # its own mix: raw
+    assert standardized_ms_per_token(run, {1: 1, 8: 1}) == pytest.approx(27.5)
+    # Batch sizes the run never decoded at take the nearest one's cost (ties: the smaller batch).
+    assert standardized_ms_per_token(run, {2: 1}) == pytest.approx(50.0)
+    assert standardized_ms_per_token(run, {6: 1, 30: 1}) == pytest.approx(5.0)
+    assert standardized_ms_per_token({2: (1.0, 10), 4: (1.0, 20)}, {3: 1}) == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="decoded no tokens"):
+        standardized_ms_per_token({1: (0.1, 0)}, {1: 1})
+    with pytest.raises(ValueError, match="reference decoded no tokens"):
+        standardized_ms_per_token(run, {})

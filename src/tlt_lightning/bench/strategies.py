@@ -5,9 +5,16 @@ fixed arm is applied at every step below ``--threshold`` active requests (above 
 decodes plainly), and the bandit chooses among the same arms. The bandit keeps its state across
 rollouts, as it does across RL steps: it first learns on ``--warm-rollouts`` rollouts of other
 prompts of the task, then the measured rollout runs (cold numbers are reported too). "SD off" runs
-first and last, so a drift of the machine's speed during the benchmark shows in the JSON. Runs are
-ranked by CPU time per token (one torch thread): on a shared machine the wall clock of runs made
-minutes apart is not comparable, the work done is. Wall-clock figures are reported alongside.
+first and last, so a drift of the machine's speed during the benchmark shows in the JSON (the
+per-step times are wall clock: run it on an otherwise idle machine, one torch thread).
+
+At T=1 every run samples its own responses, and the mix of batch sizes they are decoded at varies
+from run to run (one run's longest response may decode alone for 300 steps, another's for 30): a
+token decoded alone costs ~8x one decoded among 32, so CPU time per token moves by 10% between
+runs that decode equally well. Runs are therefore ranked by their *standardised* cost
+(:func:`standardized_ms_per_token`): each run's decode time per token at each batch size, weighted
+by how many tokens the "SD off" runs decoded at that batch size, so every run is scored on the
+same workload mix. Raw CPU time per token is reported next to it.
 
 Goal (issue): the bandit within 5% of the best fixed arm in hindsight, better than the others.
 """
@@ -55,6 +62,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 
 
+def standardized_ms_per_token(by_batch: dict[int, tuple[float, int]], weights: dict[int, int]) -> float:
+    """Decode milliseconds per token of a run, re-weighted to a reference mix of batch sizes.
+
+    Args:
+        by_batch: the run's ``{batch_size: (decode seconds, tokens)}``.
+        weights: ``{batch_size: tokens}`` of the reference run(s).
+
+    Returns:
+        ``sum_b w_b * cost_b / sum_b w_b`` with ``cost_b`` the run's ms per token at batch size
+        ``b``; a batch size the run never decoded at takes the cost at the nearest one it did.
+
+    Example:
+        >>> standardized_ms_per_token({1: (0.5, 10), 8: (0.2, 40)}, {1: 100, 8: 100, 9: 200})
+        16.25
+    """
+    cost = {b: 1e3 * sec / tok for b, (sec, tok) in by_batch.items() if tok > 0}
+    if not cost:
+        raise ValueError("the run decoded no tokens")
+    total = sum(weights.values())
+    if total <= 0:
+        raise ValueError("the reference decoded no tokens")
+    nearest = lambda b: cost[b] if b in cost else cost[min(cost, key=lambda c: (abs(c - b), c))]  # noqa: E731
+    return sum(w * nearest(b) for b, w in weights.items()) / total
+
+
 def _measure(loop: SpeculativeRolloutLoop, groups: list[list[list[int]]], seed: int) -> dict[str, Any]:
     """One rollout per prompt group (group ``g`` seeded ``seed + 1000 g``); totals over the groups.
 
@@ -62,10 +94,15 @@ def _measure(loop: SpeculativeRolloutLoop, groups: list[list[list[int]]], seed: 
     runs; CPU time over all groups per token over all groups averages that out.
     """
     parts = []
+    by_batch: dict[int, list[float]] = {}  # batch size -> [decode seconds, tokens], all groups
     for g, prompts in enumerate(groups):
         gen = torch.Generator().manual_seed(seed + 1000 * g)
         result, wall, cpu = timed(functools.partial(loop.generate, prompts, generator=gen))
         stats = result.stats
+        for b, sec, tok in zip(stats.step_batch_sizes, stats.step_times, stats.step_tokens):
+            acc = by_batch.setdefault(b, [0.0, 0])
+            acc[0] += sec
+            acc[1] += tok
         parts.append({
             "seconds": wall, "cpu_seconds": cpu, "tokens": stats.generated_tokens, "steps": stats.num_steps,
             "sd_steps": sum(stats.step_speculative), "mean_accept_length": stats.mean_accept_length,
@@ -75,6 +112,7 @@ def _measure(loop: SpeculativeRolloutLoop, groups: list[list[list[int]]], seed: 
     return total | {
         "mean_accept_length": sum(accepts) / len(accepts) if accepts else 0.0,
         "cpu_ms_per_token": 1e3 * total["cpu_seconds"] / max(1, total["tokens"]),
+        "by_batch_size": {b: by_batch[b] for b in sorted(by_batch)},
         "groups": parts,
     }
 
@@ -95,12 +133,12 @@ def plot(payload: dict[str, Any], bandit: BEGMABStrategy, path: Path) -> Path:
     a = fig.add_subplot(grid[0])
     colors = ["tab:red" if n.startswith("BEG-MAB") else "tab:gray" if n.startswith("off") else "tab:blue"
               for n in names]
-    a.barh(names, [runs[n]["cpu_ms_per_token"] for n in names], color=colors)
+    a.barh(names, [runs[n]["std_ms_per_token"] for n in names], color=colors)
     for i, n in enumerate(names):
-        a.text(runs[n]["cpu_ms_per_token"], i, f" {runs[n]['speedup_vs_off']:.2f}x ({runs[n]['seconds']:.0f} s wall)",
+        a.text(runs[n]["std_ms_per_token"], i, f" {runs[n]['speedup_vs_off']:.2f}x (raw {runs[n]['cpu_ms_per_token']:.2f})",
                va="center", fontsize=8)
     a.invert_yaxis()
-    a.set(xlabel="CPU ms per generated token (lower is better)",
+    a.set(xlabel="decode ms per token on the off runs' batch-size mix (lower is better)",
           title=f"{payload['groups']} x {payload['requests']} requests, SD below {payload['threshold']} active")
     draw_heatmaps([fig.add_subplot(grid[1 + i]) for i in range(len(rows))], edges, rows)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,10 +188,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runs["BEG-MAB (cold)"] = cold
             print(f"  BEG-MAB {runs['BEG-MAB']['seconds']:.1f} s (cold {cold['seconds']:.1f} s)", flush=True)
 
-    off = median([runs["off"]["cpu_ms_per_token"], runs["off (again)"]["cpu_ms_per_token"]])
+    mix = {b: tok for b, (_, tok) in runs["off"]["by_batch_size"].items()}  # both off runs decode the same
     for r in runs.values():
-        r["speedup_vs_off"] = off / r["cpu_ms_per_token"]  # CPU time per token, see the module docstring
-    fixed = {arm_key(a): runs[arm_key(a)]["cpu_ms_per_token"] for a in arms if a is not None} | {"off": off}
+        r["std_ms_per_token"] = standardized_ms_per_token(r["by_batch_size"], mix)
+    off = median([runs["off"]["std_ms_per_token"], runs["off (again)"]["std_ms_per_token"]])
+    for r in runs.values():
+        r["speedup_vs_off"] = off / r["std_ms_per_token"]
+    fixed = {arm_key(a): runs[arm_key(a)]["std_ms_per_token"] for a in arms if a is not None} | {"off": off}
     best, worst = min(fixed, key=fixed.get), max(fixed, key=fixed.get)
     payload = {
         "benchmark": "strategies-long-tail",
@@ -162,8 +203,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "requests": n, "groups": g, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "threshold": args.threshold, "warm_rollouts": args.warm_rollouts, "machine": machine_info(),
         "best_fixed": best, "worst_fixed": worst,
-        "bandit_vs_best_fixed": fixed[best] / runs["BEG-MAB"]["cpu_ms_per_token"],
-        "bandit_vs_worst_fixed": fixed[worst] / runs["BEG-MAB"]["cpu_ms_per_token"],
+        "bandit_vs_best_fixed": fixed[best] / runs["BEG-MAB"]["std_ms_per_token"],
+        "bandit_vs_worst_fixed": fixed[worst] / runs["BEG-MAB"]["std_ms_per_token"],
+        "cold_bandit_vs_best_fixed": fixed[best] / runs["BEG-MAB (cold)"]["std_ms_per_token"],
         "bandit_best_arms": {k: arm_key(v) for k, v in bandit.best_arms().items()},
         "bandit_counts": bandit.counts,
         "bandit_values": bandit.values(),  # median tokens/s per bucket and arm: why it chose what it chose
@@ -172,6 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     json_path = write_json(args.json, payload)
     payload["plot"] = str(plot(payload, bandit, Path(args.plot) if args.plot else json_path.with_suffix(".png")))
     write_json(json_path, payload)
-    print(f"[bench strategies] best fixed {best}, BEG-MAB at {payload['bandit_vs_best_fixed']:.3f}x of it (CPU/token) "
+    print(f"[bench strategies] best fixed {best}, BEG-MAB at {payload['bandit_vs_best_fixed']:.3f}x of it "
+          f"(standardised ms/token) "
           f"({payload['bandit_vs_worst_fixed']:.2f}x the worst); wrote {json_path}", flush=True)
     return payload
