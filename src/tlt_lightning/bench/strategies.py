@@ -83,15 +83,18 @@ def standardized_ms_per_token(by_batch: dict[int, tuple[float, int]], weights: d
     total = sum(weights.values())
     if total <= 0:
         raise ValueError("the reference decoded no tokens")
-    nearest = lambda b: cost[b] if b in cost else cost[min(cost, key=lambda c: (abs(c - b), c))]  # noqa: E731
-    return sum(w * nearest(b) for b, w in weights.items()) / total
+
+    def at(b: int) -> float:
+        return cost[b] if b in cost else cost[min(cost, key=lambda c: (abs(c - b), c))]
+
+    return sum(w * at(b) for b, w in weights.items()) / total
 
 
 def _measure(loop: SpeculativeRolloutLoop, groups: list[list[list[int]]], seed: int) -> dict[str, Any]:
     """One rollout per prompt group (group ``g`` seeded ``seed + 1000 g``); totals over the groups.
 
-    At T=1 every run samples its own responses, so one group's total length varies a lot between
-    runs; CPU time over all groups per token over all groups averages that out.
+    Also the decode seconds and tokens per batch size over all groups (``by_batch_size``), for
+    :func:`standardized_ms_per_token`.
     """
     parts = []
     by_batch: dict[int, list[float]] = {}  # batch size -> [decode seconds, tokens], all groups
