@@ -62,6 +62,9 @@ def test_eos_and_max_length_stop_each_request_independently(tiny_llama):
     finish = {r.finish_time for r in result.rollouts if r.finish_reason == "eos"}
     assert len(finish) > 1 and all(r.first_token_time <= r.finish_time for r in result.rollouts)
     assert result.stats.generated_tokens == int(result.lengths.sum())
+    stats = result.stats
+    assert len(stats.step_cpu_times) == len(stats.step_times) == stats.num_steps
+    assert all(0 < cpu <= wall + 1e-3 for cpu, wall in zip(stats.step_cpu_times, stats.step_times))
 
 
 def test_sampling_is_reproducible_and_logprobs_match_a_direct_forward(tiny_target):

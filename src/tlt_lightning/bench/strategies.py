@@ -5,8 +5,9 @@ fixed arm is applied at every step below ``--threshold`` active requests (above 
 decodes plainly), and the bandit chooses among the same arms. The bandit keeps its state across
 rollouts, as it does across RL steps: it first learns on ``--warm-rollouts`` rollouts of other
 prompts of the task, then the measured rollout runs (cold numbers are reported too). "SD off" runs
-first and last, so a drift of the machine's speed during the benchmark shows in the JSON (the
-per-step times are wall clock: run it on an otherwise idle machine, one torch thread).
+first and last, so a drift of the machine's speed during the benchmark shows in the JSON. Times are
+CPU times (one torch thread): on a shared machine the wall clock of runs made minutes apart is not
+comparable, the work done is. Wall-clock figures are reported alongside.
 
 At T=1 every run samples its own responses, and the mix of batch sizes they are decoded at varies
 from run to run (one run's longest responses may decode among few others for 300 steps, another's
@@ -66,7 +67,7 @@ def standardized_ms_per_token(by_batch: dict[int, tuple[float, int]], weights: d
     """Decode milliseconds per token of a run, re-weighted to a reference mix of batch sizes.
 
     Args:
-        by_batch: the run's ``{batch_size: (decode seconds, tokens)}``.
+        by_batch: the run's ``{batch_size: (decode seconds, tokens)}`` (CPU or wall seconds).
         weights: ``{batch_size: tokens}`` of the reference run(s).
 
     Returns:
@@ -93,16 +94,16 @@ def standardized_ms_per_token(by_batch: dict[int, tuple[float, int]], weights: d
 def _measure(loop: SpeculativeRolloutLoop, groups: list[list[list[int]]], seed: int) -> dict[str, Any]:
     """One rollout per prompt group (group ``g`` seeded ``seed + 1000 g``); totals over the groups.
 
-    Also the decode seconds and tokens per batch size over all groups (``by_batch_size``), for
+    Also the decode CPU seconds and tokens per batch size over all groups (``by_batch_size``), for
     :func:`standardized_ms_per_token`.
     """
     parts = []
-    by_batch: dict[int, list[float]] = {}  # batch size -> [decode seconds, tokens], all groups
+    by_batch: dict[int, list[float]] = {}  # batch size -> [decode CPU seconds, tokens], all groups
     for g, prompts in enumerate(groups):
         gen = torch.Generator().manual_seed(seed + 1000 * g)
         result, wall, cpu = timed(functools.partial(loop.generate, prompts, generator=gen))
         stats = result.stats
-        for b, sec, tok in zip(stats.step_batch_sizes, stats.step_times, stats.step_tokens):
+        for b, sec, tok in zip(stats.step_batch_sizes, stats.step_cpu_times, stats.step_tokens):
             acc = by_batch.setdefault(b, [0.0, 0])
             acc[0] += sec
             acc[1] += tok

@@ -248,10 +248,11 @@ class RolloutEngine:
                 bar.update(len(done))
             if batch.n == 0:
                 break
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             n = batch.n
             emission = step(batch, generator)
             stats.step_times.append(time.perf_counter() - t0)
+            stats.step_cpu_times.append(time.thread_time() - cpu0)
             stats.step_batch_sizes.append(n)
             stats.step_speculative.append(emission.strategy is not None)
             stats.step_strategies.append(emission.strategy)

@@ -83,6 +83,8 @@ class RolloutStats:
     Attributes:
         step_batch_sizes: active requests at each decode step.
         step_times: seconds each decode step took.
+        step_cpu_times: CPU seconds of the calling thread in each decode step (with one torch
+            thread, all of the step's work; unlike ``step_times``, not inflated by a busy machine).
         step_tokens: tokens emitted by each step (all requests together).
         step_speculative: whether each step used speculative decoding.
         step_strategies: the strategy of each step (``None`` = plain decoding).
@@ -94,6 +96,7 @@ class RolloutStats:
 
     step_batch_sizes: list[int] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    step_cpu_times: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
     step_speculative: list[bool] = field(default_factory=list)
     step_strategies: list[object] = field(default_factory=list)
