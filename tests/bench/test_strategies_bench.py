@@ -14,7 +14,7 @@ def test_bench_strategies_runs_every_arm_and_the_bandit(tmp_path):
     save_drafter(Drafter(DrafterConfig.from_target(target, draft_vocab_size=512), target), tmp_path / "drafter")
     path = tmp_path / "strategies.json"
     main(["--threads", "1", "bench", "strategies", "--drafter", str(tmp_path / "drafter"), "--requests", "3", "--groups", "2",
-          "--max-new-tokens", "6", "--threshold", "4", "--warm-rollouts", "1", "--json", str(path)])
+          "--max-new-tokens", "6", "--threshold", "4", "--warm-rollouts", "1", "--per-request", "--json", str(path)])
     data = json.loads(path.read_text())
     runs = data["runs"]
     assert set(runs) == {"off", "off (again)", "chain2", "chain4", "chain6", "tree4x2/8", "tree5x4/16",
@@ -30,7 +30,7 @@ def test_bench_strategies_runs_every_arm_and_the_bandit(tmp_path):
     off_mix = {b: tok for b, (_, tok) in runs["off"]["by_batch_size"].items()}
     assert off_mix == {b: tok for b, (_, tok) in runs["off (again)"]["by_batch_size"].items()}
     assert sum(off_mix.values()) == 36 - 6  # the prefill samples each request's first token
-    assert data["best_fixed"] in runs and data["bandit_vs_best_fixed"] > 0
+    assert data["best_fixed"] in runs and data["bandit_vs_best_fixed"] > 0 and data["per_request"] is True
     assert sum(sum(c.values()) for c in data["bandit_counts"].values()) > 0
     tried = {(b, a) for b, c in data["bandit_counts"].items() for a, n in c.items() if n}
     rated = {(b, a) for b, v in data["bandit_values"].items() for a, x in v.items() if x is not None}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 
@@ -356,3 +357,37 @@ def test_parse_arm_inverts_arm_key():
     for bad in ("", "chain", "tree4x2", "chain0", "on"):
         with pytest.raises(ValueError):
             parse_arm(bad)
+
+
+def _shrinking_rollouts(bandit: BEGMABStrategy, rollouts: int = 8, seed: int = 0) -> dict[str, int]:
+    """The 5-20 bucket as a rollout sees it: the batch only shrinks, steps cost the same at every
+    batch size (memory-bound), and chain2 emits 10% more tokens than plain decoding per step."""
+    rng = random.Random(seed)
+    picks = {"off": 0, "chain2": 0}
+    for _ in range(rollouts):
+        for batch_size in range(20, 4, -1):
+            for _ in range(rng.randint(5, 40)):
+                arm = bandit.select(batch_size)
+                tokens, seconds = (1.1 if arm == CHAIN2 else 1.0), 0.1 * rng.lognormvariate(0, 0.1)
+                bandit.update(batch_size, arm, tokens, seconds)
+                picks[arm_key(arm)] += 1
+    return picks
+
+
+def test_per_request_rewards_are_not_fooled_by_a_shrinking_batch():
+    """The issue's reward (tokens/s of the whole batch) falls as the batch shrinks, whatever the
+    arm: with it the bandit often runs the worse arm here; per request it runs the better one."""
+    kwargs = dict(arms=[None, CHAIN2], epsilon=0.1, epsilon_half_life=300)
+    plain = [_shrinking_rollouts(BEGMABStrategy(**kwargs, seed=s), seed=s) for s in range(6)]
+    per_request = [
+        _shrinking_rollouts(BEGMABStrategy(**kwargs, seed=s, per_request=True), seed=s) for s in range(6)
+    ]
+    assert sum(p["off"] for p in plain) > 0.4 * sum(sum(p.values()) for p in plain), plain
+    assert all(p["chain2"] >= 0.9 * sum(p.values()) for p in per_request), per_request
+    kwargs["seed"] = 0
+    bandit = BEGMABStrategy(**kwargs, per_request=True)
+    bandit.update(8, CHAIN2, 1.1, 0.1)
+    assert bandit.history[-1].reward == pytest.approx(88.0)  # the logged reward is the issue's
+    assert bandit.values()["5-20"]["chain2"] == pytest.approx(11.0)  # the statistic is per request
+    with pytest.raises(ValueError, match="per_request=True does not match the configured per_request=False"):
+        BEGMABStrategy(**kwargs).load_state_dict(bandit.state_dict())

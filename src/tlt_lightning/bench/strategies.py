@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epsilon", type=float, default=0.1, help="BEG-MAB exploration probability")
     p.add_argument("--epsilon-half-life", type=int, default=None,
                    help="decay each bucket's epsilon with this half-life in decisions (default: constant)")
+    p.add_argument("--per-request", action="store_true",
+                   help="BEG-MAB compares arms on tokens/s per request (see BucketedChooser's per_request)")
     p.add_argument("--arms", nargs="+", default=None, metavar="ARM",
                    help="candidate arms of every bucket and the fixed runs, e.g. off chain2 chain4 chain6 chain8 "
                         "(default: default_arms(): off, chains of 2/4/6, trees 4x2/8 and 5x4/16)")
@@ -183,7 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"accept {runs[name]['mean_accept_length']:.2f}", flush=True)
         if name == "off":  # the bandit goes in the middle of the fixed arms' runs
             bandit = BEGMABStrategy(arms, epsilon=args.epsilon, seed=args.seed,
-                                    epsilon_half_life=args.epsilon_half_life)
+                                    epsilon_half_life=args.epsilon_half_life, per_request=args.per_request)
             cold = _measure(loop(bandit), measured, args.seed)
             for i in range(args.warm_rollouts):
                 print(f"[bench strategies] BEG-MAB warm-up rollout {i + 1}/{args.warm_rollouts} ...", flush=True)
@@ -205,7 +207,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "task": args.task, "drafter": str(args.drafter),
         "requests": n, "groups": g, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "threshold": args.threshold, "warm_rollouts": args.warm_rollouts, "machine": machine_info(),
+        "threshold": args.threshold, "warm_rollouts": args.warm_rollouts, "per_request": args.per_request,
+        "machine": machine_info(),
         "best_fixed": best, "worst_fixed": worst,
         "bandit_vs_best_fixed": fixed[best] / runs["BEG-MAB"]["std_ms_per_token"],
         "bandit_vs_worst_fixed": fixed[worst] / runs["BEG-MAB"]["std_ms_per_token"],

@@ -131,6 +131,12 @@ class BucketedChooser:
         bucket_thresholds: strictly increasing ints starting at 1; bucket ``i`` holds batch sizes
             from ``bucket_thresholds[i]`` up to the next threshold, the last one is open-ended.
         max_history: how many decisions ``history`` keeps (oldest dropped first).
+        per_request: learn from the reward divided by the batch size (tokens per second per
+            request) instead of the reward. Within a bucket the reward grows with the batch size
+            (a memory-bound step costs about the same at batch 6 and 16), and a rollout's batch
+            only shrinks, so each arm's statistics depend on *when* it ran: an arm exploited
+            while the batch shrinks looks worse than a rival last tried at the top of the bucket.
+            Per request, arms compare at matched cost. The logged reward is unchanged.
     """
 
     def __init__(
@@ -139,6 +145,7 @@ class BucketedChooser:
         bucket_thresholds: Sequence[int] = DEFAULT_BUCKET_THRESHOLDS,
         *,
         max_history: int = 20_000,
+        per_request: bool = False,
     ) -> None:
         self.bucket_thresholds = self._check_thresholds(bucket_thresholds)
         self.bucket_labels: tuple[str, ...] = tuple(
@@ -153,6 +160,7 @@ class BucketedChooser:
         self._history: deque[Decision] = deque(maxlen=max_history)
         self._num_updates = 0
         self._pending: dict[int, tuple[int, str]] = {}  # bucket -> (arm index, mode) of the last select
+        self.per_request = bool(per_request)
 
     # ----------------------------------------------------------------------------- validation
     @staticmethod
@@ -241,7 +249,7 @@ class BucketedChooser:
         pending = self._pending.pop(b, None)
         mode = pending[1] if pending is not None and pending[0] == i else "unpaired"
         self._counts[b][i] += 1
-        self._observe(b, i, reward)
+        self._observe(b, i, reward / batch_size if self.per_request else reward)
         self._history.append(Decision(self._num_updates, self.bucket_labels[b], arm, reward, mode))
         self._num_updates += 1
 
@@ -266,7 +274,8 @@ class BucketedChooser:
         }
 
     def values(self) -> dict[str, dict[str, float | None]]:
-        """How each bucket currently rates each arm (tokens per second; ``None``: not tried yet):
+        """How each bucket currently rates each arm (tokens per second, per request with
+        ``per_request``; ``None``: not tried yet):
         ``{bucket_label: {arm_key: value}}``, the statistic the exploit decision compares."""
         return {
             label: {arm_key(a): self._value(b, i) for i, a in enumerate(self.arms[b])}
@@ -304,6 +313,7 @@ class BucketedChooser:
         return {
             "bucket_thresholds": list(self.bucket_thresholds),
             "arms": [[_arm_to_dict(a) for a in bucket] for bucket in self.arms],
+            "per_request": self.per_request,
             "counts": self.counts,
             "num_updates": self._num_updates,
             "history": [[d.step, d.bucket, arm_key(d.arm), d.reward, d.mode] for d in self._history],
@@ -314,9 +324,14 @@ class BucketedChooser:
         """Restore :meth:`state_dict`'s output; missing keys keep their current values.
 
         Raises:
-            ValueError: the saved thresholds or arms differ from the configured ones, or a key
-                names an unknown bucket or arm.
+            ValueError: the saved thresholds, arms or ``per_request`` differ from the configured
+                ones, or a key names an unknown bucket or arm.
         """
+        if "per_request" in state_dict and bool(state_dict["per_request"]) != self.per_request:
+            raise ValueError(
+                f"state_dict per_request={state_dict['per_request']} does not match the configured "
+                f"per_request={self.per_request}: its statistics are in other units"
+            )
         if "bucket_thresholds" in state_dict and list(state_dict["bucket_thresholds"]) != list(
             self.bucket_thresholds
         ):
@@ -462,6 +477,7 @@ class BEGMABStrategy(BucketedChooser):
             (used only with ``epsilon_half_life``).
         seed: seed of the bandit's own RNG.
         max_history: decisions kept in ``history``.
+        per_request: compare arms on tokens per second per request (see :class:`BucketedChooser`).
 
     Example:
         >>> bandit = BEGMABStrategy(seed=0)
@@ -482,8 +498,9 @@ class BEGMABStrategy(BucketedChooser):
         epsilon_half_life: int | None = None,
         epsilon_floor: float = 0.01,
         max_history: int = 20_000,
+        per_request: bool = False,
     ) -> None:
-        super().__init__(arms, bucket_thresholds, max_history=max_history)
+        super().__init__(arms, bucket_thresholds, max_history=max_history, per_request=per_request)
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0.0 <= epsilon <= 1.0:
             raise ValueError(f"epsilon must be a number in [0, 1], got {epsilon!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
