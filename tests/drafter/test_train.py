@@ -187,7 +187,8 @@ def test_lr_warmup_scales_the_first_steps(llama):
         torch.manual_seed(0)
         d = make_drafter(llama)
         before = [p.detach().clone() for p in d.parameters() if p.requires_grad]
-        warmup_drafter(d, llama, rollouts, steps=1, lr=1e-3, progress=False, lr_warmup=lr_warmup, max_grad_norm=None)
+        warmup_drafter(d, llama, rollouts, steps=1, lr=1e-3, progress=False, lr_warmup=lr_warmup,
+                       max_grad_norm=None)
         after = [p for p in d.parameters() if p.requires_grad]
         return max(float((a - b).abs().max()) for a, b in zip(after, before))
 

@@ -45,7 +45,8 @@ class OracleDrafter:
 
     def new_cache(self, max_batch, max_len):
         i = self.target.info
-        return _ShiftedCache(i.num_layers, max_batch, i.num_kv_heads, max_len + 1, i.head_dim, self.target.dtype)
+        return _ShiftedCache(i.num_layers, max_batch, i.num_kv_heads, max_len + 1, i.head_dim,
+                             self.target.dtype)
 
     def lift(self, features):
         return features[..., 0, :]

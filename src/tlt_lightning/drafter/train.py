@@ -380,7 +380,8 @@ def warmup_drafter(
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
     def rate(t: int) -> float:  # linear warm-up, then cosine decay to 10%
-        return min(1.0, (t + 1) / (lr_warmup + 1)) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(t / steps, 1.0))))
+        warm = min(1.0, (t + 1) / (lr_warmup + 1))
+        return warm * (0.1 + 0.45 * (1 + math.cos(math.pi * min(t / steps, 1.0))))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
 

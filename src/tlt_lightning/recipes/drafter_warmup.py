@@ -94,7 +94,9 @@ def load_more_rollouts(paths: list[str], key: dict[str, Any]) -> list[Rollout]:
     rollouts: list[Rollout] = []
     for path in paths:
         if not Path(path).is_file():
-            raise FileNotFoundError(f"--more-rollouts {path}: no such file (make it with `drafter warmup --rollouts-cache`)")
+            raise FileNotFoundError(
+                f"--more-rollouts {path}: no such file (make it with `drafter warmup --rollouts-cache`)"
+            )
         saved = torch.load(path, weights_only=False)
         differ = {k: saved["key"].get(k) for k in _SAMPLING_KEYS if saved["key"].get(k) != key[k]}
         if differ:
@@ -176,7 +178,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"training {args.steps} steps on {sum(r.length for r in train)} tokens ...", flush=True)
     start = time.perf_counter()
     history = warmup_drafter(drafter, target, train, args.steps, lr=args.lr, batch_size=args.batch_size,
-                             loss_cfg=loss_cfg, seed=args.seed, max_len=args.max_len, lr_warmup=args.lr_warmup)
+                             loss_cfg=loss_cfg, seed=args.seed, max_len=args.max_len,
+                             lr_warmup=args.lr_warmup)
     train_s = time.perf_counter() - start
     after = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
     out = Path(args.out)
