@@ -2,12 +2,14 @@
 
 The same prompts, seeds, model and drafter for every run; only the strategy chooser differs. Each
 fixed arm is applied at every step below ``--threshold`` active requests (above it every run
-decodes plainly), and the bandit chooses among the same arms. The bandit keeps its state across
-rollouts, as it does across RL steps: it first learns on ``--warm-rollouts`` rollouts of other
-prompts of the task, then the measured rollout runs (cold numbers are reported too). "SD off" runs
-first and last, so a drift of the machine's speed during the benchmark shows in the JSON. Times are
-CPU times (one torch thread): on a shared machine the wall clock of runs made minutes apart is not
-comparable, the work done is. Wall-clock figures are reported alongside.
+decodes plainly), and each BEG-MAB variant (``--bandits``) chooses among the same arms. The bandits
+keep their state across rollouts, as they do across RL steps: they first learn on
+``--warm-rollouts`` rollouts of other prompts of the task, then the measured groups run. Runs are
+interleaved group by group (every run rolls out group ``k`` before any run starts group ``k + 1``,
+"SD off" first and again last), so a drift of the machine's speed hits every run alike, and the
+two identical "SD off" runs measure the timing noise (``off_runs_ratio``). Times are CPU times (one
+torch thread): on a shared machine the wall clock counts waiting for a core, the CPU time the work
+done. Wall-clock figures are reported alongside.
 
 At T=1 every run samples its own responses, and the mix of batch sizes they are decoded at varies
 from run to run (one run's longest responses may decode among few others for 300 steps, another's
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from tlt_lightning.bench.common import machine_info, median, task_prompts, timed, write_json
 from tlt_lightning.drafter import load_drafter
@@ -50,15 +53,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt groups of --requests each: every run rolls out all of them (totals reported)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--threshold", type=int, default=32, help="strategies apply below this many active requests")
-    p.add_argument("--warm-rollouts", type=int, default=1, help="bandit rollouts on other prompts before the measured one")
+    p.add_argument("--threshold", type=int, default=32,
+                   help="strategies apply below this many active requests")
+    p.add_argument("--warm-rollouts", type=int, default=1,
+                   help="bandit rollouts on other prompts before the measured ones")
     p.add_argument("--epsilon", type=float, default=0.1, help="BEG-MAB exploration probability")
     p.add_argument("--epsilon-half-life", type=int, default=None,
                    help="decay each bucket's epsilon with this half-life in decisions (default: constant)")
-    p.add_argument("--per-request", action="store_true",
-                   help="BEG-MAB compares arms on tokens/s per request (see BucketedChooser's per_request)")
+    p.add_argument("--bandits", nargs="+", default=["batch/1,2,5,21"], metavar="SPEC",
+                   help="BEG-MAB variants to run, as REWARD/THRESHOLDS: REWARD 'batch' (tokens/s of the "
+                        "step, the issue's) or 'request' (tokens/s per request, BEGMABStrategy(per_request="
+                        "True)), THRESHOLDS the bucket_thresholds, e.g. batch/1,2,5,21 request/1,2,3,5,8,12")
     p.add_argument("--arms", nargs="+", default=None, metavar="ARM",
-                   help="candidate arms of every bucket and the fixed runs, e.g. off chain2 chain4 chain6 chain8 "
+                   help="candidate arms of every bucket and the fixed runs, e.g. off chain2 chain4 chain6 "
                         "(default: default_arms(): off, chains of 2/4/6, trees 4x2/8 and 5x4/16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="runs/bench/strategies.json")
@@ -93,32 +100,49 @@ def standardized_ms_per_token(by_batch: dict[int, tuple[float, int]], weights: d
     return sum(w * at(b) for b, w in weights.items()) / total
 
 
-def _measure(loop: SpeculativeRolloutLoop, groups: list[list[list[int]]], seed: int) -> dict[str, Any]:
-    """One rollout per prompt group (group ``g`` seeded ``seed + 1000 g``); totals over the groups.
+def parse_bandit_spec(spec: str) -> tuple[bool, tuple[int, ...]]:
+    """``"REWARD/THRESHOLDS"`` -> ``(per_request, bucket_thresholds)`` of a BEG-MAB variant.
 
-    Also the decode CPU seconds and tokens per batch size over all groups (``by_batch_size``), for
-    :func:`standardized_ms_per_token`.
+    Example:
+        >>> parse_bandit_spec("request/1,2,3,5,8")
+        (True, (1, 2, 3, 5, 8))
     """
-    parts = []
-    by_batch: dict[int, list[float]] = {}  # batch size -> [decode CPU seconds, tokens], all groups
-    for g, prompts in enumerate(groups):
-        gen = torch.Generator().manual_seed(seed + 1000 * g)
-        result, wall, cpu = timed(functools.partial(loop.generate, prompts, generator=gen))
-        stats = result.stats
-        for b, sec, tok in zip(stats.step_batch_sizes, stats.step_cpu_times, stats.step_tokens):
-            acc = by_batch.setdefault(b, [0.0, 0])
-            acc[0] += sec
-            acc[1] += tok
-        parts.append({
-            "seconds": wall, "cpu_seconds": cpu, "tokens": stats.generated_tokens, "steps": stats.num_steps,
-            "sd_steps": sum(stats.step_speculative), "mean_accept_length": stats.mean_accept_length,
-        })
+    reward, _, thresholds = spec.partition("/")
+    try:
+        values = tuple(int(t) for t in thresholds.split(","))
+    except ValueError:
+        values = ()
+    if reward not in ("batch", "request") or not values:
+        raise ValueError(
+            f"--bandits {spec!r} is not REWARD/THRESHOLDS with REWARD 'batch' or 'request' and "
+            "comma-separated ints, e.g. batch/1,2,5,21"
+        )
+    return reward == "request", values
+
+
+def _add_rollout(acc: dict[str, Any], result, wall: float, cpu: float) -> None:
+    """Add one rollout's totals and per-batch-size decode CPU time to a run's accumulator."""
+    stats = result.stats
+    for b, sec, tok in zip(stats.step_batch_sizes, stats.step_cpu_times, stats.step_tokens):
+        cell = acc["by_batch_size"].setdefault(b, [0.0, 0])
+        cell[0] += sec
+        cell[1] += tok
+    acc["groups"].append({
+        "seconds": wall, "cpu_seconds": cpu, "tokens": stats.generated_tokens,
+        "steps": stats.num_steps, "sd_steps": sum(stats.step_speculative),
+        "mean_accept_length": stats.mean_accept_length,
+    })
+
+
+def _summarize(acc: dict[str, Any]) -> dict[str, Any]:
+    """Totals over a run's groups, its mean accept length and raw CPU ms per token."""
+    parts = acc["groups"]
     total = {k: sum(p[k] for p in parts) for k in ("seconds", "cpu_seconds", "tokens", "steps", "sd_steps")}
     accepts = [p["mean_accept_length"] for p in parts if p["sd_steps"]]
     return total | {
         "mean_accept_length": sum(accepts) / len(accepts) if accepts else 0.0,
         "cpu_ms_per_token": 1e3 * total["cpu_seconds"] / max(1, total["tokens"]),
-        "by_batch_size": {b: by_batch[b] for b in sorted(by_batch)},
+        "by_batch_size": {b: acc["by_batch_size"][b] for b in sorted(acc["by_batch_size"])},
         "groups": parts,
     }
 
@@ -145,7 +169,8 @@ def plot(payload: dict[str, Any], bandit: BEGMABStrategy, path: Path) -> Path:
         a.text(runs[n]["std_ms_per_token"], i, label, va="center", fontsize=8)
     a.invert_yaxis()
     a.set(xlabel="decode ms per token on the off runs' batch-size mix (lower is better)",
-          title=f"{payload['groups']} x {payload['requests']} requests, SD below {payload['threshold']} active")
+          title=f"{payload['groups']} x {payload['requests']} requests, SD below {payload['threshold']} "
+                "active")
     draw_heatmaps([fig.add_subplot(grid[1 + i]) for i in range(len(rows))], edges, rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)  # not save_figure: its tight_layout would undo the constrained layout
@@ -161,7 +186,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--warm-rollouts must be >= 0, got {args.warm_rollouts}")
     arms = default_arms() if args.arms is None else tuple(dict.fromkeys(parse_arm(a) for a in args.arms))
     if None not in arms:
-        raise ValueError(f"--arms must include 'off' (the baseline every arm is compared with), got {args.arms}")
+        raise ValueError(f"--arms must include 'off' (the baseline every arm is compared with), "
+                         f"got {args.arms}")
+    bandits = {
+        f"BEG-MAB {spec}": BEGMABStrategy(arms, thresholds, epsilon=args.epsilon, seed=args.seed,
+                                          epsilon_half_life=args.epsilon_half_life, per_request=per_request)
+        for spec in dict.fromkeys(args.bandits)
+        for per_request, thresholds in [parse_bandit_spec(spec)]
+    }
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
@@ -173,26 +205,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     measured, warm = [prompts[i * n : (i + 1) * n] for i in range(g)], prompts[g * n :]
     cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
 
-    def loop(chooser) -> SpeculativeRolloutLoop:
-        return SpeculativeRolloutLoop(target, drafter, cfg, chooser, threshold=args.threshold)
+    def rollout(chooser, prompts: list[list[int]], seed: int):
+        loop = SpeculativeRolloutLoop(target, drafter, cfg, chooser, threshold=args.threshold)
+        return timed(functools.partial(loop.generate, prompts, generator=torch.Generator().manual_seed(seed)))
 
-    runs: dict[str, dict[str, Any]] = {}
-    order = [("off", None), *((arm_key(a), a) for a in arms if a is not None), ("off (again)", None)]
-    for name, arm in order:
-        print(f"[bench strategies] {name} ...", flush=True)
-        runs[name] = _measure(loop(FixedStrategy(arm)), measured, args.seed)
-        print(f"  {runs[name]['seconds']:.1f} s, {runs[name]['cpu_ms_per_token']:.2f} CPU ms/token, "
-              f"accept {runs[name]['mean_accept_length']:.2f}", flush=True)
-        if name == "off":  # the bandit goes in the middle of the fixed arms' runs
-            bandit = BEGMABStrategy(arms, epsilon=args.epsilon, seed=args.seed,
-                                    epsilon_half_life=args.epsilon_half_life, per_request=args.per_request)
-            cold = _measure(loop(bandit), measured, args.seed)
-            for i in range(args.warm_rollouts):
-                print(f"[bench strategies] BEG-MAB warm-up rollout {i + 1}/{args.warm_rollouts} ...", flush=True)
-                loop(bandit).generate(warm[i * n : (i + 1) * n], generator=torch.Generator().manual_seed(args.seed + 1 + i))
-            runs["BEG-MAB"] = _measure(loop(bandit), measured, args.seed)
-            runs["BEG-MAB (cold)"] = cold
-            print(f"  BEG-MAB {runs['BEG-MAB']['seconds']:.1f} s (cold {cold['seconds']:.1f} s)", flush=True)
+    for name, bandit in bandits.items():  # the bandits keep learning across rollouts, as across RL steps
+        for i in range(args.warm_rollouts):
+            print(f"[bench strategies] {name}: warm-up rollout {i + 1}/{args.warm_rollouts} ...", flush=True)
+            rollout(bandit, warm[i * n : (i + 1) * n], args.seed + 1 + i)
+    choosers = {arm_key(a): FixedStrategy(a) for a in arms if a is not None} | bandits
+    acc = {name: {"by_batch_size": {}, "groups": []} for name in ("off", *choosers, "off (again)")}
+    for k, group in enumerate(tqdm(measured, desc="bench strategies: prompt groups", unit="group")):
+        # Every run rolls out this group before the next one starts, so a drift of the machine's
+        # speed hits all runs alike; "SD off" brackets the group, the others alternate their order.
+        middle = list(choosers) if k % 2 == 0 else list(reversed(choosers))
+        for name in ("off", *middle, "off (again)"):
+            chooser = FixedStrategy(None) if name.startswith("off") else choosers[name]
+            _add_rollout(acc[name], *rollout(chooser, group, args.seed + 1000 * k))
+    runs = {name: _summarize(a) for name, a in acc.items()}
+    for name, r in runs.items():
+        print(f"  {name}: {r['seconds']:.1f} s, {r['cpu_ms_per_token']:.2f} CPU ms/token raw, "
+              f"accept {r['mean_accept_length']:.2f}", flush=True)
 
     mix = {b: tok for b, (_, tok) in runs["off"]["by_batch_size"].items()}  # both off runs decode the same
     for r in runs.values():
@@ -207,21 +240,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "task": args.task, "drafter": str(args.drafter),
         "requests": n, "groups": g, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "threshold": args.threshold, "warm_rollouts": args.warm_rollouts, "per_request": args.per_request,
-        "machine": machine_info(),
+        "threshold": args.threshold, "warm_rollouts": args.warm_rollouts, "machine": machine_info(),
         "best_fixed": best, "worst_fixed": worst,
-        "bandit_vs_best_fixed": fixed[best] / runs["BEG-MAB"]["std_ms_per_token"],
-        "bandit_vs_worst_fixed": fixed[worst] / runs["BEG-MAB"]["std_ms_per_token"],
-        "cold_bandit_vs_best_fixed": fixed[best] / runs["BEG-MAB (cold)"]["std_ms_per_token"],
-        "bandit_best_arms": {k: arm_key(v) for k, v in bandit.best_arms().items()},
-        "bandit_counts": bandit.counts,
-        "bandit_values": bandit.values(),  # median tokens/s per bucket and arm: why it chose what it chose
+        # How far apart the two identical "SD off" runs came out: the timing noise of this run.
+        "off_runs_ratio": runs["off (again)"]["std_ms_per_token"] / runs["off"]["std_ms_per_token"],
+        "bandits": {
+            name: {
+                "vs_best_fixed": fixed[best] / runs[name]["std_ms_per_token"],
+                "vs_worst_fixed": fixed[worst] / runs[name]["std_ms_per_token"],
+                "best_arms": {k: arm_key(v) for k, v in bandit.best_arms().items()},
+                "counts": bandit.counts,
+                "values": bandit.values(),  # the statistic each bucket compares: why it chose what it chose
+            }
+            for name, bandit in bandits.items()
+        },
         "runs": runs,
     }
     json_path = write_json(args.json, payload)
-    payload["plot"] = str(plot(payload, bandit, Path(args.plot) if args.plot else json_path.with_suffix(".png")))
+    plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
+    payload["plot"] = str(plot(payload, bandits[next(iter(bandits))], plot_path))  # the first one's heat map
     write_json(json_path, payload)
-    print(f"[bench strategies] best fixed {best}, BEG-MAB at {payload['bandit_vs_best_fixed']:.3f}x of it "
-          f"(standardised ms/token) "
-          f"({payload['bandit_vs_worst_fixed']:.2f}x the worst); wrote {json_path}", flush=True)
+    for name, b in payload["bandits"].items():
+        print(f"[bench strategies] {name}: {b['vs_best_fixed']:.3f}x of the best fixed arm ({best}), "
+              f"{b['vs_worst_fixed']:.2f}x of the worst ({worst}), standardised ms/token", flush=True)
+    print(f"[bench strategies] the two SD-off runs differ by {payload['off_runs_ratio']:.3f}x; "
+          f"wrote {json_path}", flush=True)
     return payload
