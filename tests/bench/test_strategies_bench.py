@@ -36,6 +36,8 @@ def test_bench_strategies_runs_every_arm_and_the_bandit(tmp_path):
     for name in bandit_runs:
         b = data["bandits"][name]
         assert b["vs_best_fixed"] > 0 and sum(sum(c.values()) for c in b["counts"].values()) > 0
+        measured = sum(sum(c.values()) for c in b["measured_counts"].values())
+        assert measured == sum(r["steps"] for r in runs[name]["groups"])  # threshold 4 > 3 requests
         tried = {(k, a) for k, c in b["counts"].items() for a, n in c.items() if n}
         rated = {(k, a) for k, v in b["values"].items() for a, x in v.items() if x is not None}
         assert rated == tried and all(x > 0 for v in b["values"].values() for x in v.values() if x)

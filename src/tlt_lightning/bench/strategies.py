@@ -213,6 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.warm_rollouts):
             print(f"[bench strategies] {name}: warm-up rollout {i + 1}/{args.warm_rollouts} ...", flush=True)
             rollout(bandit, warm[i * n : (i + 1) * n], args.seed + 1 + i)
+    warm_counts = {name: bandit.counts for name, bandit in bandits.items()}
     choosers = {arm_key(a): FixedStrategy(a) for a in arms if a is not None} | bandits
     acc = {name: {"by_batch_size": {}, "groups": []} for name in ("off", *choosers, "off (again)")}
     for k, group in enumerate(tqdm(measured, desc="bench strategies: prompt groups", unit="group")):
@@ -249,7 +250,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "vs_best_fixed": fixed[best] / runs[name]["std_ms_per_token"],
                 "vs_worst_fixed": fixed[worst] / runs[name]["std_ms_per_token"],
                 "best_arms": {k: arm_key(v) for k, v in bandit.best_arms().items()},
-                "counts": bandit.counts,
+                "counts": bandit.counts,  # warm-up included
+                "measured_counts": {
+                    label: {arm: c - warm_counts[name][label][arm] for arm, c in row.items()}
+                    for label, row in bandit.counts.items()
+                },
                 "values": bandit.values(),  # the statistic each bucket compares: why it chose what it chose
             }
             for name, bandit in bandits.items()
