@@ -18,6 +18,7 @@ from tlt_lightning.speculative import SamplingParams, SDStrategy, sampling_probs
 from tests.rollout.test_engine import random_prompts
 
 BOS = 1
+SAMPLED = SDStrategy(3, 2, sampled=True)  # two sampled chains of 3 forking at the root
 
 
 class _ShiftedCache(KVCache):
@@ -89,7 +90,7 @@ def with_eos(target: HFTarget, eos_token_ids: tuple[int, ...] = ()) -> HFTarget:
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("arm", [SDStrategy(1), SDStrategy(4), SDStrategy(3, 3, 6)], ids=str)
+@pytest.mark.parametrize("arm", [SDStrategy(1), SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED], ids=str)
 def test_greedy_equals_plain_with_a_random_drafter(tiny_target, kind, arm):
     """64 requests x 200 tokens: a drafter that is almost always wrong changes nothing."""
     drafter = Drafter(DrafterConfig.from_target(tiny_target, kind=kind, draft_vocab_size=96), tiny_target)
@@ -103,7 +104,7 @@ def test_greedy_equals_plain_with_a_random_drafter(tiny_target, kind, arm):
     assert result.stats.accept_lengths.numel() > 0
 
 
-@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 3, 6)], ids=str)
+@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED], ids=str)
 def test_greedy_equals_plain_with_a_trained_drafter(tiny_llama, arm):
     """64 requests x 200 tokens with a drafter trained on the target's own greedy rollouts: many
     drafts are accepted, and the output is still the plain greedy output token for token."""
@@ -121,9 +122,13 @@ def test_greedy_equals_plain_with_a_trained_drafter(tiny_llama, arm):
     assert result.stats.mean_accept_length > 1.25, "the trained drafter should get drafts accepted"
 
 
-@pytest.mark.parametrize(("arm", "temperature"), [(SDStrategy(2), 1.0), (SDStrategy(5), 1.0), (SDStrategy(3), 0.0)])
+@pytest.mark.parametrize(
+    ("arm", "temperature"),
+    [(SDStrategy(2), 1.0), (SDStrategy(5), 1.0), (SDStrategy(3), 0.0), (SAMPLED, 1.0), (SAMPLED, 0.0)],
+)
 def test_oracle_drafter_accepts_everything(tiny_llama, arm, temperature):
-    """Chain drafts sampled from the target's own distribution are always accepted."""
+    """Chain drafts sampled from the target's own distribution are always accepted (a sampled
+    tree's first chain: the second one never gets a chance)."""
     target = with_eos(tiny_llama)
     prompts = [[BOS, *p] for p in random_prompts(6, seed=12)]
     depth = arm.num_steps
@@ -211,7 +216,7 @@ def exact_joint(target: HFTarget, prompt: list[int], params: SamplingParams, len
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (1.0, 0.9), (0.7, 1.0)])
-@pytest.mark.parametrize("arm", [SDStrategy(2), SDStrategy(2, 2, 3)], ids=str)
+@pytest.mark.parametrize("arm", [SDStrategy(2), SDStrategy(2, 2, 3), SDStrategy(2, 3, sampled=True)], ids=str)
 def test_sampling_is_exact_end_to_end(temperature, top_p, arm):
     """Chi-square: the joint law of tokens 2-3 (produced by speculative steps) equals the target's."""
     target = tiny_vocab_target()
@@ -240,5 +245,9 @@ def test_bad_loop_arguments_are_rejected(tiny_llama):
         SpeculativeRolloutLoop(tiny_llama, drafter, threshold=0).generate([[5]])
     loop = SpeculativeRolloutLoop(tiny_llama, drafter, RolloutConfig(max_new_tokens=8),
                                   FixedChooser(SDStrategy(20)), max_depth=16)
-    with pytest.raises(ValueError, match="drafts deeper than max_depth=16"):
+    with pytest.raises(ValueError, match="drafts deeper or verifies more tokens than max_depth=16"):
+        loop.generate([[5]])
+    loop = SpeculativeRolloutLoop(tiny_llama, drafter, RolloutConfig(max_new_tokens=8),
+                                  FixedChooser(SDStrategy(6, 3, sampled=True)), max_depth=16)
+    with pytest.raises(ValueError, match="strategy chain6x3 drafts deeper or verifies more tokens"):
         loop.generate([[5]])

@@ -220,7 +220,7 @@ def test_load_state_dict_tolerates_missing_keys_and_rejects_other_arms():
     bandit = BEGMABStrategy(seed=0)
     drive(bandit, [1, 3, 12, 48] * 10)
     state = bandit.state_dict()
-    assert state["arms"][0][1] == {"num_steps": 2, "topk": 1, "num_draft_tokens": 2}
+    assert state["arms"][0][1] == {"num_steps": 2, "topk": 1, "num_draft_tokens": 2, "sampled": False}
     fresh = BEGMABStrategy(seed=0)
     fresh.load_state_dict({})
     fresh.load_state_dict({"windows": state["windows"]})
@@ -352,9 +352,9 @@ def test_decaying_epsilon_arguments_are_checked():
 def test_parse_arm_inverts_arm_key():
     from tlt_lightning.scheduling import parse_arm
 
-    for arm in (*default_arms(), SDStrategy(8), SDStrategy(3, 2, 5)):
+    for arm in (*default_arms(), SDStrategy(8), SDStrategy(3, 2, 5), SDStrategy(6, 2, sampled=True)):
         assert parse_arm(arm_key(arm)) == arm
-    for bad in ("", "chain", "tree4x2", "chain0", "on"):
+    for bad in ("", "chain", "tree4x2", "chain0", "on", "chain6x", "chain6x1"):
         with pytest.raises(ValueError):
             parse_arm(bad)
 

@@ -24,6 +24,18 @@ def test_invalid_strategies_name_the_field(args, match):
         SDStrategy(*args)
 
 
+def test_sampled_trees_fork_into_chains():
+    arm = SDStrategy(6, 2, sampled=True)
+    assert str(arm) == "chain6x2" and arm.num_draft_tokens == 12 and not arm.is_chain
+    assert arm != SDStrategy(6, 2, 12)  # the deterministic EAGLE-2 tree of the same size
+    with pytest.raises(ValueError, match=r"forks into topk >= 2 chains, got topk=1 \(use a chain\)"):
+        SDStrategy(4, sampled=True)
+    with pytest.raises(ValueError, match=r"all topk \* num_steps = 8 tokens, got num_draft_tokens=6"):
+        SDStrategy(4, 2, 6, sampled=True)
+    with pytest.raises(TypeError, match="sampled must be a bool"):
+        SDStrategy(4, 2, sampled=1)
+
+
 def test_protocol_is_structural():
     class Always:
         def select(self, batch_size):

@@ -255,6 +255,23 @@ def test_chain_with_impossible_draft_falls_back_to_target() -> None:
     assert set(result.next_token.tolist()) == {0, 1}
 
 
+def test_siblings_past_the_end_of_the_proposal_are_skipped() -> None:
+    """q has one token; the second sibling (drawn "without replacement" past q's support) has no
+    mass: it is never accepted and the emitted token is still distributed as p."""
+    n = 20_000
+    p = torch.tensor([0.3, 0.5, 0.2])
+    q = torch.tensor([1.0, 0.0, 0.0])
+    target = p.expand(n, 3, 3).clone()  # rows: root, after node 0, after node 1
+    draft = q.expand(n, 3, 3).clone()
+    tokens = torch.tensor([[0, 1]]).expand(n, 2)
+    result = verify_tree(target, draft, tokens, torch.tensor([-1, -1]), torch.Generator().manual_seed(0),
+                         siblings="without_replacement")
+    assert not (result.accepted_nodes == 1).any()
+    first = torch.where(result.num_accepted > 0, 0, result.next_token)  # node 0 carries token 0
+    _, pvalue = chisquare(torch.bincount(first, minlength=3).numpy(), (p * n).numpy())
+    assert pvalue > ALPHA
+
+
 def test_zero_drafts_sample_the_bonus_token() -> None:
     target = torch.nn.functional.one_hot(torch.tensor([[3], [1]]), 5).float()
     result = verify_chain(target, torch.zeros(2, 0, 5), torch.zeros(2, 0, dtype=torch.long))

@@ -138,6 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sd.add_argument("--topk", type=int, default=1, help="children per tree node (1 = chain)")
     sd.add_argument("--draft-tokens", type=int, default=None,
                     help="tree nodes verified per step (default: 2 x depth for trees)")
+    sd.add_argument("--sampled", action="store_true",
+                    help="with --topk K >= 2: K sampled chains forking at the root "
+                         "(SDStrategy(sampled=True))")
     sd.add_argument("--threshold", type=int, default=32, help="speculate below this many active requests")
     sd.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the comparison")
     sd.add_argument("--assistant-layers", type=int, default=6,

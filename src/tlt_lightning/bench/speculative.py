@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
     target = HFTarget(loaded.model)
     drafter = load_drafter(args.drafter, target).eval()
-    strategy = SDStrategy(args.depth, args.topk, args.draft_tokens)
+    strategy = SDStrategy(args.depth, args.topk, args.draft_tokens, sampled=args.sampled)
     count = max([bs * args.repeats for bs in args.batch_sizes] + [args.long_tail_requests, 1])
     prompts = task_prompts(loaded.tokenizer, args.task, count, seed=args.seed)
     cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)

@@ -112,10 +112,15 @@ class SpeculativeStep:
         n = batch.n
         arm = self.chooser.select(n) if n < self.threshold else None
         start = time.perf_counter()
-        if arm is not None and arm.num_steps > self.max_depth:
-            raise ValueError(f"strategy {arm} drafts deeper than max_depth={self.max_depth}")
+        if arm is not None and max(arm.num_steps, arm.num_draft_tokens) > self.max_depth:
+            raise ValueError(
+                f"strategy {arm} drafts deeper or verifies more tokens than max_depth={self.max_depth} "
+                "(the room the caches keep past each row's length)"
+            )
         if arm is None:
             emission = self.plain(batch, generator)
+        elif arm.sampled:
+            emission = self._sampled_tree(batch, arm, generator)
         elif arm.is_chain:
             emission = self._chain(batch, arm, generator)
         else:
@@ -251,27 +256,119 @@ class SpeculativeStep:
         sel_tokens = tokens.gather(1, sel)
         sel_anc = anc[rows[:, None, None], sel[:, :, None], sel[:, None, :]]  # [n, N, N]
 
+        return self._verify_tree(batch, L, sel_tokens, sel_parents, node_depth[sel], sel_anc, None,
+                                 "deterministic", arm, generator)
+
+    def _sampled_tree(
+        self, batch: ActiveBatch, arm: SDStrategy, generator: torch.Generator | None
+    ) -> Emission:
+        """``arm.topk`` sampled chains of ``arm.num_steps`` forking at the root, verified as one tree.
+
+        The root's children are drawn without replacement from the distribution a chain's first
+        draft is sampled from, in draw order (past the end of its support, e.g. under top-p, the
+        extra children get no mass and the verifier skips them); every later node has one child
+        sampled like a chain draft. :func:`~tlt_lightning.speculative.verify_tree` with
+        ``siblings="without_replacement"`` keeps the output distribution exactly the target's.
+        With a greedy target the root's children are the drafter's top-k and the chains its
+        argmax (``siblings="deterministic"``). Node ``m = j * K + k`` is step ``k`` of chain
+        ``j``; chain ``j``'s drafter entries sit in the scratch slots ``L + k * c + j``.
+        """
+        n, K, c = batch.n, arm.num_steps, arm.topk
+        device = batch.cache.lengths.device
+        L = batch.lengths.clone()
+        hidden = self._catch_up(batch)  # [n, H]
+        first = self._first(batch)
+        sampling = self.config.sampling
+        if sampling.greedy:
+            q_root = None
+            top = self.drafter.draft_to_target(self.drafter.logits(hidden).float().topk(c, dim=-1).indices)
+        else:
+            q_root = self._draft_probs(hidden)  # [n, V]
+            # Gumbel-top-c: the c largest perturbed log-probs, in order, are c draws without replacement.
+            u = torch.rand(q_root.shape, generator=generator, device=device).clamp_(min=1e-20)
+            top = (q_root.log() - (-u.log()).log()).topk(c, dim=-1).indices
+        tokens = [top]  # per step k: [n, c] target ids
+        probs = []  # per step k < K - 1: [n, c, V], what step k + 1's tokens were drawn from
+        parent_hidden = hidden[:, None].expand(n, c, hidden.shape[-1])
+        branch = torch.arange(c, device=device)
+        for k in range(K - 1):
+            slots = L[:, None] + k * c + branch[None]
+            kv_len = int(L.max()) + (k + 1) * c
+            key = torch.arange(kv_len, device=device)
+            rel = (key[None, :] - L[:, None])[:, None, :]  # [n, 1, kv]: scratch offset (< 0: committed)
+            own = (rel >= 0) & (rel % c == branch[None, :, None]) & (rel < (k + 1) * c)  # [n, c, kv]
+            committed = (rel < 0) & (key >= first[:, None, None])
+            mask = (committed | own)[:, None]  # [n, 1, c, kv]
+            positions = (L + k)[:, None].expand(n, c)
+            parent_hidden = self.drafter(tokens[-1], parent_hidden, positions, mask, self.dcache, slots=slots)
+            q = self._draft_probs(parent_hidden.reshape(n * c, -1)).view(n, c, -1)
+            probs.append(q)
+            tokens.append(sample(q, generator))
+        self.dcache.lengths[:n] = L  # draft entries are scratch
+
+        N = c * K
+        node_tokens = torch.stack(tokens, 2).reshape(n, N)  # branch-major: m = j * K + k
+        step = torch.arange(N, device=device) % K
+        parents = torch.where(step == 0, -1, torch.arange(N, device=device) - 1)
+        chain_of = torch.arange(N, device=device) // K
+        anc = (chain_of[:, None] == chain_of[None, :]) & (step[None, :] <= step[:, None])  # [N, N]
+        draft_probs = None
+        if q_root is not None:
+            # Row 0: what the root's children were drawn from; row m + 1: node m's child (leaves: unused).
+            V = q_root.shape[-1]
+            rows = torch.stack([*probs, q_root.new_zeros(n, c, V)], 2).reshape(n, N, V)
+            draft_probs = torch.cat([q_root[:, None], rows], 1)
+        siblings = "deterministic" if sampling.greedy else "without_replacement"
+        return self._verify_tree(batch, L, node_tokens, parents, step, anc.expand(n, N, N), draft_probs,
+                                 siblings, arm, generator)
+
+    def _verify_tree(
+        self,
+        batch: ActiveBatch,
+        L: torch.Tensor,
+        tokens: torch.Tensor,
+        parents: torch.Tensor,
+        depth: torch.Tensor,
+        anc: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        siblings: str,
+        arm: SDStrategy,
+        generator: torch.Generator | None,
+    ) -> Emission:
+        """Verify a draft tree in one target forward and commit what is accepted.
+
+        Args:
+            L: ``[n]`` the rows' committed lengths.
+            tokens: ``[n, N]`` node tokens, parents before children.
+            parents: ``[N]`` or ``[n, N]`` parent of each node (``-1``: the root's children).
+            depth: ``[N]`` depth of each node (0: the root's children).
+            anc: ``[n, N, N]`` bool, ``anc[i, a, b]``: node ``b`` is ``a`` or one of its ancestors.
+            draft_probs, siblings: as :func:`~tlt_lightning.speculative.verify_tree` takes them.
+        """
+        n, N = tokens.shape
+        device = L.device
+        rows = torch.arange(n, device=device)
         # Target: last_token at slot L, node j at slot L + 1 + j, rotary position L + 1 + depth.
-        ids = torch.cat([batch.last_token[:n, None], sel_tokens], 1)
-        positions = torch.cat([L[:, None], L[:, None] + 1 + node_depth[sel]], 1)
+        ids = torch.cat([batch.last_token[:n, None], tokens], 1)
+        positions = torch.cat([L[:, None], L[:, None] + 1 + depth], 1)
         slots = L[:, None] + torch.arange(N + 1, device=device)
         kv_len = int(L.max()) + N + 1
         key = torch.arange(kv_len, device=device)
-        rel = key[None, :] - L[:, None] - 1  # [n, kv]: selected-node index of each slot
-        sees = sel_anc.gather(2, rel.clamp(0, N - 1)[:, None].expand(n, N, kv_len)) & (rel < N)[:, None]
+        rel = key[None, :] - L[:, None] - 1  # [n, kv]: node index of each slot
+        sees = anc.gather(2, rel.clamp(0, N - 1)[:, None].expand(n, N, kv_len)) & (rel < N)[:, None]
         node_mask = torch.where((rel < 0)[:, None], True, sees)  # committed slots and last_token
         root_mask = (rel < 0)[:, None]
         mask = torch.cat([root_mask, node_mask], 1)[:, None]
         out = self.target.forward(ids, positions, mask, batch.cache, self.config.feature_layers, slots=slots)
         target_probs = sampling_probs(self.target.lm_head(out.hidden), self.config.sampling)  # [n, N+1, V]
-        result = verify_tree(target_probs, None, sel_tokens, sel_parents, generator, siblings="deterministic")
+        result = verify_tree(target_probs, draft_probs, tokens, parents, generator, siblings=siblings)
 
         # Emitted: accepted nodes' tokens, then next_token. Token i was predicted at verify index
         # 0 (i = 0) or 1 + accepted_nodes[i - 1].
         a = result.num_accepted
         acc = result.accepted_nodes  # [n, D]
         D = acc.shape[1]
-        emitted = torch.cat([sel_tokens.gather(1, acc.clamp(min=0)), torch.zeros_like(a)[:, None]], 1)
+        emitted = torch.cat([tokens.gather(1, acc.clamp(min=0)), torch.zeros_like(a)[:, None]], 1)
         emitted[rows, a] = result.next_token
         pred_idx = torch.cat([torch.zeros_like(a)[:, None], 1 + acc.clamp(min=0)], 1)  # [n, D + 1]
         logprobs = target_probs[rows[:, None], pred_idx].gather(-1, emitted[..., None]).squeeze(-1).log()

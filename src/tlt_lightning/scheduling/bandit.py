@@ -59,18 +59,22 @@ def arm_key(arm: Arm) -> str:
 
 
 def parse_arm(key: str) -> Arm:
-    """The arm an :func:`arm_key` names: ``"off"`` -> ``None``, ``"chain6"``, ``"tree4x2/8"``.
+    """The arm an :func:`arm_key` names: ``"off"`` -> ``None``, ``"chain6"``, ``"tree4x2/8"``, and
+    ``"chain6x2"`` (a sampled tree: two chains of 6 forking at the root).
 
     Example:
         >>> parse_arm("tree4x2/8")
-        SDStrategy(num_steps=4, topk=2, num_draft_tokens=8)
+        SDStrategy(num_steps=4, topk=2, num_draft_tokens=8, sampled=False)
     """
-    match = re.fullmatch(r"off|chain(\d+)|tree(\d+)x(\d+)/(\d+)", key.strip())
+    match = re.fullmatch(r"off|chain(\d+)(?:x(\d+))?|tree(\d+)x(\d+)/(\d+)", key.strip())
     if match is None:
-        raise ValueError(f"arm {key!r} is not 'off', 'chain<depth>' or 'tree<depth>x<topk>/<tokens>'")
-    chain, depth, topk, tokens = match.groups()
+        raise ValueError(
+            f"arm {key!r} is not 'off', 'chain<depth>', 'chain<depth>x<chains>' "
+            "or 'tree<depth>x<topk>/<tokens>'"
+        )
+    chain, chains, depth, topk, tokens = match.groups()
     if chain is not None:
-        return SDStrategy(int(chain))
+        return SDStrategy(int(chain)) if chains is None else SDStrategy(int(chain), int(chains), sampled=True)
     return None if depth is None else SDStrategy(int(depth), int(topk), int(tokens))
 
 

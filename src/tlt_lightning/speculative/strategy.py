@@ -14,39 +14,63 @@ class SDStrategy:
 
     A chain is the special case ``topk == 1``: ``num_steps`` drafted tokens, all verified
     (``num_draft_tokens == num_steps``). A tree expands the ``topk`` most likely children of the
-    best nodes for ``num_steps`` levels and verifies the ``num_draft_tokens`` best nodes.
+    best nodes for ``num_steps`` levels and verifies the ``num_draft_tokens`` best nodes (EAGLE-2;
+    its children are deterministic, which at temperature 1 accepts less than a sampled chain).
+    A *sampled* tree (``sampled=True``) is ``topk`` chains of ``num_steps`` tokens that fork at the
+    root: the first tokens are ``topk`` draws without replacement from the drafter, each followed
+    by a sampled chain, all ``topk * num_steps`` tokens verified with recursive rejection sampling.
+    When the first draft is rejected, the second gets a chance against what remains of the
+    target's distribution, at the price of more verified tokens (cheap at small batch).
 
     Args:
         num_steps: draft depth (drafter forward passes per step), ``>= 1``.
-        topk: children expanded per node, ``>= 1``.
+        topk: children expanded per node (per root with ``sampled``), ``>= 1``.
         num_draft_tokens: drafted tokens verified in one target forward, between ``num_steps``
-            and ``topk * num_steps``; for a chain it must equal ``num_steps``.
+            and ``topk * num_steps``; for a chain it must equal ``num_steps``, for a sampled tree
+            ``topk * num_steps``.
+        sampled: ``topk`` sampled chains forking at the root (``topk >= 2``).
 
     Example:
         >>> SDStrategy(4, 1, 4).is_chain
         True
+        >>> str(SDStrategy(6, 2, sampled=True))
+        'chain6x2'
     """
 
     num_steps: int
     topk: int = 1
     num_draft_tokens: int | None = None
+    sampled: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_steps, int) or self.num_steps < 1:
             raise ValueError(f"num_steps must be an int >= 1, got {self.num_steps!r}")
         if not isinstance(self.topk, int) or self.topk < 1:
             raise ValueError(f"topk must be an int >= 1, got {self.topk!r}")
+        if not isinstance(self.sampled, bool):
+            raise TypeError(f"sampled must be a bool, got {self.sampled!r}")
+        if self.sampled and self.topk < 2:
+            raise ValueError(
+                f"a sampled tree forks into topk >= 2 chains, got topk={self.topk} (use a chain)"
+            )
         if self.num_draft_tokens is None:
-            object.__setattr__(self, "num_draft_tokens", self.num_steps if self.topk == 1 else 2 * self.num_steps)
+            wide = self.topk * self.num_steps if self.sampled else 2 * self.num_steps
+            object.__setattr__(self, "num_draft_tokens", self.num_steps if self.topk == 1 else wide)
         n, lo, hi = self.num_draft_tokens, self.num_steps, self.topk * self.num_steps
         if not isinstance(n, int) or not lo <= n <= hi:
             raise ValueError(f"num_draft_tokens must be an int in [num_steps, topk * num_steps] = [{lo}, {hi}], got {n!r}")
+        if self.sampled and n != hi:
+            raise ValueError(
+                f"a sampled tree verifies all topk * num_steps = {hi} tokens, got num_draft_tokens={n}"
+            )
 
     @property
     def is_chain(self) -> bool:
         return self.topk == 1
 
     def __str__(self) -> str:
+        if self.sampled:
+            return f"chain{self.num_steps}x{self.topk}"
         return f"chain{self.num_steps}" if self.is_chain else f"tree{self.num_steps}x{self.topk}/{self.num_draft_tokens}"
 
 

@@ -199,7 +199,9 @@ def verify_tree(
     emitted token has law ``p``. Given that token came from accepting child ``c``, ``c``'s subtree
     was drafted from ``c``'s token alone, independent of the coins, so the same argument applies
     one level down with the target's next-token distribution: the whole emitted sequence has the
-    target's law. Each rule is exact only for drafts made the way it says: the ``q``-based rules
+    target's law. A node whose proposal gives its token no mass (``q_j(x) = 0``: e.g. siblings
+    drawn without replacement past the end of ``q``'s support) is skipped, as if absent. Each rule
+    is exact only for drafts made the way it says: the ``q``-based rules
     are biased for deterministic top-k children (the top token is not a sample of ``q``), and the
     deterministic rule wastes acceptance on sampled children. A one-hot (greedy) target accepts the
     first child whose token is the argmax under every rule, and corrects with the argmax.
@@ -271,7 +273,11 @@ def verify_tree(
             accept = candidate & _accept(u[:, n], p_x, torch.ones_like(p_x))
             p_rejected = _normalise(p.scatter(1, x, 0.0), p)
         else:
-            accept = candidate & _accept(u[:, n], p_x, q.gather(1, x).squeeze(1))
+            # A node its proposal gives no mass (a sibling drawn past the end of q's support) is
+            # skipped: never accepted, and p and q stay as they are.
+            q_x = q.gather(1, x).squeeze(1)
+            candidate = candidate & (q_x > 0)
+            accept = candidate & _accept(u[:, n], p_x, q_x)
             p_rejected = _residual(p, q)
         reject = (candidate & ~accept).unsqueeze(1)
         descend = accept.unsqueeze(1)
