@@ -3,7 +3,9 @@
 :class:`SpeculativeStep` is a decode step for :class:`~tlt_lightning.rollout.engine.RolloutEngine`.
 At every step it asks a :class:`~tlt_lightning.speculative.StrategyChooser` what to do for the
 current number of active requests: plain decoding, or draft ``K`` tokens with the drafter and
-verify them with :func:`~tlt_lightning.speculative.verify_chain`. Speculation only runs below
+verify them with :func:`~tlt_lightning.speculative.verify_chain` (or a tree of drafts, EAGLE-2's
+deterministic one or sampled chains forking at the root, with
+:func:`~tlt_lightning.speculative.verify_tree`). Speculation only runs below
 ``threshold`` active requests: at large batch the target is compute-bound and verifying extra
 tokens costs nearly their full price, in the tail it is weight-bound and they are almost free.
 
@@ -341,7 +343,7 @@ class SpeculativeStep:
             L: ``[n]`` the rows' committed lengths.
             tokens: ``[n, N]`` node tokens, parents before children.
             parents: ``[N]`` or ``[n, N]`` parent of each node (``-1``: the root's children).
-            depth: ``[N]`` depth of each node (0: the root's children).
+            depth: ``[N]`` or ``[n, N]`` depth of each node (0: the root's children).
             anc: ``[n, N, N]`` bool, ``anc[i, a, b]``: node ``b`` is ``a`` or one of its ancestors.
             draft_probs, siblings: as :func:`~tlt_lightning.speculative.verify_tree` takes them.
         """
