@@ -188,12 +188,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if None not in arms:
         raise ValueError(f"--arms must include 'off' (the baseline every arm is compared with), "
                          f"got {args.arms}")
-    bandits = {
-        f"BEG-MAB {spec}": BEGMABStrategy(arms, thresholds, epsilon=args.epsilon, seed=args.seed,
-                                          epsilon_half_life=args.epsilon_half_life, per_request=per_request)
-        for spec in dict.fromkeys(args.bandits)
-        for per_request, thresholds in [parse_bandit_spec(spec)]
-    }
+    bandits: dict[str, BEGMABStrategy] = {}
+    for spec in dict.fromkeys(args.bandits):
+        per_request, thresholds = parse_bandit_spec(spec)
+        bandits[f"BEG-MAB {spec}"] = BEGMABStrategy(arms, thresholds, epsilon=args.epsilon, seed=args.seed,
+                                                    epsilon_half_life=args.epsilon_half_life,
+                                                    per_request=per_request)
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
