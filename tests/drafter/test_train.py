@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -61,6 +63,23 @@ def test_make_batches_eagle1_reads_single_final_channel_and_splits(llama):
     r2 = fake_rollout(4, 2, 2)
     (b2,) = make_batches([r2], cfg, 1, shuffle=False)
     assert b2.features[0, :, 0].equal(r2.features[:3, 0]) and b2.target_hidden[0].equal(r2.features[1:, 1])
+
+
+def test_batches_are_built_on_access_in_the_stored_dtype(llama):
+    """Batches are collated when read (an epoch of padded copies never sits in memory) from the
+    rollouts' own tensors, bf16 features included; the loss casts them to the drafter's dtype."""
+    d = make_drafter(llama)
+    rs = [fake_rollout(T, 2, 1, i) for i, T in enumerate([6, 4, 5, 3])]
+    half = [replace(r, features=r.features.bfloat16()) for r in rs]
+    batches = make_batches(half, d.config, 2, shuffle=False)
+    assert len(batches) == 2 and batches[0] is not batches[0] and len(batches[:1]) == 1
+    assert batches[0].features.dtype == torch.bfloat16 and batches[0].tokens.equal(batches[0].tokens)
+    assert batches[-1].tokens.equal(batches[1].tokens)
+    widened = make_batches([replace(r, features=r.features.float()) for r in half], d.config, 2, False)
+    moved = batches[0].to("cpu", torch.float32)
+    assert moved.features.equal(widened[0].features) and moved.mask.dtype == torch.bool
+    with torch.no_grad():
+        assert drafter_losses(d, llama, batches[0])[0] == drafter_losses(d, llama, widened[0])[0]
 
 
 def test_make_batches_errors(llama):
@@ -146,9 +165,10 @@ def test_train_step_returns_floats_and_leaves_target_alone(qwen2):
 
 
 @pytest.mark.parametrize(
-    ("name", "kind", "unroll"), [("tiny-llama", "eagle1", 1), ("tiny-qwen2", "eagle3", 2)]
+    ("name", "kind", "unroll", "pack"),
+    [("tiny-llama", "eagle1", 1, None), ("tiny-qwen2", "eagle3", 2, None), ("tiny-llama", "eagle1", 2, 64)],
 )
-def test_warmup_learns_the_target(llama, qwen2, name, kind, unroll):
+def test_warmup_learns_the_target(llama, qwen2, name, kind, unroll, pack):
     target = llama if name == "tiny-llama" else qwen2
     d = make_drafter(target, kind)
     rollouts = generate_rollouts(target, d.config, prompts=16, tokens=32)
@@ -156,7 +176,8 @@ def test_warmup_learns_the_target(llama, qwen2, name, kind, unroll):
     batches = make_batches(rollouts, d.config, 8, shuffle=False)
     initial = evaluate_drafter(d, target, batches, loss_cfg)
     history = warmup_drafter(
-        d, target, rollouts, steps=100, lr=3e-3, batch_size=8, progress=False, loss_cfg=loss_cfg
+        d, target, rollouts, steps=100, lr=3e-3, batch_size=8 if pack is None else 4, progress=False,
+        loss_cfg=loss_cfg, pack_budget=pack,
     )
     final = evaluate_drafter(d, target, batches, loss_cfg)
     assert len(history) == 100 and history[-1]["loss"] < history[0]["loss"]

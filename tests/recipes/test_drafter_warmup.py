@@ -41,9 +41,10 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     other = tmp_path / "other.pt"
     other_args = [str(other) if a == str(cache) else "6" if a == "12" else a for a in args]
     main([*other_args, "--steps", "1", "--seed", "5", "--out", str(tmp_path / "o")])
-    main([*args, "--steps", "1", "--more-rollouts", str(other), "--out", str(tmp_path / "merged")])
+    main([*args, "--steps", "1", "--pack", "64", "--more-rollouts", str(other),
+          "--out", str(tmp_path / "merged")])
     merged = json.loads((tmp_path / "merged" / "warmup.json").read_text())
-    assert merged["rollouts"] == 12 and merged["more_rollouts"] == 6
+    assert merged["rollouts"] == 12 and merged["more_rollouts"] == 6 and merged["pack"] == 64
     other_tokens = sum(r.length for r in torch.load(other, weights_only=False)["rollouts"])
     assert merged["train_tokens"] == report["train_tokens"] + other_tokens  # all 6 train, none held out
     with pytest.raises(ValueError, match="sampled with other settings"):
@@ -69,3 +70,5 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
 def test_warmup_rejects_bad_counts():
     with pytest.raises(ValueError, match="--steps must be >= 1, got 0"):
         main(["drafter", "warmup", "--steps", "0", "--model", "tiny-llama"])
+    with pytest.raises(ValueError, match="--pack must be >= 0"):
+        main(["drafter", "warmup", "--pack", "-1", "--model", "tiny-llama"])

@@ -25,6 +25,7 @@ from tlt_lightning.drafter.spot_trainer import PaidTraining, SpotTrainer, SpotTr
 from tlt_lightning.drafter.train import (
     ConcatCache,
     DrafterBatch,
+    LazyBatches,
     drafter_losses,
     drafter_train_step,
     evaluate_drafter,
@@ -49,6 +50,7 @@ __all__ = [
     "DrafterLoss",
     "DrafterPublisher",
     "DrafterSample",
+    "LazyBatches",
     "LossOutput",
     "PaidTraining",
     "RolloutBuffer",

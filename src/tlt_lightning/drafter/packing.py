@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tlt_lightning.drafter.config import DrafterConfig
-from tlt_lightning.drafter.train import DrafterBatch, _split, make_batches
+from tlt_lightning.drafter.train import DrafterBatch, LazyBatches, _split, make_batches
 from tlt_lightning.rollout.types import Rollout
 
 __all__ = ["benchmark_packing", "fill_ratio", "pack_batches", "pack_bins"]
@@ -82,7 +82,7 @@ def pack_batches(
     shuffle: bool = True,
     generator: torch.Generator | None = None,
     pad_to_budget: bool = False,
-) -> list[DrafterBatch]:
+) -> LazyBatches:
     """Turn rollouts (with features) into packed training batches of ``rows x budget`` samples.
 
     A rollout of ``T`` tokens gives ``T - 1`` samples; longer than ``budget`` it is split into
@@ -99,7 +99,7 @@ def pack_batches(
             otherwise a batch is as wide as its fullest row.
 
     Returns:
-        :class:`DrafterBatch` es with ``doc_ids`` set (``-1`` on padding).
+        :class:`DrafterBatch` es with ``doc_ids`` set (``-1`` on padding), each built when accessed.
 
     Example:
         >>> # batches = pack_batches(buffer.sample(64, g), drafter.config, budget=512, rows=8)
@@ -111,30 +111,8 @@ def pack_batches(
     bins = pack_bins([d[0].shape[0] for d in docs], budget)
     if shuffle:
         bins = [bins[i] for i in torch.randperm(len(bins), generator=generator).tolist()]
-    batches = []
-    for start in range(0, len(bins), rows):
-        group = bins[start : start + rows]
-        fill = [sum(docs[i][0].shape[0] for i in b) for b in group]
-        S = budget if pad_to_budget else max(fill)
-        tokens, feats, final, pos = (
-            torch.zeros((len(group), S, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in docs[0]
-        )
-        mask = torch.zeros(len(group), S, dtype=torch.bool, device=tokens.device)
-        doc_ids = torch.full((len(group), S), -1, dtype=torch.long, device=tokens.device)
-        doc = 0
-        for row, members in enumerate(group):
-            at = 0
-            for i in members:
-                tok, f, h, p = docs[i]
-                n = tok.shape[0]
-                sl = slice(at, at + n)
-                tokens[row, sl], feats[row, sl], final[row, sl], pos[row, sl] = tok, f, h, p
-                mask[row, sl], doc_ids[row, sl] = True, doc
-                at, doc = at + n, doc + 1
-            if at < S:  # padding continues the positions (any value works: it is masked)
-                pos[row, at:] = pos[row, at - 1] + torch.arange(1, S - at + 1, device=pos.device)
-        batches.append(DrafterBatch(tokens, feats, final, pos, mask, doc_ids))
-    return batches
+    groups = [[[docs[i] for i in b] for b in bins[at : at + rows]] for at in range(0, len(bins), rows)]
+    return LazyBatches(groups, budget if pad_to_budget else None, packed=True)
 
 
 def fill_ratio(batches: Sequence[DrafterBatch]) -> float:

@@ -35,6 +35,7 @@ from tlt_lightning.rollout.types import Rollout
 __all__ = [
     "ConcatCache",
     "DrafterBatch",
+    "LazyBatches",
     "drafter_losses",
     "drafter_train_step",
     "evaluate_drafter",
@@ -85,18 +86,22 @@ class DrafterBatch:
         starts[:, 1:] = self.doc_ids[:, 1:] != self.doc_ids[:, :-1]
         return idx - torch.where(starts, idx, 0).cummax(dim=1).values
 
-    def to(self, device: torch.device | str) -> DrafterBatch:
-        return DrafterBatch(
-            **{
-                f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                for f in fields(self)
-            }
-        )
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> DrafterBatch:
+        """This batch on ``device``, its features cast to ``dtype`` (when given)."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t.to(device, dtype) if dtype is not None and t.is_floating_point() else t.to(device)
+
+        return DrafterBatch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
-def _split(
-    rollout: Rollout, index: int, config: DrafterConfig, max_len: int | None
-) -> list[tuple[torch.Tensor, ...]]:
+Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""One sequence's samples ``(tokens [n], features [n, C, H], target_hidden [n, H], positions [n])``."""
+
+
+def _split(rollout: Rollout, index: int, config: DrafterConfig, max_len: int | None) -> list[Chunk]:
     """The samples of one rollout as ``(tokens, features, target_hidden, positions)`` chunks."""
     feats = rollout.features
     if feats is None:
@@ -129,6 +134,61 @@ def _split(
     return [tuple(t[i : i + step] for t in sample) for i in range(0, S, step)]
 
 
+def _collate(rows: Sequence[Sequence[Chunk]], width: int | None = None, packed: bool = False) -> DrafterBatch:
+    """Copy the chunks of each row side by side into one right-padded :class:`DrafterBatch`.
+
+    Args:
+        rows: ``B`` rows, each a list of chunks (one chunk per row unless packed).
+        width: samples per row (default: the fullest row's).
+        packed: set :attr:`DrafterBatch.doc_ids` (each chunk its own document).
+
+    Returns:
+        A batch of ``[B, width]`` samples in the chunks' dtype.
+    """
+    fill = [sum(chunk[0].shape[0] for chunk in row) for row in rows]
+    S = width or max(fill)
+    tokens, feats, final, pos = (
+        torch.zeros((len(rows), S, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in rows[0][0]
+    )
+    mask = torch.zeros(len(rows), S, dtype=torch.bool, device=tokens.device)
+    doc_ids = torch.full((len(rows), S), -1, dtype=torch.long, device=tokens.device)
+    doc = 0
+    for r, row in enumerate(rows):
+        at = 0
+        for tok, f, h, p in row:
+            sl = slice(at, at + tok.shape[0])
+            tokens[r, sl], feats[r, sl], final[r, sl], pos[r, sl] = tok, f, h, p
+            mask[r, sl], doc_ids[r, sl] = True, doc
+            at, doc = sl.stop, doc + 1
+        if at < S:  # padding continues the positions (any value works: it is masked)
+            pos[r, at:] = pos[r, at - 1] + torch.arange(1, S - at + 1, device=pos.device)
+    return DrafterBatch(tokens, feats, final, pos, mask, doc_ids if packed else None)
+
+
+class LazyBatches(Sequence[DrafterBatch]):
+    """Batches collated on access from views of the rollouts' tensors.
+
+    An epoch of padded copies never sits in memory at once (on a large warm-up set it would
+    double the features' footprint): only the batch being trained on is materialised.
+
+    Args:
+        groups: per batch, its rows of chunks (see :func:`_collate`).
+        width: samples per row (``None``: each batch as wide as its fullest row).
+        packed: batches carry ``doc_ids``.
+    """
+
+    def __init__(self, groups: list[list[list[Chunk]]], width: int | None = None, packed: bool = False):
+        self._groups, self._width, self._packed = groups, width, packed
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return _collate(self._groups[index], self._width, self._packed)
+
+
 def make_batches(
     rollouts: Sequence[Rollout],
     config: DrafterConfig,
@@ -136,8 +196,8 @@ def make_batches(
     shuffle: bool = True,
     generator: torch.Generator | None = None,
     max_len: int | None = None,
-) -> list[DrafterBatch]:
-    """Turn rollouts (with features) into padded training batches.
+) -> LazyBatches:
+    """Turn rollouts (with features) into padded training batches (one sequence per row).
 
     Args:
         rollouts: rollouts generated with ``feature_layers = config.rollout_feature_layers``.
@@ -148,7 +208,8 @@ def make_batches(
         max_len: split sequences longer than this many samples (bounds the padded width).
 
     Returns:
-        Batches of at most ``batch_size`` sequences; rollouts with fewer than 2 tokens are skipped.
+        Batches of at most ``batch_size`` sequences, each built when accessed; rollouts with fewer
+        than 2 tokens are skipped. Bad rollouts raise here, not on access.
 
     Example:
         >>> # rollouts = engine.with_config(feature_layers=cfg.rollout_feature_layers).generate(prompts).rollouts
@@ -161,21 +222,7 @@ def make_batches(
     seqs = [chunk for i, r in enumerate(rollouts) for chunk in _split(r, i, config, max_len)]
     if shuffle:
         seqs = [seqs[i] for i in torch.randperm(len(seqs), generator=generator).tolist()]
-    batches = []
-    for start in range(0, len(seqs), batch_size):
-        group = seqs[start : start + batch_size]
-        S = max(s[0].shape[0] for s in group)
-        tokens, feats, final, pos = (
-            torch.zeros((len(group), S, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in group[0]
-        )
-        mask = torch.zeros(len(group), S, dtype=torch.bool, device=tokens.device)
-        for b, (tok, f, h, p) in enumerate(group):
-            n = tok.shape[0]
-            tokens[b, :n], feats[b, :n], final[b, :n], pos[b, :n], mask[b, :n] = tok, f, h, p, True
-            if n < S:  # padding continues the positions (any value works: it is masked)
-                pos[b, n:] = p[-1] + torch.arange(1, S - n + 1, device=p.device)
-        batches.append(DrafterBatch(tokens, feats, final, pos, mask))
-    return batches
+    return LazyBatches([[[s] for s in seqs[i : i + batch_size]] for i in range(0, len(seqs), batch_size)])
 
 
 def unroll_mask(valid: torch.Tensor, step: int, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,7 +297,7 @@ def drafter_losses(
     are computed here (no_grad); bound ``N`` with ``batch_size`` / ``max_len``.
     """
     cfg = loss_cfg or DrafterLoss.for_kind(drafter.config.kind)
-    batch = batch.to(drafter.device)
+    batch = batch.to(drafter.device, drafter.dtype)  # features may be stored in the rollout dtype
     valid = batch.mask
     target_hidden = batch.target_hidden[valid]
     # The target's next-token distribution on the draft vocabulary, on real samples only: the soft
@@ -344,6 +391,7 @@ def warmup_drafter(
     max_grad_norm: float | None = 1.0,
     max_len: int | None = None,
     lr_warmup: int = 0,
+    pack_budget: int | None = None,
 ) -> list[dict[str, float]]:
     """Train ``drafter`` for ``steps`` AdamW steps on ``rollouts`` (reshuffled every epoch).
 
@@ -353,13 +401,16 @@ def warmup_drafter(
         rollouts: rollouts with features (see :func:`make_batches`).
         steps: optimisation steps.
         lr: AdamW learning rate (cosine-decayed to 10% over ``steps``).
-        batch_size: sequences per step.
+        batch_size: sequences per step (rows of ``pack_budget`` samples when packing).
         progress: show a tqdm bar with the loss and top-1 agreement.
         loss_cfg: objective (default :meth:`DrafterLoss.for_kind`).
         seed: shuffling seed.
         lr_warmup: steps of linear learning-rate warm-up. Use it when continuing a trained drafter:
             the first steps of a fresh AdamW at full rate undo much of what it learned (SmolLM2,
             lr 1e-3: held-out top-1 0.52 -> 0.37 after one step).
+        pack_budget: pack sequences into rows of this many samples
+            (:func:`~tlt_lightning.drafter.pack_batches`; longer ones are split) instead of padding
+            each to the batch's longest (``max_len`` is then unused).
 
     Returns:
         The metrics of every step (see :func:`drafter_train_step`); shorter than ``steps`` when
@@ -386,8 +437,13 @@ def warmup_drafter(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
 
     def epochs():
+        from tlt_lightning.drafter.packing import pack_batches  # packing builds on this module
+
         while True:
-            batches = make_batches(rollouts, drafter.config, batch_size, True, generator, max_len)
+            if pack_budget is None:
+                batches = make_batches(rollouts, drafter.config, batch_size, True, generator, max_len)
+            else:
+                batches = pack_batches(rollouts, drafter.config, pack_budget, batch_size, True, generator)
             if not batches:
                 raise ValueError("no training samples: every rollout has fewer than 2 tokens")
             yield from batches

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", default="eagle1", choices=["eagle1", "eagle3"])
     p.add_argument("--draft-vocab", type=int, default=8192, help="0 = the full vocabulary")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences (with --pack: packed rows) per step")
     p.add_argument("--max-len", type=int, default=256, help="samples per sequence (longer ones are cut)")
+    p.add_argument("--pack", type=int, default=0, metavar="BUDGET",
+                   help="pack the training sequences into rows of BUDGET samples (no padding; 0 = pad)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lr-warmup", type=int, default=0,
                    help="steps of linear learning-rate warm-up (use ~50 with --init-from)")
@@ -128,6 +129,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("prompts", "samples", "max_new_tokens", "steps", "batch_size", "rollout_batch"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.pack < 0:
+        raise ValueError(f"--pack must be >= 0 (0 = pad, no packing), got {args.pack}")
     loaded = load_model(args.model)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: warm-up samples real task prompts")
@@ -158,8 +161,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             feature_layers=config.rollout_feature_layers,
         ))
         rollouts, rollout_s = collect_rollouts(engine, prompts, args.rollout_batch, args.seed)
-        # The drafter trains in fp32 on these features: store them so.
-        rollouts = [replace(r, features=r.features.float()) for r in rollouts]
         del sampler, engine
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -179,7 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     history = warmup_drafter(drafter, target, train, args.steps, lr=args.lr, batch_size=args.batch_size,
                              loss_cfg=loss_cfg, seed=args.seed, max_len=args.max_len,
-                             lr_warmup=args.lr_warmup)
+                             lr_warmup=args.lr_warmup, pack_budget=args.pack or None)
     train_s = time.perf_counter() - start
     after = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
     out = Path(args.out)
@@ -187,7 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     coverage = float(counts[drafter.draft_ids.cpu()].sum() / counts.sum()) if config.reduced_vocab else 1.0
     payload = {
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "init_from": args.init_from, "unroll": args.unroll, "task": args.task, "kind": args.kind, "machine": machine_info(),
+        "model": args.model, "dtype": args.dtype, "init_from": args.init_from, "unroll": args.unroll,
+        "pack": args.pack, "task": args.task, "kind": args.kind, "machine": machine_info(),
         "rollouts": len(rollouts), "more_rollouts": len(more), "train_tokens": sum(r.length for r in train),
         "rollout_seconds": rollout_s, "train_seconds": train_s,
         "trainable_parameters": drafter.num_trainable_parameters(),
