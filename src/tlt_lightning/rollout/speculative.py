@@ -134,9 +134,13 @@ class SpeculativeStep:
 
     # ------------------------------------------------------------------------------------------
     def _draft_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, H]`` drafter output -> ``[n, V]`` the distribution drafts are sampled from."""
-        logits = self.drafter.to_target_vocab(self.drafter.logits(hidden).float(), fill=float("-inf"))
-        return sampling_probs(logits, self.config.sampling)
+        """``[n, H]`` drafter output -> ``[n, V_draft]`` the distribution drafts are sampled from.
+
+        It lives on the draft vocabulary (the target's other tokens have probability 0, so the
+        sampling transforms give the same distribution as on the full one, at a sixth of the cost
+        on SmolLM2); the verifier gets it scattered into the target's with ``to_target_vocab``.
+        """
+        return sampling_probs(self.drafter.logits(hidden).float(), self.config.sampling)
 
     def _catch_up(self, batch: ActiveBatch) -> torch.Tensor:
         """Feed the drafter every pair it has not seen; return ``[n, H]`` its output at the last one.
@@ -171,7 +175,7 @@ class SpeculativeStep:
         drafts, draft_probs = [], []
         for k in range(K):
             q = self._draft_probs(hidden)
-            token = sample(q, generator)
+            token = self.drafter.draft_to_target(sample(q, generator))
             drafts.append(token)
             draft_probs.append(q)
             if k + 1 < K:  # pair (h_k, d_k) sits at drafter position L + k
@@ -186,7 +190,8 @@ class SpeculativeStep:
         mask = causal_decode_mask(L, K + 1, int(positions.max()) + 1)
         out = self.target.forward(ids, positions, mask, batch.cache, self.config.feature_layers)
         target_probs = sampling_probs(self.target.lm_head(out.hidden), self.config.sampling)  # [n, K+1, V]
-        result = verify_chain(target_probs, torch.stack(draft_probs, 1), draft_tokens, generator)
+        q = self.drafter.to_target_vocab(torch.stack(draft_probs, 1))  # [n, K, V]
+        result = verify_chain(target_probs, q, draft_tokens, generator)
         emitted = result.emitted(draft_tokens).clamp(min=0)  # [n, K+1]
         counts = result.num_accepted + 1
         batch.cache.lengths[:n] += counts  # last_token and the accepted drafts are now committed
@@ -285,12 +290,12 @@ class SpeculativeStep:
             q_root = None
             top = self.drafter.draft_to_target(self.drafter.logits(hidden).float().topk(c, dim=-1).indices)
         else:
-            q_root = self._draft_probs(hidden)  # [n, V]
+            q_root = self._draft_probs(hidden)  # [n, Vd]
             # Gumbel-top-c: the c largest perturbed log-probs, in order, are c draws without replacement.
             u = torch.rand(q_root.shape, generator=generator, device=device).clamp_(min=1e-20)
-            top = (q_root.log() - (-u.log()).log()).topk(c, dim=-1).indices
+            top = self.drafter.draft_to_target((q_root.log() - (-u.log()).log()).topk(c, dim=-1).indices)
         tokens = [top]  # per step k: [n, c] target ids
-        probs = []  # per step k < K - 1: [n, c, V], what step k + 1's tokens were drawn from
+        probs = []  # per step k < K - 1: [n, c, Vd], what step k + 1's tokens were drawn from
         parent_hidden = hidden[:, None].expand(n, c, hidden.shape[-1])
         branch = torch.arange(c, device=device)
         for k in range(K - 1):
@@ -305,7 +310,7 @@ class SpeculativeStep:
             parent_hidden = self.drafter(tokens[-1], parent_hidden, positions, mask, self.dcache, slots=slots)
             q = self._draft_probs(parent_hidden.reshape(n * c, -1)).view(n, c, -1)
             probs.append(q)
-            tokens.append(sample(q, generator))
+            tokens.append(self.drafter.draft_to_target(sample(q, generator)))
         self.dcache.lengths[:n] = L  # draft entries are scratch
 
         N = c * K
@@ -317,9 +322,9 @@ class SpeculativeStep:
         draft_probs = None
         if q_root is not None:
             # Row 0: what the root's children were drawn from; row m + 1: node m's child (leaves: unused).
-            V = q_root.shape[-1]
-            rows = torch.stack([*probs, q_root.new_zeros(n, c, V)], 2).reshape(n, N, V)
-            draft_probs = torch.cat([q_root[:, None], rows], 1)
+            Vd = q_root.shape[-1]
+            rows = torch.stack([*probs, q_root.new_zeros(n, c, Vd)], 2).reshape(n, N, Vd)
+            draft_probs = self.drafter.to_target_vocab(torch.cat([q_root[:, None], rows], 1))  # [n, N + 1, V]
         siblings = "deterministic" if sampling.greedy else "without_replacement"
         return self._verify_tree(batch, L, node_tokens, parents, step, anc.expand(n, N, N), draft_probs,
                                  siblings, arm, generator)
