@@ -437,32 +437,34 @@ def _preemption_worker(
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        step = _tiny_drafter_step(seed)
-        step()  # warm-up
-        coord = WorkerCoordinator(CoordinatorConfig(min_idle_s=min_idle_s))
-        rng = random.Random(seed)  # the same draws on every rank
-        windows = []
-        for i in range(rollouts):
-            tail = rng.uniform(*tail_s)
-            coord.rollout_started()
-            straggler = rank == i % world  # one rank per rollout is in the tail
-            time.sleep(tail if straggler else 0.01)
-            coord.share_done()
-            window = coord.maybe_train(step)
-            coord.wait_rollout_end()
-            # The signal is the last finish time: this rank finished last (whatever the plan said,
-            # e.g. the other one was descheduled on a loaded machine) iff it equals its own.
-            last = coord._done_at >= float(coord._signal.item()) if coord.distributed else True
-            windows.append({**window._asdict(), "straggler": straggler, "last": last})
-        timeline = coord.gather_timeline()
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, windows)
-        if rank == 0:
-            segments = [[s.worker, s.state.value, s.start, s.end] for s in timeline]
-            Path(out).write_text(json.dumps({"windows": everyone, "timeline": segments}))
-    finally:
-        dist.destroy_process_group()
+    step = _tiny_drafter_step(seed)
+    step()  # warm-up
+    coord = WorkerCoordinator(CoordinatorConfig(min_idle_s=min_idle_s))
+    rng = random.Random(seed)  # the same draws on every rank
+    windows = []
+    for i in range(rollouts):
+        tail = rng.uniform(*tail_s)
+        coord.rollout_started()
+        straggler = rank == i % world  # one rank per rollout is in the tail
+        time.sleep(tail if straggler else 0.01)
+        coord.share_done()
+        window = coord.maybe_train(step)
+        coord.wait_rollout_end()
+        # The signal is the last finish time: this rank finished last (whatever the plan said,
+        # e.g. the other one was descheduled on a loaded machine) iff it equals its own.
+        last = coord._done_at >= float(coord._signal.item()) if coord.distributed else True
+        windows.append({**window._asdict(), "straggler": straggler, "last": last})
+    timeline = coord.gather_timeline()
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, windows)
+    if rank == 0:
+        segments = [[s.worker, s.state.value, s.start, s.end] for s in timeline]
+        Path(out).write_text(json.dumps({"windows": everyone, "timeline": segments}))
+    # Teardown only after both ranks are done with every collective: a rank that destroys its group
+    # while the other still talks to it can abort the other's gloo threads (seen on a loaded machine).
+    # On an error there is no teardown: mp.spawn reports the exception and ends the other rank.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def benchmark_preemption(
