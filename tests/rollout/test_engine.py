@@ -86,9 +86,10 @@ def test_sampling_is_reproducible_and_logprobs_match_a_direct_forward(tiny_targe
         expected = probs.gather(-1, rollout.token_ids[:, None]).squeeze(-1).log()
         torch.testing.assert_close(rollout.logprobs, expected, atol=1e-4, rtol=1e-4)
         assert torch.isfinite(rollout.logprobs).all()
-        # Features come from the same forward passes: hidden states 2 and 4 at the predicting positions.
-        torch.testing.assert_close(rollout.features[:, 0], out.hidden_states[2][0, pred], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(rollout.features[:, 1], out.hidden_states[4][0, pred], atol=1e-5, rtol=1e-5)
+        # Features come from the same forward passes: hidden states 2 and 4 at the predicting positions
+        # (up to fp32 summation order: cached batched decoding vs one full forward).
+        torch.testing.assert_close(rollout.features[:, 0], out.hidden_states[2][0, pred], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(rollout.features[:, 1], out.hidden_states[4][0, pred], atol=1e-4, rtol=1e-4)
 
 
 def test_many_requests_at_once(tiny_llama):
