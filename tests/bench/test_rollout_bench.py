@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -41,3 +42,15 @@ def test_layer_skip_assistant_shares_the_targets_first_layers():
         assert torch.equal(value, target_weights[name]), name
     with pytest.raises(ValueError, match=r"--assistant-layers must be in \[1, 3\], got 4"):
         layer_skip_assistant(model, 4)
+
+
+def test_full_batch_step_time_compares_steps_with_every_request_active():
+    from types import SimpleNamespace
+
+    from tlt_lightning.bench.speculative import full_batch_step_time
+
+    stats = SimpleNamespace(step_times=[0.5, 0.1, 0.3, 0.2, 0.9], step_batch_sizes=[4, 4, 4, 4, 3],
+                            step_speculative=[False, True, True, True, True])
+    assert full_batch_step_time(stats, 4, True) == pytest.approx(0.2)  # not the prefill-like 0.5, not batch 3
+    assert full_batch_step_time(stats, 4, False) == 0.5
+    assert math.isnan(full_batch_step_time(stats, 8, True))

@@ -30,6 +30,14 @@ from tlt_lightning.speculative import SDStrategy
 __all__ = ["run"]
 
 
+def full_batch_step_time(stats: Any, size: int, speculative: bool) -> float:
+    """Median seconds of the steps of ``stats`` that decoded all ``size`` requests, speculatively
+    or not as ``speculative`` says (``nan`` if there is none): a plain and a speculative run's
+    figures compare like with like even after some requests have finished."""
+    steps = zip(stats.step_times, stats.step_batch_sizes, stats.step_speculative)
+    return median([t for t, n, spec in steps if n == size and spec == speculative])
+
+
 def _pair(plain: RolloutEngine, spec: SpeculativeRolloutLoop, prompts, size: int, repeats: int, seed: int
           ) -> dict[str, Any]:
     """Alternate plain and speculative rollouts of ``size`` prompts; medians of tokens/s and times.
@@ -37,8 +45,9 @@ def _pair(plain: RolloutEngine, spec: SpeculativeRolloutLoop, prompts, size: int
     Repeat ``r`` takes the ``r``-th group of ``size`` prompts (wrapping around), so small batches
     average over several prompts instead of timing one prompt again and again.
     """
-    rows: dict[str, list[float]] = {"plain_tps": [], "sd_tps": [], "plain_s": [], "sd_s": [], "plain_cpu_s": [],
-                                    "sd_cpu_s": [], "accept": [], "sd_step_fraction": []}
+    keys = ("plain_tps", "sd_tps", "plain_s", "sd_s", "plain_cpu_s", "sd_cpu_s", "accept", "sd_step_fraction",
+            "sd_step_cost")
+    rows: dict[str, list[float]] = {k: [] for k in keys}
     last: RolloutResult | None = None
     for r in range(repeats):
         start = (r * size) % len(prompts)
@@ -53,6 +62,9 @@ def _pair(plain: RolloutEngine, spec: SpeculativeRolloutLoop, prompts, size: int
         rows["sd_s"].append(tb)
         rows["accept"].append(b.stats.mean_accept_length)
         rows["sd_step_fraction"].append(sum(b.stats.step_speculative) / max(1, b.stats.num_steps))
+        rows["sd_step_cost"].append(
+            full_batch_step_time(b.stats, size, True) / full_batch_step_time(a.stats, size, False)
+        )
         last = b
     out = {
         "requests": size,
@@ -64,6 +76,8 @@ def _pair(plain: RolloutEngine, spec: SpeculativeRolloutLoop, prompts, size: int
         "sd_seconds": median(rows["sd_s"]),
         "mean_accept_length": median(rows["accept"]),
         "sd_step_fraction": median(rows["sd_step_fraction"]),
+        # A speculative step's time in plain steps (all requests active): speedup ~ accept / cost.
+        "sd_step_cost": median(rows["sd_step_cost"]),
         "runs": rows,
     }
     return out | {"_last": last}
