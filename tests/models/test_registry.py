@@ -49,6 +49,44 @@ def test_cache_dir_follows_environment(monkeypatch, tmp_path):
     assert registry.cache_dir() == tmp_path / "tlt_lightning"
 
 
+class _Saveable:
+    def __init__(self, name: str) -> None:
+        self.name, self.config = name, object()
+
+    def save_pretrained(self, path) -> None:
+        (path / self.name).write_text("{}")
+
+
+def _fake_conversion(monkeypatch, tmp_path, other_process_writes: dict[str, str]):
+    """Stub the GGUF load; while "converting", another process fills the cache with these files."""
+    monkeypatch.setenv("TLT_LIGHTNING_CACHE", str(tmp_path))
+    monkeypatch.setattr(registry, "_smollm2_gguf", lambda: tmp_path / "model.gguf")
+
+    def load_model_and_race(*args, **kwargs):
+        done = tmp_path / "smollm2-135m-instruct"
+        done.mkdir(parents=True)
+        for name, text in other_process_writes.items():
+            (done / name).write_text(text)
+        return _Saveable("config.json")
+
+    monkeypatch.setattr(registry.AutoModelForCausalLM, "from_pretrained", load_model_and_race)
+    monkeypatch.setattr(registry.AutoTokenizer, "from_pretrained", lambda *a, **k: _Saveable("tokenizer.json"))
+
+
+def test_a_conversion_finished_by_another_process_first_is_used(monkeypatch, tmp_path):
+    _fake_conversion(monkeypatch, tmp_path, {"config.json": "theirs"})
+    target = registry._smollm2_dir()
+    assert (target / "config.json").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m-instruct"]  # our copy is gone
+
+
+def test_an_incomplete_cache_in_the_way_is_not_taken_for_a_conversion(monkeypatch, tmp_path):
+    _fake_conversion(monkeypatch, tmp_path, {"partial.bin": ""})
+    with pytest.raises(OSError, match="Directory not empty"):
+        registry._smollm2_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m-instruct"]
+
+
 @pytest.mark.slow
 def test_smollm2_loads_offline(smollm2):
     config = smollm2.model.config

@@ -8,6 +8,7 @@ the user cache (``$TLT_LIGHTNING_CACHE``, else ``$XDG_CACHE_HOME/tlt_lightning``
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import logging
 import os
@@ -121,8 +122,11 @@ def _smollm2_dir() -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, target)
-    except FileExistsError:  # another process won the race: its copy is complete
+    except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)
+        # Another process converted it first (Linux: ENOTEMPTY, as the target is a full directory).
+        if error.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not (target / "config.json").is_file():
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
