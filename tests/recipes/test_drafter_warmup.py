@@ -67,6 +67,29 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     assert data["long_tail"]["threshold"] == 5 and data["long_tail"]["sd_step_fraction"] == 1.0
     assert path.with_suffix(".png").stat().st_size > 10_000
 
+    # Several arms side by side, each against the same plain runs.
+    main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "1", "2",
+          "--max-new-tokens", "12", "--long-tail-requests", "0", "--arms", "chain3", "chain4@0.6", "--dtype",
+          "bfloat16", "--repeats", "2", "--assistant-layers", "0", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["strategies"] == ["chain3", "chain4@0.6"]
+    assert [(b["requests"], b["strategy"]) for b in data["batches"]] == [
+        (1, "chain3"), (1, "chain4@0.6"), (2, "chain3"), (2, "chain4@0.6")]
+    chain3, early = data["batches"][:2]
+    assert chain3["runs"]["plain_s"] == early["runs"]["plain_s"]  # the same plain runs
+    assert chain3["mean_draft_depth"] == 3 and 1 <= early["mean_draft_depth"] <= 4
+    assert path.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_speculative_bench_rejects_bad_arms(tmp_path):
+    bench = ["bench", "rollout", "--speculative", "--drafter", str(tmp_path), "--arms"]
+    with pytest.raises(ValueError, match="leave 'off' out"):
+        main([*bench, "off", "chain4"])
+    with pytest.raises(ValueError, match=r"names an arm twice: \['chain4', 'chain4'\]"):
+        main([*bench, "chain4", "chain4"])
+    with pytest.raises(ValueError, match="arm 'chain4@x' is not"):
+        main([*bench, "chain4@x"])
+
 
 def test_warmup_rejects_bad_counts():
     with pytest.raises(ValueError, match="--steps must be >= 1, got 0"):

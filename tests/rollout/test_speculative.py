@@ -19,6 +19,7 @@ from tests.rollout.test_engine import random_prompts
 
 BOS = 1
 SAMPLED = SDStrategy(3, 2, sampled=True)  # two sampled chains of 3 forking at the root
+EARLY = SDStrategy(6, min_confidence=0.3)  # a chain of up to 6 that stops once the drafter doubts it
 
 
 class _ShiftedCache(KVCache):
@@ -90,7 +91,7 @@ def with_eos(target: HFTarget, eos_token_ids: tuple[int, ...] = ()) -> HFTarget:
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("arm", [SDStrategy(1), SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED], ids=str)
+@pytest.mark.parametrize("arm", [SDStrategy(1), SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED, EARLY], ids=str)
 def test_greedy_equals_plain_with_a_random_drafter(tiny_target, kind, arm):
     """64 requests x 200 tokens: a drafter that is almost always wrong changes nothing."""
     drafter = Drafter(DrafterConfig.from_target(tiny_target, kind=kind, draft_vocab_size=96), tiny_target)
@@ -104,7 +105,7 @@ def test_greedy_equals_plain_with_a_random_drafter(tiny_target, kind, arm):
     assert result.stats.accept_lengths.numel() > 0
 
 
-@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED], ids=str)
+@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED, EARLY], ids=str)
 def test_greedy_equals_plain_with_a_trained_drafter(tiny_llama, arm):
     """64 requests x 200 tokens with a drafter trained on the target's own greedy rollouts: many
     drafts are accepted, and the output is still the plain greedy output token for token."""
@@ -141,6 +142,25 @@ def test_oracle_drafter_accepts_everything(tiny_llama, arm, temperature):
     plain = RolloutEngine(target, config).generate(prompts, generator=torch.Generator().manual_seed(0))
     if temperature == 0:
         assert all(a.token_ids.tolist() == b.token_ids.tolist() for a, b in zip(plain.rollouts, result.rollouts))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_oracle_drafter_accepts_every_draft_of_a_chain_that_stops_early(tiny_llama, temperature):
+    """The oracle's drafts are always accepted, however many it made before its confidence fell:
+    each step emits its drafts plus one, and the depths vary from step to step."""
+    target = with_eos(tiny_llama)
+    prompts = [[BOS, *p] for p in random_prompts(1, seed=12)]
+    arm = SDStrategy(8, min_confidence=0.2)
+    config = RolloutConfig(max_new_tokens=60, temperature=temperature)
+    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(arm), threshold=100,
+                                  drafter_context="prompt")
+    result = loop.generate(prompts, generator=torch.Generator().manual_seed(1))
+    depths = torch.tensor(result.stats.step_draft_depths)
+    assert (result.stats.accept_lengths[:-1] == depths[:-1] + 1).all()  # the last step is cut at the limit
+    assert 1 <= depths.min() < depths.max() <= 8, depths.tolist()
+    if temperature == 0:
+        plain = RolloutEngine(target, config).generate(prompts)
+        assert result.rollouts[0].token_ids.tolist() == plain.rollouts[0].token_ids.tolist()
 
 
 def test_oracle_drafter_keeps_accepting_after_rows_finish(tiny_llama):
@@ -215,19 +235,25 @@ def exact_joint(target: HFTarget, prompt: list[int], params: SamplingParams, len
     return joint.reshape([V] * length)
 
 
-def assert_sampling_exact(temperature: float, top_p: float, arm: SDStrategy, drafter_vocab: int | None = None):
-    """Chi-square: the joint law of tokens 2-3 (produced by speculative steps) equals the target's."""
+def assert_sampling_exact(temperature: float, top_p: float, arm: SDStrategy, drafter_vocab: int | None = None,
+                          batch: int = 20_000, calls: int = 1) -> list[int]:
+    """Chi-square: the joint law of tokens 2-3 (produced by speculative steps) equals the target's,
+    over ``calls`` rollouts of ``batch`` requests; returns the draft depth of every step."""
     target = tiny_vocab_target()
     config = DrafterConfig.from_target(target, draft_vocab_size=drafter_vocab)
     counts = None if drafter_vocab is None else torch.tensor([5, 1, 4, 0, 3, 2])  # drafts among 0, 2, 4
     drafter = Drafter(config, target, token_counts=counts)  # random: many rejections
     params = SamplingParams(temperature, top_p)
-    prompt, n = [1, 4, 2], 20_000
-    config = RolloutConfig(max_new_tokens=3, temperature=temperature, top_p=top_p, prefill_chunk=n)
-    loop = SpeculativeRolloutLoop(target, drafter, config, FixedChooser(arm), threshold=n + 1)
-    result = loop.generate([prompt] * n, generator=torch.Generator().manual_seed(3))
-    assert all(result.stats.step_speculative)
-    tokens = torch.stack([r.token_ids for r in result.rollouts])  # [n, 3]
+    prompt, n = [1, 4, 2], batch * calls
+    config = RolloutConfig(max_new_tokens=3, temperature=temperature, top_p=top_p, prefill_chunk=batch)
+    loop = SpeculativeRolloutLoop(target, drafter, config, FixedChooser(arm), threshold=batch + 1)
+    generator, rollouts, depths = torch.Generator().manual_seed(3), [], []
+    for _ in range(calls):
+        result = loop.generate([prompt] * batch, generator=generator)
+        assert all(result.stats.step_speculative)
+        rollouts += result.rollouts
+        depths += result.stats.step_draft_depths
+    tokens = torch.stack([r.token_ids for r in rollouts])  # [n, 3]
     V = target.info.vocab_size
     expected = exact_joint(target, prompt, params, 3).sum(0).reshape(-1)  # tokens 2 and 3
     observed = torch.bincount(tokens[:, 1] * V + tokens[:, 2], minlength=V * V).double()
@@ -235,6 +261,7 @@ def assert_sampling_exact(temperature: float, top_p: float, arm: SDStrategy, dra
     assert observed[~keep].sum() == 0, "a token outside the top-p nucleus was emitted"
     _, pvalue = chisquare(observed[keep].numpy(), (expected[keep] / expected[keep].sum() * n).numpy())
     assert pvalue > 1e-3
+    return depths
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (1.0, 0.9), (0.7, 1.0)])
@@ -248,6 +275,16 @@ def test_sampling_is_exact_with_a_reduced_draft_vocabulary(arm):
     """Drafts sampled on a 3-token draft vocabulary (its distribution scattered into the target's
     6 tokens for verification): the target's other tokens still come out at their own rates."""
     assert_sampling_exact(1.0, 0.9, arm, drafter_vocab=3)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_sampling_is_exact_when_chains_stop_on_their_own_drafts(top_p):
+    """Whether a chain goes on depends on the tokens it drafted (their probabilities): with few
+    requests per rollout the stop varies from step to step, and the law of the output is still the
+    target's (2000 rollouts of 4 requests)."""
+    depths = assert_sampling_exact(1.0, top_p, SDStrategy(2, min_confidence=0.25), batch=4, calls=2000)
+    share = torch.bincount(torch.tensor(depths), minlength=3)[1:] / len(depths)
+    assert (share > 0.1).all(), f"depth 1 / 2 shares {share.tolist()}: the stop should vary"
 
 
 def test_bad_loop_arguments_are_rejected(tiny_llama):

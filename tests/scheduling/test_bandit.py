@@ -220,11 +220,15 @@ def test_load_state_dict_tolerates_missing_keys_and_rejects_other_arms():
     bandit = BEGMABStrategy(seed=0)
     drive(bandit, [1, 3, 12, 48] * 10)
     state = bandit.state_dict()
-    assert state["arms"][0][1] == {"num_steps": 2, "topk": 1, "num_draft_tokens": 2, "sampled": False}
+    assert state["arms"][0][1] == {"num_steps": 2, "topk": 1, "num_draft_tokens": 2, "sampled": False,
+                                   "min_confidence": 0.0}
     fresh = BEGMABStrategy(seed=0)
     fresh.load_state_dict({})
     fresh.load_state_dict({"windows": state["windows"]})
     assert fresh.best_arms() == bandit.best_arms()
+    # A checkpoint from before min_confidence existed names the same arms.
+    older = [[a and {k: v for k, v in a.items() if k != "min_confidence"} for a in bucket] for bucket in state["arms"]]
+    BEGMABStrategy(seed=0).load_state_dict({**state, "arms": older})
     with pytest.raises(ValueError, match="do not match the configured arms"):
         BEGMABStrategy(arms=[None, CHAIN2]).load_state_dict(state)
     with pytest.raises(ValueError, match="bucket_thresholds"):
@@ -352,9 +356,11 @@ def test_decaying_epsilon_arguments_are_checked():
 def test_parse_arm_inverts_arm_key():
     from tlt_lightning.scheduling import parse_arm
 
-    for arm in (*default_arms(), SDStrategy(8), SDStrategy(3, 2, 5), SDStrategy(6, 2, sampled=True)):
+    arms = (SDStrategy(8), SDStrategy(3, 2, 5), SDStrategy(6, 2, sampled=True), SDStrategy(10, min_confidence=0.25))
+    for arm in (*default_arms(), *arms):
         assert parse_arm(arm_key(arm)) == arm
-    for bad in ("", "chain", "tree4x2", "chain0", "on", "chain6x", "chain6x1"):
+    assert parse_arm("chain10@.5") == SDStrategy(10, min_confidence=0.5)
+    for bad in ("", "chain", "tree4x2", "chain0", "on", "chain6x", "chain6x1", "chain6@", "chain6@1.2.3", "chain6@1"):
         with pytest.raises(ValueError):
             parse_arm(bad)
 

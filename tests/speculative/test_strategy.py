@@ -36,6 +36,17 @@ def test_sampled_trees_fork_into_chains():
         SDStrategy(4, 2, sampled=1)
 
 
+def test_confidence_stopped_chains():
+    arm = SDStrategy(10, min_confidence=0.3)
+    assert str(arm) == "chain10@0.3" and arm.is_chain and arm.num_draft_tokens == 10
+    assert arm != SDStrategy(10) and str(SDStrategy(10, min_confidence=0)) == "chain10"
+    for bad in (1.0, -0.1, float("nan"), True, "0.3"):
+        with pytest.raises(ValueError, match=r"min_confidence must be a number in \[0, 1\), got"):
+            SDStrategy(10, min_confidence=bad)
+    with pytest.raises(ValueError, match=r"stops chains early; a tree \(topk=2\) needs min_confidence=0"):
+        SDStrategy(4, 2, min_confidence=0.3)
+
+
 def test_protocol_is_structural():
     class Always:
         def select(self, batch_size):

@@ -8,24 +8,26 @@ from tlt_lightning.speculative import SDStrategy
 from tlt_lightning.tracking import AcceptanceRate, MeanAcceptLength, RolloutTokensPerSecond
 
 
-def stats(accept, strategies, sizes, tokens=10, seconds=2.0):
+def stats(accept, strategies, sizes, depths, tokens=10, seconds=2.0):
     return RolloutStats(
-        step_batch_sizes=sizes, step_strategies=strategies, step_tokens=[tokens],
+        step_batch_sizes=sizes, step_strategies=strategies, step_draft_depths=depths, step_tokens=[tokens],
         accept_lengths=torch.tensor(accept), total_time=seconds,
     )
 
 
 def test_metrics_against_hand_computed_values():
-    a = stats([3, 1], [SDStrategy(4)], [2])  # one chain step of depth 4 on 2 requests
-    b = stats([2, 2, 5], [None, SDStrategy(4, 2, 8)], [5, 3])  # plain step, then a tree step on 3
+    a = stats([3, 1], [SDStrategy(4)], [2], [4])  # one chain step of depth 4 on 2 requests
+    b = stats([2, 2, 5], [None, SDStrategy(4, 2, 8)], [5, 3], [0, 4])  # plain step, then a tree step on 3
+    early = SDStrategy(6, min_confidence=0.5)
+    c = stats([2, 3, 1], [early, early], [2, 1], [2, 1])  # stopped after 2 drafts, then after 1
     mal, rate, tps = MeanAcceptLength(), AcceptanceRate(), RolloutTokensPerSecond()
-    for s in (a, b):
+    for s in (a, b, c):
         mal.update(s)
         rate.update(s)
         tps.update(s)
-    assert float(mal.compute()) == pytest.approx(13 / 5)
-    assert float(rate.compute()) == pytest.approx((2 + 0 + 1 + 1 + 4) / (4 * 2 + 4 * 3))
-    assert float(tps.compute()) == pytest.approx(20 / 4.0)
+    assert float(mal.compute()) == pytest.approx(19 / 8)
+    assert float(rate.compute()) == pytest.approx((2 + 0 + 1 + 1 + 4 + 1 + 2 + 0) / (4 * 2 + 4 * 3 + 2 * 2 + 1))
+    assert float(tps.compute()) == pytest.approx(30 / 6.0)
     mal.reset()
     assert float(mal.compute()) == 0.0
 

@@ -141,6 +141,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sd.add_argument("--sampled", action="store_true",
                     help="with --topk K >= 2: K sampled chains forking at the root "
                          "(SDStrategy(sampled=True))")
+    sd.add_argument("--arms", nargs="+", default=None, metavar="ARM",
+                    help="strategies to compare side by side instead of --depth/--topk/...: chain6, "
+                         "chain10@0.3 (stops below that confidence), chain6x2, tree4x2/8; the long tail "
+                         "uses the first")
     sd.add_argument("--threshold", type=int, default=32, help="speculate below this many active requests")
     sd.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the comparison")
     sd.add_argument("--assistant-layers", type=int, default=6,

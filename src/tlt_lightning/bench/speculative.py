@@ -1,7 +1,9 @@
 """``tlt-lightning bench rollout --speculative``: plain engine vs lossless speculative decoding.
 
 Same prompts, same sampling (temperature 1 by default, as RL rollouts), runs alternated
-(plain, SD, plain, SD, ...) so machine noise hits both alike; medians reported.
+(plain, SD, plain, SD, ...) so machine noise hits both alike; medians reported. ``--arms`` compares
+several strategies side by side (plain, arm 1, arm 2, ... on every prompt group), each against the
+same plain runs.
 
 * fixed batches (1, 8, 32, 128): speculation on at every step, throughput and mean accept length;
 * the long-tail rollout (``--long-tail-requests`` prompts, up to ``--long-tail-max-new`` tokens):
@@ -25,6 +27,7 @@ from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
 from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
+from tlt_lightning.scheduling import parse_arm
 from tlt_lightning.speculative import SDStrategy
 
 __all__ = ["run"]
@@ -38,49 +41,61 @@ def full_batch_step_time(stats: Any, size: int, speculative: bool) -> float:
     return median([t for t, n, spec in steps if n == size and spec == speculative])
 
 
-def _pair(plain: RolloutEngine, spec: SpeculativeRolloutLoop, prompts, size: int, repeats: int, seed: int
-          ) -> dict[str, Any]:
-    """Alternate plain and speculative rollouts of ``size`` prompts; medians of tokens/s and times.
+def _compare(plain: RolloutEngine, specs: list[SpeculativeRolloutLoop], prompts, size: int, repeats: int,
+             seed: int) -> list[dict[str, Any]]:
+    """Alternate plain rollouts of ``size`` prompts with those of each speculative loop.
 
     Repeat ``r`` takes the ``r``-th group of ``size`` prompts (wrapping around), so small batches
-    average over several prompts instead of timing one prompt again and again.
+    average over several prompts instead of timing one prompt again and again; every loop runs on
+    it right after the plain run, with the same seed. Returns one summary per loop (medians), each
+    against the same plain runs, with its last result under ``"_last"``.
     """
-    keys = ("plain_tps", "sd_tps", "plain_s", "sd_s", "plain_cpu_s", "sd_cpu_s", "accept", "sd_step_fraction",
-            "sd_step_cost")
-    rows: dict[str, list[float]] = {k: [] for k in keys}
-    last: RolloutResult | None = None
+    keys = ("sd_tps", "sd_s", "sd_cpu_s", "accept", "draft_depth", "sd_step_fraction", "sd_step_cost")
+    base: dict[str, list[float]] = {"plain_tps": [], "plain_s": [], "plain_cpu_s": []}
+    rows: list[dict[str, list[float]]] = [{k: [] for k in keys} for _ in specs]
+    last: list[RolloutResult | None] = [None] * len(specs)
     for r in range(repeats):
         start = (r * size) % len(prompts)
         group = (prompts[start:] + prompts[:start])[:size]
         a, ta, ca = timed(lambda: plain.generate(group, generator=torch.Generator().manual_seed(seed + r)))
-        b, tb, cb = timed(lambda: spec.generate(group, generator=torch.Generator().manual_seed(seed + r)))
-        rows["plain_cpu_s"].append(ca / a.stats.generated_tokens)  # CPU seconds per token
-        rows["sd_cpu_s"].append(cb / b.stats.generated_tokens)
-        rows["plain_tps"].append(a.stats.generated_tokens / ta)
-        rows["sd_tps"].append(b.stats.generated_tokens / tb)
-        rows["plain_s"].append(ta)
-        rows["sd_s"].append(tb)
-        rows["accept"].append(b.stats.mean_accept_length)
-        rows["sd_step_fraction"].append(sum(b.stats.step_speculative) / max(1, b.stats.num_steps))
-        rows["sd_step_cost"].append(
-            full_batch_step_time(b.stats, size, True) / full_batch_step_time(a.stats, size, False)
-        )
-        last = b
-    out = {
-        "requests": size,
-        "plain_tokens_per_s": median(rows["plain_tps"]),
-        "sd_tokens_per_s": median(rows["sd_tps"]),
-        "speedup_tokens_per_s": median(rows["sd_tps"]) / median(rows["plain_tps"]),
-        "speedup_cpu_time_per_token": median(rows["plain_cpu_s"]) / median(rows["sd_cpu_s"]),
-        "plain_seconds": median(rows["plain_s"]),
-        "sd_seconds": median(rows["sd_s"]),
-        "mean_accept_length": median(rows["accept"]),
-        "sd_step_fraction": median(rows["sd_step_fraction"]),
-        # A speculative step's time in plain steps (all requests active): speedup ~ accept / cost.
-        "sd_step_cost": median(rows["sd_step_cost"]),
-        "runs": rows,
-    }
-    return out | {"_last": last}
+        base["plain_cpu_s"].append(ca / a.stats.generated_tokens)  # CPU seconds per token
+        base["plain_tps"].append(a.stats.generated_tokens / ta)
+        base["plain_s"].append(ta)
+        for i, spec in enumerate(specs):
+            b, tb, cb = timed(lambda: spec.generate(group, generator=torch.Generator().manual_seed(seed + r)))
+            stats, row = b.stats, rows[i]
+            row["sd_cpu_s"].append(cb / stats.generated_tokens)
+            row["sd_tps"].append(stats.generated_tokens / tb)
+            row["sd_s"].append(tb)
+            row["accept"].append(stats.mean_accept_length)
+            depths = [d for d in stats.step_draft_depths if d]
+            row["draft_depth"].append(sum(depths) / max(1, len(depths)))
+            row["sd_step_fraction"].append(sum(stats.step_speculative) / max(1, stats.num_steps))
+            row["sd_step_cost"].append(
+                full_batch_step_time(stats, size, True) / full_batch_step_time(a.stats, size, False)
+            )
+            last[i] = b
+    out = []
+    for spec, row, result in zip(specs, rows, last):
+        out.append({
+            "requests": size,
+            "strategy": str(spec.chooser.arm),
+            "plain_tokens_per_s": median(base["plain_tps"]),
+            "sd_tokens_per_s": median(row["sd_tps"]),
+            "speedup_tokens_per_s": median(row["sd_tps"]) / median(base["plain_tps"]),
+            "speedup_cpu_time_per_token": median(base["plain_cpu_s"]) / median(row["sd_cpu_s"]),
+            "plain_seconds": median(base["plain_s"]),
+            "sd_seconds": median(row["sd_s"]),
+            "mean_accept_length": median(row["accept"]),
+            # Drafts per speculative step: below the depth when a min_confidence chain stops early.
+            "mean_draft_depth": median(row["draft_depth"]),
+            "sd_step_fraction": median(row["sd_step_fraction"]),
+            # A speculative step's time in plain steps (all requests active): speedup ~ accept / cost.
+            "sd_step_cost": median(row["sd_step_cost"]),
+            "runs": base | row,
+            "_last": result,
+        })
+    return out
 
 
 def layer_skip_assistant(model: Any, layers: int) -> Any:
@@ -118,17 +133,24 @@ def plot(results: dict[str, Any], long_tail: RolloutResult | None, path: Path) -
 
     fig, axes = plt.subplots(1, 3 if long_tail is not None else 1, figsize=(16 if long_tail else 6, 4.5))
     axes = axes if long_tail is not None else [axes]
-    batches = results["batches"]
-    xs = range(len(batches))
+    batches, arms = results["batches"], results["strategies"]
+    sizes = list(dict.fromkeys(b["requests"] for b in batches))
+    width = 0.8 / (len(arms) + 1)
     a = axes[0]
-    a.bar([x - 0.2 for x in xs], [b["plain_tokens_per_s"] for b in batches], width=0.4, label="plain")
-    a.bar([x + 0.2 for x in xs], [b["sd_tokens_per_s"] for b in batches], width=0.4, label="speculative")
-    for x, b in zip(xs, batches):
-        a.text(x + 0.2, b["sd_tokens_per_s"], f"x{b['speedup_tokens_per_s']:.2f}\nacc {b['mean_accept_length']:.2f}",
-               ha="center", va="bottom", fontsize=8)
-    a.set_xticks(list(xs), [str(b["requests"]) for b in batches])
-    a.set(xlabel="batch size (speculation on every step)", ylabel="tokens / s", title="Throughput, T=1")
-    a.legend()
+    a.bar([x - 0.4 + width / 2 for x in range(len(sizes))],
+          [next(b for b in batches if b["requests"] == n)["plain_tokens_per_s"] for n in sizes],
+          width=width, label="plain")
+    for j, arm in enumerate(arms):
+        for x, n in enumerate(sizes):
+            b = next(b for b in batches if b["requests"] == n and b["strategy"] == arm)
+            xb = x - 0.4 + width * (j + 1.5)
+            a.bar(xb, b["sd_tokens_per_s"], width=width, color=f"C{j + 1}", label=arm if x == 0 else None)
+            a.text(xb, b["sd_tokens_per_s"], f"x{b['speedup_tokens_per_s']:.2f}\nacc {b['mean_accept_length']:.2f}",
+                   ha="center", va="bottom", fontsize=7)
+    a.set_xticks(list(range(len(sizes))), [str(n) for n in sizes])
+    a.set(xlabel="batch size (speculation on every step)", ylabel="tokens / s",
+          title=f"Throughput, T={results['temperature']:g}")
+    a.legend(fontsize=8)
     if long_tail is not None:
         stats = long_tail.stats
         b = axes[1]
@@ -150,12 +172,17 @@ def plot(results: dict[str, Any], long_tail: RolloutResult | None, path: Path) -
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.drafter:
         raise ValueError("--speculative needs --drafter DIR (train one with `tlt-lightning drafter warmup`)")
+    arms = [parse_arm(name) for name in args.arms] if args.arms else [
+        SDStrategy(args.depth, args.topk, args.draft_tokens, sampled=args.sampled)]
+    if None in arms:
+        raise ValueError("--arms: every arm is compared with plain decoding already; leave 'off' out")
+    if len({str(a) for a in arms}) < len(arms):
+        raise ValueError(f"--arms names an arm twice: {args.arms}")
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
     target = HFTarget(loaded.model)
     drafter = load_drafter(args.drafter, target).eval()
-    strategy = SDStrategy(args.depth, args.topk, args.draft_tokens, sampled=args.sampled)
     count = max([bs * args.repeats for bs in args.batch_sizes] + [args.long_tail_requests, 1])
     prompts = task_prompts(loaded.tokenizer, args.task, count, seed=args.seed)
     cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
@@ -164,17 +191,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "rollout-speculative",
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "task": args.task, "drafter": str(args.drafter),
-        "strategy": str(strategy), "temperature": args.temperature, "machine": machine_info(), "batches": [],
+        "strategy": str(arms[0]), "strategies": [str(a) for a in arms], "temperature": args.temperature,
+        "machine": machine_info(), "batches": [],
     }
     for bs in args.batch_sizes:
         print(f"[bench speculative] batch {bs}, T={args.temperature}, {args.max_new_tokens} new tokens ...", flush=True)
-        spec = SpeculativeRolloutLoop(target, drafter, cfg, FixedChooser(strategy), threshold=bs + 1)
-        out = _pair(plain, spec, prompts, bs, args.repeats, args.seed)
-        out.pop("_last")
-        payload["batches"].append(out)
-        print(f"  plain {out['plain_tokens_per_s']:.1f} tok/s, SD {out['sd_tokens_per_s']:.1f} tok/s, "
-              f"x{out['speedup_tokens_per_s']:.2f} (CPU time x{out['speedup_cpu_time_per_token']:.2f}), "
-              f"accept {out['mean_accept_length']:.2f}", flush=True)
+        specs = [SpeculativeRolloutLoop(target, drafter, cfg, FixedChooser(arm), threshold=bs + 1) for arm in arms]
+        for out in _compare(plain, specs, prompts, bs, args.repeats, args.seed):
+            out.pop("_last")
+            payload["batches"].append(out)
+            print(f"  {out['strategy']}: plain {out['plain_tokens_per_s']:.1f} tok/s, SD {out['sd_tokens_per_s']:.1f} "
+                  f"tok/s, x{out['speedup_tokens_per_s']:.2f} (CPU time x{out['speedup_cpu_time_per_token']:.2f}), "
+                  f"accept {out['mean_accept_length']:.2f} of {out['mean_draft_depth']:.2f} drafts, "
+                  f"step cost {out['sd_step_cost']:.2f}", flush=True)
         if bs == 1:
             peers = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 4}}
             if args.assistant_layers:
@@ -196,8 +225,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lt_cfg = RolloutConfig(max_new_tokens=args.long_tail_max_new, temperature=args.temperature)
         print(f"[bench speculative] long tail: {n} requests, up to {args.long_tail_max_new} tokens, "
               f"SD below {args.threshold} active ...", flush=True)
-        spec = SpeculativeRolloutLoop(target, drafter, lt_cfg, FixedChooser(strategy), threshold=args.threshold)
-        out = _pair(RolloutEngine(target, lt_cfg), spec, prompts[:n], n, args.repeats, args.seed)
+        spec = SpeculativeRolloutLoop(target, drafter, lt_cfg, FixedChooser(arms[0]), threshold=args.threshold)
+        [out] = _compare(RolloutEngine(target, lt_cfg), [spec], prompts[:n], n, args.repeats, args.seed)
         long_tail = out.pop("_last")
         out["speedup_rollout_time"] = out["plain_seconds"] / out["sd_seconds"]
         out["threshold"] = args.threshold

@@ -51,6 +51,7 @@ class Emission(NamedTuple):
         logprobs: ``[n, m]`` float32 log-probabilities under the sampling distribution.
         features: ``[n, m, C, H]`` target features at the positions that predicted them, or None.
         strategy: the speculative strategy of the step, ``None`` for plain decoding.
+        draft_depth: draft levels the step verified (a chain's drafts, a tree's depth); 0 if plain.
     """
 
     tokens: torch.Tensor
@@ -58,6 +59,7 @@ class Emission(NamedTuple):
     logprobs: torch.Tensor
     features: torch.Tensor | None
     strategy: object | None = None
+    draft_depth: int = 0
 
 
 @dataclass
@@ -256,6 +258,7 @@ class RolloutEngine:
             stats.step_batch_sizes.append(n)
             stats.step_speculative.append(emission.strategy is not None)
             stats.step_strategies.append(emission.strategy)
+            stats.step_draft_depths.append(emission.draft_depth)
             from_step = True
         bar.close()
         stats.total_time = time.perf_counter() - start

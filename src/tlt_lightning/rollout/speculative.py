@@ -167,23 +167,38 @@ class SpeculativeStep:
         return out[torch.arange(n, device=L.device), count - 1]
 
     def _chain(self, batch: ActiveBatch, arm: SDStrategy, generator: torch.Generator | None) -> Emission:
-        """Draft ``arm.num_steps`` tokens one after another, verify them in one target forward."""
+        """Draft up to ``arm.num_steps`` tokens one after another, verify them in one target forward.
+
+        With ``arm.min_confidence`` the chain stops once no row's confidence (the product of its
+        drafts' probabilities) reaches it: a draft the drafter itself doubts is likely rejected,
+        and on a CPU each drafter pass costs a noticeable share of a step.
+        """
         n, K = batch.n, arm.num_steps
         L = batch.lengths.clone()
         hidden = self._catch_up(batch)
         first = self._first(batch)
         drafts, draft_probs = [], []
+        confidence = torch.ones(n, device=L.device)
         for k in range(K):
             q = self._draft_probs(hidden)
-            token = self.drafter.draft_to_target(sample(q, generator))
+            d = sample(q, generator)
+            token = self.drafter.draft_to_target(d)
             drafts.append(token)
             draft_probs.append(q)
+            if arm.min_confidence:
+                if self.config.sampling.greedy:  # q is one-hot: rate the argmax by the raw distribution
+                    confidence *= self.drafter.logits(hidden).float().softmax(-1).amax(-1)
+                else:
+                    confidence *= q.gather(-1, d[:, None])[:, 0]
+                if not bool((confidence >= arm.min_confidence).any()):
+                    break
             if k + 1 < K:  # pair (h_k, d_k) sits at drafter position L + k
                 pos = (L + k)[:, None]
                 mask = _mask_from_positions(pos, int(pos.max()) + 1, first)
                 hidden = self.drafter(token[:, None], hidden[:, None], pos, mask, self.dcache)[:, 0]
         self.dcache.lengths[:n] = L  # draft entries are scratch
-        draft_tokens = torch.stack(drafts, 1)  # [n, K]
+        draft_tokens = torch.stack(drafts, 1)  # [n, K], K = the drafts made
+        K = draft_tokens.shape[1]
 
         ids = torch.cat([batch.last_token[:n, None], draft_tokens], 1)
         positions = L[:, None] + torch.arange(K + 1, device=L.device)
@@ -198,7 +213,7 @@ class SpeculativeStep:
         logprobs = target_probs.gather(-1, emitted[..., None]).squeeze(-1).log()
         if self.config.sampling.greedy:
             logprobs = torch.zeros_like(logprobs)
-        return Emission(emitted, counts, logprobs, out.features, strategy=arm)
+        return Emission(emitted, counts, logprobs, out.features, strategy=arm, draft_depth=K)
 
 
     def _tree(self, batch: ActiveBatch, arm: SDStrategy, generator: torch.Generator | None) -> Emission:
@@ -389,7 +404,7 @@ class SpeculativeStep:
         src = torch.where(offs[None] < a[:, None], L[:, None] + 1 + acc.clamp(min=0), L[:, None] + 1 + offs[None])
         batch.cache.gather_positions(rows, src, L + 1)
         batch.cache.lengths[:n] += a + 1
-        return Emission(emitted, a + 1, logprobs, features, strategy=arm)
+        return Emission(emitted, a + 1, logprobs, features, strategy=arm, draft_depth=arm.num_steps)
 
 
 class SpeculativeRolloutLoop:

@@ -88,6 +88,8 @@ class RolloutStats:
         step_tokens: tokens emitted by each step (all requests together).
         step_speculative: whether each step used speculative decoding.
         step_strategies: the strategy of each step (``None`` = plain decoding).
+        step_draft_depths: draft levels each step verified (0 = plain; a chain with
+            ``min_confidence`` may stop short of its ``num_steps``).
         accept_lengths: per request and speculative step, the tokens it emitted (``[N]`` int64).
         prefill_tokens: tokens sampled from the prefill (one per request).
         prefill_time: seconds spent prefilling prompts.
@@ -100,6 +102,7 @@ class RolloutStats:
     step_tokens: list[int] = field(default_factory=list)
     step_speculative: list[bool] = field(default_factory=list)
     step_strategies: list[object] = field(default_factory=list)
+    step_draft_depths: list[int] = field(default_factory=list)
     accept_lengths: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     prefill_tokens: int = 0
     prefill_time: float = 0.0

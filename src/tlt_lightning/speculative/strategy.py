@@ -29,18 +29,26 @@ class SDStrategy:
             and ``topk * num_steps``; for a chain it must equal ``num_steps``, for a sampled tree
             ``topk * num_steps``.
         sampled: ``topk`` sampled chains forking at the root (``topk >= 2``).
+        min_confidence: chains only: stop drafting early once every row's chain confidence (the
+            product of the drafter's probabilities of its drafted tokens, under the rollout's
+            sampling; with a greedy target its top-1 probabilities) is below this; ``num_steps``
+            is then the most drafted. ``0`` always drafts ``num_steps``. Lossless at any value: the
+            stop depends on the drafts only, and every verified draft is verified exactly.
 
     Example:
         >>> SDStrategy(4, 1, 4).is_chain
         True
         >>> str(SDStrategy(6, 2, sampled=True))
         'chain6x2'
+        >>> str(SDStrategy(10, min_confidence=0.25))
+        'chain10@0.25'
     """
 
     num_steps: int
     topk: int = 1
     num_draft_tokens: int | None = None
     sampled: bool = False
+    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_steps, int) or self.num_steps < 1:
@@ -56,6 +64,11 @@ class SDStrategy:
         if self.num_draft_tokens is None:
             wide = self.topk * self.num_steps if self.sampled else 2 * self.num_steps
             object.__setattr__(self, "num_draft_tokens", self.num_steps if self.topk == 1 else wide)
+        c = self.min_confidence
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < 1:
+            raise ValueError(f"min_confidence must be a number in [0, 1), got {c!r}")
+        if c and not self.is_chain:
+            raise ValueError(f"min_confidence stops chains early; a tree (topk={self.topk}) needs min_confidence=0")
         n, lo, hi = self.num_draft_tokens, self.num_steps, self.topk * self.num_steps
         if not isinstance(n, int) or not lo <= n <= hi:
             raise ValueError(f"num_draft_tokens must be an int in [num_steps, topk * num_steps] = [{lo}, {hi}], got {n!r}")
@@ -71,6 +84,8 @@ class SDStrategy:
     def __str__(self) -> str:
         if self.sampled:
             return f"chain{self.num_steps}x{self.topk}"
+        if self.min_confidence:
+            return f"chain{self.num_steps}@{self.min_confidence:g}"
         return f"chain{self.num_steps}" if self.is_chain else f"tree{self.num_steps}x{self.topk}/{self.num_draft_tokens}"
 
 

@@ -39,8 +39,9 @@ class MeanAcceptLength(Metric):
 class AcceptanceRate(Metric):
     """Accepted drafts over drafted depth: ``sum(accept_length - 1) / sum(depth)``.
 
-    For a chain the depth is the number of drafted tokens; for a tree, the number of levels (the
-    longest path that could be accepted).
+    For a chain the depth is the number of drafted tokens (fewer than ``num_steps`` when a
+    ``min_confidence`` chain stopped early); for a tree, the number of levels (the longest path
+    that could be accepted).
     """
 
     full_state_update = False
@@ -51,9 +52,7 @@ class AcceptanceRate(Metric):
         self.add_state("drafted", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, stats: RolloutStats) -> None:
-        depths = [s.num_steps for s in stats.step_strategies if s is not None]
-        sizes = [n for n, s in zip(stats.step_batch_sizes, stats.step_strategies) if s is not None]
-        self.drafted += float(sum(d * n for d, n in zip(depths, sizes)))
+        self.drafted += float(sum(d * n for d, n in zip(stats.step_draft_depths, stats.step_batch_sizes)))
         self.accepted += (stats.accept_lengths - 1).clamp(min=0).sum().to(self.accepted)
 
     def compute(self) -> torch.Tensor:
