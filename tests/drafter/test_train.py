@@ -187,6 +187,16 @@ def test_warmup_learns_the_target(llama, qwen2, name, kind, unroll, pack):
         assert final["top1_step2"] > initial["top1_step2"] + 0.3
 
 
+def test_on_step_sees_every_step_and_the_drafter_as_trained_so_far(llama):
+    d = make_drafter(llama)
+    rollouts = generate_rollouts(llama, d.config, prompts=4, tokens=8)
+    seen = []
+    history = warmup_drafter(d, llama, rollouts, steps=4, progress=False,
+                             on_step=lambda step, metrics: seen.append((step, metrics, d.fc.weight.clone())))
+    assert [step for step, _, _ in seen] == [1, 2, 3, 4] and [m for _, m, _ in seen] == history
+    assert not torch.equal(seen[0][2], seen[1][2]) and torch.equal(seen[-1][2], d.fc.weight)
+
+
 def test_warmup_validation(llama):
     d = make_drafter(llama)
     with pytest.raises(ValueError, match="steps must be a positive int, got 0"):

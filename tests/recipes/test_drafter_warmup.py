@@ -30,7 +30,7 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
 
     # Continue training the saved drafter with an unroll: it starts where the first run ended.
     more = tmp_path / "continued"
-    main([*args, "--steps", "2", "--unroll", "2", "--init-from", str(out), "--out", str(more)])
+    main([*args, "--steps", "2", "--unroll", "2", "--init-from", str(out), "--out", str(more), "--save-every", "1"])
     resumed = json.loads((more / "warmup.json").read_text())
     assert resumed["held_out_before"]["top1"] == pytest.approx(report["held_out_after"]["top1"], abs=1e-6)
     assert "top1_step2" in resumed["held_out_after"] and resumed["unroll"] == 2
@@ -96,3 +96,5 @@ def test_warmup_rejects_bad_counts():
         main(["drafter", "warmup", "--steps", "0", "--model", "tiny-llama"])
     with pytest.raises(ValueError, match="--pack must be >= 0"):
         main(["drafter", "warmup", "--pack", "-1", "--model", "tiny-llama"])
+    with pytest.raises(ValueError, match="--save-every must be >= 0"):
+        main(["drafter", "warmup", "--save-every", "-1", "--model", "tiny-llama"])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -392,6 +392,7 @@ def warmup_drafter(
     max_len: int | None = None,
     lr_warmup: int = 0,
     pack_budget: int | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]]:
     """Train ``drafter`` for ``steps`` AdamW steps on ``rollouts`` (reshuffled every epoch).
 
@@ -411,6 +412,8 @@ def warmup_drafter(
         pack_budget: pack sequences into rows of this many samples
             (:func:`~tlt_lightning.drafter.pack_batches`; longer ones are split) instead of padding
             each to the batch's longest (``max_len`` is then unused).
+        on_step: called as ``on_step(step, metrics)`` after every step (``step`` from 1), e.g. to
+            checkpoint a long warm-up.
 
     Returns:
         The metrics of every step (see :func:`drafter_train_step`); shorter than ``steps`` when
@@ -455,6 +458,8 @@ def warmup_drafter(
             metrics = drafter_train_step(drafter, target, batch, optimizer, loss_cfg, max_grad_norm)
             schedule.step()
             history.append(metrics)
+            if on_step is not None:
+                on_step(len(history), metrics)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}", refresh=False)
             bar.update()
     except KeyboardInterrupt:  # Ctrl-C ends the warm-up early; the drafter keeps what it learned

@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-warmup", type=int, default=0,
                    help="steps of linear learning-rate warm-up (use ~50 with --init-from)")
     p.add_argument("--unroll", type=int, default=1, help="multi-step unroll during training")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="also save the drafter to --out every N steps (a crash keeps the last save; 0 = at the end only)")
     p.add_argument("--rollout-batch", type=int, default=64, help="requests per rollout call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/drafter/warmup", help="output directory")
@@ -131,6 +133,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.pack < 0:
         raise ValueError(f"--pack must be >= 0 (0 = pad, no packing), got {args.pack}")
+    if args.save_every < 0:
+        raise ValueError(f"--save-every must be >= 0 (0 = save at the end only), got {args.save_every}")
     loaded = load_model(args.model)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: warm-up samples real task prompts")
@@ -177,13 +181,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"[drafter warmup] {drafter.num_trainable_parameters() / 1e6:.2f}M trainable parameters "
           f"(target {sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M); "
           f"training {args.steps} steps on {sum(r.length for r in train)} tokens ...", flush=True)
+    out = Path(args.out)
+
+    def checkpoint(step: int, metrics: dict[str, float]) -> None:
+        if args.save_every and step % args.save_every == 0 and step < args.steps:
+            save_drafter(drafter, out)  # atomic: a crash leaves the previous save whole
+
     start = time.perf_counter()
     history = warmup_drafter(drafter, target, train, args.steps, lr=args.lr, batch_size=args.batch_size,
                              loss_cfg=loss_cfg, seed=args.seed, max_len=args.max_len,
-                             lr_warmup=args.lr_warmup, pack_budget=args.pack or None)
+                             lr_warmup=args.lr_warmup, pack_budget=args.pack or None, on_step=checkpoint)
     train_s = time.perf_counter() - start
     after = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
-    out = Path(args.out)
     save_drafter(drafter, out)
     coverage = float(counts[drafter.draft_ids.cpu()].sum() / counts.sum()) if config.reduced_vocab else 1.0
     payload = {
