@@ -197,6 +197,27 @@ def test_on_step_sees_every_step_and_the_drafter_as_trained_so_far(llama):
     assert not torch.equal(seen[0][2], seen[1][2]) and torch.equal(seen[-1][2], d.fc.weight)
 
 
+def test_bf16_autocast_trains_the_fp32_drafter(llama, monkeypatch):
+    import tlt_lightning.drafter.train as train_module
+
+    d = make_drafter(llama)
+    rollouts = generate_rollouts(llama, d.config, prompts=16, tokens=32)
+    batches = make_batches(rollouts, d.config, 8, shuffle=False)
+    initial = evaluate_drafter(d, llama, batches)
+    real_step, autocast = train_module.drafter_train_step, []
+
+    def step(*args, **kwargs):
+        autocast.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "drafter_train_step", step)
+    history = warmup_drafter(d, llama, rollouts, steps=100, lr=3e-3, progress=False, autocast_dtype=torch.bfloat16)
+    final = evaluate_drafter(d, llama, batches)
+    assert autocast == [torch.bfloat16] * 100 and not torch.is_autocast_enabled("cpu")
+    assert all(p.dtype == torch.float32 for p in d.parameters())
+    assert history[-1]["loss"] < history[0]["loss"] and final["top1"] > initial["top1"] + 0.3
+
+
 def test_warmup_validation(llama):
     d = make_drafter(llama)
     with pytest.raises(ValueError, match="steps must be a positive int, got 0"):

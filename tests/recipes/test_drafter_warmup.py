@@ -41,10 +41,11 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     other = tmp_path / "other.pt"
     other_args = [str(other) if a == str(cache) else "6" if a == "12" else a for a in args]
     main([*other_args, "--steps", "1", "--seed", "5", "--out", str(tmp_path / "o")])
-    main([*args, "--steps", "1", "--pack", "64", "--more-rollouts", str(other),
+    main([*args, "--steps", "1", "--pack", "64", "--train-dtype", "bfloat16", "--more-rollouts", str(other),
           "--out", str(tmp_path / "merged")])
     merged = json.loads((tmp_path / "merged" / "warmup.json").read_text())
     assert merged["rollouts"] == 12 and merged["more_rollouts"] == 6 and merged["pack"] == 64
+    assert merged["train_dtype"] == "bfloat16"
     other_tokens = sum(r.length for r in torch.load(other, weights_only=False)["rollouts"])
     assert merged["train_tokens"] == report["train_tokens"] + other_tokens  # all 6 train, none held out
     with pytest.raises(ValueError, match="sampled with other settings"):

@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pack", type=int, default=0, metavar="BUDGET",
                    help="pack the training sequences into rows of BUDGET samples (no padding; 0 = pad)")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--train-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="bfloat16: autocast the training steps (the drafter keeps fp32 weights; ~2x faster "
+                        "on CPUs with bf16 matrix instructions)")
     p.add_argument("--lr-warmup", type=int, default=0,
                    help="steps of linear learning-rate warm-up (use ~50 with --init-from)")
     p.add_argument("--unroll", type=int, default=1, help="multi-step unroll during training")
@@ -190,14 +193,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     history = warmup_drafter(drafter, target, train, args.steps, lr=args.lr, batch_size=args.batch_size,
                              loss_cfg=loss_cfg, seed=args.seed, max_len=args.max_len,
-                             lr_warmup=args.lr_warmup, pack_budget=args.pack or None, on_step=checkpoint)
+                             lr_warmup=args.lr_warmup, pack_budget=args.pack or None, on_step=checkpoint,
+                             autocast_dtype=torch.bfloat16 if args.train_dtype == "bfloat16" else None)
     train_s = time.perf_counter() - start
     after = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
     save_drafter(drafter, out)
     coverage = float(counts[drafter.draft_ids.cpu()].sum() / counts.sum()) if config.reduced_vocab else 1.0
     payload = {
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "init_from": args.init_from, "unroll": args.unroll,
+        "model": args.model, "dtype": args.dtype, "train_dtype": args.train_dtype, "init_from": args.init_from,
+        "unroll": args.unroll,
         "pack": args.pack, "task": args.task, "kind": args.kind, "machine": machine_info(),
         "rollouts": len(rollouts), "more_rollouts": len(more), "train_tokens": sum(r.length for r in train),
         "rollout_seconds": rollout_s, "train_seconds": train_s,
