@@ -1,7 +1,7 @@
-"""Lossless speculative rollouts on the real SmolLM2-135M with a drafter from `drafter warmup`.
+"""Lossless speculative rollouts on the real SmolLM2-135M with a warmed-up drafter.
 
-    tlt-lightning drafter warmup --task countdown --out runs/drafter/smollm2    # once, ~30 min on CPU
-    python examples/speculative_rollout.py runs/drafter/smollm2
+    python examples/speculative_rollout.py                    # the drafter shipped in examples/drafters/
+    python examples/speculative_rollout.py runs/drafter/DIR   # one of yours, from `tlt-lightning drafter warmup`
 
 Samples the same prompts with plain decoding and with speculative decoding, prints both rollouts'
 throughput and the drafter's mean accept length. Both sample from exactly the same distribution.
@@ -10,6 +10,7 @@ throughput and the drafter's mean accept length. Both sample from exactly the sa
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -21,17 +22,17 @@ from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLo
 from tlt_lightning.speculative import SDStrategy
 
 
-def main(drafter_dir: str) -> None:
+def main(drafter_dir: str, max_new_tokens: int = 256) -> None:
     torch.set_num_threads(1)
     loaded = load_model("smollm2-135m")
     target = HFTarget(loaded.model)
     drafter = load_drafter(drafter_dir, target).eval()
     tasks = TaskDataset(TaskConfig(name="countdown", size=8, seed=1), loaded.tokenizer)
     prompts = [list(tasks[i].input_ids) for i in range(len(tasks))]
-    config = RolloutConfig(max_new_tokens=256, temperature=1.0)
+    config = RolloutConfig(max_new_tokens=max_new_tokens, temperature=1.0)
 
     plain = RolloutEngine(target, config).generate(prompts, generator=torch.Generator().manual_seed(0))
-    loop = SpeculativeRolloutLoop(target, drafter, config, FixedChooser(SDStrategy(4)), threshold=8)
+    loop = SpeculativeRolloutLoop(target, drafter, config, FixedChooser(SDStrategy(6)), threshold=8)
     spec = loop.generate(prompts, generator=torch.Generator().manual_seed(0), progress=True)
     print(f"plain:       {plain.stats.tokens_per_s:6.1f} tokens/s")
     print(f"speculative: {spec.stats.tokens_per_s:6.1f} tokens/s, mean accept length "
@@ -40,4 +41,4 @@ def main(drafter_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "runs/drafter/smollm2-countdown-eagle1")
+    main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parent / "drafters" / "smollm2-countdown"))

@@ -1,6 +1,7 @@
 """Speculative rollouts are lossless: same tokens under greedy, same distribution under sampling."""
 
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -301,3 +302,34 @@ def test_bad_loop_arguments_are_rejected(tiny_llama):
                                   FixedChooser(SDStrategy(6, 3, sampled=True)), max_depth=16)
     with pytest.raises(ValueError, match="strategy chain6x3 drafts deeper or verifies more tokens"):
         loop.generate([[5]])
+
+
+SHIPPED_DRAFTER = Path(__file__).parents[2] / "examples" / "drafters" / "smollm2-countdown"
+
+
+@pytest.mark.slow
+def test_the_shipped_drafter_is_lossless_and_accepted_on_smollm2(smollm2):
+    """The drafter shipped in ``examples/`` loads for the real SmolLM2 and, greedy and in fp32,
+    reproduces plain decoding token for token while several drafts per step are accepted."""
+    from tlt_lightning.bench.common import task_prompts
+    from tlt_lightning.drafter import load_drafter
+
+    target = HFTarget(smollm2.model)
+    drafter = load_drafter(SHIPPED_DRAFTER, target).eval()
+    prompts = task_prompts(smollm2.tokenizer, "countdown", 6, seed=1000)
+    config = RolloutConfig(max_new_tokens=64, temperature=0)
+    plain = RolloutEngine(target, config).generate(prompts)
+    spec = SpeculativeRolloutLoop(target, drafter, config, FixedChooser(SDStrategy(6)), threshold=100)
+    result = spec.generate(prompts)
+    assert all(s.token_ids.tolist() == p.token_ids.tolist() for s, p in zip(result.rollouts, plain.rollouts))
+    assert result.stats.mean_accept_length > 2.5
+
+
+@pytest.mark.slow
+def test_the_example_runs_with_the_shipped_drafter(capsys):
+    import runpy
+
+    example = runpy.run_path(str(SHIPPED_DRAFTER.parents[1] / "speculative_rollout.py"))
+    example["main"](str(SHIPPED_DRAFTER), max_new_tokens=16)
+    out = capsys.readouterr().out
+    assert "plain:" in out and "mean accept length" in out
