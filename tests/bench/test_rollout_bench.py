@@ -54,3 +54,14 @@ def test_full_batch_step_time_compares_steps_with_every_request_active():
     assert full_batch_step_time(stats, 4, True) == pytest.approx(0.2)  # not the prefill-like 0.5, not batch 3
     assert full_batch_step_time(stats, 4, False) == 0.5
     assert math.isnan(full_batch_step_time(stats, 8, True))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_hf_peer_samples_and_decodes_greedily(temperature):
+    """The batch-1 HF peer runs at the comparison's temperature, greedy included (HF refuses
+    temperature 0 with sampling on)."""
+    from tlt_lightning.bench.speculative import _hf_peer
+    from tlt_lightning.models import load_model
+
+    model = load_model("tiny-llama", seed=0).model
+    assert _hf_peer(model, [5, 6, 7], 4, seed=0, temperature=temperature) > 0

@@ -120,8 +120,10 @@ def _hf_peer(model, prompt: list[int], max_new: int, seed: int, temperature: flo
     """HF ``generate`` at batch 1 (``kwargs``: its speculative options); tokens/s."""
     torch.manual_seed(seed)
     ids = torch.tensor([prompt])
-    out, t, _ = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                          temperature=temperature, top_k=0, max_new_tokens=max_new, **kwargs))
+    # HF refuses temperature 0: greedy is do_sample=False there.
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
+    out, t, _ = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                          **sampling, **kwargs))
     return (out.shape[1] - len(prompt)) / t
 
 
