@@ -41,9 +41,9 @@ def full_batch_step_time(stats: Any, size: int, speculative: bool) -> float:
     return median([t for t, n, spec in steps if n == size and spec == speculative])
 
 
-def _compare(plain: RolloutEngine, specs: list[SpeculativeRolloutLoop], prompts, size: int, repeats: int,
+def _compare(plain: RolloutEngine, specs: dict[str, SpeculativeRolloutLoop], prompts, size: int, repeats: int,
              seed: int) -> list[dict[str, Any]]:
-    """Alternate plain rollouts of ``size`` prompts with those of each speculative loop.
+    """Alternate plain rollouts of ``size`` prompts with those of each speculative loop (by strategy name).
 
     Repeat ``r`` takes the ``r``-th group of ``size`` prompts (wrapping around), so small batches
     average over several prompts instead of timing one prompt again and again; every loop runs on
@@ -61,7 +61,7 @@ def _compare(plain: RolloutEngine, specs: list[SpeculativeRolloutLoop], prompts,
         base["plain_cpu_s"].append(ca / a.stats.generated_tokens)  # CPU seconds per token
         base["plain_tps"].append(a.stats.generated_tokens / ta)
         base["plain_s"].append(ta)
-        for i, spec in enumerate(specs):
+        for i, spec in enumerate(specs.values()):
             b, tb, cb = timed(lambda: spec.generate(group, generator=torch.Generator().manual_seed(seed + r)))
             stats, row = b.stats, rows[i]
             row["sd_cpu_s"].append(cb / stats.generated_tokens)
@@ -76,10 +76,10 @@ def _compare(plain: RolloutEngine, specs: list[SpeculativeRolloutLoop], prompts,
             )
             last[i] = b
     out = []
-    for spec, row, result in zip(specs, rows, last):
+    for name, row, result in zip(specs, rows, last):
         out.append({
             "requests": size,
-            "strategy": str(spec.chooser.arm),
+            "strategy": name,
             "plain_tokens_per_s": median(base["plain_tps"]),
             "sd_tokens_per_s": median(row["sd_tps"]),
             "speedup_tokens_per_s": median(row["sd_tps"]) / median(base["plain_tps"]),
@@ -198,7 +198,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     for bs in args.batch_sizes:
         print(f"[bench speculative] batch {bs}, T={args.temperature}, {args.max_new_tokens} new tokens ...", flush=True)
-        specs = [SpeculativeRolloutLoop(target, drafter, cfg, FixedChooser(arm), threshold=bs + 1) for arm in arms]
+        specs = {str(arm): SpeculativeRolloutLoop(target, drafter, cfg, FixedChooser(arm), threshold=bs + 1)
+                 for arm in arms}
         for out in _compare(plain, specs, prompts, bs, args.repeats, args.seed):
             out.pop("_last")
             payload["batches"].append(out)
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[bench speculative] long tail: {n} requests, up to {args.long_tail_max_new} tokens, "
               f"SD below {args.threshold} active ...", flush=True)
         spec = SpeculativeRolloutLoop(target, drafter, lt_cfg, FixedChooser(arms[0]), threshold=args.threshold)
-        [out] = _compare(RolloutEngine(target, lt_cfg), [spec], prompts[:n], n, args.repeats, args.seed)
+        [out] = _compare(RolloutEngine(target, lt_cfg), {str(arms[0]): spec}, prompts[:n], n, args.repeats, args.seed)
         long_tail = out.pop("_last")
         out["speedup_rollout_time"] = out["plain_seconds"] / out["sd_seconds"]
         out["threshold"] = args.threshold

@@ -202,8 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload = {
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "train_dtype": args.train_dtype, "init_from": args.init_from,
-        "unroll": args.unroll,
-        "pack": args.pack, "task": args.task, "kind": args.kind, "machine": machine_info(),
+        "unroll": args.unroll, "pack": args.pack, "task": args.task, "kind": args.kind, "machine": machine_info(),
         "rollouts": len(rollouts), "more_rollouts": len(more), "train_tokens": sum(r.length for r in train),
         "rollout_seconds": rollout_s, "train_seconds": train_s,
         "trainable_parameters": drafter.num_trainable_parameters(),

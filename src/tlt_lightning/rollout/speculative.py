@@ -133,14 +133,14 @@ class SpeculativeStep:
         return emission
 
     # ------------------------------------------------------------------------------------------
-    def _draft_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, H]`` drafter output -> ``[n, V_draft]`` the distribution drafts are sampled from.
+    def _draft_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[n, V_draft]`` drafter logits -> ``[n, V_draft]`` the distribution drafts are sampled from.
 
         It lives on the draft vocabulary (the target's other tokens have probability 0, so the
         sampling transforms give the same distribution as on the full one, at a sixth of the cost
         on SmolLM2); the verifier gets it scattered into the target's with ``to_target_vocab``.
         """
-        return sampling_probs(self.drafter.logits(hidden).float(), self.config.sampling)
+        return sampling_probs(logits.float(), self.config.sampling)
 
     def _catch_up(self, batch: ActiveBatch) -> torch.Tensor:
         """Feed the drafter every pair it has not seen; return ``[n, H]`` its output at the last one.
@@ -180,17 +180,18 @@ class SpeculativeStep:
         drafts, draft_probs = [], []
         confidence = torch.ones(n, device=L.device)
         for k in range(K):
-            q = self._draft_probs(hidden)
+            logits = self.drafter.logits(hidden).float()
+            q = self._draft_probs(logits)
             d = sample(q, generator)
             token = self.drafter.draft_to_target(d)
             drafts.append(token)
             draft_probs.append(q)
             if arm.min_confidence:
                 if self.config.sampling.greedy:  # q is one-hot: rate the argmax by the raw distribution
-                    confidence *= self.drafter.logits(hidden).float().softmax(-1).amax(-1)
+                    confidence *= logits.softmax(-1).amax(-1)
                 else:
                     confidence *= q.gather(-1, d[:, None])[:, 0]
-                if not bool((confidence >= arm.min_confidence).any()):
+                if not bool((confidence >= arm.min_confidence).any()):  # one sync per draft, only here
                     break
             if k + 1 < K:  # pair (h_k, d_k) sits at drafter position L + k
                 pos = (L + k)[:, None]
@@ -305,7 +306,7 @@ class SpeculativeStep:
             q_root = None
             top = self.drafter.draft_to_target(self.drafter.logits(hidden).float().topk(c, dim=-1).indices)
         else:
-            q_root = self._draft_probs(hidden)  # [n, Vd]
+            q_root = self._draft_probs(self.drafter.logits(hidden))  # [n, Vd]
             # Gumbel-top-c: the c largest perturbed log-probs, in order, are c draws without replacement.
             u = torch.rand(q_root.shape, generator=generator, device=device).clamp_(min=1e-20)
             top = self.drafter.draft_to_target((q_root.log() - (-u.log()).log()).topk(c, dim=-1).indices)
@@ -323,7 +324,7 @@ class SpeculativeStep:
             mask = (committed | own)[:, None]  # [n, 1, c, kv]
             positions = (L + k)[:, None].expand(n, c)
             parent_hidden = self.drafter(tokens[-1], parent_hidden, positions, mask, self.dcache, slots=slots)
-            q = self._draft_probs(parent_hidden.reshape(n * c, -1)).view(n, c, -1)
+            q = self._draft_probs(self.drafter.logits(parent_hidden.reshape(n * c, -1))).view(n, c, -1)
             probs.append(q)
             tokens.append(self.drafter.draft_to_target(sample(q, generator)))
         self.dcache.lengths[:n] = L  # draft entries are scratch
