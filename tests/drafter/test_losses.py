@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from tlt_lightning.drafter import DrafterLoss, feature_loss, soft_ce, top1_agreement
+from tlt_lightning.drafter import DrafterLoss, acceptance_rate, feature_loss, soft_ce, top1_agreement
+from tlt_lightning.speculative import sample, verify_chain
 
 
 def test_feature_loss_hand_computed():
@@ -51,6 +52,56 @@ def test_top1_agreement_with_d2t():
     assert top1_agreement(draft, target, torch.tensor([True, False, True]), d2t).item() == pytest.approx(0.5)
 
 
+def test_acceptance_rate_hand_computed():
+    draft = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]])  # q = [1/4, 3/4], [1/2, 1/2]
+    target = torch.tensor([[0.0, 0.0], [0.0, 0.0]])  # p = [1/2, 1/2]
+    # sum(min(p, q)): 1/4 + 1/2 = 3/4, and 1 where q == p.
+    assert acceptance_rate(draft, target).item() == pytest.approx(0.875)
+    assert acceptance_rate(draft, target, torch.tensor([True, False])).item() == pytest.approx(0.75)
+    # Reduced vocabulary: against the target renormalised on the draft tokens, as soft_ce.
+    target_full = torch.tensor([[0.0, 5.0, 0.0]])
+    t2d = torch.tensor([True, False, True])
+    assert acceptance_rate(draft[:1], target_full, t2d=t2d).item() == pytest.approx(0.75)
+    with pytest.raises(ValueError, match=r"draft logits \[2, 2\] do not match"):
+        acceptance_rate(draft, torch.zeros(2, 3))
+
+
+def test_acceptance_rate_is_what_speculative_sampling_accepts():
+    """The metric equals the rate at which verify_chain accepts one draft sampled from q."""
+    g = torch.Generator().manual_seed(0)
+    B, V = 4, 7
+    draft_logits, target_logits = torch.randn(B, V, generator=g) * 2, torch.randn(B, V, generator=g) * 2
+    q, p = draft_logits.softmax(-1), target_logits.softmax(-1)
+    n = 20_000
+    qs = q.repeat(n, 1)  # [n * B, V]
+    drafts = sample(qs, g)
+    target_probs = p.repeat(n, 1)[:, None].expand(-1, 2, -1)  # [n * B, K + 1 = 2, V]
+    result = verify_chain(target_probs, qs[:, None], drafts[:, None], g)
+    empirical = result.num_accepted.float().view(n, B).mean(0)  # [B]
+    expected = torch.stack([acceptance_rate(draft_logits[i : i + 1], target_logits[i : i + 1]) for i in range(B)])
+    # Binomial standard error <= 0.5 / sqrt(n) = 0.0035: allow 5 of them.
+    torch.testing.assert_close(empirical, expected, atol=0.018, rtol=0)
+    assert acceptance_rate(draft_logits, target_logits).item() == pytest.approx(float(expected.mean()), rel=1e-6)
+
+
+def test_accept_weight_trains_for_acceptance():
+    """Minimising the total-variation term alone drives the acceptance rate towards 1."""
+    g = torch.Generator().manual_seed(1)
+    target = torch.randn(8, 16, generator=g) * 3
+    draft = torch.zeros(8, 16, requires_grad=True)
+    loss_fn = DrafterLoss(feature_weight=0.0, ce_weight=0.0, accept_weight=1.0)
+    h = torch.zeros(8, 4)
+    before = acceptance_rate(draft, target).item()
+    optimizer = torch.optim.Adam([draft], lr=0.1)
+    for _ in range(300):
+        optimizer.zero_grad()
+        out = loss_fn(h, draft, h, target)
+        out.loss.backward()
+        optimizer.step()
+    assert out.loss.item() == pytest.approx(1 - out.accept.item(), abs=1e-6)
+    assert before < 0.5 and out.accept.item() > 0.97
+
+
 def test_drafter_loss_combines_with_weights():
     pred, tgt = torch.tensor([[0.0, 3.0]]), torch.tensor([[0.5, 0.0]])
     draft, target = torch.tensor([[0.0, math.log(3.0)]]), torch.tensor([[0.0, 0.0]])
@@ -61,15 +112,19 @@ def test_drafter_loss_combines_with_weights():
         ce, rel=1e-6
     )
     assert out.top1.item() == 0.0  # the target's tie resolves to token 0, the drafter picks 1
+    assert out.accept.item() == pytest.approx(0.75)
     eagle3 = DrafterLoss.for_kind("eagle3")(pred, draft, tgt, target)
     assert eagle3.loss.item() == pytest.approx(ce, rel=1e-6) and eagle3.feature_loss.item() == 0.0
+    tv = DrafterLoss.for_kind("eagle1", accept_weight=2.0)(pred, draft, tgt, target)
+    assert tv.loss.item() == pytest.approx(1.3125 + 0.1 * ce + 2.0 * 0.25, rel=1e-6)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
         ({"feature_weight": -1.0}, r"feature_weight must be a number >= 0, got -1.0"),
-        ({"feature_weight": 0.0, "ce_weight": 0.0}, "both 0"),
+        ({"feature_weight": 0.0, "ce_weight": 0.0}, "all 0: nothing to train"),
+        ({"accept_weight": -0.5}, r"accept_weight must be a number >= 0, got -0.5"),
         ({"unroll_steps": 0}, r"unroll_steps must be an int >= 1, got 0"),
         ({"step_decay": 1.5}, r"step_decay must be in \(0, 1\], got 1.5"),
     ],

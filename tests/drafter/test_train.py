@@ -155,8 +155,11 @@ def test_train_step_returns_floats_and_leaves_target_alone(qwen2):
         "feature_loss",
         "ce_loss",
         "top1",
+        "accept",
         "top1_step2",
         "top1_step3",
+        "accept_step2",
+        "accept_step3",
         "grad_norm",
     }
     assert all(isinstance(v, float) for v in metrics.values()) and metrics["loss"] > 0
@@ -183,6 +186,7 @@ def test_warmup_learns_the_target(llama, qwen2, name, kind, unroll, pack):
     assert len(history) == 100 and history[-1]["loss"] < history[0]["loss"]
     assert final["loss"] < 0.8 * initial["loss"]
     assert initial["top1"] < 0.1 and final["top1"] > initial["top1"] + 0.3
+    assert final["accept"] > initial["accept"] + 0.2
     if unroll > 1:
         assert final["top1_step2"] > initial["top1_step2"] + 0.3
 

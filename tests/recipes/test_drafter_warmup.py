@@ -6,6 +6,34 @@ import torch
 from tlt_lightning.cli import main
 from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.recipes.drafter_warmup import collect_rollouts, save_rollouts
+from tlt_lightning.rollout import RolloutConfig, RolloutEngine
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_interrupted_sampling_resumes_to_the_same_rollouts(tiny_llama, tmp_path):
+    """Chunks are saved as they finish; resuming from the file gives what one run gives."""
+    engine = RolloutEngine(tiny_llama, RolloutConfig(max_new_tokens=6, temperature=1.0))
+    prompts = [[1, 2 + i, 3] for i in range(5)]
+    whole, _ = collect_rollouts(engine, prompts, chunk=2, seed=3)
+    path = tmp_path / "cache.pt"
+
+    def save_then_crash(so_far, seconds):
+        save_rollouts(path, {"k": 1}, so_far, seconds, chunk=2)
+        if len(so_far) == 2:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        collect_rollouts(engine, prompts, chunk=2, seed=3, on_chunk=save_then_crash)
+    saved = torch.load(path, weights_only=False)
+    assert len(saved["rollouts"]) == 2 and saved["chunk"] == 2 and not path.with_name("cache.pt.tmp").exists()
+    resumed, _ = collect_rollouts(engine, prompts, chunk=2, seed=3, done=saved["rollouts"])
+    assert [r.token_ids.tolist() for r in resumed] == [r.token_ids.tolist() for r in whole]
+    with pytest.raises(ValueError, match="cannot resume from 3 rollouts: not a whole number of chunks of 2"):
+        collect_rollouts(engine, prompts, chunk=2, seed=3, done=whole[:3])
 
 
 @pytest.mark.slow
@@ -18,6 +46,12 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     main([*args, "--steps", "2"])
     main([*args, "--steps", "15"])  # same rollouts, read back from the cache
     assert "reusing 12 rollouts" in capsys.readouterr().out
+    saved = torch.load(cache, weights_only=False)
+    torch.save({**saved, "rollouts": saved["rollouts"][:6]}, cache)  # as if stopped after one chunk
+    main([*args, "--steps", "1", "--out", str(tmp_path / "resumed")])
+    assert "sampling 6 of 12 rollouts" in capsys.readouterr().out
+    resumed = torch.load(cache, weights_only=False)["rollouts"]
+    assert [r.token_ids.tolist() for r in resumed] == [r.token_ids.tolist() for r in saved["rollouts"]]
     with pytest.raises(ValueError, match="was made with other settings"):
         main([*args, "--steps", "2", "--temperature", "0.5"])
     report = json.loads((out / "warmup.json").read_text())
@@ -81,8 +115,19 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     assert chain3["mean_draft_depth"] == 3 and 1 <= early["mean_draft_depth"] <= 4
     assert path.with_suffix(".png").stat().st_size > 10_000
 
+    # Two drafters side by side (the first run's and its continuation), against the same plain runs.
+    main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), str(more), "--batch-sizes",
+          "1", "--max-new-tokens", "8", "--long-tail-requests", "0", "--arms", "chain2", "--dtype", "bfloat16",
+          "--repeats", "1", "--assistant-layers", "0", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["strategies"] == ["drafter/chain2", "continued/chain2"] and data["drafters"] == [str(out), str(more)]
+    first, second = data["batches"]
+    assert first["runs"]["plain_s"] == second["runs"]["plain_s"] and second["mean_accept_length"] >= 1
+
 
 def test_speculative_bench_rejects_bad_arms(tmp_path):
+    with pytest.raises(ValueError, match="distinct names to label the results"):
+        main(["bench", "rollout", "--speculative", "--drafter", str(tmp_path / "a" / "d"), str(tmp_path / "b" / "d")])
     bench = ["bench", "rollout", "--speculative", "--drafter", str(tmp_path), "--arms"]
     with pytest.raises(ValueError, match="leave 'off' out"):
         main([*bench, "off", "chain4"])

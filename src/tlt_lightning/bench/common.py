@@ -16,14 +16,19 @@ import torch
 __all__ = ["machine_info", "median", "save_figure", "task_prompts", "timed", "write_json"]
 
 
+def _cpuinfo(field: str) -> str:
+    """The first ``field`` line of ``/proc/cpuinfo`` (Linux only; empty elsewhere)."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(field))
+    except (OSError, StopIteration):
+        return ""
+    return line.partition(":")[2].strip()
+
+
 def _cpu_bf16_support() -> list[str]:
     """Which bf16 matrix instructions the CPU has (``amx_bf16``, ``avx512_bf16``): they decide
     whether bfloat16 decoding is faster than float32 here (Linux only; empty elsewhere)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    return sorted({"amx_bf16", "avx512_bf16"} & set(flags.split()))
+    return sorted({"amx_bf16", "avx512_bf16"} & set(_cpuinfo("flags").split()))
 
 
 def machine_info() -> dict[str, Any]:
@@ -34,6 +39,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": _cpuinfo("model name") or None,
         "cpu_bf16": _cpu_bf16_support(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }

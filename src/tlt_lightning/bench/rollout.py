@@ -133,7 +133,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default="runs/bench/rollout.json", help="where to write the results")
     sd = p.add_argument_group("speculative decoding (--speculative)")
     sd.add_argument("--speculative", action="store_true", help="compare plain decoding with speculative decoding")
-    sd.add_argument("--drafter", default=None, help="drafter checkpoint directory (from `drafter warmup`)")
+    sd.add_argument("--drafter", nargs="+", default=None, metavar="DIR",
+                    help="drafter checkpoint directory (from `drafter warmup`); several: compared side by side "
+                         "(every arm of each, labelled DIRNAME/ARM), the long tail uses the first")
     sd.add_argument("--depth", type=int, default=4, help="draft steps per speculation (chain length, tree depth)")
     sd.add_argument("--topk", type=int, default=1, help="children per tree node (1 = chain)")
     sd.add_argument("--draft-tokens", type=int, default=None,

@@ -3,7 +3,7 @@
 Same prompts, same sampling (temperature 1 by default, as RL rollouts), runs alternated
 (plain, SD, plain, SD, ...) so machine noise hits both alike; medians reported. ``--arms`` compares
 several strategies side by side (plain, arm 1, arm 2, ... on every prompt group), each against the
-same plain runs.
+same plain runs; several ``--drafter`` directories compare drafters the same way (every arm of each).
 
 * fixed batches (1, 8, 32, 128): speculation on at every step, throughput and mean accept length;
 * the long-tail rollout (``--long-tail-requests`` prompts, up to ``--long-tail-max-new`` tokens):
@@ -180,11 +180,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--arms: every arm is compared with plain decoding already; leave 'off' out")
     if len({str(a) for a in arms}) < len(arms):
         raise ValueError(f"--arms names an arm twice: {args.arms}")
+    names = [Path(d).name for d in args.drafter]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--drafter: directories need distinct names to label the results, got {args.drafter}")
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
     target = HFTarget(loaded.model)
-    drafter = load_drafter(args.drafter, target).eval()
+    drafters = {name: load_drafter(path, target).eval() for name, path in zip(names, args.drafter)}
+    # One drafter: results are labelled by arm, as before; several: DIRNAME/ARM.
+    runs = [(f"{name}/{arm}" if len(drafters) > 1 else str(arm), drafter, arm)
+            for name, drafter in drafters.items() for arm in arms]
     count = max([bs * args.repeats for bs in args.batch_sizes] + [args.long_tail_requests, 1])
     prompts = task_prompts(loaded.tokenizer, args.task, count, seed=args.seed)
     cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
@@ -192,14 +198,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "benchmark": "rollout-speculative",
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "task": args.task, "drafter": str(args.drafter),
-        "strategy": str(arms[0]), "strategies": [str(a) for a in arms], "temperature": args.temperature,
+        "model": args.model, "dtype": args.dtype, "task": args.task, "drafter": args.drafter[0],
+        "drafters": args.drafter, "strategy": str(arms[0]), "strategies": [label for label, _, _ in runs],
+        "temperature": args.temperature,
         "machine": machine_info(), "batches": [],
     }
     for bs in args.batch_sizes:
         print(f"[bench speculative] batch {bs}, T={args.temperature}, {args.max_new_tokens} new tokens ...", flush=True)
-        specs = {str(arm): SpeculativeRolloutLoop(target, drafter, cfg, FixedChooser(arm), threshold=bs + 1)
-                 for arm in arms}
+        specs = {label: SpeculativeRolloutLoop(target, drafter, cfg, FixedChooser(arm), threshold=bs + 1)
+                 for label, drafter, arm in runs}
         for out in _compare(plain, specs, prompts, bs, args.repeats, args.seed):
             out.pop("_last")
             payload["batches"].append(out)
@@ -228,8 +235,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lt_cfg = RolloutConfig(max_new_tokens=args.long_tail_max_new, temperature=args.temperature)
         print(f"[bench speculative] long tail: {n} requests, up to {args.long_tail_max_new} tokens, "
               f"SD below {args.threshold} active ...", flush=True)
-        spec = SpeculativeRolloutLoop(target, drafter, lt_cfg, FixedChooser(arms[0]), threshold=args.threshold)
-        [out] = _compare(RolloutEngine(target, lt_cfg), {str(arms[0]): spec}, prompts[:n], n, args.repeats, args.seed)
+        label, drafter, arm = runs[0]
+        spec = SpeculativeRolloutLoop(target, drafter, lt_cfg, FixedChooser(arm), threshold=args.threshold)
+        [out] = _compare(RolloutEngine(target, lt_cfg), {label: spec}, prompts[:n], n, args.repeats, args.seed)
         long_tail = out.pop("_last")
         out["speedup_rollout_time"] = out["plain_seconds"] / out["sd_seconds"]
         out["threshold"] = args.threshold

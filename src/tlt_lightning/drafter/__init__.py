@@ -17,7 +17,14 @@ from tlt_lightning.drafter.export import (
     import_drafter,
 )
 from tlt_lightning.drafter.io import load_drafter, read_drafter_config, save_drafter
-from tlt_lightning.drafter.losses import DrafterLoss, LossOutput, feature_loss, soft_ce, top1_agreement
+from tlt_lightning.drafter.losses import (
+    DrafterLoss,
+    LossOutput,
+    acceptance_rate,
+    feature_loss,
+    soft_ce,
+    top1_agreement,
+)
 from tlt_lightning.drafter.model import AttentionCache, Drafter
 from tlt_lightning.drafter.packing import benchmark_packing, fill_ratio, pack_batches, pack_bins
 from tlt_lightning.drafter.publish import DrafterLease, DrafterPublisher
@@ -56,6 +63,7 @@ __all__ = [
     "RolloutBuffer",
     "SpotTrainer",
     "SpotTrainerConfig",
+    "acceptance_rate",
     "benchmark_checkpoint",
     "benchmark_packing",
     "drafter_losses",

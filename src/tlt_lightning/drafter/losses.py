@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DrafterLoss", "LossOutput", "feature_loss", "soft_ce", "top1_agreement"]
+__all__ = ["DrafterLoss", "LossOutput", "acceptance_rate", "feature_loss", "soft_ce", "top1_agreement"]
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -46,6 +46,17 @@ def _restrict(target_logits: torch.Tensor, t2d: torch.Tensor | None) -> torch.Te
     return target_logits if t2d is None else target_logits[..., t2d]
 
 
+def _target_probs(draft_logits: torch.Tensor, target_logits: torch.Tensor, t2d: torch.Tensor | None) -> torch.Tensor:
+    """The target's distribution on the draft vocabulary (renormalised), ``[N, V_draft]``."""
+    target_p = _restrict(target_logits.float(), t2d).softmax(-1)
+    if target_p.shape != draft_logits.shape:
+        raise ValueError(
+            f"draft logits {list(draft_logits.shape)} do not match the (restricted) target logits "
+            f"{list(target_p.shape)}"
+        )
+    return target_p
+
+
 def soft_ce(
     draft_logits: torch.Tensor,
     target_logits: torch.Tensor,
@@ -69,13 +80,43 @@ def soft_ce(
     Returns:
         Scalar ``-sum_v p_target(v) log p_draft(v)`` averaged over masked samples.
     """
-    target_p = _restrict(target_logits.float(), t2d).softmax(-1)
-    if target_p.shape != draft_logits.shape:
-        raise ValueError(
-            f"draft logits {list(draft_logits.shape)} do not match the (restricted) target logits "
-            f"{list(target_p.shape)}"
-        )
+    target_p = _target_probs(draft_logits, target_logits, t2d)
     per_sample = -(target_p * draft_logits.float().log_softmax(-1)).sum(-1)
+    return _masked_mean(per_sample, mask)
+
+
+def acceptance_rate(
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    t2d: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Probability that a draft sampled from the drafter at temperature 1 is accepted.
+
+    Speculative sampling accepts a draft ``x ~ q`` with probability ``min(1, p(x) / q(x))``, so a
+    draft is accepted with probability ``sum_v min(p(v), q(v)) = 1 - TV(p, q)``: the quantity that
+    sets the accept length when sampling, where top-1 agreement only sets it greedily. ``p`` is
+    the target's distribution renormalised on the draft vocabulary, as in :func:`soft_ce` (the
+    mass outside it is lost whatever the drafter does). Differentiable: ``1 -`` this is the
+    total-variation objective of :class:`DrafterLoss` (``accept_weight``), which trains for
+    acceptance directly (DistillSpec's argument), where cross-entropy fits the target's whole
+    distribution, tail included.
+
+    Args:
+        draft_logits: ``[N, V_draft]`` drafter logits.
+        target_logits: ``[N, V]`` target logits.
+        mask: ``[N]`` samples that count.
+        t2d: ``[V]`` bool, True for target ids in the draft vocabulary; ``None`` = full vocabulary.
+
+    Returns:
+        Scalar in ``[0, 1]``, averaged over masked samples.
+
+    Example:
+        >>> acceptance_rate(torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, 100.0]]))
+        tensor(0.5000)
+    """
+    target_p = _target_probs(draft_logits, target_logits, t2d)
+    per_sample = torch.minimum(target_p, draft_logits.float().softmax(-1)).sum(-1)
     return _masked_mean(per_sample, mask)
 
 
@@ -110,18 +151,23 @@ class LossOutput(NamedTuple):
     feature_loss: torch.Tensor
     ce_loss: torch.Tensor
     top1: torch.Tensor
+    accept: torch.Tensor
 
 
 @dataclass(frozen=True)
 class DrafterLoss:
-    """Weights of the drafter objective ``feature_weight * smooth_l1 + ce_weight * soft_ce``.
+    """Weights of the drafter objective
+    ``feature_weight * smooth_l1 + ce_weight * soft_ce + accept_weight * (1 - acceptance_rate)``.
 
     EAGLE-1 uses 1.0 / 0.1 (the defaults); EAGLE-3 drops the feature loss (its output is not a
-    target feature): use :meth:`for_kind`.
+    target feature): use :meth:`for_kind`. The total-variation term (``accept_weight``, off by
+    default) trains for what sampled speculation accepts (see :func:`acceptance_rate`).
 
     Args:
         feature_weight: weight of :func:`feature_loss` (``>= 0``).
         ce_weight: weight of :func:`soft_ce` (``>= 0``).
+        accept_weight: weight of ``1 - acceptance_rate`` (``>= 0``), the total-variation distance
+            between the drafter and the target.
         unroll_steps: draft steps trained per sample; step ``k > 1`` feeds the drafter its own
             previous output instead of the target's feature, as at decode time.
         step_decay: weight of step ``k`` is ``step_decay ** (k - 1)`` (EAGLE-3 uses 0.8).
@@ -135,14 +181,15 @@ class DrafterLoss:
     ce_weight: float = 0.1
     unroll_steps: int = 1
     step_decay: float = 0.8
+    accept_weight: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("feature_weight", "ce_weight"):
+        for name in ("feature_weight", "ce_weight", "accept_weight"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        if self.feature_weight == 0 and self.ce_weight == 0:
-            raise ValueError("feature_weight and ce_weight are both 0: nothing to train")
+        if self.feature_weight == 0 and self.ce_weight == 0 and self.accept_weight == 0:
+            raise ValueError("feature_weight, ce_weight and accept_weight are all 0: nothing to train")
         if (
             isinstance(self.unroll_steps, bool)
             or not isinstance(self.unroll_steps, int)
@@ -153,12 +200,12 @@ class DrafterLoss:
             raise ValueError(f"step_decay must be in (0, 1], got {self.step_decay!r}")
 
     @classmethod
-    def for_kind(cls, kind: str, unroll_steps: int = 1) -> DrafterLoss:
+    def for_kind(cls, kind: str, unroll_steps: int = 1, accept_weight: float = 0.0) -> DrafterLoss:
         """EAGLE's weights for ``kind``: eagle1 1.0 feature + 0.1 CE; eagle3 CE only."""
         if kind == "eagle1":
-            return cls(1.0, 0.1, unroll_steps)
+            return cls(1.0, 0.1, unroll_steps, accept_weight=accept_weight)
         if kind == "eagle3":
-            return cls(0.0, 1.0, unroll_steps)
+            return cls(0.0, 1.0, unroll_steps, accept_weight=accept_weight)
         raise ValueError(f"kind must be 'eagle1' or 'eagle3', got {kind!r}")
 
     def __call__(
@@ -174,7 +221,8 @@ class DrafterLoss:
         """One step's loss over ``N`` samples (``[N, H]`` hidden, ``[N, V_draft]`` / ``[N, V]`` logits)."""
         ce = soft_ce(draft_logits, target_logits, mask, t2d)
         feat = feature_loss(pred_hidden, target_hidden, mask) if self.feature_weight > 0 else ce.new_zeros(())
-        loss = self.feature_weight * feat + self.ce_weight * ce
+        accept = acceptance_rate(draft_logits, target_logits, mask, t2d)
+        loss = self.feature_weight * feat + self.ce_weight * ce + self.accept_weight * (1 - accept)
         with torch.no_grad():
             top1 = top1_agreement(draft_logits, target_logits, mask, d2t)
-        return LossOutput(loss, feat.detach(), ce.detach(), top1)
+        return LossOutput(loss, feat.detach(), ce.detach(), top1, accept.detach())

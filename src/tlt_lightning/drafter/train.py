@@ -290,8 +290,9 @@ def drafter_losses(
     """The (differentiable) loss of a batch and detached metrics (step-1 values plus per-step top-1).
 
     Returns:
-        ``(loss, metrics)``; metrics hold ``feature_loss``, ``ce_loss``, ``top1`` (step 1) and
-        ``top1_step{k}`` for ``k >= 2``. The loss is the ``step_decay``-weighted mean over steps.
+        ``(loss, metrics)``; metrics hold ``feature_loss``, ``ce_loss``, ``top1``, ``accept``
+        (step 1; ``accept`` is :func:`~tlt_lightning.drafter.acceptance_rate`) and ``top1_step{k}``,
+        ``accept_step{k}`` for ``k >= 2``. The loss is the ``step_decay``-weighted mean over steps.
 
     Memory: the target's logits of the ``N`` real samples on the draft vocabulary, ``[N, V_draft]``,
     are computed here (no_grad); bound ``N`` with ``batch_size`` / ``max_len``.
@@ -322,9 +323,9 @@ def drafter_losses(
         w = cfg.step_decay ** (k - 1)
         total, weight_sum = total + w * out.loss, weight_sum + w
         if k == 1:
-            metrics.update(feature_loss=out.feature_loss, ce_loss=out.ce_loss, top1=out.top1)
+            metrics.update(feature_loss=out.feature_loss, ce_loss=out.ce_loss, top1=out.top1, accept=out.accept)
         else:
-            metrics[f"top1_step{k}"] = out.top1
+            metrics[f"top1_step{k}"], metrics[f"accept_step{k}"] = out.top1, out.accept
         # The next draft token at sample i starts from this step's output at sample i - 1.
         hidden_in = torch.cat([torch.zeros_like(hidden_out[:, :1]), hidden_out[:, :-1]], dim=1)
     loss = total / weight_sum
@@ -404,7 +405,7 @@ def warmup_drafter(
         steps: optimisation steps.
         lr: AdamW learning rate (cosine-decayed to 10% over ``steps``).
         batch_size: sequences per step (rows of ``pack_budget`` samples when packing).
-        progress: show a tqdm bar with the loss and top-1 agreement.
+        progress: show a tqdm bar with the loss, top-1 agreement and acceptance at temperature 1.
         loss_cfg: objective (default :meth:`DrafterLoss.for_kind`).
         seed: shuffling seed.
         lr_warmup: steps of linear learning-rate warm-up. Use it when continuing a trained drafter:
@@ -467,7 +468,8 @@ def warmup_drafter(
             history.append(metrics)
             if on_step is not None:
                 on_step(len(history), metrics)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}", refresh=False)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}",
+                            accept=f"{metrics['accept']:.2f}", refresh=False)
             bar.update()
     except KeyboardInterrupt:  # Ctrl-C ends the warm-up early; the drafter keeps what it learned
         if not history:

@@ -10,7 +10,9 @@ measures top-1 agreement before and after. Output: ``model.safetensors`` + ``dra
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-warmup", type=int, default=0,
                    help="steps of linear learning-rate warm-up (use ~50 with --init-from)")
     p.add_argument("--unroll", type=int, default=1, help="multi-step unroll during training")
+    p.add_argument("--accept-weight", type=float, default=0.0,
+                   help="weight of the total-variation term 1 - sum(min(p, q)), which trains for the "
+                        "acceptance of sampled drafts (0 = EAGLE's objective only)")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="also save the drafter to --out every N steps (a crash keeps the last save; 0 = at the end only)")
     p.add_argument("--rollout-batch", type=int, default=64, help="requests per rollout call")
@@ -64,25 +69,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-from", default=None,
                    help="drafter checkpoint directory to continue training (its kind and draft vocabulary win)")
     p.add_argument("--rollouts-cache", default=None,
-                   help="file to reuse rollouts from (and save them to): retrain without resampling")
+                   help="file to reuse rollouts from (and save them to, after every --rollout-batch): retrain "
+                        "without resampling, or resume an interrupted sampling where it stopped")
     p.add_argument("--more-rollouts", nargs="+", default=[], metavar="CACHE",
                    help="rollout caches of other warm-ups (same model, dtype, task, sampling; other prompts or "
                         "--seed) added to the training set; the held-out tenth stays this run's own")
 
 
 def collect_rollouts(
-    engine: RolloutEngine, prompts: list[list[int]], chunk: int, seed: int
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    chunk: int,
+    seed: int,
+    done: list[Rollout] | None = None,
+    on_chunk: Callable[[list[Rollout], float], None] | None = None,
 ) -> tuple[list[Rollout], float]:
-    """Sample every prompt in chunks of ``chunk`` requests; returns the rollouts and seconds taken."""
-    rollouts: list[Rollout] = []
+    """Sample every prompt in chunks of ``chunk`` requests; returns the rollouts and seconds taken.
+
+    Chunk ``i`` (prompts ``i .. i + chunk``) draws from ``Generator().manual_seed(seed + i)``, so
+    resuming from ``done`` (the first ``len(done)`` rollouts of an earlier call, a whole number of
+    chunks) gives the same rollouts as an uninterrupted run. ``on_chunk(rollouts, seconds)`` is
+    called after every chunk (e.g. to save them). Seconds count this call only.
+    """
+    rollouts: list[Rollout] = list(done or [])
+    if len(rollouts) % chunk and len(rollouts) != len(prompts):
+        raise ValueError(f"cannot resume from {len(rollouts)} rollouts: not a whole number of chunks of {chunk}")
     start = time.perf_counter()
-    for i in range(0, len(prompts), chunk):
+    for i in range(len(rollouts), len(prompts), chunk):
         gen = torch.Generator().manual_seed(seed + i)
         rollouts += engine.generate(prompts[i : i + chunk], generator=gen, progress=True).rollouts
-        done = len(rollouts)
         tokens = sum(r.length for r in rollouts)
-        print(f"  rollouts {done}/{len(prompts)}, {tokens} tokens, {time.perf_counter() - start:.0f} s", flush=True)
+        elapsed = time.perf_counter() - start
+        print(f"  rollouts {len(rollouts)}/{len(prompts)}, {tokens} tokens, {elapsed:.0f} s", flush=True)
+        if on_chunk is not None:
+            on_chunk(rollouts, elapsed)
     return rollouts, time.perf_counter() - start
+
+
+def save_rollouts(path: Path, key: dict[str, Any], rollouts: list[Rollout], seconds: float, chunk: int) -> None:
+    """Write a rollout cache atomically (a crash mid-write keeps the previous file whole)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"key": key, "rollouts": rollouts, "seconds": seconds, "chunk": chunk}, tmp)
+    os.replace(tmp, path)
 
 
 _SAMPLING_KEYS = ("model", "dtype", "task", "max_new_tokens", "temperature", "feature_layers")
@@ -153,32 +182,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [p for p in prompts for _ in range(args.samples)]
     more = load_more_rollouts(args.more_rollouts, _cache_key(args, config))  # before sampling: fail fast
     cache = Path(args.rollouts_cache) if args.rollouts_cache else None
+    key = _cache_key(args, config)
+    done, seconds, chunk = [], 0.0, args.rollout_batch
     if cache is not None and cache.is_file():
         saved = torch.load(cache, weights_only=False)
-        if saved["key"] != _cache_key(args, config):
+        if saved["key"] != key:
             raise ValueError(f"--rollouts-cache {cache} was made with other settings: {saved['key']}")
-        rollouts, rollout_s = saved["rollouts"], saved["seconds"]
-        print(f"[drafter warmup] reusing {len(rollouts)} rollouts from {cache}", flush=True)
+        done, seconds = saved["rollouts"], saved["seconds"]
+        chunk = saved.get("chunk", chunk)  # resume in the same chunks: the same seeds, the same rollouts
+    if done and len(done) == len(prompts):
+        print(f"[drafter warmup] reusing {len(done)} rollouts from {cache}", flush=True)
+        rollouts, rollout_s = done, seconds
     else:
-        print(f"[drafter warmup] sampling {len(prompts)} rollouts of {args.model} ({args.dtype}) on {args.task} ...",
-              flush=True)
+        print(f"[drafter warmup] sampling {len(prompts) - len(done)} of {len(prompts)} rollouts of {args.model} "
+              f"({args.dtype}) on {args.task} ...", flush=True)
         sampler = target if args.dtype == "float32" else HFTarget(load_model(args.model, dtype=args.dtype).model)
         engine = RolloutEngine(sampler, RolloutConfig(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             feature_layers=config.rollout_feature_layers,
         ))
-        rollouts, rollout_s = collect_rollouts(engine, prompts, args.rollout_batch, args.seed)
+
+        def save_chunk(so_far: list[Rollout], elapsed: float) -> None:  # Ctrl-C or a crash keeps these
+            save_rollouts(cache, key, so_far, seconds + elapsed, chunk)
+
+        rollouts, rollout_s = collect_rollouts(engine, prompts, chunk, args.seed, done,
+                                               None if cache is None else save_chunk)
+        rollout_s += seconds
         del sampler, engine
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"key": _cache_key(args, config), "rollouts": rollouts, "seconds": rollout_s}, cache)
     held_out = max(1, len(rollouts) // 10)
     train, valid = rollouts[held_out:] + more, rollouts[:held_out]
 
     counts = torch.bincount(torch.cat([r.token_ids for r in train]), minlength=target.info.vocab_size)
     if not args.init_from:
         drafter = Drafter(config, target, token_counts=counts if config.reduced_vocab else None)
-    loss_cfg = DrafterLoss.for_kind(args.kind, unroll_steps=args.unroll)
+    loss_cfg = DrafterLoss.for_kind(args.kind, unroll_steps=args.unroll, accept_weight=args.accept_weight)
     valid_batches = make_batches(valid, config, args.batch_size, shuffle=False, max_len=args.max_len)
     before = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
     print(f"[drafter warmup] {drafter.num_trainable_parameters() / 1e6:.2f}M trainable parameters "
@@ -202,7 +239,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload = {
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "train_dtype": args.train_dtype, "init_from": args.init_from,
-        "unroll": args.unroll, "pack": args.pack, "task": args.task, "kind": args.kind, "machine": machine_info(),
+        "unroll": args.unroll, "accept_weight": args.accept_weight, "pack": args.pack, "task": args.task,
+        "kind": args.kind, "machine": machine_info(),
         "rollouts": len(rollouts), "more_rollouts": len(more), "train_tokens": sum(r.length for r in train),
         "rollout_seconds": rollout_s, "train_seconds": train_s,
         "trainable_parameters": drafter.num_trainable_parameters(),
@@ -212,5 +250,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     write_json(out / "warmup.json", payload)
     plot(history, out / "warmup.png")
-    print(f"[drafter warmup] held-out top-1 {before['top1']:.3f} -> {after['top1']:.3f}; saved to {out}", flush=True)
+    print(f"[drafter warmup] held-out top-1 {before['top1']:.3f} -> {after['top1']:.3f}, acceptance at T=1 "
+          f"{before['accept']:.3f} -> {after['accept']:.3f}; saved to {out}", flush=True)
     return payload
