@@ -287,7 +287,7 @@ class ConcatCache:
 def drafter_losses(
     drafter: Drafter, target: TargetModel, batch: DrafterBatch, loss_cfg: DrafterLoss | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The (differentiable) loss of a batch and detached metrics (step-1 values plus per-step top-1).
+    """The (differentiable) loss of a batch and detached metrics (step 1's, and top-1 / acceptance per step).
 
     Returns:
         ``(loss, metrics)``; metrics hold ``feature_loss``, ``ce_loss``, ``top1``, ``accept``
@@ -323,7 +323,8 @@ def drafter_losses(
         w = cfg.step_decay ** (k - 1)
         total, weight_sum = total + w * out.loss, weight_sum + w
         if k == 1:
-            metrics.update(feature_loss=out.feature_loss, ce_loss=out.ce_loss, top1=out.top1, accept=out.accept)
+            metrics.update(feature_loss=out.feature_loss, ce_loss=out.ce_loss, top1=out.top1,
+                           accept=out.accept)
         else:
             metrics[f"top1_step{k}"], metrics[f"accept_step{k}"] = out.top1, out.accept
         # The next draft token at sample i starts from this step's output at sample i - 1.

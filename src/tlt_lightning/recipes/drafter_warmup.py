@@ -3,7 +3,7 @@
 The target samples responses to task prompts (temperature 1, as in RL), the rollout engine keeps
 the hidden states of the forward passes it already runs, and the drafter learns to predict the
 target's next feature and next-token distribution from them. A held-out tenth of the rollouts
-measures top-1 agreement before and after. Output: ``model.safetensors`` + ``drafter_config.json``
+measures top-1 agreement and acceptance at temperature 1 before and after. Output: ``model.safetensors`` + ``drafter_config.json``
 (loadable with :func:`~tlt_lightning.drafter.load_drafter`), ``warmup.json`` and ``warmup.png``.
 """
 
@@ -151,8 +151,10 @@ def plot(history: list[dict[str, float]], path: Path) -> Path:
     steps = range(1, len(history) + 1)
     a.plot(steps, [h["loss"] for h in history], lw=0.8)
     a.set(xlabel="step", ylabel="loss", title="Drafter warm-up loss", yscale="log")
-    b.plot(steps, [h["top1"] for h in history], lw=0.8)
-    b.set(xlabel="step", ylabel="top-1 agreement (train batch)", title="Top-1 agreement with the target")
+    b.plot(steps, [h["top1"] for h in history], lw=0.8, label="top-1 agreement (greedy acceptance)")
+    b.plot(steps, [h["accept"] for h in history], lw=0.8, label="acceptance at T=1")
+    b.set(xlabel="step", ylabel="train batch, draft step 1", title="Agreement with the target")
+    b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
