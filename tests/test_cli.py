@@ -87,6 +87,19 @@ def test_default_config_is_the_real_model_on_the_default_task(capsys):
     assert trainer["logger"]["init_args"]["tracking_uri"] == "sqlite:///runs/mlflow.db"
     callbacks = {c["class_path"] for c in trainer["callbacks"]}
     assert {"tlt_lightning.fit.GRPOProgressBar", "lightning.pytorch.callbacks.ModelCheckpoint"} <= callbacks
+    assert model["rollout_dtype"] == "auto"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default follows the GPU where there is one")
+@pytest.mark.parametrize(("flags", "precision"), [(["amx_bf16"], "bf16-mixed"), ([], "32-true")])
+def test_training_precision_defaults_to_what_pays_on_this_cpu(monkeypatch, capsys, flags, precision):
+    monkeypatch.setattr("tlt_lightning.models.hardware.cpu_bf16_instructions", lambda: flags)
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", SMOLLM2, "--print_config"])
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["precision"] == precision
+    with pytest.raises(SystemExit):  # a flag (or the config) still decides
+        cli.main(["fit", "--config", SMOLLM2, "--trainer.precision=bf16-mixed", "--print_config"])
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["precision"] == "bf16-mixed"
 
 
 def test_global_threads_option_is_split_off_before_fit():
@@ -220,7 +233,7 @@ def test_fit_default_config_one_small_step_on_smollm2(tmp_path, monkeypatch):
     # drafter, which then trains 4 paid steps (a single worker) and is published.
     assert metrics["rollout/accept_length"] >= 1.0
     assert metrics["drafter/paid_steps"] == 4 and metrics["drafter/version"] == 1
-    assert params["rollout_dtype"] == "bfloat16"
+    assert params["rollout_dtype"] == "auto"
     assert params["model"] == "smollm2-135m" and params["task/name"] == "chain_sum"
     assert params["task/easy"] == "True" and params["max_new_tokens"] == "16"
     (checkpoint,) = (tmp_path / "fit").glob(f"*/{run.info.run_id}/checkpoints/*.ckpt")

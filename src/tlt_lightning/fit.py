@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 
+from tlt_lightning.models import training_precision
 from tlt_lightning.rl.module import GRPOModule
 
 __all__ = [
@@ -221,7 +222,9 @@ class TrackingSaveConfig(SaveConfigCallback):
 class GRPOCLI(LightningCLI):
     """``LightningCLI`` for :class:`~tlt_lightning.rl.GRPOModule`, with only the ``fit`` subcommand.
 
-    Adds ``--threads`` (torch intra-op threads, set before anything is built). The optimizer is the
+    Adds ``--threads`` (torch intra-op threads, set before anything is built), and defaults
+    ``--trainer.precision`` to the one that pays here (:func:`~tlt_lightning.models.training_precision`:
+    ``bf16-mixed`` where bf16 products are native, else ``32-true``). The optimizer is the
     module's own (AdamW with ``model.lr``), so no ``--optimizer`` section is added.
 
     Example:
@@ -251,6 +254,10 @@ class GRPOCLI(LightningCLI):
             "--threads", type=int | None, default=None,
             help="torch intra-op threads (on shared 2-core machines 1 is often faster than 2)",
         )
+        # Unless a config or flag says otherwise, train in the precision that pays on this machine:
+        # bf16 autocast where bf16 products are native (AMX / AVX512-BF16 CPUs, GPUs), else fp32.
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        parser.set_defaults({"trainer.precision": training_precision(device)})
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand

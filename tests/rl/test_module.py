@@ -297,8 +297,18 @@ def test_bf16_rollout_mirror_follows_the_policy():
     # bf16 sampling, fp32 training: the log-probabilities differ, within the 16-bit tolerance.
     assert all(0 < d < 0.2 for d in record.drifts)
     assert all(k.startswith("policy.") for k in module.state_dict())  # the mirror is not checkpointed
-    with pytest.raises(ValueError, match="rollout_dtype must be 'float32', 'bfloat16', 'float16' or None"):
+    with pytest.raises(ValueError, match="rollout_dtype must be 'auto', 'float32', 'bfloat16', 'float16' or None"):
         make_module(rollout_dtype="int8")
+
+
+@pytest.mark.parametrize(("flags", "mirror"), [(["avx512_bf16"], torch.bfloat16), ([], None)])
+def test_auto_rollout_dtype_mirrors_in_bf16_only_where_bf16_is_native(monkeypatch, flags, mirror):
+    monkeypatch.setattr("tlt_lightning.models.hardware.cpu_bf16_instructions", lambda: flags)
+    module = make_module(rollout_dtype="auto")
+    make_trainer(1).fit(module)
+    assert module.hparams.rollout_dtype == "auto"
+    assert module.rollout_dtype == ("bfloat16" if mirror else "float32")
+    assert (module.rollout_policy.dtype if module.rollout_policy is not None else None) == mirror
 
 
 # ---------------------------------------------------------------------------------- DDP

@@ -13,22 +13,9 @@ from typing import Any
 
 import torch
 
+from tlt_lightning.models.hardware import cpu_bf16_instructions, cpu_info
+
 __all__ = ["machine_info", "median", "save_figure", "task_prompts", "timed", "write_json"]
-
-
-def _cpuinfo(field: str) -> str:
-    """The first ``field`` line of ``/proc/cpuinfo`` (Linux only; empty elsewhere)."""
-    try:
-        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(field))
-    except (OSError, StopIteration):
-        return ""
-    return line.partition(":")[2].strip()
-
-
-def _cpu_bf16_support() -> list[str]:
-    """Which bf16 matrix instructions the CPU has (``amx_bf16``, ``avx512_bf16``): they decide
-    whether bfloat16 decoding is faster than float32 here (Linux only; empty elsewhere)."""
-    return sorted({"amx_bf16", "avx512_bf16"} & set(_cpuinfo("flags").split()))
 
 
 def machine_info() -> dict[str, Any]:
@@ -39,8 +26,9 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "processor": platform.processor() or platform.machine(),
-        "cpu_model": _cpuinfo("model name") or None,
-        "cpu_bf16": _cpu_bf16_support(),
+        "cpu_model": cpu_info("model name") or None,
+        # The bf16 matrix instructions decide whether bfloat16 decoding is faster than float32 here.
+        "cpu_bf16": cpu_bf16_instructions(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 

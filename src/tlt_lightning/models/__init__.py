@@ -7,6 +7,7 @@ needs torchtune, and accessing them without it raises an ``ImportError`` naming 
 
 from typing import Any
 
+from tlt_lightning.models.hardware import has_fast_bf16, resolve_dtype, training_precision
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.registry import LoadedModel, ModelNotFoundError, available_models, cache_dir, load_model
 from tlt_lightning.models.target import HFTarget, TargetInfo, TargetModel, TargetOutput, default_feature_layers
@@ -22,7 +23,10 @@ __all__ = [
     "available_models",
     "cache_dir",
     "default_feature_layers",
+    "has_fast_bf16",
     "load_model",
+    "resolve_dtype",
+    "training_precision",
 ]
 
 _TORCHTUNE = ("TorchtuneTarget", "torchtune_from_hf")

@@ -58,7 +58,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import nn
 
 from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter
-from tlt_lightning.models import HFTarget, TargetModel, load_model
+from tlt_lightning.models import HFTarget, TargetModel, load_model, resolve_dtype
 from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs, policy_batch
 from tlt_lightning.rl.grpo import AGGREGATIONS, GRPOLossOutput, group_advantages, grpo_loss
 from tlt_lightning.rl.sources import IndexDataset, PromptIndexLoader, PromptSource, TaskPromptSource
@@ -124,7 +124,9 @@ class GRPOModule(L.LightningModule):
         dtype: parameter dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         rollout_dtype: sample the rollouts on a copy of the policy in this dtype, refreshed after
             every optimizer step (``"bfloat16"``: fast CPU/GPU decoding with fp32 training);
-            ``None``: on the policy itself.
+            ``"auto"``: bf16 where the device multiplies it natively, else the policy itself
+            (:func:`~tlt_lightning.models.resolve_dtype`; resolved in ``configure_model`` as
+            ``self.rollout_dtype``); ``None``: on the policy itself.
         task: the reasoning-gym task (a :class:`~tlt_lightning.rl.tasks.TaskConfig` or its fields
             as a dict; default ``TaskConfig()``). Ignored when a ``prompt_source`` is given.
         group_size: ``G``, rollouts per prompt.
@@ -243,8 +245,8 @@ class GRPOModule(L.LightningModule):
         _check(max_grad_norm is None or max_grad_norm > 0, "max_grad_norm", max_grad_norm, "> 0 or None")
         _check(logprob_tolerance is None or logprob_tolerance > 0, "logprob_tolerance", logprob_tolerance,
                "> 0 or None")
-        _check(rollout_dtype in (None, "float32", "bfloat16", "float16"), "rollout_dtype", rollout_dtype,
-               "'float32', 'bfloat16', 'float16' or None")
+        _check(rollout_dtype in (None, "auto", "float32", "bfloat16", "float16"), "rollout_dtype", rollout_dtype,
+               "'auto', 'float32', 'bfloat16', 'float16' or None")
         _check(drafter_kind in (None, "eagle1", "eagle3"), "drafter_kind", drafter_kind,
                "'eagle1', 'eagle3' or None")
         _check(prompt_source is None or isinstance(prompt_source, PromptSource), "prompt_source",
@@ -263,6 +265,7 @@ class GRPOModule(L.LightningModule):
         self.last_rollout: RolloutResult | None = None
         self.policy: nn.Module | None = None  # built in configure_model (no I/O here)
         self.reference: nn.Module | None = None
+        self.rollout_dtype: str | None = rollout_dtype  # "auto" resolves in configure_model
         self.rollout_policy: nn.Module | None = None  # the rollout_dtype mirror, when there is one
         self.rollout_target: TargetModel | None = None
         self.policy_target: TargetModel | None = None
@@ -285,8 +288,10 @@ class GRPOModule(L.LightningModule):
         hp = self.hparams
         self.policy, self.tokenizer, self.policy_target = self.configure_policy()
         self.rollout_target = self.policy_target
-        if hp.rollout_dtype not in (None, hp.dtype):
-            mirror = copy.deepcopy(self.policy).to(getattr(torch, hp.rollout_dtype))
+        device = self.trainer.strategy.root_device if self._trainer is not None else self.device
+        self.rollout_dtype = resolve_dtype(hp.rollout_dtype, device)
+        if self.rollout_dtype not in (None, hp.dtype):
+            mirror = copy.deepcopy(self.policy).to(getattr(torch, self.rollout_dtype))
             self.rollout_policy = mirror.eval().requires_grad_(False)
             self.rollout_target = self.make_target(self.rollout_policy)
         if hp.kl_coef > 0:
@@ -520,7 +525,7 @@ class GRPOModule(L.LightningModule):
                 rows = torch.zeros(1, dtype=torch.long, device=self.device)
         chunks = rows.split(hp.micro_batch_size or rows.numel())
         check_logprobs = hp.check_logprobs and hp.top_p == 1 and hp.top_k == 0
-        full = hp.dtype == "float32" and hp.rollout_dtype in (None, "float32")
+        full = hp.dtype == "float32" and self.rollout_dtype in (None, "float32")
         tolerance = hp.logprob_tolerance or (0.01 if full else 0.2)
         sums = dict.fromkeys(("loss", "pg_loss", "kl", "clip", "ratio", "tokens", "drift"), 0.0)
         finite = True

@@ -1,0 +1,59 @@
+"""Which precision pays on this machine: bf16 only where the hardware multiplies it natively.
+
+bf16 halves the bytes a decode step reads, but a CPU without bf16 matrix instructions converts
+every product to fp32 first: on an AVX-512 Xeon without them SmolLM2 decoded 2.5x slower in bf16
+than in fp32 at batch 32 (docs/benchmarks.md, "A CPU without bf16 units"), while on CPUs with
+AMX or AVX512-BF16, and on GPUs, bf16 is the faster one. ``"auto"`` settings resolve here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+__all__ = ["cpu_bf16_instructions", "cpu_info", "has_fast_bf16", "resolve_dtype", "training_precision"]
+
+BF16_INSTRUCTIONS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_info(field: str) -> str:
+    """The value of the first ``field`` line of ``/proc/cpuinfo`` (Linux only; ``""`` elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    line = next((line for line in lines if line.startswith(field)), "")
+    return line.partition(":")[2].strip()
+
+
+def cpu_bf16_instructions() -> list[str]:
+    """The bf16 matrix instructions this CPU has, of ``amx_bf16`` and ``avx512_bf16``."""
+    return sorted(set(BF16_INSTRUCTIONS) & set(cpu_info("flags").split()))
+
+
+def has_fast_bf16(device: torch.device | str = "cpu") -> bool:
+    """Whether bf16 matrix products run natively on ``device`` (a CUDA GPU that supports bf16, or
+    a CPU with AMX or AVX512-BF16)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and bool(cpu_bf16_instructions())
+
+
+def resolve_dtype(name: str | None, device: torch.device | str = "cpu") -> str | None:
+    """``"auto"`` -> ``"bfloat16"`` where :func:`has_fast_bf16`, else ``"float32"``; other names as given.
+
+    Example:
+        >>> resolve_dtype("float16")
+        'float16'
+    """
+    if name != "auto":
+        return name
+    return "bfloat16" if has_fast_bf16(device) else "float32"
+
+
+def training_precision(device: torch.device | str = "cpu") -> str:
+    """Lightning's ``Trainer(precision=)`` that pays on ``device``: ``"bf16-mixed"`` where
+    :func:`has_fast_bf16`, else ``"32-true"``."""
+    return "bf16-mixed" if has_fast_bf16(device) else "32-true"

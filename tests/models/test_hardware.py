@@ -1,0 +1,23 @@
+import pytest
+import torch
+
+from tlt_lightning.models import hardware, has_fast_bf16, resolve_dtype, training_precision
+
+
+@pytest.mark.parametrize(
+    ("flags", "fast"), [("fpu avx512f avx512_bf16", True), ("fpu amx_tile amx_bf16", True), ("fpu avx512f", False)]
+)
+def test_bf16_pays_only_with_native_bf16_instructions(monkeypatch, flags, fast):
+    monkeypatch.setattr(hardware, "cpu_info", lambda field: flags if field == "flags" else "")
+    assert has_fast_bf16("cpu") is fast
+    assert resolve_dtype("auto") == ("bfloat16" if fast else "float32")
+    assert training_precision() == ("bf16-mixed" if fast else "32-true")
+    # Explicit choices are kept whatever the machine.
+    assert resolve_dtype("bfloat16") == "bfloat16" and resolve_dtype(None) is None
+
+
+def test_this_machine_is_described():
+    assert set(hardware.cpu_bf16_instructions()) <= {"amx_bf16", "avx512_bf16"}
+    assert hardware.cpu_info("no such field") == ""
+    if not torch.cuda.is_available():
+        assert has_fast_bf16("cuda") is False
