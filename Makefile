@@ -12,7 +12,7 @@ setup:
 	VENV=$(VENV) EXTRAS=$(EXTRAS) bash scripts/setup.sh
 
 ## Main job on its default config: GRPO on the real SmolLM2-135M, reasoning-gym chain_sum, CPU
-## (~10 minutes with 1 thread), tracked in MLflow (runs/mlflow.db).
+## (5-20 minutes with 1 thread, by CPU), tracked in MLflow (runs/mlflow.db).
 demo: setup
 	$(VENV)/bin/tlt-lightning --threads $(THREADS) fit --config configs/grpo_smollm2.yaml
 
