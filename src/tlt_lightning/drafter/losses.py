@@ -221,7 +221,9 @@ class DrafterLoss:
         """One step's loss over ``N`` samples (``[N, H]`` hidden, ``[N, V_draft]`` / ``[N, V]`` logits)."""
         ce = soft_ce(draft_logits, target_logits, mask, t2d)
         feat = feature_loss(pred_hidden, target_hidden, mask) if self.feature_weight > 0 else ce.new_zeros(())
-        accept = acceptance_rate(draft_logits, target_logits, mask, t2d)
+        # A metric only, unless it is trained on: no graph for it then.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.accept_weight > 0):
+            accept = acceptance_rate(draft_logits, target_logits, mask, t2d)
         loss = self.feature_weight * feat + self.ce_weight * ce + self.accept_weight * (1 - accept)
         with torch.no_grad():
             top1 = top1_agreement(draft_logits, target_logits, mask, d2t)
