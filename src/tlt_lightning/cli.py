@@ -8,6 +8,7 @@
     tlt-lightning bench e2e [--drafter DIR] ...       GRPO steps with TLT vs the identical run without it
     tlt-lightning bench spot [--drafter DIR] ...      spot drafter training: packing, preemption, 2-rank DDP overhead
     tlt-lightning bench efficiency --part P ...       importance sampling / distillation / INT4 QAT vs baselines
+    tlt-lightning bench layout [--drafter DIR] ...    linear weights stored [out, in] vs [in, out], side by side
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning export-drafter CKPT OUT [--model M]  drafter checkpoint -> EAGLE dir for vLLM / SGLang
     tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune-style recipe config
@@ -35,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     from tlt_lightning.bench import checkpoint as bench_checkpoint
     from tlt_lightning.bench import e2e as bench_e2e
     from tlt_lightning.bench import efficiency as bench_efficiency
+    from tlt_lightning.bench import layout as bench_layout
     from tlt_lightning.bench import rollout as bench_rollout
     from tlt_lightning.bench import spot as bench_spot
     from tlt_lightning.bench import strategies as bench_strategies
@@ -70,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
 
     bench_efficiency.add_arguments(
         bench.add_parser("efficiency", help="importance sampling / hierarchical distillation / INT4 QAT vs baselines")
+    )
+
+    bench_layout.add_arguments(
+        bench.add_parser("layout", help="linear weights stored [out, in] vs [in, out]: plain and speculative decoding")
     )
 
     drafter = sub.add_parser("drafter", help="drafter tools").add_subparsers(dest="drafter", required=True)
@@ -176,6 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tlt_lightning.bench import efficiency
 
         efficiency.run(args)
+    elif args.command == "bench" and args.bench == "layout":
+        from tlt_lightning.bench import layout
+
+        layout.run(args)
     elif args.command == "drafter" and args.drafter == "warmup":
         from tlt_lightning.recipes import drafter_warmup
 

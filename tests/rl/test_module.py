@@ -311,6 +311,22 @@ def test_auto_rollout_dtype_mirrors_in_bf16_only_where_bf16_is_native(monkeypatc
     assert (module.rollout_policy.dtype if module.rollout_policy is not None else None) == mirror
 
 
+@pytest.mark.parametrize(("layout", "rollout_dtype", "column_major"),
+                         [("in_out", None, True), ("out_in", None, False), ("in_out", "bfloat16", True)])
+def test_weight_layout_of_the_rollout_model(layout, rollout_dtype, column_major):
+    module = make_module(weight_layout=layout, rollout_dtype=rollout_dtype)
+    make_trainer(1).fit(module)  # trains through the relaid weights
+    rollout_model = module.policy if module.rollout_policy is None else module.rollout_policy
+    q_proj = rollout_model.model.layers[0].self_attn.q_proj.weight
+    assert module.rollout_target.weight_layout == ("in_out" if column_major else "out_in")
+    assert q_proj.is_contiguous() != column_major
+    # With a bf16 mirror only the mirror is relaid; the trained fp32 policy keeps PyTorch's layout.
+    policy_q_proj = module.policy.model.layers[0].self_attn.q_proj.weight
+    assert policy_q_proj.is_contiguous() != (rollout_dtype is None and column_major)
+    with pytest.raises(ValueError, match="weight_layout must be one of"):
+        make_module(weight_layout="auto")
+
+
 # ---------------------------------------------------------------------------------- DDP
 
 

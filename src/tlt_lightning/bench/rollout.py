@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tlt_lightning.bench.common import machine_info, median, save_figure, task_prompts, timed, write_json
-from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.models import WEIGHT_LAYOUTS, HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
 
 __all__ = ["add_arguments", "hf_generate", "length_summary", "run"]
@@ -123,6 +123,8 @@ def plot(long_tail: RolloutResult | None, batches: list[dict[str, Any]], path: P
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--weight-layout", default="out_in", choices=WEIGHT_LAYOUTS,
+                   help="storage of the linear weights ([in, out]: see `bench layout`)")
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 128])
     p.add_argument("--max-new-tokens", type=int, default=128, help="per request, fixed-batch workload")
@@ -165,6 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
     model, tokenizer = loaded.model, loaded.tokenizer
     target = HFTarget(model)
+    target.set_weight_layout(args.weight_layout)
     count = max([*args.batch_sizes, args.long_tail_requests, 1])
     prompts = task_prompts(tokenizer, args.task, count, seed=args.seed)
     greedy = RolloutEngine(target, RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=0.0))
@@ -183,7 +186,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "benchmark": "rollout",
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "task": args.task, "machine": machine_info(),
+        "model": args.model, "dtype": args.dtype, "weight_layout": target.weight_layout, "task": args.task,
+        "machine": machine_info(),
         "batches": batches,
     }
     if args.long_tail_requests:

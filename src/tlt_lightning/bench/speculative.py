@@ -187,6 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
     target = HFTarget(loaded.model)
+    target.set_weight_layout(args.weight_layout)
     drafters = {name: load_drafter(path, target).eval() for name, path in zip(names, args.drafter)}
     # One drafter: results are labelled by arm, as before; several: DIRNAME/ARM.
     runs = [(f"{name}/{arm}" if len(drafters) > 1 else str(arm), drafter, arm)
@@ -198,7 +199,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "benchmark": "rollout-speculative",
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "task": args.task, "drafter": args.drafter[0],
+        "model": args.model, "dtype": args.dtype, "weight_layout": target.weight_layout, "task": args.task,
+        "drafter": args.drafter[0],
         "drafters": args.drafter, "strategy": str(arms[0]), "strategies": [label for label, _, _ in runs],
         "temperature": args.temperature,
         "machine": machine_info(), "batches": [],

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from tlt_lightning.bench.common import machine_info, median, task_prompts, timed, write_json
 from tlt_lightning.drafter import load_drafter
-from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.models import WEIGHT_LAYOUTS, HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig
 from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
 from tlt_lightning.scheduling.bandit import BEGMABStrategy, arm_key, default_arms, parse_arm
@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="drafter checkpoint directory (from `drafter warmup`)")
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--weight-layout", default="out_in", choices=WEIGHT_LAYOUTS,
+                   help="storage of the linear weights ([in, out]: see `bench layout`)")
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
     p.add_argument("--requests", type=int, default=128, help="prompts in the long-tail rollout")
     p.add_argument("--groups", type=int, default=1,
@@ -198,6 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
     target = HFTarget(loaded.model)
+    target.set_weight_layout(args.weight_layout)
     drafter = load_drafter(args.drafter, target).eval()
     n = args.requests
     g = args.groups
@@ -239,7 +242,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload = {
         "benchmark": "strategies-long-tail",
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "task": args.task, "drafter": str(args.drafter),
+        "model": args.model, "dtype": args.dtype, "weight_layout": target.weight_layout, "task": args.task,
+        "drafter": str(args.drafter),
         "requests": n, "groups": g, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "threshold": args.threshold, "warm_rollouts": args.warm_rollouts, "machine": machine_info(),
         "best_fixed": best, "worst_fixed": worst,

@@ -9,6 +9,7 @@ from typing import Any
 
 from tlt_lightning.models.hardware import has_fast_bf16, resolve_dtype, training_precision
 from tlt_lightning.models.kv_cache import KVCache
+from tlt_lightning.models.layout import WEIGHT_LAYOUTS, set_weight_layout
 from tlt_lightning.models.registry import LoadedModel, ModelNotFoundError, available_models, cache_dir, load_model
 from tlt_lightning.models.target import HFTarget, TargetInfo, TargetModel, TargetOutput, default_feature_layers
 
@@ -20,12 +21,14 @@ __all__ = [
     "TargetInfo",
     "TargetModel",
     "TargetOutput",
+    "WEIGHT_LAYOUTS",
     "available_models",
     "cache_dir",
     "default_feature_layers",
     "has_fast_bf16",
     "load_model",
     "resolve_dtype",
+    "set_weight_layout",
     "training_precision",
 ]
 

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from tlt_lightning.models.kv_cache import KVCache
+from tlt_lightning.models.layout import column_major, set_weight_layout
 
 __all__ = ["HFTarget", "TargetInfo", "TargetModel", "TargetOutput", "begin_forward", "default_feature_layers"]
 
@@ -149,6 +151,8 @@ class HFTarget(nn.Module):
             max_positions=config.max_position_embeddings,
             eos_token_ids=_eos_ids(model),
         )
+        self.weight_layout = "out_in"
+        self._head_copy: tuple[tuple[int, int], torch.Tensor] | None = None
 
     @property
     def hf_config(self) -> PretrainedConfig:
@@ -168,7 +172,24 @@ class HFTarget(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` final hidden states -> ``[..., V]`` logits."""
-        return self.model.get_output_embeddings()(hidden)
+        head = self.model.get_output_embeddings()
+        if self.weight_layout == "out_in" or not head.weight.is_contiguous() or torch.is_grad_enabled():
+            return head(hidden)
+        # A head tied to the embedding stays row-major (set_weight_layout): multiply by a
+        # column-major copy, refreshed when the weights change in place (RL updates).
+        key = (head.weight.data_ptr(), head.weight._version)
+        if self._head_copy is None or self._head_copy[0] != key:
+            with torch.inference_mode(False):
+                self._head_copy = (key, column_major(head.weight.detach()))
+        return F.linear(hidden, self._head_copy[1], head.bias)
+
+    def set_weight_layout(self, layout: str) -> int:
+        """Store the model's linear weights ``"out_in"`` (PyTorch's) or ``"in_out"``, see
+        :mod:`tlt_lightning.models.layout`; returns how many changed. With ``"in_out"`` a tied LM
+        head gets a column-major copy for decoding (one more ``V x H`` tensor)."""
+        changed = set_weight_layout(self.model, layout)
+        self.weight_layout, self._head_copy = layout, None
+        return changed
 
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         i = self.info

@@ -58,7 +58,14 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import nn
 
 from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter
-from tlt_lightning.models import HFTarget, TargetModel, load_model, resolve_dtype
+from tlt_lightning.models import (
+    WEIGHT_LAYOUTS,
+    HFTarget,
+    TargetModel,
+    load_model,
+    resolve_dtype,
+    set_weight_layout,
+)
 from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs, policy_batch
 from tlt_lightning.rl.grpo import AGGREGATIONS, GRPOLossOutput, group_advantages, grpo_loss
 from tlt_lightning.rl.sources import IndexDataset, PromptIndexLoader, PromptSource, TaskPromptSource
@@ -127,6 +134,9 @@ class GRPOModule(L.LightningModule):
             ``"auto"``: bf16 where the device multiplies it natively, else the policy itself
             (:func:`~tlt_lightning.models.resolve_dtype`; resolved in ``configure_model`` as
             ``self.rollout_dtype``); ``None``: on the policy itself.
+        weight_layout: how the rollout model stores its linear weights: ``"out_in"`` (PyTorch's) or
+            ``"in_out"`` (cheaper verification of 4+ drafted tokens on some CPUs, dearer plain
+            decoding of large batches: :mod:`tlt_lightning.models.layout`). Values are unchanged.
         task: the reasoning-gym task (a :class:`~tlt_lightning.rl.tasks.TaskConfig` or its fields
             as a dict; default ``TaskConfig()``). Ignored when a ``prompt_source`` is given.
         group_size: ``G``, rollouts per prompt.
@@ -195,6 +205,7 @@ class GRPOModule(L.LightningModule):
         model: str = "smollm2-135m",
         dtype: str = "float32",
         rollout_dtype: str | None = None,
+        weight_layout: str = "out_in",
         task: TaskConfig | dict[str, Any] | None = None,
         group_size: int = 4,
         prompts_per_step: int = 4,
@@ -247,6 +258,7 @@ class GRPOModule(L.LightningModule):
                "> 0 or None")
         _check(rollout_dtype in (None, "auto", "float32", "bfloat16", "float16"), "rollout_dtype", rollout_dtype,
                "'auto', 'float32', 'bfloat16', 'float16' or None")
+        _check(weight_layout in WEIGHT_LAYOUTS, "weight_layout", weight_layout, f"one of {WEIGHT_LAYOUTS}")
         _check(drafter_kind in (None, "eagle1", "eagle3"), "drafter_kind", drafter_kind,
                "'eagle1', 'eagle3' or None")
         _check(prompt_source is None or isinstance(prompt_source, PromptSource), "prompt_source",
@@ -294,6 +306,11 @@ class GRPOModule(L.LightningModule):
             mirror = copy.deepcopy(self.policy).to(getattr(torch, self.rollout_dtype))
             self.rollout_policy = mirror.eval().requires_grad_(False)
             self.rollout_target = self.make_target(self.rollout_policy)
+        if isinstance(self.rollout_target, HFTarget):
+            self.rollout_target.set_weight_layout(hp.weight_layout)  # a tied LM head gets a column-major copy
+        else:
+            rollout_model = self.policy if self.rollout_policy is None else self.rollout_policy
+            set_weight_layout(rollout_model, hp.weight_layout)
         if hp.kl_coef > 0:
             reference = load_model(hp.model, dtype=hp.dtype, seed=hp.seed).model
             self.reference = reference.eval().requires_grad_(False)
