@@ -57,7 +57,8 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
         ax.text(j, max(r["out_in_tokens_per_s"], r["in_out_tokens_per_s"]), f"x{r['speedup']:.2f}",
                 ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), [r["workload"] for r in rows], fontsize=8)
-    ax.set(ylabel="tokens / s", title=f"Weight layout, {payload['model']} {payload['dtype']}, T={payload['temperature']:g}")
+    title = f"Weight layout, {payload['model']} {payload['dtype']}, T={payload['temperature']:g}"
+    ax.set(ylabel="tokens / s", title=title)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
 

@@ -306,9 +306,9 @@ class GRPOModule(L.LightningModule):
             mirror = copy.deepcopy(self.policy).to(getattr(torch, self.rollout_dtype))
             self.rollout_policy = mirror.eval().requires_grad_(False)
             self.rollout_target = self.make_target(self.rollout_policy)
-        if isinstance(self.rollout_target, HFTarget):
+        if hp.weight_layout != "out_in" and isinstance(self.rollout_target, HFTarget):
             self.rollout_target.set_weight_layout(hp.weight_layout)  # a tied LM head gets a column-major copy
-        else:
+        elif hp.weight_layout != "out_in":
             rollout_model = self.policy if self.rollout_policy is None else self.rollout_policy
             set_weight_layout(rollout_model, hp.weight_layout)
         if hp.kl_coef > 0:
