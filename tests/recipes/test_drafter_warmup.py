@@ -1,13 +1,12 @@
 import json
 
 import pytest
-import torch
 
 from tlt_lightning.cli import main
 from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
-from tlt_lightning.recipes.drafter_warmup import collect_rollouts, save_rollouts
-from tlt_lightning.rollout import RolloutConfig, RolloutEngine
+from tlt_lightning.recipes.drafter_warmup import collect_rollouts
+from tlt_lightning.rollout import RolloutConfig, RolloutEngine, load_rollouts, save_rollouts
 
 
 class _Stop(Exception):
@@ -19,18 +18,18 @@ def test_interrupted_sampling_resumes_to_the_same_rollouts(tiny_llama, tmp_path)
     engine = RolloutEngine(tiny_llama, RolloutConfig(max_new_tokens=6, temperature=1.0))
     prompts = [[1, 2 + i, 3] for i in range(5)]
     whole, _ = collect_rollouts(engine, prompts, chunk=2, seed=3)
-    path = tmp_path / "cache.pt"
+    path = tmp_path / "cache.safetensors"
 
     def save_then_crash(so_far, seconds):
-        save_rollouts(path, {"k": 1}, so_far, seconds, chunk=2)
+        save_rollouts(path, so_far, {"seconds": seconds, "chunk": 2})
         if len(so_far) == 2:
             raise _Stop
 
     with pytest.raises(_Stop):
         collect_rollouts(engine, prompts, chunk=2, seed=3, on_chunk=save_then_crash)
-    saved = torch.load(path, weights_only=False)
-    assert len(saved["rollouts"]) == 2 and saved["chunk"] == 2 and not path.with_name("cache.pt.tmp").exists()
-    resumed, _ = collect_rollouts(engine, prompts, chunk=2, seed=3, done=saved["rollouts"])
+    saved, meta = load_rollouts(path)
+    assert len(saved) == 2 and meta["chunk"] == 2 and not path.with_name("cache.safetensors.tmp").exists()
+    resumed, _ = collect_rollouts(engine, prompts, chunk=2, seed=3, done=saved)
     assert [r.token_ids.tolist() for r in resumed] == [r.token_ids.tolist() for r in whole]
     with pytest.raises(ValueError, match="cannot resume from 3 rollouts: not a whole number of chunks of 2"):
         collect_rollouts(engine, prompts, chunk=2, seed=3, done=whole[:3])
@@ -39,19 +38,19 @@ def test_interrupted_sampling_resumes_to_the_same_rollouts(tiny_llama, tmp_path)
 @pytest.mark.slow
 def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     """The two commands chained on SmolLM2 with tiny settings: artefacts exist and reload."""
-    out, cache = tmp_path / "drafter", tmp_path / "rollouts.pt"
+    out, cache = tmp_path / "drafter", tmp_path / "rollouts.safetensors"
     args = ["--threads", "1", "drafter", "warmup", "--task", "countdown", "--prompts", "12", "--max-new-tokens", "24",
             "--rollout-batch", "6", "--draft-vocab", "2048",
             "--dtype", "bfloat16", "--rollouts-cache", str(cache), "--out", str(out)]
     main([*args, "--steps", "2"])
     main([*args, "--steps", "15"])  # same rollouts, read back from the cache
     assert "reusing 12 rollouts" in capsys.readouterr().out
-    saved = torch.load(cache, weights_only=False)
-    torch.save({**saved, "rollouts": saved["rollouts"][:6]}, cache)  # as if stopped after one chunk
+    saved, meta = load_rollouts(cache)
+    save_rollouts(cache, saved[:6], meta)  # as if stopped after one chunk
     main([*args, "--steps", "1", "--out", str(tmp_path / "resumed")])
     assert "sampling 6 of 12 rollouts" in capsys.readouterr().out
-    resumed = torch.load(cache, weights_only=False)["rollouts"]
-    assert [r.token_ids.tolist() for r in resumed] == [r.token_ids.tolist() for r in saved["rollouts"]]
+    resumed, _ = load_rollouts(cache)
+    assert [r.token_ids.tolist() for r in resumed] == [r.token_ids.tolist() for r in saved]
     with pytest.raises(ValueError, match="was made with other settings"):
         main([*args, "--steps", "2", "--temperature", "0.5"])
     report = json.loads((out / "warmup.json").read_text())
@@ -72,7 +71,7 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
         main([*args, "--steps", "1", "--kind", "eagle3", "--init-from", str(out), "--out", str(more)])
 
     # Train on this run's rollouts plus those of another warm-up (other prompts); held out: this run's.
-    other = tmp_path / "other.pt"
+    other = tmp_path / "other.safetensors"
     other_args = [str(other) if a == str(cache) else "6" if a == "12" else a for a in args]
     main([*other_args, "--steps", "1", "--seed", "5", "--out", str(tmp_path / "o")])
     main([*args, "--steps", "1", "--pack", "64", "--train-dtype", "bfloat16", "--more-rollouts", str(other),
@@ -80,7 +79,7 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     merged = json.loads((tmp_path / "merged" / "warmup.json").read_text())
     assert merged["rollouts"] == 12 and merged["more_rollouts"] == 6 and merged["pack"] == 64
     assert merged["train_dtype"] == "bfloat16"
-    other_tokens = sum(r.length for r in torch.load(other, weights_only=False)["rollouts"])
+    other_tokens = sum(r.length for r in load_rollouts(other)[0])
     assert merged["train_tokens"] == report["train_tokens"] + other_tokens  # all 6 train, none held out
     with pytest.raises(ValueError, match="sampled with other settings"):
         main([*args, "--steps", "1", "--max-new-tokens", "20", "--more-rollouts", str(other)])

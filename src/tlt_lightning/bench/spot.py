@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("packing")
     g.add_argument("--rollouts-cache", default=None,
-                   help="a `drafter warmup --rollouts-cache` file (eagle1 features) to take rollouts from")
+                   help="a `drafter warmup --rollouts-cache` file to take rollouts from (eagle1 features recomputed)")
     g.add_argument("--packing-rollouts", type=int, default=64, help="rollouts per epoch")
     g.add_argument("--packing-budget", type=int, default=1024, help="samples per packed row")
     g.add_argument("--packing-repeats", type=int, default=3)
@@ -72,7 +72,11 @@ def _packing(args: argparse.Namespace) -> dict[str, Any]:
     target = HFTarget(loaded.model)
     vocab = read_drafter_config(args.drafter).draft_vocab_size if args.drafter else 8192
     if args.rollouts_cache:
-        rollouts = torch.load(args.rollouts_cache, weights_only=False)["rollouts"][: args.packing_rollouts]
+        from tlt_lightning.drafter import target_features
+        from tlt_lightning.rollout import load_rollouts
+
+        stored = load_rollouts(args.rollouts_cache)[0][: args.packing_rollouts]
+        rollouts = target_features(target, stored, DrafterConfig.from_target(target).rollout_feature_layers)
     else:
         from tlt_lightning.bench.common import task_prompts
         from tlt_lightning.rollout import RolloutConfig, RolloutEngine

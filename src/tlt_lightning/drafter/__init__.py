@@ -16,6 +16,7 @@ from tlt_lightning.drafter.export import (
     export_drafter_model,
     import_drafter,
 )
+from tlt_lightning.drafter.features import target_features
 from tlt_lightning.drafter.io import load_drafter, read_drafter_config, save_drafter
 from tlt_lightning.drafter.losses import (
     DrafterLoss,
@@ -83,6 +84,7 @@ __all__ = [
     "save_drafter",
     "snapshot_state",
     "soft_ce",
+    "target_features",
     "top1_agreement",
     "unroll_mask",
     "warmup_drafter",

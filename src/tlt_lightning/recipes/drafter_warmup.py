@@ -10,7 +10,6 @@ measures top-1 agreement and acceptance at temperature 1 before and after. Outpu
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,10 +26,11 @@ from tlt_lightning.drafter import (
     load_drafter,
     make_batches,
     save_drafter,
+    target_features,
     warmup_drafter,
 )
 from tlt_lightning.models import HFTarget, load_model
-from tlt_lightning.rollout import Rollout, RolloutConfig, RolloutEngine
+from tlt_lightning.rollout import Rollout, RolloutConfig, RolloutEngine, load_rollouts, save_rollouts
 
 __all__ = ["add_arguments", "collect_rollouts", "run"]
 
@@ -70,7 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafter checkpoint directory to continue training (its kind and draft vocabulary win)")
     p.add_argument("--rollouts-cache", default=None,
                    help="file to reuse rollouts from (and save them to, after every --rollout-batch): retrain "
-                        "without resampling, or resume an interrupted sampling where it stopped")
+                        "without resampling, or resume an interrupted sampling where it stopped. It keeps "
+                        "tokens only (a rollout file, ~1 MB per 640 countdown rollouts); the target features "
+                        "are recomputed when it is read")
     p.add_argument("--more-rollouts", nargs="+", default=[], metavar="CACHE",
                    help="rollout caches of other warm-ups (same model, dtype, task, sampling; other prompts or "
                         "--seed) added to the training set; the held-out tenth stays this run's own")
@@ -106,14 +108,6 @@ def collect_rollouts(
     return rollouts, time.perf_counter() - start
 
 
-def save_rollouts(path: Path, key: dict[str, Any], rollouts: list[Rollout], seconds: float, chunk: int) -> None:
-    """Write a rollout cache atomically (a crash mid-write keeps the previous file whole)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"key": key, "rollouts": rollouts, "seconds": seconds, "chunk": chunk}, tmp)
-    os.replace(tmp, path)
-
-
 _SAMPLING_KEYS = ("model", "dtype", "task", "max_new_tokens", "temperature", "feature_layers")
 """The cache-key entries that rollouts merged into one training set must share."""
 
@@ -125,19 +119,20 @@ def _cache_key(args: argparse.Namespace, config: DrafterConfig) -> dict[str, Any
 
 
 def load_more_rollouts(paths: list[str], key: dict[str, Any]) -> list[Rollout]:
-    """Rollouts of other warm-up caches, checked to come from the same sampling setup as ``key``."""
+    """Rollouts of other warm-up caches (without features), checked to come from the same sampling setup."""
     rollouts: list[Rollout] = []
     for path in paths:
         if not Path(path).is_file():
             raise FileNotFoundError(
                 f"--more-rollouts {path}: no such file (make it with `drafter warmup --rollouts-cache`)"
             )
-        saved = torch.load(path, weights_only=False)
-        differ = {k: saved["key"].get(k) for k in _SAMPLING_KEYS if saved["key"].get(k) != key[k]}
+        more, meta = load_rollouts(path)
+        saved = meta.get("key", {})
+        differ = {k: saved.get(k) for k in _SAMPLING_KEYS if saved.get(k) != key[k]}
         if differ:
             raise ValueError(f"--more-rollouts {path} was sampled with other settings: {differ}, this run: "
                              f"{ {k: key[k] for k in differ} }")
-        rollouts += saved["rollouts"]
+        rollouts += more
     return rollouts
 
 
@@ -187,11 +182,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     key = _cache_key(args, config)
     done, seconds, chunk = [], 0.0, args.rollout_batch
     if cache is not None and cache.is_file():
-        saved = torch.load(cache, weights_only=False)
+        done, saved = load_rollouts(cache)
         if saved["key"] != key:
             raise ValueError(f"--rollouts-cache {cache} was made with other settings: {saved['key']}")
-        done, seconds = saved["rollouts"], saved["seconds"]
-        chunk = saved.get("chunk", chunk)  # resume in the same chunks: the same seeds, the same rollouts
+        seconds, chunk = saved["seconds"], saved["chunk"]  # the same chunks: the same seeds, the same rollouts
     if done and len(done) == len(prompts):
         print(f"[drafter warmup] reusing {len(done)} rollouts from {cache}", flush=True)
         rollouts, rollout_s = done, seconds
@@ -205,12 +199,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ))
 
         def save_chunk(so_far: list[Rollout], elapsed: float) -> None:  # Ctrl-C or a crash keeps these
-            save_rollouts(cache, key, so_far, seconds + elapsed, chunk)
+            save_rollouts(cache, so_far, {"key": key, "seconds": seconds + elapsed, "chunk": chunk})
 
         rollouts, rollout_s = collect_rollouts(engine, prompts, chunk, args.seed, done,
                                                None if cache is None else save_chunk)
         rollout_s += seconds
         del sampler, engine
+    missing = [i for i, r in enumerate(rollouts + more) if r.features is None]
+    if missing:  # rollouts read from files: their features are recomputed, not stored
+        print(f"[drafter warmup] recomputing target features of {len(missing)} stored rollouts ...", flush=True)
+        model = target if args.dtype == "float32" else HFTarget(load_model(args.model, dtype=args.dtype).model)
+        everything = rollouts + more
+        for i, r in zip(missing, target_features(model, [everything[i] for i in missing],
+                                                 config.rollout_feature_layers, progress=True)):
+            everything[i] = r
+        rollouts, more = everything[: len(rollouts)], everything[len(rollouts):]
     held_out = max(1, len(rollouts) // 10)
     train, valid = rollouts[held_out:] + more, rollouts[:held_out]
 

@@ -16,6 +16,7 @@ from tlt_lightning.rollout.engine import (
     RolloutBackend,
     RolloutEngine,
 )
+from tlt_lightning.rollout.io import load_rollouts, save_rollouts
 from tlt_lightning.rollout.types import Rollout, RolloutConfig, RolloutResult, RolloutStats
 
 __all__ = [
@@ -32,6 +33,8 @@ __all__ = [
     "VLLMBackendConfig",
     "VLLMRolloutBackend",
     "VLLMRolloutStats",
+    "load_rollouts",
+    "save_rollouts",
 ]
 
 _VLLM = ("VLLMBackendConfig", "VLLMRolloutBackend", "VLLMRolloutStats")

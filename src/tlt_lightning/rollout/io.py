@@ -1,0 +1,97 @@
+"""Rollout files: the tokens of many rollouts in one small safetensors file, features left out.
+
+A drafter's training data is the target's own rollouts plus the target's hidden states along them.
+The states are 2-4 floats of ``hidden_size`` per token (SmolLM2: ~2.3 kB per token, ~200 MB for
+640 countdown rollouts) but one teacher-forced forward recomputes them
+(:func:`tlt_lightning.drafter.target_features`), far faster than sampling; the tokens are ~12 bytes
+per token (~1 MB for the same rollouts). So a rollout file keeps token ids, log-probabilities,
+finish reasons and timings, concatenated with offsets, plus a JSON ``metadata`` dict (the
+sampling settings): small enough to keep in git, and nothing is unpickled on load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, safe_open, save_file
+
+from tlt_lightning.rollout.types import Rollout
+
+__all__ = ["load_rollouts", "save_rollouts"]
+
+FORMAT = "tlt_lightning.rollouts/1"
+FINISH_REASONS = ("eos", "length")
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+
+
+def save_rollouts(path: str | os.PathLike, rollouts: list[Rollout], metadata: dict[str, Any] | None = None) -> Path:
+    """Write ``rollouts`` (without features) and ``metadata`` (JSON-able) to ``path``, atomically.
+
+    Example:
+        >>> r = Rollout(torch.tensor([5, 6]), torch.tensor([7, 2]), torch.tensor([-0.5, -0.1]), "eos", 0.1, 0.2)
+        >>> import tempfile; p = Path(tempfile.mkdtemp()) / "r.safetensors"
+        >>> _ = save_rollouts(p, [r], {"task": "countdown"})
+        >>> loaded, meta = load_rollouts(p)
+        >>> loaded[0].token_ids.tolist(), meta
+        ([7, 2], {'task': 'countdown'})
+    """
+    for i, r in enumerate(rollouts):
+        if r.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"rollouts[{i}].finish_reason must be one of {FINISH_REASONS}, got {r.finish_reason!r}")
+    tensors = {
+        "prompt_ids": torch.cat([r.prompt_ids.long() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.long),
+        "prompt_offsets": _offsets([r.prompt_ids.numel() for r in rollouts]),
+        "token_ids": torch.cat([r.token_ids.long() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.long),
+        "logprobs": torch.cat([r.logprobs.float() for r in rollouts]) if rollouts else torch.zeros(0),
+        "token_offsets": _offsets([r.length for r in rollouts]),
+        "eos": torch.tensor([r.finish_reason == "eos" for r in rollouts], dtype=torch.bool),
+        "times": torch.tensor([[r.first_token_time, r.finish_time] for r in rollouts], dtype=torch.float64).reshape(-1, 2),
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
+              metadata={"format": FORMAT, "metadata": json.dumps(metadata or {})})
+    os.replace(tmp, path)
+    return path
+
+
+def load_rollouts(path: str | os.PathLike) -> tuple[list[Rollout], dict[str, Any]]:
+    """Read a file of :func:`save_rollouts`: ``(rollouts without features, metadata)``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a rollout file (or a corrupt one).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no rollout file at {path}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            header = f.metadata() or {}
+        t = load_file(path)
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} is not a readable rollout file (safetensors, from save_rollouts): {err}") from err
+    if header.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a rollout file: format {header.get('format')!r}, expected {FORMAT!r}")
+    po, to = t["prompt_offsets"].tolist(), t["token_offsets"].tolist()
+    rollouts = [
+        Rollout(
+            prompt_ids=t["prompt_ids"][po[i]:po[i + 1]].clone(),
+            token_ids=t["token_ids"][to[i]:to[i + 1]].clone(),
+            logprobs=t["logprobs"][to[i]:to[i + 1]].clone(),
+            finish_reason="eos" if bool(t["eos"][i]) else "length",
+            first_token_time=float(t["times"][i, 0]),
+            finish_time=float(t["times"][i, 1]),
+        )
+        for i in range(len(po) - 1)
+    ]
+    return rollouts, json.loads(header["metadata"])
