@@ -21,7 +21,7 @@ def test_interrupted_sampling_resumes_to_the_same_rollouts(tiny_llama, tmp_path)
     path = tmp_path / "cache.safetensors"
 
     def save_then_crash(so_far, seconds):
-        save_rollouts(path, so_far, {"seconds": seconds, "chunk": 2})
+        save_rollouts(path, so_far, {"seconds": seconds, "chunk": 2}, features=False)
         if len(so_far) == 2:
             raise _Stop
 
@@ -73,9 +73,12 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     # Train on this run's rollouts plus those of another warm-up (other prompts); held out: this run's.
     other = tmp_path / "other.safetensors"
     other_args = [str(other) if a == str(cache) else "6" if a == "12" else a for a in args]
-    main([*other_args, "--steps", "1", "--seed", "5", "--out", str(tmp_path / "o")])
+    main([*other_args, "--steps", "1", "--seed", "5", "--cache-tokens-only", "--out", str(tmp_path / "o")])
+    assert all(r.features is None for r in load_rollouts(other)[0])
+    capsys.readouterr()
     main([*args, "--steps", "1", "--pack", "64", "--train-dtype", "bfloat16", "--more-rollouts", str(other),
           "--out", str(tmp_path / "merged")])
+    assert "recomputing target features of 6 stored rollouts" in capsys.readouterr().out
     merged = json.loads((tmp_path / "merged" / "warmup.json").read_text())
     assert merged["rollouts"] == 12 and merged["more_rollouts"] == 6 and merged["pack"] == 64
     assert merged["train_dtype"] == "bfloat16"

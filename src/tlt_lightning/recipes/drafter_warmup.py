@@ -70,9 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafter checkpoint directory to continue training (its kind and draft vocabulary win)")
     p.add_argument("--rollouts-cache", default=None,
                    help="file to reuse rollouts from (and save them to, after every --rollout-batch): retrain "
-                        "without resampling, or resume an interrupted sampling where it stopped. It keeps "
-                        "tokens only (a rollout file, ~1 MB per 640 countdown rollouts); the target features "
-                        "are recomputed when it is read")
+                        "without resampling, or resume an interrupted sampling where it stopped (a safetensors "
+                        "rollout file, with the target features unless --cache-tokens-only)")
+    p.add_argument("--cache-tokens-only", action="store_true",
+                   help="keep only tokens in --rollouts-cache (~1 MB instead of ~200 MB per 640 countdown "
+                        "rollouts; the features are recomputed when it is read, about half the sampling time)")
     p.add_argument("--more-rollouts", nargs="+", default=[], metavar="CACHE",
                    help="rollout caches of other warm-ups (same model, dtype, task, sampling; other prompts or "
                         "--seed) added to the training set; the held-out tenth stays this run's own")
@@ -119,7 +121,7 @@ def _cache_key(args: argparse.Namespace, config: DrafterConfig) -> dict[str, Any
 
 
 def load_more_rollouts(paths: list[str], key: dict[str, Any]) -> list[Rollout]:
-    """Rollouts of other warm-up caches (without features), checked to come from the same sampling setup."""
+    """Rollouts of other warm-up caches, checked to come from the same sampling setup."""
     rollouts: list[Rollout] = []
     for path in paths:
         if not Path(path).is_file():
@@ -199,14 +201,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ))
 
         def save_chunk(so_far: list[Rollout], elapsed: float) -> None:  # Ctrl-C or a crash keeps these
-            save_rollouts(cache, so_far, {"key": key, "seconds": seconds + elapsed, "chunk": chunk})
+            features = not args.cache_tokens_only and all(r.features is not None for r in so_far)
+            save_rollouts(cache, so_far, {"key": key, "seconds": seconds + elapsed, "chunk": chunk}, features)
 
         rollouts, rollout_s = collect_rollouts(engine, prompts, chunk, args.seed, done,
                                                None if cache is None else save_chunk)
         rollout_s += seconds
         del sampler, engine
     missing = [i for i, r in enumerate(rollouts + more) if r.features is None]
-    if missing:  # rollouts read from files: their features are recomputed, not stored
+    if missing:  # rollouts read from tokens-only files: recompute their features
         print(f"[drafter warmup] recomputing target features of {len(missing)} stored rollouts ...", flush=True)
         model = target if args.dtype == "float32" else HFTarget(load_model(args.model, dtype=args.dtype).model)
         everything = rollouts + more
