@@ -110,6 +110,12 @@ def collect_rollouts(
     return rollouts, time.perf_counter() - start
 
 
+def _fill_features(target: HFTarget, rollouts: list[Rollout], layers: tuple[int, ...]) -> list[Rollout]:
+    """``rollouts``, those without features replaced by copies with them recomputed."""
+    filled = iter(target_features(target, [r for r in rollouts if r.features is None], layers, progress=True))
+    return [next(filled) if r.features is None else r for r in rollouts]
+
+
 _SAMPLING_KEYS = ("model", "dtype", "task", "max_new_tokens", "temperature", "feature_layers")
 """The cache-key entries that rollouts merged into one training set must share."""
 
@@ -208,15 +214,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                None if cache is None else save_chunk)
         rollout_s += seconds
         del sampler, engine
-    missing = [i for i, r in enumerate(rollouts + more) if r.features is None]
-    if missing:  # rollouts read from tokens-only files: recompute their features
-        print(f"[drafter warmup] recomputing target features of {len(missing)} stored rollouts ...", flush=True)
+    lacking = sum(r.features is None for r in rollouts + more)
+    if lacking:  # read from tokens-only files
+        print(f"[drafter warmup] recomputing target features of {lacking} stored rollouts ...", flush=True)
         model = target if args.dtype == "float32" else HFTarget(load_model(args.model, dtype=args.dtype).model)
-        everything = rollouts + more
-        for i, r in zip(missing, target_features(model, [everything[i] for i in missing],
-                                                 config.rollout_feature_layers, progress=True)):
-            everything[i] = r
-        rollouts, more = everything[: len(rollouts)], everything[len(rollouts):]
+        rollouts, more = (_fill_features(model, rs, config.rollout_feature_layers) for rs in (rollouts, more))
     held_out = max(1, len(rollouts) // 10)
     train, valid = rollouts[held_out:] + more, rollouts[:held_out]
 
