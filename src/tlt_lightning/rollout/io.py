@@ -29,6 +29,10 @@ FORMAT = "tlt_lightning.rollouts/1"
 FINISH_REASONS = ("eos", "length")
 
 
+def _cat(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([t.to(dtype) for t in tensors]) if tensors else torch.zeros(0, dtype=dtype)
+
+
 def _offsets(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
 
@@ -53,21 +57,21 @@ def save_rollouts(
     for i, r in enumerate(rollouts):
         if r.finish_reason not in FINISH_REASONS:
             raise ValueError(f"rollouts[{i}].finish_reason must be one of {FINISH_REASONS}, got {r.finish_reason!r}")
-    tensors = {
-        "prompt_ids": torch.cat([r.prompt_ids.long() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.long),
+    tensors = {  # token ids as int32: any vocabulary fits
+        "prompt_ids": _cat([r.prompt_ids for r in rollouts], torch.int32),
         "prompt_offsets": _offsets([r.prompt_ids.numel() for r in rollouts]),
-        "token_ids": torch.cat([r.token_ids.long() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.long),
-        "logprobs": torch.cat([r.logprobs.float() for r in rollouts]) if rollouts else torch.zeros(0),
+        "token_ids": _cat([r.token_ids for r in rollouts], torch.int32),
+        "logprobs": _cat([r.logprobs for r in rollouts], torch.float32),
         "token_offsets": _offsets([r.length for r in rollouts]),
         "eos": torch.tensor([r.finish_reason == "eos" for r in rollouts], dtype=torch.bool),
-        "times": torch.tensor([[r.first_token_time, r.finish_time] for r in rollouts], dtype=torch.float64).reshape(-1, 2),
+        "times": torch.tensor([[r.first_token_time, r.finish_time] for r in rollouts], dtype=torch.float64),
     }
     if features and rollouts:
         missing = [i for i, r in enumerate(rollouts) if r.features is None]
         if missing:
             raise ValueError(f"rollouts {missing[:5]} have no features: sample with RolloutConfig.feature_layers, "
                              "or save with features=False")
-        tensors["features"] = torch.cat([r.features for r in rollouts])  # [sum T, C, H]
+        tensors["features"] = _cat([r.features for r in rollouts], rollouts[0].features.dtype)  # [sum T, C, H]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -100,8 +104,8 @@ def load_rollouts(path: str | os.PathLike) -> tuple[list[Rollout], dict[str, Any
     feats = t.get("features")
     rollouts = [
         Rollout(
-            prompt_ids=t["prompt_ids"][po[i]:po[i + 1]].clone(),
-            token_ids=t["token_ids"][to[i]:to[i + 1]].clone(),
+            prompt_ids=t["prompt_ids"][po[i]:po[i + 1]].long(),
+            token_ids=t["token_ids"][to[i]:to[i + 1]].long(),
             logprobs=t["logprobs"][to[i]:to[i + 1]].clone(),
             finish_reason="eos" if bool(t["eos"][i]) else "length",
             first_token_time=float(t["times"][i, 0]),
