@@ -1,10 +1,11 @@
 """Target features along finished rollouts, recomputed by one teacher-forced forward.
 
 Rollouts sampled with ``RolloutConfig(feature_layers=...)`` carry the target's hidden states; rollout
-files (:mod:`tlt_lightning.rollout.io`) leave them out, and this puts them back: response token
-``i`` gets the states at the position that predicted it (``prompt_len - 1 + i``), as the engine
-records them. A forward over whole sequences costs a fraction of sampling them (no per-token
-steps), so keeping only the tokens loses nothing but a few minutes.
+files saved with ``features=False`` (:mod:`tlt_lightning.rollout.io`) leave them out, and this puts
+them back: response token ``i`` gets the states at the position that predicted it
+(``prompt_len - 1 + i``), as the engine records them. One forward over whole sequences, prompts
+included, is cheaper than sampling them token by token, but not free: on a loaded 2-core CPU
+SmolLM2 recomputed 78 generated tokens/s where it sampled 32-37.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Rollout files: many rollouts in one safetensors file, with or without their target features.
 
 A drafter's training data is the target's own rollouts plus the target's hidden states along them.
-The states are 2-4 floats of ``hidden_size`` per token (SmolLM2: ~200 MB for 640 countdown
-rollouts in fp32), the tokens ~12 bytes per token (~1 MB for the same rollouts). A file keeps
-token ids, log-probabilities, finish reasons and timings, concatenated with offsets, a JSON
-``metadata`` dict (the sampling settings) and, unless ``features=False``, the features. Without
-them it is small enough to keep in git, and :func:`tlt_lightning.drafter.target_features`
-recomputes them with one teacher-forced forward (on a 2-core CPU about half the time sampling took).
+The states are 1-4 vectors of ``hidden_size`` per token (SmolLM2, EAGLE-1: 197 MB for 640
+countdown rollouts in fp32), the tokens ~13 bytes per generated token, prompts included (1.1 MB for
+the same rollouts). A file keeps token ids, log-probabilities, finish reasons and timings,
+concatenated with offsets, a JSON ``metadata`` dict (the sampling settings) and, unless
+``features=False``, the features. Without them it is small enough to keep in git, and :func:`tlt_lightning.drafter.target_features`
+recomputes them with one teacher-forced forward (on a loaded 2-core CPU at ~2x the sampling rate).
 Nothing is unpickled on load.
 """
 
