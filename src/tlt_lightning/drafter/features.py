@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 
 from tlt_lightning.models.target import TargetModel
+from tlt_lightning.rollout.engine import causal_decode_mask
 from tlt_lightning.rollout.types import Rollout
 
 __all__ = ["target_features"]
@@ -52,13 +54,11 @@ def target_features(
         idx = order[start:start + batch_size]
         # The last response token predicts nothing that is kept: it is not fed.
         seqs = [torch.cat([rollouts[i].prompt_ids, rollouts[i].token_ids[:-1]]).long() for i in idx]
-        S = max(s.numel() for s in seqs)
-        ids = torch.zeros(len(seqs), S, dtype=torch.long, device=device)
-        for row, s in enumerate(seqs):
-            ids[row, : s.numel()] = s.to(device)
-        positions = torch.arange(S, device=device).expand(len(seqs), S)
-        mask = (positions[:, None, :, None] >= positions[:, None, None, :]).contiguous()  # [n, 1, S, S] causal
-        cache = target.new_cache(len(seqs), S)
+        ids = pad_sequence(seqs, batch_first=True).to(device)  # [n, S], right-padded with 0
+        n, S = ids.shape
+        positions = torch.arange(S, device=device).expand(n, S)
+        mask = causal_decode_mask(torch.zeros(n, dtype=torch.long, device=device), S, S)  # [n, 1, S, S]
+        cache = target.new_cache(n, S)
         feats = target.forward(ids, positions, mask, cache, tuple(feature_layers)).features  # [n, S, C, H]
         for row, i in enumerate(idx):
             r = rollouts[i]
