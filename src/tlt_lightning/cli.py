@@ -10,6 +10,7 @@
     tlt-lightning bench efficiency --part P ...       importance sampling / distillation / INT4 QAT vs baselines
     tlt-lightning bench layout [--drafter DIR] ...    linear weights stored [out, in] vs [in, out], side by side
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
+    tlt-lightning drafter evaluate --drafter DIR ...  drafters' acceptance on the same stored rollouts
     tlt-lightning export-drafter CKPT OUT [--model M]  drafter checkpoint -> EAGLE dir for vLLM / SGLang
     tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune-style recipe config
     tlt-lightning models                              list the registry
@@ -40,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     from tlt_lightning.bench import rollout as bench_rollout
     from tlt_lightning.bench import spot as bench_spot
     from tlt_lightning.bench import strategies as bench_strategies
-    from tlt_lightning.recipes import drafter_warmup
+    from tlt_lightning.recipes import drafter_evaluate, drafter_warmup
 
     parser = argparse.ArgumentParser(prog="tlt-lightning", description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -78,8 +79,11 @@ def _parser() -> argparse.ArgumentParser:
         bench.add_parser("layout", help="linear weights stored [out, in] vs [in, out]: plain and speculative decoding")
     )
 
-    drafter = sub.add_parser("drafter", help="drafter tools").add_subparsers(dest="drafter", required=True)
+    drafter = sub.add_parser("drafter", help="drafter tools").add_subparsers(dest="drafter_command", required=True)
     drafter_warmup.add_arguments(drafter.add_parser("warmup", help="train a drafter on the target's rollouts"))
+    drafter_evaluate.add_arguments(
+        drafter.add_parser("evaluate", help="compare drafters' acceptance on the same stored rollouts")
+    )
 
     export = sub.add_parser("export-drafter", help="write a drafter checkpoint in the EAGLE format of vLLM / SGLang")
     export.add_argument("checkpoint", help="drafter checkpoint directory (from `drafter warmup` or save_drafter)")
@@ -186,10 +190,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tlt_lightning.bench import layout
 
         layout.run(args)
-    elif args.command == "drafter" and args.drafter == "warmup":
+    elif args.command == "drafter" and args.drafter_command == "warmup":
         from tlt_lightning.recipes import drafter_warmup
 
         drafter_warmup.run(args)
+    elif args.command == "drafter" and args.drafter_command == "evaluate":
+        from tlt_lightning.recipes import drafter_evaluate
+
+        drafter_evaluate.run(args)
     elif args.command == "export-drafter":
         _export_drafter(args)
     elif args.command == "torchtune":

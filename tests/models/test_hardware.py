@@ -21,3 +21,14 @@ def test_this_machine_is_described():
     assert hardware.cpu_info("no such field") == ""
     if not torch.cuda.is_available():
         assert has_fast_bf16("cuda") is False
+
+
+def test_cpu_info_matches_whole_field_names(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 26\nmodel\t\t: 2\nflags\t\t: fpu avx512_bf16\n")
+    real_path = hardware.Path
+    monkeypatch.setattr(hardware, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
+    assert hardware.cpu_info("model") == "2"  # not "model name"'s value, nor the reverse
+    assert hardware.cpu_info("model name") == "AMD EPYC"
+    assert hardware.cpu_info("cpu family") == "26"
+    assert hardware.cpu_bf16_instructions() == ["avx512_bf16"]

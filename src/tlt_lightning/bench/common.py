@@ -27,6 +27,8 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "processor": platform.processor() or platform.machine(),
         "cpu_model": cpu_info("model name") or None,
+        # Vendors' model names can hide the generation ("AMD EPYC"): family/model tell them apart.
+        "cpu_family_model": "/".join(filter(None, (cpu_info("cpu family"), cpu_info("model")))) or None,
         # The bf16 matrix instructions decide whether bfloat16 decoding is faster than float32 here.
         "cpu_bf16": cpu_bf16_instructions(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

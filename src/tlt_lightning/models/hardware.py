@@ -23,8 +23,8 @@ def cpu_info(field: str) -> str:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return ""
-    line = next((line for line in lines if line.startswith(field)), "")
-    return line.partition(":")[2].strip()
+    fields = (line.partition(":") for line in lines)
+    return next((value.strip() for key, _, value in fields if key.strip() == field), "")
 
 
 def cpu_bf16_instructions() -> list[str]:

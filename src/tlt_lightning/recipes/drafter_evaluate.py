@@ -1,0 +1,95 @@
+"""``tlt-lightning drafter evaluate``: compare drafters offline on the same stored rollouts.
+
+Every drafter drafts at every position of the same rollouts (teacher-forced, with the multi-step
+unroll, as :func:`~tlt_lightning.drafter.evaluate_drafter` does for the warm-up's held-out tenth),
+and the table says how much the target would accept: ``accept`` / ``accept_step{k}`` is
+``sum(min(p, q))``, the probability that a draft sampled at temperature 1 is accepted at draft step
+``k``; ``top1`` / ``top1_step{k}`` is the greedy agreement. Steadier and far cheaper than an
+end-to-end benchmark on a noisy machine: use it to pick a drafter, then benchmark that one.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlt_lightning.bench.common import machine_info, write_json
+from tlt_lightning.drafter import DrafterLoss, evaluate_drafter, load_drafter, make_batches, target_features
+from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.rollout import Rollout, load_rollouts
+
+__all__ = ["add_arguments", "run"]
+
+COLUMNS = ("accept", "accept_step2", "accept_step3", "top1", "top1_step2", "top1_step3", "ce_loss")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", nargs="+", required=True, metavar="DIR",
+                   help="drafter checkpoint directories (from `drafter warmup`), evaluated on the same positions")
+    p.add_argument("--rollouts", required=True, metavar="FILE",
+                   help="a rollout file (`drafter warmup --rollouts-cache`); tokens-only files get their "
+                        "target features recomputed")
+    p.add_argument("--first", type=int, default=0, metavar="N",
+                   help="evaluate on the file's first N rollouts (0 = its first tenth: the held-out set of a "
+                        "warm-up that sampled this file)")
+    p.add_argument("--model", default=None, help="the target (default: the model the file was sampled with)")
+    p.add_argument("--unroll", type=int, default=3, help="draft steps evaluated per position")
+    p.add_argument("--max-len", type=int, default=256, help="positions per rollout (the warm-up's default)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--json", default=None, help="where to write the results")
+
+
+def _with_features(rollouts: list[Rollout], stored: tuple[int, ...], layers: tuple[int, ...],
+                   sampler: HFTarget) -> list[Rollout]:
+    """``rollouts`` with features of ``layers``: as stored, or recomputed by ``sampler``."""
+    if stored == layers and all(r.features is not None for r in rollouts):
+        return rollouts
+    print(f"[drafter evaluate] computing target features (layers {list(layers)}) of {len(rollouts)} rollouts ...",
+          flush=True)
+    return target_features(sampler, rollouts, layers, progress=True)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("first", "unroll", "max_len", "batch_size"):
+        if getattr(args, name) < (0 if name == "first" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'first' else 1}, "
+                             f"got {getattr(args, name)}")
+    if not Path(args.rollouts).is_file():
+        raise FileNotFoundError(f"--rollouts {args.rollouts}: no such file (make one with "
+                                "`drafter warmup --rollouts-cache`)")
+    rollouts, meta = load_rollouts(args.rollouts)
+    key = meta.get("key", {})
+    model = args.model or key.get("model")
+    if model is None:
+        raise ValueError(f"--rollouts {args.rollouts} does not say which model sampled it: pass --model")
+    rollouts = rollouts[: args.first or max(1, len(rollouts) // 10)]
+    target = HFTarget(load_model(model).model)
+    dtype = key.get("dtype", "float32")  # features as the warm-up computed them: by the sampling model
+    sampler = target if dtype == "float32" else HFTarget(load_model(model, dtype=dtype).model)
+    stored = tuple(key.get("feature_layers", ()))
+    results: dict[str, dict[str, float]] = {}
+    for path in args.drafter:
+        drafter = load_drafter(path, target, dtype=torch.float32)
+        config = drafter.config
+        batches = make_batches(_with_features(rollouts, stored, config.rollout_feature_layers, sampler), config,
+                               args.batch_size, shuffle=False, max_len=args.max_len)
+        with torch.no_grad():
+            results[path] = evaluate_drafter(drafter, target, batches,
+                                             DrafterLoss.for_kind(config.kind, unroll_steps=args.unroll))
+    positions = sum(min(r.length, args.max_len) for r in rollouts)
+    print(f"[drafter evaluate] {len(rollouts)} rollouts, {positions} positions of {args.rollouts}")
+    print(" | ".join(["drafter", *COLUMNS]))
+    for path, metrics in results.items():
+        print(" | ".join([path, *(f"{metrics[c]:.3f}" if c in metrics else "-" for c in COLUMNS)]))
+    payload = {
+        "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
+        "model": model, "rollouts_file": args.rollouts, "rollouts": len(rollouts), "positions": positions,
+        "unroll": args.unroll, "max_len": args.max_len, "sampling": key, "machine": machine_info(),
+        "drafters": results,
+    }
+    if args.json:
+        write_json(args.json, payload)
+    return payload
