@@ -11,6 +11,8 @@ end-to-end benchmark on a noisy machine: use it to pick a drafter, then benchmar
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,20 +45,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _with_features(rollouts: list[Rollout], stored: tuple[int, ...], layers: tuple[int, ...],
-                   sampler: HFTarget) -> list[Rollout]:
-    """``rollouts`` with features of ``layers``: as stored, or recomputed by ``sampler``."""
+                   sampler: Callable[[], HFTarget]) -> list[Rollout]:
+    """``rollouts`` with features of ``layers``: as stored, or recomputed by ``sampler()``."""
     if stored == layers and all(r.features is not None for r in rollouts):
         return rollouts
     print(f"[drafter evaluate] computing target features (layers {list(layers)}) of {len(rollouts)} rollouts ...",
           flush=True)
-    return target_features(sampler, rollouts, layers, progress=True)
+    return target_features(sampler(), rollouts, layers, progress=True)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    for name in ("first", "unroll", "max_len", "batch_size"):
-        if getattr(args, name) < (0 if name == "first" else 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'first' else 1}, "
-                             f"got {getattr(args, name)}")
+    for name, low in {"first": 0, "unroll": 1, "max_len": 1, "batch_size": 1}.items():
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if not Path(args.rollouts).is_file():
         raise FileNotFoundError(f"--rollouts {args.rollouts}: no such file (make one with "
                                 "`drafter warmup --rollouts-cache`)")
@@ -67,8 +68,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--rollouts {args.rollouts} does not say which model sampled it: pass --model")
     rollouts = rollouts[: args.first or max(1, len(rollouts) // 10)]
     target = HFTarget(load_model(model).model)
-    dtype = key.get("dtype", "float32")  # features as the warm-up computed them: by the sampling model
-    sampler = target if dtype == "float32" else HFTarget(load_model(model, dtype=dtype).model)
+    dtype = key.get("dtype", "float32")  # features as the warm-up computes them: by the sampling model
+
+    @functools.cache
+    def sampler() -> HFTarget:  # loaded only if some features must be recomputed
+        return target if dtype == "float32" else HFTarget(load_model(model, dtype=dtype).model)
+
     stored = tuple(key.get("feature_layers", ()))
     results: dict[str, dict[str, float]] = {}
     for path in args.drafter:
