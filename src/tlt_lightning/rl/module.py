@@ -168,7 +168,8 @@ class GRPOModule(L.LightningModule):
         check_logprobs: check that the rollout's log-probabilities agree with the training
             forward's (when ``top_p == 1`` and ``top_k == 0``, where they describe the same
             distribution); a mean absolute difference above ``logprob_tolerance`` stops the run.
-        logprob_tolerance: in nats; ``None``: 0.01 for float32, 0.2 for 16-bit weights or rollouts (bf16
+        logprob_tolerance: in nats; ``None``: 0.01 for float32, 0.2 for 16-bit weights, rollouts or
+            training precision (``Trainer(precision="bf16-mixed")``, the default where bf16 is native; bf16
             drifts ~0.04 between the KV-cached decode and the full forward on SmolLM2; a token
             misalignment costs several nats).
         rollout_progress: show a progress bar of finished requests during rollouts (rank 0).
@@ -542,7 +543,8 @@ class GRPOModule(L.LightningModule):
                 rows = torch.zeros(1, dtype=torch.long, device=self.device)
         chunks = rows.split(hp.micro_batch_size or rows.numel())
         check_logprobs = hp.check_logprobs and hp.top_p == 1 and hp.top_k == 0
-        full = hp.dtype == "float32" and self.rollout_dtype in (None, "float32")
+        sixteen_bit_training = str(self.trainer.precision).startswith(("16", "bf16"))  # e.g. "bf16-mixed"
+        full = hp.dtype == "float32" and self.rollout_dtype in (None, "float32") and not sixteen_bit_training
         tolerance = hp.logprob_tolerance or (0.01 if full else 0.2)
         sums = dict.fromkeys(("loss", "pg_loss", "kl", "clip", "ratio", "tokens", "drift"), 0.0)
         finite = True
