@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from tlt_lightning.models.hardware import training_precision
+
 __all__ = ["SECTIONS", "check_config", "load_config", "main", "run"]
 
 SECTIONS = ("seed", "threads", "output_dir", "prompt_source", "module", "logger", "callbacks", "trainer", "ckpt_path")
@@ -204,7 +206,10 @@ def run(config: dict[str, Any]) -> tuple[Any, Any]:
     module = _instantiate(config["module"], **({"prompt_source": source} if source is not None else {}))
     logger = _instantiate(config["logger"]) if config.get("logger") else False
     callbacks = [_instantiate(node) for node in config.get("callbacks") or []]
-    trainer = _instantiate(config["trainer"], logger=logger, callbacks=callbacks)
+    # As `fit` does: unless the config says otherwise, train in the precision that pays here.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    precision = {} if "precision" in config["trainer"] else {"precision": training_precision(device)}
+    trainer = _instantiate(config["trainer"], logger=logger, callbacks=callbacks, **precision)
     root = Path(trainer.default_root_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / "recipe_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
