@@ -256,8 +256,7 @@ class GRPOCLI(LightningCLI):
         )
         # Unless a config or flag says otherwise, train in the precision that pays on this machine:
         # bf16 autocast where bf16 products are native (AMX / AVX512-BF16 CPUs, GPUs), else fp32.
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        parser.set_defaults({"trainer.precision": training_precision(device)})
+        parser.set_defaults({"trainer.precision": training_precision()})
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand

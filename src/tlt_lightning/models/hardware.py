@@ -53,7 +53,9 @@ def resolve_dtype(name: str | None, device: torch.device | str = "cpu") -> str |
     return "bfloat16" if has_fast_bf16(device) else "float32"
 
 
-def training_precision(device: torch.device | str = "cpu") -> str:
-    """Lightning's ``Trainer(precision=)`` that pays on ``device``: ``"bf16-mixed"`` where
-    :func:`has_fast_bf16`, else ``"32-true"``."""
+def training_precision(device: torch.device | str | None = None) -> str:
+    """Lightning's ``Trainer(precision=)`` that pays on ``device`` (default: the GPU if there is
+    one, else the CPU): ``"bf16-mixed"`` where :func:`has_fast_bf16`, else ``"32-true"``."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     return "bf16-mixed" if has_fast_bf16(device) else "32-true"

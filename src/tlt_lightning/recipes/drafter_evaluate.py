@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,16 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="where to write the results")
 
 
-def _with_features(rollouts: list[Rollout], stored: tuple[int, ...], layers: tuple[int, ...],
-                   sampler: Callable[[], HFTarget]) -> list[Rollout]:
-    """``rollouts`` with features of ``layers``: as stored, or recomputed by ``sampler()``."""
-    if stored == layers and all(r.features is not None for r in rollouts):
-        return rollouts
-    print(f"[drafter evaluate] computing target features (layers {list(layers)}) of {len(rollouts)} rollouts ...",
-          flush=True)
-    return target_features(sampler(), rollouts, layers, progress=True)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, low in {"first": 0, "unroll": 1, "max_len": 1, "batch_size": 1}.items():
         if getattr(args, name) < low:
@@ -69,18 +58,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rollouts = rollouts[: args.first or max(1, len(rollouts) // 10)]
     target = HFTarget(load_model(model).model)
     dtype = key.get("dtype", "float32")  # features as the warm-up computes them: by the sampling model
+    stored = tuple(key.get("feature_layers", ()))
 
     @functools.cache
-    def sampler() -> HFTarget:  # loaded only if some features must be recomputed
-        return target if dtype == "float32" else HFTarget(load_model(model, dtype=dtype).model)
+    def with_features(layers: tuple[int, ...]) -> list[Rollout]:
+        """The rollouts with features of ``layers``: as stored, or recomputed (once per layer set)."""
+        if layers == stored and all(r.features is not None for r in rollouts):
+            return rollouts
+        print(f"[drafter evaluate] computing target features (layers {list(layers)}) of {len(rollouts)} "
+              "rollouts ...", flush=True)
+        sampler = target if dtype == "float32" else HFTarget(load_model(model, dtype=dtype).model)
+        return target_features(sampler, rollouts, layers, progress=True)
 
-    stored = tuple(key.get("feature_layers", ()))
     results: dict[str, dict[str, float]] = {}
     for path in args.drafter:
         drafter = load_drafter(path, target, dtype=torch.float32)
         config = drafter.config
-        batches = make_batches(_with_features(rollouts, stored, config.rollout_feature_layers, sampler), config,
-                               args.batch_size, shuffle=False, max_len=args.max_len)
+        batches = make_batches(with_features(config.rollout_feature_layers), config, args.batch_size,
+                               shuffle=False, max_len=args.max_len)
         with torch.no_grad():
             results[path] = evaluate_drafter(drafter, target, batches,
                                              DrafterLoss.for_kind(config.kind, unroll_steps=args.unroll))

@@ -207,8 +207,7 @@ def run(config: dict[str, Any]) -> tuple[Any, Any]:
     logger = _instantiate(config["logger"]) if config.get("logger") else False
     callbacks = [_instantiate(node) for node in config.get("callbacks") or []]
     # As `fit` does: unless the config says otherwise, train in the precision that pays here.
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    precision = {} if "precision" in config["trainer"] else {"precision": training_precision(device)}
+    precision = {} if "precision" in config["trainer"] else {"precision": training_precision()}
     trainer = _instantiate(config["trainer"], logger=logger, callbacks=callbacks, **precision)
     root = Path(trainer.default_root_dir)
     root.mkdir(parents=True, exist_ok=True)
