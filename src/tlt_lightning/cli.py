@@ -8,7 +8,7 @@
     tlt-lightning bench e2e [--drafter DIR] ...       GRPO steps with TLT vs the identical run without it
     tlt-lightning bench spot [--drafter DIR] ...      spot drafter training: packing, preemption, 2-rank DDP overhead
     tlt-lightning bench efficiency --part P ...       importance sampling / distillation / INT4 QAT vs baselines
-    tlt-lightning bench layout [--drafter DIR] ...    linear weights stored [out, in] vs [in, out], side by side
+    tlt-lightning bench layout [--drafter DIR] ...    weight layouts ([out, in], [in, out], packed) side by side
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning drafter evaluate --drafter DIR ...  drafters' acceptance on the same stored rollouts
     tlt-lightning export-drafter CKPT OUT [--model M]  drafter checkpoint -> EAGLE dir for vLLM / SGLang
@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     bench_layout.add_arguments(
-        bench.add_parser("layout", help="linear weights stored [out, in] vs [in, out]: plain and speculative decoding")
+        bench.add_parser("layout", help="weight layouts ([out, in], [in, out], packed) side by side: plain and speculative decoding")
     )
 
     drafter = sub.add_parser("drafter", help="drafter tools").add_subparsers(dest="drafter_command", required=True)

@@ -65,3 +65,28 @@ def test_hf_peer_samples_and_decodes_greedily(temperature):
 
     model = load_model("tiny-llama", seed=0).model
     assert _hf_peer(model, [5, 6, 7], 4, seed=0, temperature=temperature) > 0
+
+
+@pytest.mark.parametrize("with_batches", [False, True])
+def test_speculative_plot_has_a_panel_per_workload_kind(monkeypatch, tmp_path, with_batches):
+    from tlt_lightning.bench import speculative as bench
+    from tlt_lightning.drafter import Drafter, DrafterConfig
+    from tlt_lightning.models import HFTarget, load_model
+    from tlt_lightning.rollout import RolloutConfig
+    from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+
+    target = HFTarget(load_model("tiny-llama", seed=0).model.eval())
+    loop = SpeculativeRolloutLoop(target, Drafter(DrafterConfig.from_target(target), target),
+                                  RolloutConfig(max_new_tokens=6, temperature=1.0), threshold=4)
+    long_tail = loop.generate([[5, 6, 7], [8, 9]], generator=torch.Generator().manual_seed(0))
+    batches = [{"requests": 1, "strategy": "chain4", "plain_tokens_per_s": 10.0, "sd_tokens_per_s": 15.0,
+                "speedup_tokens_per_s": 1.5, "mean_accept_length": 2.0}] if with_batches else []
+    figures = []
+    monkeypatch.setattr(bench, "save_figure", lambda fig, path: figures.append(fig) or path)
+    results = {"batches": batches, "strategies": ["chain4"], "temperature": 1.0}
+    bench.plot(results, long_tail, tmp_path / "p.png")
+    titles = [ax.get_title() for ax in figures[0].axes]
+    assert titles == ["Throughput, T=1"] * with_batches + ["Long tail: accept-length histogram",
+                                                           "Long tail: batch over time (SD run)"]
+    with pytest.raises(ValueError, match="nothing to plot"):
+        bench.plot({**results, "batches": []}, None, tmp_path / "q.png")

@@ -1,9 +1,16 @@
+import copy
+import pickle
+
 import pytest
 import torch
 from torch import nn
 
-from tlt_lightning.models import HFTarget, load_model, set_weight_layout
+from tlt_lightning.drafter import Drafter, DrafterConfig
+from tlt_lightning.models import HFTarget, PackedLinear, load_model, set_weight_layout
+from tlt_lightning.models.layout import _PACKABLE
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
+from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
+from tlt_lightning.speculative import SDStrategy
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
@@ -15,7 +22,7 @@ def _is_column_major(w: torch.Tensor) -> bool:
 
 
 def test_unknown_layouts_are_rejected():
-    with pytest.raises(ValueError, match=r"weight layout must be one of \('out_in', 'in_out'\), got 'auto'"):
+    with pytest.raises(ValueError, match=r"weight layout must be one of \('out_in', 'in_out', 'packed'\), got 'auto'"):
         set_weight_layout(nn.Linear(2, 3), "auto")
 
 
@@ -76,8 +83,101 @@ def test_engine_outputs_do_not_depend_on_the_layout():
     engine = RolloutEngine(target, RolloutConfig(max_new_tokens=24, temperature=1.0))
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]] * 3
     runs = {}
-    for layout in ("out_in", "in_out"):
+    for layout in ("out_in", "in_out", "packed"):
         target.set_weight_layout(layout)
         result = engine.generate(prompts, generator=torch.Generator().manual_seed(3))
         runs[layout] = [r.token_ids.tolist() for r in result.rollouts]
-    assert runs["in_out"] == runs["out_in"]
+    assert runs["in_out"] == runs["out_in"] == runs["packed"]
+
+
+needs_packing = pytest.mark.skipif(torch.float32 not in _PACKABLE, reason="oneDNN is not available")
+
+
+@needs_packing
+def test_packed_layout_uses_the_packed_copy_in_inference_only(monkeypatch):
+    model = load_model("tiny-llama", seed=0).model.eval()
+    ids = torch.randint(3, 128, (2, 9))
+    before = model(input_ids=ids).logits
+    params = {n: p for n, p in model.named_parameters()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    changed = set_weight_layout(model, "packed")
+    assert changed == len(_linears(model)) == 4 * 7 + 1  # the tied head is packed too
+    assert all(type(m) is PackedLinear for m in _linears(model))
+    assert set_weight_layout(model, "packed") == 0  # idempotent
+    assert dict(model.named_parameters()) == params  # same Parameters
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 4 * 7 + 1
+    calls.clear()
+    model(input_ids=ids, labels=ids).loss.backward()  # training takes F.linear and gets gradients
+    assert not calls and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert set_weight_layout(model, "out_in") == changed
+    assert all(type(m) is nn.Linear and not hasattr(m, "_packed_weight") for m in _linears(model))
+
+
+@needs_packing
+def test_packed_linear_follows_autocast():
+    linear = nn.Linear(16, 8)
+    packed = copy.deepcopy(linear)
+    set_weight_layout(packed, "packed")
+    x = torch.randn(3, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = linear(x)  # fp32 weights autocast to bf16: packing would multiply in fp32
+        assert packed(x).dtype == expected.dtype == torch.bfloat16
+        torch.testing.assert_close(packed(x), expected)
+    assert packed._packed_weight._packed is None  # F.linear under autocast
+    bf16 = copy.deepcopy(packed).to(torch.bfloat16)
+    if torch.bfloat16 in _PACKABLE:  # bf16 weights autocast to bf16: packed, fp32 inputs cast
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.testing.assert_close(bf16(x), linear.to(torch.bfloat16)(x.bfloat16()))
+        assert bf16._packed_weight._packed is not None
+
+
+@needs_packing
+def test_packed_copy_follows_optimizer_steps_and_is_not_copied():
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (2, 12))
+    model = load_model("tiny-qwen2", seed=0).model
+    set_weight_layout(model, "packed")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        with torch.inference_mode():  # a rollout between steps packs the current weights
+            packed = model(input_ids=ids).logits
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            after = model(input_ids=ids).logits
+        set_weight_layout(model, "out_in")
+        with torch.no_grad():
+            torch.testing.assert_close(after, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        set_weight_layout(model, "packed")
+        assert not torch.allclose(after, packed)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        linear = next(m for m in clone.modules() if isinstance(m, PackedLinear))
+        assert linear._packed_weight._packed is None  # packed lazily again, never shared
+        with torch.no_grad():
+            torch.testing.assert_close(clone(input_ids=ids).logits, after, rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 2, 6)], ids=["chain", "tree"])
+def test_speculative_greedy_output_is_the_same_packed(arm):
+    target = HFTarget(load_model("tiny-llama", seed=0).model.eval())
+    drafter = Drafter(DrafterConfig.from_target(target, draft_vocab_size=64), target).eval()
+    config = RolloutConfig(max_new_tokens=32, temperature=0)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21]]
+    plain = [r.token_ids.tolist() for r in RolloutEngine(target, config).generate(prompts).rollouts]
+    target.set_weight_layout("packed")
+    loop = SpeculativeRolloutLoop(target, drafter, config, chooser=FixedChooser(arm), threshold=8)
+    result = loop.generate(prompts)
+    assert [r.token_ids.tolist() for r in result.rollouts] == plain
+    assert drafter.weight_layout == "packed"  # it follows the target: fc and the layer's 7 projections
+    assert sum(type(m) is PackedLinear for m in drafter.modules()) == 8
+    assert result.stats.mean_accept_length >= 1

@@ -283,6 +283,25 @@ class MirrorRecord(L.Callback):
         self.drifts.append(float(trainer.logged_metrics["train/logprob_drift"]))
 
 
+class ToleranceRecord(L.Callback):
+    """The log-probability tolerance each optimizer step is checked against."""
+
+    def __init__(self) -> None:
+        self.tolerances: list[float | None] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.tolerances.append(pl_module._step_check.tolerance)
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("32-true", 0.01), ("bf16-mixed", 0.2)])
+def test_default_logprob_tolerance_follows_the_training_precision(precision, tolerance):
+    # fp32 weights and rollouts: only the trainer's precision differs (fit picks bf16-mixed where
+    # bf16 is native), and a bf16 training forward drifts past fp32's 0.01 nats.
+    record = ToleranceRecord()
+    make_trainer(2, precision=precision, callbacks=[record]).fit(make_module(rollout_dtype=None))
+    assert record.tolerances == [tolerance, tolerance]
+
+
 def test_bf16_rollout_mirror_follows_the_policy():
     module, record = make_module(rollout_dtype="bfloat16", drafter_kind="eagle1", max_new_tokens=12), MirrorRecord()
     trainer = make_trainer(3, callbacks=[record])

@@ -1,9 +1,10 @@
-"""``tlt-lightning bench layout``: linear weights stored ``[out, in]`` vs ``[in, out]``, side by side.
+"""``tlt-lightning bench layout``: weight layouts side by side (``[out, in]``, ``[in, out]``, packed).
 
-The same rollouts (same prompts, seeds and sampling) run once per layout, the layouts alternated
-on every prompt group so that machine noise hits both alike; medians reported. Plain decoding at
-each ``--batch-sizes`` and, with ``--drafter``, speculative decoding at batch 1 for each ``--arms``.
-Only the target's storage changes (:meth:`HFTarget.set_weight_layout`), not the drafter's.
+The same rollouts (same prompts, seeds and sampling) run once per layout, the layouts' order
+rotated on every prompt group so that machine noise hits all alike; medians reported. Plain
+decoding at each ``--batch-sizes`` and, with ``--drafter``, speculative decoding at batch 1 for each
+``--arms``. The target and the drafter take the same layout (``set_weight_layout``); speedups are
+against the first of ``--layouts``.
 """
 
 from __future__ import annotations
@@ -16,15 +17,12 @@ import torch
 
 from tlt_lightning.bench.common import machine_info, median, save_figure, task_prompts, timed, write_json
 from tlt_lightning.drafter import load_drafter
-from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.models import WEIGHT_LAYOUTS, HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
 from tlt_lightning.scheduling import parse_arm
 
 __all__ = ["add_arguments", "run"]
-
-LAYOUTS = ("out_in", "in_out")
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
@@ -36,7 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, metavar="DIR", help="also time speculative decoding at batch 1")
     p.add_argument("--arms", nargs="+", default=["chain2", "chain6"], metavar="ARM",
                    help="speculative strategies at batch 1 (with --drafter)")
-    p.add_argument("--repeats", type=int, default=3, help="prompt groups; layouts alternate on each")
+    p.add_argument("--layouts", nargs="+", default=["out_in", "packed"], choices=WEIGHT_LAYOUTS,
+                   help="layouts to compare; speedups are against the first")
+    p.add_argument("--repeats", type=int, default=3, help="prompt groups; the layouts' order rotates on each")
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--json", default="runs/bench/layout.json", help="where to write the results")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
@@ -48,14 +48,17 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = payload["workloads"]
+    rows, layouts = payload["workloads"], payload["layouts"]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows)), 3.8))
     x = range(len(rows))
-    for i, layout in enumerate(LAYOUTS):
-        ax.bar([j + (i - 0.5) * 0.4 for j in x], [r[f"{layout}_tokens_per_s"] for r in rows], 0.4, label=layout)
-    for j, r in enumerate(rows):
-        ax.text(j, max(r["out_in_tokens_per_s"], r["in_out_tokens_per_s"]), f"x{r['speedup']:.2f}",
-                ha="center", va="bottom", fontsize=8)
+    width = 0.8 / len(layouts)
+    for i, layout in enumerate(layouts):
+        offset = (i - (len(layouts) - 1) / 2) * width
+        ax.bar([j + offset for j in x], [r[f"{layout}_tokens_per_s"] for r in rows], width, label=layout)
+        for j, r in enumerate(rows):
+            if i > 0:
+                ax.text(j + offset, r[f"{layout}_tokens_per_s"], f"x{r[f'{layout}_speedup']:.2f}",
+                        ha="center", va="bottom", fontsize=7)
     ax.set_xticks(list(x), [r["workload"] for r in rows], fontsize=8)
     title = f"Weight layout, {payload['model']} {payload['dtype']}, T={payload['temperature']:g}"
     ax.set(ylabel="tokens / s", title=title)
@@ -64,6 +67,9 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    layouts = list(dict.fromkeys(args.layouts))
+    if len(layouts) < 2:
+        raise ValueError(f"--layouts: name at least two different layouts to compare, got {args.layouts}")
     arms = [parse_arm(a) for a in args.arms] if args.drafter else []
     if None in arms:
         raise ValueError("--arms: name speculative strategies only (plain decoding is always timed)")
@@ -74,6 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     workloads: list[tuple[str, int, Any]] = [(f"plain, batch {bs}", bs, RolloutEngine(target, cfg))
                                              for bs in args.batch_sizes]
+    drafter = None
     if args.drafter:
         drafter = load_drafter(args.drafter, target).eval()
         workloads += [(f"{arm}, batch 1", 1, SpeculativeRolloutLoop(target, drafter, cfg, FixedChooser(arm),
@@ -82,27 +89,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for name, bs, engine in workloads:
         print(f"[bench layout] {name}, {args.max_new_tokens} new tokens ...", flush=True)
-        tps: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
-        cpu: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+        tps: dict[str, list[float]] = {layout: [] for layout in layouts}
+        cpu: dict[str, list[float]] = {layout: [] for layout in layouts}
         for r in range(args.repeats):
             group = prompts[r * bs:(r + 1) * bs]
-            for layout in LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]:
+            shift = r % len(layouts)
+            for layout in layouts[shift:] + layouts[:shift]:
                 target.set_weight_layout(layout)
+                if drafter is not None:
+                    drafter.set_weight_layout(layout)
                 out, wall, cpu_s = timed(lambda: engine.generate(group, generator=torch.Generator().manual_seed(r)))
                 tps[layout].append(out.stats.generated_tokens / wall)
                 cpu[layout].append(cpu_s / out.stats.generated_tokens)
         row = {"workload": name, "batch_size": bs, **{f"{k}_tokens_per_s": median(v) for k, v in tps.items()},
                **{f"{k}_cpu_s_per_token": median(v) for k, v in cpu.items()}}
-        row["speedup"] = row["in_out_tokens_per_s"] / row["out_in_tokens_per_s"]
-        row["speedup_cpu_time"] = row["out_in_cpu_s_per_token"] / row["in_out_cpu_s_per_token"]
+        base = layouts[0]
+        for layout in layouts[1:]:
+            row[f"{layout}_speedup"] = row[f"{layout}_tokens_per_s"] / row[f"{base}_tokens_per_s"]
+            row[f"{layout}_speedup_cpu_time"] = row[f"{base}_cpu_s_per_token"] / row[f"{layout}_cpu_s_per_token"]
         rows.append(row)
-        print(f"  out_in {row['out_in_tokens_per_s']:.1f} tok/s, in_out {row['in_out_tokens_per_s']:.1f} tok/s: "
-              f"x{row['speedup']:.2f} (CPU time x{row['speedup_cpu_time']:.2f})", flush=True)
+        print("  " + ", ".join(f"{layout} {row[f'{layout}_tokens_per_s']:.1f} tok/s"
+                               + (f" (x{row[f'{layout}_speedup']:.2f}, CPU time x{row[f'{layout}_speedup_cpu_time']:.2f})"
+                                  if layout != base else "") for layout in layouts), flush=True)
     payload: dict[str, Any] = {
         "benchmark": "weight-layout",
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "task": args.task, "temperature": args.temperature,
-        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "drafter": args.drafter,
+        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "drafter": args.drafter, "layouts": layouts,
         "machine": machine_info(), "workloads": rows,
     }
     json_path = write_json(args.json, payload)

@@ -123,8 +123,8 @@ def plot(long_tail: RolloutResult | None, batches: list[dict[str, Any]], path: P
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--weight-layout", default="out_in", choices=WEIGHT_LAYOUTS,
-                   help="storage of the linear weights ([in, out]: see `bench layout`)")
+    p.add_argument("--weight-layout", default="packed", choices=WEIGHT_LAYOUTS,
+                   help="layout of the linear weights (see `bench layout`)")
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 128])
     p.add_argument("--max-new-tokens", type=int, default=128, help="per request, fixed-batch workload")

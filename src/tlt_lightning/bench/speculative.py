@@ -133,34 +133,38 @@ def plot(results: dict[str, Any], long_tail: RolloutResult | None, path: Path) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3 if long_tail is not None else 1, figsize=(16 if long_tail else 6, 4.5))
-    axes = axes if long_tail is not None else [axes]
     batches, arms = results["batches"], results["strategies"]
-    sizes = list(dict.fromkeys(b["requests"] for b in batches))
-    width = 0.8 / (len(arms) + 1)
-    a = axes[0]
-    a.bar([x - 0.4 + width / 2 for x in range(len(sizes))],
-          [next(b for b in batches if b["requests"] == n)["plain_tokens_per_s"] for n in sizes],
-          width=width, label="plain")
-    for j, arm in enumerate(arms):
-        for x, n in enumerate(sizes):
-            b = next(b for b in batches if b["requests"] == n and b["strategy"] == arm)
-            xb = x - 0.4 + width * (j + 1.5)
-            a.bar(xb, b["sd_tokens_per_s"], width=width, color=f"C{j + 1}", label=arm if x == 0 else None)
-            a.text(xb, b["sd_tokens_per_s"], f"x{b['speedup_tokens_per_s']:.2f}\nacc {b['mean_accept_length']:.2f}",
-                   ha="center", va="bottom", fontsize=7)
-    a.set_xticks(list(range(len(sizes))), [str(n) for n in sizes])
-    a.set(xlabel="batch size (speculation on every step)", ylabel="tokens / s",
-          title=f"Throughput, T={results['temperature']:g}")
-    a.legend(fontsize=8)
+    panels = (1 if batches else 0) + (2 if long_tail is not None else 0)
+    if panels == 0:
+        raise ValueError("nothing to plot: no batch workloads and no long-tail run")
+    fig, axes = plt.subplots(1, panels, figsize=(5.3 * panels, 4.5), squeeze=False)
+    axes = list(axes[0])
+    if batches:
+        a = axes.pop(0)
+        sizes = list(dict.fromkeys(b["requests"] for b in batches))
+        width = 0.8 / (len(arms) + 1)
+        a.bar([x - 0.4 + width / 2 for x in range(len(sizes))],
+              [next(b for b in batches if b["requests"] == n)["plain_tokens_per_s"] for n in sizes],
+              width=width, label="plain")
+        for j, arm in enumerate(arms):
+            for x, n in enumerate(sizes):
+                b = next(b for b in batches if b["requests"] == n and b["strategy"] == arm)
+                xb = x - 0.4 + width * (j + 1.5)
+                a.bar(xb, b["sd_tokens_per_s"], width=width, color=f"C{j + 1}", label=arm if x == 0 else None)
+                a.text(xb, b["sd_tokens_per_s"],
+                       f"x{b['speedup_tokens_per_s']:.2f}\nacc {b['mean_accept_length']:.2f}",
+                       ha="center", va="bottom", fontsize=7)
+        a.set_xticks(list(range(len(sizes))), [str(n) for n in sizes])
+        a.set(xlabel="batch size (speculation on every step)", ylabel="tokens / s",
+              title=f"Throughput, T={results['temperature']:g}")
+        a.legend(fontsize=8)
     if long_tail is not None:
         stats = long_tail.stats
-        b = axes[1]
+        b, c = axes
         hist = torch.bincount(stats.accept_lengths).tolist() if stats.accept_lengths.numel() else []
         b.bar(range(len(hist)), hist)
         b.set(xlabel="tokens emitted per request per speculative step", ylabel="count",
               title="Long tail: accept-length histogram")
-        c = axes[2]
         times = torch.tensor(stats.step_times).cumsum(0).tolist()
         c.plot(times, stats.step_batch_sizes, lw=1, label="active requests")
         spec_t = [t for t, s in zip(times, stats.step_speculative) if s]

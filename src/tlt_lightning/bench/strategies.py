@@ -47,8 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="drafter checkpoint directory (from `drafter warmup`)")
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--weight-layout", default="out_in", choices=WEIGHT_LAYOUTS,
-                   help="storage of the linear weights ([in, out]: see `bench layout`)")
+    p.add_argument("--weight-layout", default="packed", choices=WEIGHT_LAYOUTS,
+                   help="layout of the linear weights (see `bench layout`)")
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
     p.add_argument("--requests", type=int, default=128, help="prompts in the long-tail rollout")
     p.add_argument("--groups", type=int, default=1,

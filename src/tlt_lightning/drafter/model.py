@@ -25,6 +25,7 @@ from torch import nn
 from tlt_lightning.drafter.config import DrafterConfig
 from tlt_lightning.drafter.layers import ARCH, AttentionCache, Eagle1Layer, Eagle3Layer, hf_config
 from tlt_lightning.models.kv_cache import KVCache
+from tlt_lightning.models.layout import PackedWeight, set_weight_layout
 from tlt_lightning.models.target import HFTarget, TargetModel
 
 __all__ = ["AttentionCache", "Drafter"]
@@ -129,6 +130,8 @@ class Drafter(nn.Module):
         self.config = config
         self._refs = refs
         self._head_cache: tuple[tuple[int, ...], torch.Tensor, torch.Tensor | None] | None = None
+        self.weight_layout = "out_in"
+        self._packed_head = PackedWeight()
         arch_config = hf_config(config)
         self.rotary_emb = ARCH[config.model_type].rotary(config=arch_config)  # fp32 inv_freq, not persistent
         if config.kind == "eagle1":
@@ -307,7 +310,19 @@ class Drafter(nn.Module):
         if self.config.kind == "eagle3":
             hidden_out = self.norm(hidden_out)
         weight, bias = self._head()
+        if self.weight_layout == "packed":
+            return self._packed_head.linear(hidden_out.to(weight.dtype), weight, bias)
         return F.linear(hidden_out.to(weight.dtype), weight, bias)
+
+    def set_weight_layout(self, layout: str) -> int:
+        """Lay out the drafter's linear weights as ``layout`` (see :mod:`tlt_lightning.models.layout`).
+
+        ``"packed"`` also multiplies by a packed copy of its LM-head rows when drafting on a CPU.
+        Returns how many linears changed.
+        """
+        changed = set_weight_layout(self, layout)
+        self.weight_layout = layout
+        return changed
 
     def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` target final states -> ``[..., V_draft]`` the target's logits on the draft vocabulary.

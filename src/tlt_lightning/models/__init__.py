@@ -9,7 +9,7 @@ from typing import Any
 
 from tlt_lightning.models.hardware import has_fast_bf16, resolve_dtype, training_precision
 from tlt_lightning.models.kv_cache import KVCache
-from tlt_lightning.models.layout import WEIGHT_LAYOUTS, set_weight_layout
+from tlt_lightning.models.layout import WEIGHT_LAYOUTS, PackedLinear, PackedWeight, set_weight_layout
 from tlt_lightning.models.registry import LoadedModel, ModelNotFoundError, available_models, cache_dir, load_model
 from tlt_lightning.models.target import HFTarget, TargetInfo, TargetModel, TargetOutput, default_feature_layers
 
@@ -18,6 +18,8 @@ __all__ = [
     "KVCache",
     "LoadedModel",
     "ModelNotFoundError",
+    "PackedLinear",
+    "PackedWeight",
     "TargetInfo",
     "TargetModel",
     "TargetOutput",

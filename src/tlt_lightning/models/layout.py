@@ -1,24 +1,34 @@
-"""The memory order of linear weights, for the verify forwards of deep speculative drafts on CPUs.
+"""The memory layout of linear weights, for decoding and the verify forwards of speculative drafts on CPUs.
 
-``nn.Linear`` stores its weight ``[out, in]`` and multiplies ``x @ W.T``. MKL's fp32 product of a
-few rows is cheap for 1-3 rows and jumps at 4 (packing the weight); stored ``[in, out]`` (the same
-values, column-major) the jump is smaller: a 7-row product through SmolLM2's linears took 1.6x a
-1-row one instead of 2.2x (hot-cache micro-benchmark, Ice Lake Xeon). End to end, side by side
-(``tlt-lightning bench layout``, docs/benchmarks.md "Weight layout"), ``"in_out"`` made 3- and
-6-token chains 1.16x / 1.22x faster there, but 2-token chains 0.87x and plain decoding at batch 128
-0.91x: it is an option, not the default. Only the storage changes: every ``Parameter`` keeps its
-identity, shape and values, so optimizers, tied weights and ``state_dict`` are unaffected (the
-tensors are transposed views: ``.contiguous()`` them before ``safetensors.torch.save_file``).
+Three layouts, all with the same parameter values:
+
+- ``"out_in"``: PyTorch's ``nn.Linear`` (row-major ``[out, in]``, ``x @ W.T``).
+- ``"in_out"``: the same values stored column-major. MKL's fp32 product of a few rows is cheap for
+  1-3 rows and jumps at 4 (it packs the weight on every call); stored ``[in, out]`` the jump is
+  smaller (Ice Lake Xeon: 3- and 6-token chains 1.16x / 1.22x faster, plain decoding at batch 128
+  0.91x; docs/benchmarks.md "Weight layout").
+- ``"packed"``: parameters stay row-major, and in inference on a CPU every ``nn.Linear`` multiplies
+  by a copy of its weight reordered once into oneDNN's blocked format (what Inductor's weight
+  prepacking does), refreshed when the weight changes. On an AMD Zen 5 this made SmolLM2's
+  linears 2x faster for one row in bfloat16 and 2.3-3x faster for 7-128 rows in fp32
+  (docs/benchmarks.md "Prepacked weights"). It costs one more copy of the weights. Gradients,
+  GPUs and dtypes oneDNN cannot pack take ``F.linear``, so a packed model trains as before.
+
+Only the storage changes: every ``Parameter`` keeps its identity, shape and values, so optimizers,
+tied weights and ``state_dict`` are unaffected (``"in_out"`` tensors are transposed views:
+``.contiguous()`` them before ``safetensors.torch.save_file``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WEIGHT_LAYOUTS", "column_major", "set_weight_layout"]
+__all__ = ["WEIGHT_LAYOUTS", "PackedLinear", "PackedWeight", "column_major", "set_weight_layout"]
 
-WEIGHT_LAYOUTS = ("out_in", "in_out")
+WEIGHT_LAYOUTS = ("out_in", "in_out", "packed")
+PACK_ROWS = 8  # the row count oneDNN's blocked format is chosen for (1-128 rows measured within ~10% of the best)
 
 
 def column_major(weight: torch.Tensor) -> torch.Tensor:
@@ -26,19 +36,88 @@ def column_major(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous().t()
 
 
-def set_weight_layout(model: nn.Module, layout: str) -> int:
-    """Store the weight of every ``nn.Linear`` of ``model`` in ``layout``, in place.
+def _packable_dtypes() -> tuple[torch.dtype, ...]:
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
-    An LM head tied to an input embedding is left row-major: the embedding gathers rows of it, and
-    gathering columns would make every lookup strided (15x slower for a 4k-token prefill).
-    :class:`~tlt_lightning.models.HFTarget` keeps a column-major copy of such a head instead.
+
+class PackedWeight:
+    """A oneDNN-packed copy of one weight, made on first use and remade when the weight changes.
+
+    The copy is keyed on the weight's storage and in-place version counter: an optimizer step,
+    ``load_state_dict`` or ``copy_`` bumps the version, so RL updates are picked up (writes through
+    ``weight.data`` bypass the counter: avoid them on a packed model). Not copied or pickled.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._packed: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo: dict) -> PackedWeight:
+        return PackedWeight()
+
+    def __getstate__(self) -> dict:
+        return {"_key": None, "_packed": None}
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``, through the packed copy where it applies.
+
+        It applies on a CPU, for fp32 (and bf16 where oneDNN supports it) weights multiplied in
+        their own dtype (inputs of that dtype, or autocast to it), when no gradient is needed;
+        everything else takes ``F.linear``.
+        """
+        dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)  # the dtype F.linear would multiply in
+        if (
+            x.device.type != "cpu"
+            or dtype != weight.dtype
+            or dtype not in _PACKABLE
+            or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+        ):
+            return F.linear(x, weight, bias)
+        x = x.to(dtype)
+        key = (weight.data_ptr(), weight._version, weight.shape, weight.dtype)
+        if self._key != key:
+            # A normal tensor even under inference_mode, so later no_grad calls can use it.
+            with torch.inference_mode(False), torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+            self._key = key
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+
+
+_PACKABLE = _packable_dtypes()
+
+
+class PackedLinear(nn.Linear):
+    """``nn.Linear`` multiplying by a :class:`PackedWeight` copy in CPU inference (``"packed"`` layout).
+
+    Made from ``nn.Linear`` modules in place by :func:`set_weight_layout`; same parameters, same
+    ``state_dict``.
+    """
+
+    _packed_weight: PackedWeight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._packed_weight.linear(x, self.weight, self.bias)
+
+
+def set_weight_layout(model: nn.Module, layout: str) -> int:
+    """Lay out the weight of every ``nn.Linear`` of ``model`` as ``layout``, in place.
+
+    With ``"in_out"``, an LM head tied to an input embedding is left row-major: the embedding
+    gathers rows of it, and gathering columns would make every lookup strided (15x slower for a
+    4k-token prefill). :class:`~tlt_lightning.models.HFTarget` keeps a column-major copy of such a
+    head instead. ``"packed"`` leaves every weight row-major (tied ones included) and turns plain
+    ``nn.Linear`` modules (not subclasses such as QAT's) into :class:`PackedLinear`.
 
     Args:
         model: any module; its ``nn.Linear`` weights (including those wrapped by peft) are relaid.
-        layout: ``"out_in"`` (row-major, PyTorch's default) or ``"in_out"`` (column-major).
+        layout: one of :data:`WEIGHT_LAYOUTS`.
 
     Returns:
-        How many weights changed storage.
+        How many linears changed layout.
     """
     if layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
@@ -47,10 +126,20 @@ def set_weight_layout(model: nn.Module, layout: str) -> int:
     with torch.no_grad():
         for module in model.modules():
             weight = getattr(module, "weight", None)
-            if not isinstance(module, nn.Linear) or weight is None or id(weight) in embeddings:
+            if not isinstance(module, nn.Linear) or weight is None:
                 continue
+            moved = False
+            if type(module) is PackedLinear and layout != "packed":
+                module.__class__ = nn.Linear
+                del module._packed_weight
+                moved = True
+            elif type(module) is nn.Linear and layout == "packed":
+                module.__class__ = PackedLinear
+                module._packed_weight = PackedWeight()
+                moved = True
             is_column_major = weight.stride() == (1, weight.shape[0]) and not weight.is_contiguous()
-            if is_column_major != (layout == "in_out"):
+            if id(weight) not in embeddings and is_column_major != (layout == "in_out"):
                 weight.data = column_major(weight.data) if layout == "in_out" else weight.data.contiguous()
-                changed += 1
+                moved = True
+            changed += moved
     return changed

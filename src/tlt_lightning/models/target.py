@@ -173,7 +173,7 @@ class HFTarget(nn.Module):
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` final hidden states -> ``[..., V]`` logits."""
         head = self.model.get_output_embeddings()
-        if self.weight_layout == "out_in" or not head.weight.is_contiguous() or torch.is_grad_enabled():
+        if self.weight_layout != "in_out" or not head.weight.is_contiguous() or torch.is_grad_enabled():
             return head(hidden)
         # A head tied to the embedding stays row-major (set_weight_layout): multiply by a
         # column-major copy, refreshed when the weights change in place (RL updates).
@@ -184,9 +184,10 @@ class HFTarget(nn.Module):
         return F.linear(hidden, self._head_copy[1], head.bias)
 
     def set_weight_layout(self, layout: str) -> int:
-        """Store the model's linear weights ``"out_in"`` (PyTorch's) or ``"in_out"``, see
+        """Lay out the model's linear weights ``"out_in"`` (PyTorch's), ``"in_out"`` or ``"packed"``, see
         :mod:`tlt_lightning.models.layout`; returns how many changed. With ``"in_out"`` a tied LM
-        head gets a column-major copy for decoding (one more ``V x H`` tensor)."""
+        head gets a column-major copy for decoding (one more ``V x H`` tensor); ``"packed"`` packs
+        it like every other linear."""
         changed = set_weight_layout(self.model, layout)
         self.weight_layout, self._head_copy = layout, None
         return changed

@@ -134,9 +134,11 @@ class GRPOModule(L.LightningModule):
             ``"auto"``: bf16 where the device multiplies it natively, else the policy itself
             (:func:`~tlt_lightning.models.resolve_dtype`; resolved in ``configure_model`` as
             ``self.rollout_dtype``); ``None``: on the policy itself.
-        weight_layout: how the rollout model stores its linear weights: ``"out_in"`` (PyTorch's) or
-            ``"in_out"`` (cheaper verification of 4+ drafted tokens on some CPUs, dearer plain
-            decoding of large batches: :mod:`tlt_lightning.models.layout`). Values are unchanged.
+        weight_layout: how the rollout model lays out its linear weights (:mod:`tlt_lightning.models.layout`;
+            values unchanged): ``"packed"`` (default: on a CPU, rollouts multiply by oneDNN-packed
+            copies, 1.0-1.3x faster in bf16 and more in fp32; training is untouched),
+            ``"out_in"`` (PyTorch's) or ``"in_out"`` (cheaper fp32 verification of 4+ drafted
+            tokens on some CPUs, dearer plain decoding of large batches).
         task: the reasoning-gym task (a :class:`~tlt_lightning.rl.tasks.TaskConfig` or its fields
             as a dict; default ``TaskConfig()``). Ignored when a ``prompt_source`` is given.
         group_size: ``G``, rollouts per prompt.
@@ -206,7 +208,7 @@ class GRPOModule(L.LightningModule):
         model: str = "smollm2-135m",
         dtype: str = "float32",
         rollout_dtype: str | None = None,
-        weight_layout: str = "out_in",
+        weight_layout: str = "packed",
         task: TaskConfig | dict[str, Any] | None = None,
         group_size: int = 4,
         prompts_per_step: int = 4,

@@ -29,7 +29,14 @@ from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.target import TargetModel
 from tlt_lightning.rollout.engine import ActiveBatch, Emission, PlainStep, RolloutEngine, causal_decode_mask
 from tlt_lightning.rollout.types import RolloutConfig, RolloutResult
-from tlt_lightning.speculative import SDStrategy, StrategyChooser, sample, sampling_probs, verify_chain, verify_tree
+from tlt_lightning.speculative import (
+    SDStrategy,
+    StrategyChooser,
+    sample,
+    sampling_probs,
+    verify_chain,
+    verify_tree,
+)
 
 __all__ = ["FixedChooser", "SpeculativeRolloutLoop", "SpeculativeStep"]
 
@@ -58,7 +65,8 @@ class SpeculativeStep:
 
     Args:
         target: the model being sampled.
-        drafter: an EAGLE-style drafter for ``target`` (see :class:`~tlt_lightning.drafter.Drafter`).
+        drafter: an EAGLE-style drafter for ``target`` (see :class:`~tlt_lightning.drafter.Drafter`);
+            it takes the ``"packed"`` weight layout of a packed target (values unchanged).
         config: the rollout's sampling settings; ``config.feature_layers`` must start with the
             drafter's ``feature_layers``.
         chooser: picks the strategy per step (e.g. :class:`FixedChooser`, ``BEGMABStrategy``).
@@ -87,6 +95,8 @@ class SpeculativeStep:
             )
         if threshold < 1:
             raise ValueError(f"threshold must be >= 1, got {threshold}")
+        if getattr(target, "weight_layout", None) == "packed" and getattr(drafter, "weight_layout", None) == "out_in":
+            drafter.set_weight_layout("packed")  # same values; its drafts on a CPU get cheaper too
         self.target, self.drafter, self.config = target, drafter, config
         self.chooser, self.threshold, self.max_depth = chooser, threshold, max_depth
         self.drafter_context = drafter_context
