@@ -24,6 +24,7 @@ from tlt_lightning.scheduling import parse_arm
 
 __all__ = ["add_arguments", "run"]
 
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
