@@ -109,9 +109,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row[f"{layout}_speedup"] = row[f"{layout}_tokens_per_s"] / row[f"{base}_tokens_per_s"]
             row[f"{layout}_speedup_cpu_time"] = row[f"{base}_cpu_s_per_token"] / row[f"{layout}_cpu_s_per_token"]
         rows.append(row)
-        print("  " + ", ".join(f"{layout} {row[f'{layout}_tokens_per_s']:.1f} tok/s"
-                               + (f" (x{row[f'{layout}_speedup']:.2f}, CPU time x{row[f'{layout}_speedup_cpu_time']:.2f})"
-                                  if layout != base else "") for layout in layouts), flush=True)
+        parts = [f"{base} {row[f'{base}_tokens_per_s']:.1f} tok/s"] + [
+            f"{layout} {row[f'{layout}_tokens_per_s']:.1f} tok/s (x{row[f'{layout}_speedup']:.2f}, "
+            f"CPU time x{row[f'{layout}_speedup_cpu_time']:.2f})" for layout in layouts[1:]]
+        print("  " + ", ".join(parts), flush=True)
     payload: dict[str, Any] = {
         "benchmark": "weight-layout",
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),

@@ -42,6 +42,9 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
+_PACKABLE = _packable_dtypes()
+
+
 class PackedWeight:
     """A oneDNN-packed copy of one weight, made on first use and remade when the weight changes.
 
@@ -78,16 +81,13 @@ class PackedWeight:
         ):
             return F.linear(x, weight, bias)
         x = x.to(dtype)
-        key = (weight.data_ptr(), weight._version, weight.shape, weight.dtype)
+        key = (weight.data_ptr(), weight._version, weight.shape)  # a new dtype is a new storage
         if self._key != key:
             # A normal tensor even under inference_mode, so later no_grad calls can use it.
             with torch.inference_mode(False), torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
             self._key = key
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
-
-
-_PACKABLE = _packable_dtypes()
 
 
 class PackedLinear(nn.Linear):
