@@ -20,6 +20,7 @@ from tests.rollout.test_engine import random_prompts
 
 BOS = 1
 SAMPLED = SDStrategy(3, 2, sampled=True)  # two sampled chains of 3 forking at the root
+FORKED = SDStrategy(3, 2, sampled=True, fork_depth=2)  # forks at its first two levels: four chains of 3
 EARLY = SDStrategy(6, min_confidence=0.3)  # a chain of up to 6 that stops once the drafter doubts it
 
 
@@ -92,7 +93,7 @@ def with_eos(target: HFTarget, eos_token_ids: tuple[int, ...] = ()) -> HFTarget:
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("arm", [SDStrategy(1), SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED, EARLY], ids=str)
+@pytest.mark.parametrize("arm", [SDStrategy(1), SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED, FORKED, EARLY], ids=str)
 def test_greedy_equals_plain_with_a_random_drafter(tiny_target, kind, arm):
     """64 requests x 200 tokens: a drafter that is almost always wrong changes nothing."""
     drafter = Drafter(DrafterConfig.from_target(tiny_target, kind=kind, draft_vocab_size=96), tiny_target)
@@ -106,7 +107,7 @@ def test_greedy_equals_plain_with_a_random_drafter(tiny_target, kind, arm):
     assert result.stats.accept_lengths.numel() > 0
 
 
-@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED, EARLY], ids=str)
+@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED, FORKED, EARLY], ids=str)
 def test_greedy_equals_plain_with_a_trained_drafter(tiny_llama, arm):
     """64 requests x 200 tokens with a drafter trained on the target's own greedy rollouts: many
     drafts are accepted, and the output is still the plain greedy output token for token."""
@@ -126,11 +127,12 @@ def test_greedy_equals_plain_with_a_trained_drafter(tiny_llama, arm):
 
 @pytest.mark.parametrize(
     ("arm", "temperature"),
-    [(SDStrategy(2), 1.0), (SDStrategy(5), 1.0), (SDStrategy(3), 0.0), (SAMPLED, 1.0), (SAMPLED, 0.0)],
+    [(SDStrategy(2), 1.0), (SDStrategy(5), 1.0), (SDStrategy(3), 0.0), (SAMPLED, 1.0), (SAMPLED, 0.0),
+     (FORKED, 1.0), (FORKED, 0.0)],
 )
 def test_oracle_drafter_accepts_everything(tiny_llama, arm, temperature):
     """Chain drafts sampled from the target's own distribution are always accepted (a sampled
-    tree's first chain: the second one never gets a chance)."""
+    tree's first chain: its siblings never get a chance)."""
     target = with_eos(tiny_llama)
     prompts = [[BOS, *p] for p in random_prompts(6, seed=12)]
     depth = arm.num_steps
@@ -266,7 +268,11 @@ def assert_sampling_exact(temperature: float, top_p: float, arm: SDStrategy, dra
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (1.0, 0.9), (0.7, 1.0)])
-@pytest.mark.parametrize("arm", [SDStrategy(2), SDStrategy(2, 2, 3), SDStrategy(2, 3, sampled=True)], ids=str)
+@pytest.mark.parametrize(
+    "arm",
+    [SDStrategy(2), SDStrategy(2, 2, 3), SDStrategy(2, 3, sampled=True), SDStrategy(2, 2, sampled=True, fork_depth=2)],
+    ids=str,
+)
 def test_sampling_is_exact_end_to_end(temperature, top_p, arm):
     assert_sampling_exact(temperature, top_p, arm)
 

@@ -221,7 +221,7 @@ def test_load_state_dict_tolerates_missing_keys_and_rejects_other_arms():
     drive(bandit, [1, 3, 12, 48] * 10)
     state = bandit.state_dict()
     assert state["arms"][0][1] == {"num_steps": 2, "topk": 1, "num_draft_tokens": 2, "sampled": False,
-                                   "min_confidence": 0.0}
+                                   "min_confidence": 0.0, "fork_depth": 1}
     fresh = BEGMABStrategy(seed=0)
     fresh.load_state_dict({})
     fresh.load_state_dict({"windows": state["windows"]})
@@ -356,11 +356,13 @@ def test_decaying_epsilon_arguments_are_checked():
 def test_parse_arm_inverts_arm_key():
     from tlt_lightning.scheduling import parse_arm
 
-    arms = (SDStrategy(8), SDStrategy(3, 2, 5), SDStrategy(6, 2, sampled=True), SDStrategy(10, min_confidence=0.25))
+    arms = (SDStrategy(8), SDStrategy(3, 2, 5), SDStrategy(6, 2, sampled=True), SDStrategy(10, min_confidence=0.25),
+            SDStrategy(6, 2, sampled=True, fork_depth=3))
     for arm in (*default_arms(), *arms):
         assert parse_arm(arm_key(arm)) == arm
     assert parse_arm("chain10@.5") == SDStrategy(10, min_confidence=0.5)
-    for bad in ("", "chain", "tree4x2", "chain0", "on", "chain6x", "chain6x1", "chain6@", "chain6@1.2.3", "chain6@1"):
+    for bad in ("", "chain", "tree4x2", "chain0", "on", "chain6x", "chain6x1", "chain6@", "chain6@1.2.3", "chain6@1",
+                "chain6f2", "chain6x2f", "chain6x2f7", "chain6x2f2@0.1"):
         with pytest.raises(ValueError):
             parse_arm(bad)
 

@@ -30,10 +30,23 @@ def test_sampled_trees_fork_into_chains():
     assert arm != SDStrategy(6, 2, 12)  # the deterministic EAGLE-2 tree of the same size
     with pytest.raises(ValueError, match=r"forks into topk >= 2 chains, got topk=1 \(use a chain\)"):
         SDStrategy(4, sampled=True)
-    with pytest.raises(ValueError, match=r"all topk \* num_steps = 8 tokens, got num_draft_tokens=6"):
+    with pytest.raises(ValueError, match=r"verifies all its 8 nodes, got num_draft_tokens=6"):
         SDStrategy(4, 2, 6, sampled=True)
     with pytest.raises(TypeError, match="sampled must be a bool"):
         SDStrategy(4, 2, sampled=1)
+
+
+def test_sampled_trees_fork_at_their_first_levels():
+    arm = SDStrategy(4, 3, sampled=True, fork_depth=2)
+    assert arm.level_widths == (3, 9, 9, 9) and arm.num_draft_tokens == 30 and str(arm) == "chain4x3f2"
+    assert SDStrategy(4, 2, sampled=True).level_widths == (2, 2, 2, 2)
+    assert SDStrategy(3, 2, sampled=True, fork_depth=3).level_widths == (2, 4, 8)
+    assert arm != SDStrategy(4, 3, sampled=True)
+    for bad in (0, 5, True, 1.5):
+        with pytest.raises(ValueError, match=r"fork_depth must be an int in \[1, num_steps\] = \[1, 4\], got"):
+            SDStrategy(4, 3, sampled=True, fork_depth=bad)
+    with pytest.raises(ValueError, match="fork_depth=2 describes sampled trees; pass sampled=True"):
+        SDStrategy(4, 2, fork_depth=2)
 
 
 def test_confidence_stopped_chains():

@@ -19,6 +19,8 @@ are simply overwritten next time.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -34,11 +36,33 @@ from tlt_lightning.speculative import (
     StrategyChooser,
     sample,
     sampling_probs,
+    tree_attention_mask,
+    tree_depths,
     verify_chain,
     verify_tree,
 )
 
 __all__ = ["FixedChooser", "SpeculativeRolloutLoop", "SpeculativeStep"]
+
+
+@functools.lru_cache(maxsize=64)
+def _level_tree(widths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tree whose level ``d`` holds ``widths[d]`` nodes, the children of a node consecutive.
+
+    Returns:
+        ``parents`` ``[N]`` (``-1``: the root's children), ``depth`` ``[N]`` and ``anc`` ``[N, N]``
+        (:func:`~tlt_lightning.speculative.tree_attention_mask`), ``N = sum(widths)``.
+
+    Example:
+        >>> _level_tree((2, 4, 4))[0].tolist()
+        [-1, -1, 0, 0, 1, 1, 2, 3, 4, 5]
+    """
+    parents, start = [-1] * widths[0], 0
+    for above, w in zip(widths, widths[1:]):
+        parents += [start + j // (w // above) for j in range(w)]
+        start += above
+    parents = torch.tensor(parents)
+    return parents, tree_depths(parents), tree_attention_mask(parents)
 
 
 class FixedChooser:
@@ -83,7 +107,7 @@ class SpeculativeStep:
         config: RolloutConfig,
         chooser: StrategyChooser,
         threshold: int = 32,
-        max_depth: int = 16,
+        max_depth: int = 32,
         drafter_context: str = "response",
     ) -> None:
         layers = tuple(drafter.config.feature_layers)
@@ -295,65 +319,63 @@ class SpeculativeStep:
     def _sampled_tree(
         self, batch: ActiveBatch, arm: SDStrategy, generator: torch.Generator | None
     ) -> Emission:
-        """``arm.topk`` sampled chains of ``arm.num_steps`` forking at the root, verified as one tree.
+        """A sampled tree (see :class:`~tlt_lightning.speculative.SDStrategy`), verified in one forward.
 
-        The root's children are drawn without replacement from the distribution a chain's first
-        draft is sampled from, in draw order (past the end of its support, e.g. under top-p, the
-        extra children get no mass and the verifier skips them); every later node has one child
-        sampled like a chain draft. :func:`~tlt_lightning.speculative.verify_tree` with
-        ``siblings="without_replacement"`` keeps the output distribution exactly the target's.
-        With a greedy target the root's children are the drafter's top-k and the chains its
-        argmax (``siblings="deterministic"``). Node ``m = j * K + k`` is step ``k`` of chain
-        ``j``; chain ``j``'s drafter entries sit in the scratch slots ``L + k * c + j``.
+        At its first ``arm.fork_depth`` levels every node's ``arm.topk`` children are drawn without
+        replacement from the distribution a chain's draft is sampled from, in draw order
+        (Gumbel-top-k; past the end of its support, e.g. under top-p, the extra children get no
+        mass and the verifier skips them); deeper, every node has one child sampled like a chain
+        draft. :func:`~tlt_lightning.speculative.verify_tree` with ``siblings="without_replacement"``
+        keeps the output distribution exactly the target's. With a greedy target the forking
+        nodes' children are the drafter's top-k and the others its argmax
+        (``siblings="deterministic"``). Nodes are numbered level by level, a node's children
+        consecutive; node ``m``'s drafter entry sits in the scratch slot ``L + m``.
         """
-        n, K, c = batch.n, arm.num_steps, arm.topk
+        n, widths = batch.n, arm.level_widths
         device = batch.cache.lengths.device
+        parents, depth, anc = (t.to(device) for t in _level_tree(widths))
+        starts = [0, *itertools.accumulate(widths)]  # level d: nodes starts[d] .. starts[d + 1] - 1
+        N = starts[-1]
         L = batch.lengths.clone()
-        hidden = self._catch_up(batch)  # [n, H]
         first = self._first(batch)
-        sampling = self.config.sampling
-        if sampling.greedy:
-            q_root = None
-            top = self.drafter.draft_to_target(self.drafter.logits(hidden).float().topk(c, dim=-1).indices)
-        else:
-            q_root = self._draft_probs(self.drafter.logits(hidden))  # [n, Vd]
-            # Gumbel-top-c: the c largest perturbed log-probs, in order, are c draws without replacement.
-            u = torch.rand(q_root.shape, generator=generator, device=device).clamp_(min=1e-20)
-            top = self.drafter.draft_to_target((q_root.log() - (-u.log()).log()).topk(c, dim=-1).indices)
-        tokens = [top]  # per step k: [n, c] target ids
-        probs = []  # per step k < K - 1: [n, c, Vd], what step k + 1's tokens were drawn from
-        parent_hidden = hidden[:, None].expand(n, c, hidden.shape[-1])
-        branch = torch.arange(c, device=device)
-        for k in range(K - 1):
-            slots = L[:, None] + k * c + branch[None]
-            kv_len = int(L.max()) + (k + 1) * c
-            key = torch.arange(kv_len, device=device)
-            rel = (key[None, :] - L[:, None])[:, None, :]  # [n, 1, kv]: scratch offset (< 0: committed)
-            own = (rel >= 0) & (rel % c == branch[None, :, None]) & (rel < (k + 1) * c)  # [n, c, kv]
-            committed = (rel < 0) & (key >= first[:, None, None])
-            mask = (committed | own)[:, None]  # [n, 1, c, kv]
-            positions = (L + k)[:, None].expand(n, c)
-            parent_hidden = self.drafter(tokens[-1], parent_hidden, positions, mask, self.dcache, slots=slots)
-            q = self._draft_probs(self.drafter.logits(parent_hidden.reshape(n * c, -1))).view(n, c, -1)
-            probs.append(q)
-            tokens.append(self.drafter.draft_to_target(sample(q, generator)))
+        greedy = self.config.sampling.greedy
+        hidden = self._catch_up(batch)[:, None]  # [n, w, H]: outputs of the nodes whose children come next
+        tokens, probs = [], []  # per level: [n, w_d] target ids; [n, w_{d-1}, Vd] their law
+        for d, w in enumerate(widths):
+            if d > 0:  # feed level d - 1: pairs (its parents' outputs, its tokens) at position L + d - 1
+                idx = torch.arange(starts[d - 1], starts[d], device=device)
+                key = torch.arange(int(L.max()) + starts[d], device=device)
+                rel = key[None, :] - L[:, None]  # [n, kv]: node of each scratch slot (< 0: committed)
+                fed = (rel >= 0) & (rel < starts[d])
+                sees = anc[idx[None, :, None], rel.clamp(0, N - 1)[:, None, :]] & fed[:, None]
+                committed = (rel < 0) & (key[None, :] >= first[:, None])
+                mask = (committed[:, None] | sees)[:, None]  # [n, 1, w_{d-1}, kv]
+                positions = (L + d - 1)[:, None].expand(n, idx.numel())
+                parent_out = hidden[:, parents[idx] - (starts[d - 2] if d > 1 else -1)]
+                slots = L[:, None] + idx[None]
+                hidden = self.drafter(tokens[-1], parent_out, positions, mask, self.dcache, slots=slots)
+            branches = w // hidden.shape[1]
+            logits = self.drafter.logits(hidden).float()  # [n, w_{d-1}, Vd]
+            if greedy:
+                children = logits.topk(branches, dim=-1).indices
+            else:
+                q = self._draft_probs(logits)
+                probs.append(q)
+                if branches == 1:
+                    children = sample(q, generator)[..., None]
+                else:  # Gumbel-top-k: the k largest perturbed log-probs, in order, are k draws w/o replacement
+                    u = torch.rand(q.shape, generator=generator, device=device).clamp_(min=1e-20)
+                    children = (q.log() - (-u.log()).log()).topk(branches, dim=-1).indices
+            tokens.append(self.drafter.draft_to_target(children.flatten(1)))
         self.dcache.lengths[:n] = L  # draft entries are scratch
 
-        N = c * K
-        node_tokens = torch.stack(tokens, 2).reshape(n, N)  # branch-major: m = j * K + k
-        step = torch.arange(N, device=device) % K
-        parents = torch.where(step == 0, -1, torch.arange(N, device=device) - 1)
-        chain_of = torch.arange(N, device=device) // K
-        anc = (chain_of[:, None] == chain_of[None, :]) & (step[None, :] <= step[:, None])  # [N, N]
         draft_probs = None
-        if q_root is not None:
-            # Row 0: what the root's children were drawn from; row m + 1: node m's child (leaves: unused).
-            Vd = q_root.shape[-1]
-            rows = torch.stack([*probs, q_root.new_zeros(n, c, Vd)], 2).reshape(n, N, Vd)
-            draft_probs = self.drafter.to_target_vocab(torch.cat([q_root[:, None], rows], 1))  # [n, N + 1, V]
-        siblings = "deterministic" if sampling.greedy else "without_replacement"
-        return self._verify_tree(batch, L, node_tokens, parents, step, anc.expand(n, N, N), draft_probs,
-                                 siblings, arm, generator)
+        if not greedy:  # row 0: the root's children's law; row m + 1: node m's children's (leaves: unused)
+            leaves = probs[-1].new_zeros(n, widths[-1], probs[-1].shape[-1])
+            draft_probs = self.drafter.to_target_vocab(torch.cat([*probs, leaves], 1))  # [n, N + 1, V]
+        siblings = "deterministic" if greedy else "without_replacement"
+        return self._verify_tree(batch, L, torch.cat(tokens, 1), parents, depth, anc.expand(n, N, N),
+                                 draft_probs, siblings, arm, generator)
 
     def _verify_tree(
         self,
@@ -447,7 +469,7 @@ class SpeculativeRolloutLoop:
         config: RolloutConfig | None = None,
         chooser: StrategyChooser | None = None,
         threshold: int = 32,
-        max_depth: int = 16,
+        max_depth: int = 32,
         drafter_context: str = "response",
     ) -> None:
         config = config or RolloutConfig()

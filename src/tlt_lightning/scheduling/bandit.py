@@ -60,23 +60,24 @@ def arm_key(arm: Arm) -> str:
 
 def parse_arm(key: str) -> Arm:
     """The arm an :func:`arm_key` names: ``"off"`` -> ``None``, ``"chain6"``, ``"tree4x2/8"``,
-    ``"chain6x2"`` (a sampled tree: two chains of 6 forking at the root) and ``"chain10@0.25"``
+    ``"chain6x2"`` (a sampled tree: two chains of 6 forking at the root), ``"chain6x2f2"`` (a
+    sampled tree forking into two at its first two levels: four chains of 6) and ``"chain10@0.25"``
     (a chain of up to 10 that stops once its confidence is below 0.25).
 
     Example:
         >>> parse_arm("tree4x2/8")
         SDStrategy(num_steps=4, topk=2, num_draft_tokens=8, sampled=False, min_confidence=0.0)
     """
-    match = re.fullmatch(r"off|chain(\d+)(?:x(\d+)|@(\d*\.?\d+))?|tree(\d+)x(\d+)/(\d+)", key.strip())
+    match = re.fullmatch(r"off|chain(\d+)(?:x(\d+)(?:f(\d+))?|@(\d*\.?\d+))?|tree(\d+)x(\d+)/(\d+)", key.strip())
     if match is None:
         raise ValueError(
-            f"arm {key!r} is not 'off', 'chain<depth>', 'chain<depth>x<chains>', "
+            f"arm {key!r} is not 'off', 'chain<depth>', 'chain<depth>x<branches>[f<fork levels>]', "
             "'chain<depth>@<min confidence>' or 'tree<depth>x<topk>/<tokens>'"
         )
-    chain, chains, confidence, depth, topk, tokens = match.groups()
+    chain, chains, forks, confidence, depth, topk, tokens = match.groups()
     if chain is not None:
         if chains is not None:
-            return SDStrategy(int(chain), int(chains), sampled=True)
+            return SDStrategy(int(chain), int(chains), sampled=True, fork_depth=int(forks or 1))
         return SDStrategy(int(chain), min_confidence=float(confidence or 0))
     return None if depth is None else SDStrategy(int(depth), int(topk), int(tokens))
 

@@ -16,30 +16,37 @@ class SDStrategy:
     (``num_draft_tokens == num_steps``). A tree expands the ``topk`` most likely children of the
     best nodes for ``num_steps`` levels and verifies the ``num_draft_tokens`` best nodes (EAGLE-2;
     its children are deterministic, which at temperature 1 accepts less than a sampled chain).
-    A *sampled* tree (``sampled=True``) is ``topk`` chains of ``num_steps`` tokens that fork at the
-    root: the first tokens are ``topk`` draws without replacement from the drafter, each followed
-    by a sampled chain, all ``topk * num_steps`` tokens verified with recursive rejection sampling.
-    When the first draft is rejected, the second gets a chance against what remains of the
-    target's distribution, at the price of more verified tokens (cheap at small batch).
+    A *sampled* tree (``sampled=True``) forks at its first ``fork_depth`` levels: there every node
+    gets ``topk`` children drawn without replacement from the drafter, deeper every node gets one
+    sampled child, so the tree is ``topk ** fork_depth`` sampled chains of ``num_steps`` tokens
+    sharing their first ones; all its nodes are verified with recursive rejection sampling. When a
+    draft is rejected, its next sibling gets a chance against what remains of the target's
+    distribution, at the price of more verified tokens (cheap at small batch). With
+    ``fork_depth=1`` it is ``topk`` chains forking at the root.
 
     Args:
         num_steps: draft depth (drafter forward passes per step), ``>= 1``.
         topk: children expanded per node (per root with ``sampled``), ``>= 1``.
         num_draft_tokens: drafted tokens verified in one target forward, between ``num_steps``
-            and ``topk * num_steps``; for a chain it must equal ``num_steps``, for a sampled tree
-            ``topk * num_steps``.
-        sampled: ``topk`` sampled chains forking at the root (``topk >= 2``).
+            and ``topk * num_steps``; for a chain it must equal ``num_steps``; for a sampled tree
+            it is its node count ``sum(level_widths)`` (default and only value).
+        sampled: a sampled tree (``topk >= 2``).
         min_confidence: chains only: stop drafting early once every row's chain confidence (the
             product of the drafter's probabilities of its drafted tokens, under the rollout's
             sampling; with a greedy target its top-1 probabilities) is below this; ``num_steps``
             is then the most drafted. ``0`` always drafts ``num_steps``. Lossless at any value: the
             stop depends on the drafts only, and every verified draft is verified exactly.
+        fork_depth: sampled trees only: how many levels fork into ``topk`` children, in
+            ``[1, num_steps]``.
 
     Example:
         >>> SDStrategy(4, 1, 4).is_chain
         True
         >>> str(SDStrategy(6, 2, sampled=True))
         'chain6x2'
+        >>> arm = SDStrategy(6, 2, sampled=True, fork_depth=2)
+        >>> str(arm), arm.level_widths, arm.num_draft_tokens
+        ('chain6x2f2', (2, 4, 4, 4, 4, 4), 22)
         >>> str(SDStrategy(10, min_confidence=0.25))
         'chain10@0.25'
     """
@@ -49,6 +56,7 @@ class SDStrategy:
     num_draft_tokens: int | None = None
     sampled: bool = False
     min_confidence: float = 0.0
+    fork_depth: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_steps, int) or self.num_steps < 1:
@@ -61,8 +69,13 @@ class SDStrategy:
             raise ValueError(
                 f"a sampled tree forks into topk >= 2 chains, got topk={self.topk} (use a chain)"
             )
+        f = self.fork_depth
+        if isinstance(f, bool) or not isinstance(f, int) or not 1 <= f <= self.num_steps:
+            raise ValueError(f"fork_depth must be an int in [1, num_steps] = [1, {self.num_steps}], got {f!r}")
+        if f > 1 and not self.sampled:
+            raise ValueError(f"fork_depth={f} describes sampled trees; pass sampled=True (or fork_depth=1)")
         if self.num_draft_tokens is None:
-            wide = self.topk * self.num_steps if self.sampled else 2 * self.num_steps
+            wide = sum(self.level_widths) if self.sampled else 2 * self.num_steps
             object.__setattr__(self, "num_draft_tokens", self.num_steps if self.topk == 1 else wide)
         c = self.min_confidence
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < 1:
@@ -70,20 +83,27 @@ class SDStrategy:
         if c and not self.is_chain:
             raise ValueError(f"min_confidence stops chains early; a tree (topk={self.topk}) needs min_confidence=0")
         n, lo, hi = self.num_draft_tokens, self.num_steps, self.topk * self.num_steps
-        if not isinstance(n, int) or not lo <= n <= hi:
+        if self.sampled:
+            if n != sum(self.level_widths):
+                raise ValueError(
+                    f"a sampled tree verifies all its {sum(self.level_widths)} nodes, got num_draft_tokens={n}"
+                )
+        elif not isinstance(n, int) or not lo <= n <= hi:
             raise ValueError(f"num_draft_tokens must be an int in [num_steps, topk * num_steps] = [{lo}, {hi}], got {n!r}")
-        if self.sampled and n != hi:
-            raise ValueError(
-                f"a sampled tree verifies all topk * num_steps = {hi} tokens, got num_draft_tokens={n}"
-            )
 
     @property
     def is_chain(self) -> bool:
         return self.topk == 1
 
+    @property
+    def level_widths(self) -> tuple[int, ...]:
+        """Sampled trees: nodes per level, ``topk ** min(d + 1, fork_depth)`` at level ``d``."""
+        return tuple(self.topk ** min(d + 1, self.fork_depth) for d in range(self.num_steps))
+
     def __str__(self) -> str:
         if self.sampled:
-            return f"chain{self.num_steps}x{self.topk}"
+            fork = f"f{self.fork_depth}" if self.fork_depth > 1 else ""
+            return f"chain{self.num_steps}x{self.topk}{fork}"
         if self.min_confidence:
             return f"chain{self.num_steps}@{self.min_confidence:g}"
         return f"chain{self.num_steps}" if self.is_chain else f"tree{self.num_steps}x{self.topk}/{self.num_draft_tokens}"
