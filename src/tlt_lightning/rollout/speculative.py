@@ -337,6 +337,7 @@ class SpeculativeStep:
         starts = [0, *itertools.accumulate(widths)]  # level d: nodes starts[d] .. starts[d + 1] - 1
         N = starts[-1]
         L = batch.lengths.clone()
+        L_max = int(L.max())  # the one sync of the draft loop
         first = self._first(batch)
         greedy = self.config.sampling.greedy
         hidden = self._catch_up(batch)[:, None]  # [n, w, H]: outputs of the nodes whose children come next
@@ -344,18 +345,18 @@ class SpeculativeStep:
         for d, w in enumerate(widths):
             if d > 0:  # feed level d - 1: pairs (its parents' outputs, its tokens) at position L + d - 1
                 idx = torch.arange(starts[d - 1], starts[d], device=device)
-                key = torch.arange(int(L.max()) + starts[d], device=device)
+                key = torch.arange(L_max + starts[d], device=device)
                 rel = key[None, :] - L[:, None]  # [n, kv]: node of each scratch slot (< 0: committed)
                 fed = (rel >= 0) & (rel < starts[d])
                 sees = anc[idx[None, :, None], rel.clamp(0, N - 1)[:, None, :]] & fed[:, None]
                 committed = (rel < 0) & (key[None, :] >= first[:, None])
                 mask = (committed[:, None] | sees)[:, None]  # [n, 1, w_{d-1}, kv]
                 positions = (L + d - 1)[:, None].expand(n, idx.numel())
-                parent_out = hidden[:, parents[idx] - (starts[d - 2] if d > 1 else -1)]
+                parent_out = hidden.repeat_interleave(branches, dim=1)  # a node's children are consecutive
                 slots = L[:, None] + idx[None]
                 hidden = self.drafter(tokens[-1], parent_out, positions, mask, self.dcache, slots=slots)
             branches = w // hidden.shape[1]
-            logits = self.drafter.logits(hidden).float()  # [n, w_{d-1}, Vd]
+            logits = self.drafter.logits(hidden)  # [n, w_{d-1}, Vd]
             if greedy:
                 children = logits.topk(branches, dim=-1).indices
             else:
