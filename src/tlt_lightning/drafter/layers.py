@@ -10,13 +10,13 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, Qwen2Config
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
 from tlt_lightning.drafter.config import SUPPORTED_MODEL_TYPES, DrafterConfig
+from tlt_lightning.models.attention import grouped_sdpa
 
 __all__ = ["ARCH", "Arch", "AttentionCache", "DrafterAttention", "Eagle1Layer", "Eagle3Layer", "hf_config"]
 
@@ -111,7 +111,7 @@ class DrafterAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, 0)
             key, value = key.to(query.dtype), value.to(query.dtype)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+        out = grouped_sdpa(query, key, value, mask)  # one kernel block per key/value head
         return self.o_proj(out.transpose(1, 2).reshape(n, q, -1))
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from tlt_lightning.models.attention import use_grouped_attention
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import column_major, set_weight_layout
 
@@ -125,7 +126,11 @@ class HFTarget(nn.Module):
     """Adapter for transformers decoder-only models (Llama, Qwen2, and the many that share their layout).
 
     Args:
-        model: a ``*ForCausalLM`` model whose attention layers call ``cache.update(...)``.
+        model: a ``*ForCausalLM`` model whose attention layers call ``cache.update(...)``. A model
+            on transformers' ``sdpa`` attention is switched to
+            :data:`~tlt_lightning.models.attention.GROUPED_SDPA`: the same attention, run once per
+            key/value head when several tokens per row are decoded without autograd (verifying
+            drafts), transformers' ``sdpa`` everywhere else (training is unchanged).
 
     Example:
         >>> from tlt_lightning.models import load_model
@@ -140,6 +145,7 @@ class HFTarget(nn.Module):
         if getattr(config, "is_encoder_decoder", False):
             raise TypeError(f"HFTarget needs a decoder-only causal LM, got {type(model).__name__}")
         self.model = model
+        use_grouped_attention(model)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.info = TargetInfo(
             model_type=config.model_type,

@@ -60,7 +60,8 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
+    if params.temperature != 1:  # RL samples at T=1: skip a pass over [..., V]
+        logits = logits / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]

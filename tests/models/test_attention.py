@@ -1,0 +1,111 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.models.attention import GROUPED_SDPA, grouped_sdpa, use_grouped_attention
+from tlt_lightning.rollout.engine import causal_decode_mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "q", "kv"), [(1, 1, 9), (3, 1, 17), (2, 5, 23), (4, 7, 40)])
+def test_grouped_sdpa_equals_enable_gqa(dtype, n, q, kv):
+    g = torch.Generator().manual_seed(n * 100 + q)
+    query = torch.randn(n, 6, q, 16, generator=g).to(dtype)
+    key, value = (torch.randn(n, 2, kv, 16, generator=g).to(dtype) for _ in range(2))
+    mask = torch.rand(n, 1, q, kv, generator=g) < 0.7
+    mask[..., 0] = True  # every query sees a key
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+    got = grouped_sdpa(query, key, value, mask)
+    assert got.shape == expected.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+def test_grouped_sdpa_per_row_masks_are_not_mixed():
+    """Each row's queries follow their own mask: a row that sees only key 0 returns value 0."""
+    query, key = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8)
+    value = torch.randn(2, 2, 5, 8)
+    mask = torch.ones(2, 1, 3, 5, dtype=torch.bool)
+    mask[1, :, :, 1:] = False
+    out = grouped_sdpa(query, key, value, mask)
+    expected_row1 = value[1, :, 0].repeat_interleave(2, 0)[:, None].expand(4, 3, 8)  # head h reads kv head h // 2
+    torch.testing.assert_close(out[1], expected_row1)
+
+
+def test_grouped_sdpa_rejects_bad_shapes():
+    with pytest.raises(ValueError, match=r"query heads \(5\) must be a multiple of key/value heads \(2\)"):
+        grouped_sdpa(torch.randn(1, 5, 2, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8),
+                     torch.ones(1, 1, 2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"mask must be \[n, 1, q, kv\] = \[1, 1, 2, 4\], got \[1, 4, 2, 4\]"):
+        grouped_sdpa(torch.randn(1, 4, 2, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8),
+                     torch.ones(1, 4, 2, 4, dtype=torch.bool))
+
+
+def test_hf_target_switches_sdpa_models_only():
+    model = load_model("tiny-llama").model
+    assert model.config._attn_implementation == "sdpa"
+    HFTarget(model)
+    assert model.config._attn_implementation == GROUPED_SDPA
+    assert use_grouped_attention(model)  # idempotent
+    eager = load_model("tiny-llama").model
+    eager.set_attn_implementation("eager")
+    HFTarget(eager)
+    assert eager.config._attn_implementation == "eager"
+
+
+def _verify_forward(target):
+    """A 4-token verify forward over a 6-token cached context for 2 rows, like a chain step."""
+    cache = target.new_cache(2, 16)
+    prompt = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    target.forward(prompt, torch.arange(6).expand(2, 6), causal_decode_mask(torch.zeros(2, dtype=torch.long), 6, 6),
+                   cache)
+    L = torch.tensor([6, 6])
+    ids = torch.tensor([[20, 21, 22, 23], [30, 31, 32, 33]])
+    return target.forward(ids, L[:, None] + torch.arange(4), causal_decode_mask(L, 4, 10), cache, (2,))
+
+
+def _targets():
+    grouped, reference = HFTarget(load_model("tiny-llama").model), HFTarget(load_model("tiny-llama").model)
+    reference.model.set_attn_implementation("sdpa")
+    return grouped, reference
+
+
+def _spy(monkeypatch):
+    from tlt_lightning.models import attention
+
+    calls = []
+    original = attention.grouped_sdpa
+    monkeypatch.setattr(attention, "grouped_sdpa", lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
+    return calls
+
+
+def test_grouped_target_forward_equals_sdpa(monkeypatch):
+    """A verify forward takes the grouped path and computes what transformers' sdpa does."""
+    grouped, reference = _targets()
+    calls = _spy(monkeypatch)
+    with torch.no_grad():
+        got, expected = _verify_forward(grouped), _verify_forward(reference)
+    assert [tuple(c) for c in calls] == [(2, 4, 6, 16)] * 4 + [(2, 4, 4, 16)] * 4  # prefill, verify; 4 layers
+    torch.testing.assert_close(got.hidden, expected.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.features, expected.features, atol=1e-5, rtol=1e-5)
+
+
+def test_training_forward_is_transformers_sdpa(monkeypatch):
+    """With autograd on, the grouped implementation hands every call to transformers' sdpa."""
+    grouped, reference = _targets()
+    calls = _spy(monkeypatch)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    padding = torch.ones(2, 9, dtype=torch.long)
+    padding[0, :2] = 0  # a left-padded row: transformers builds a boolean 4D mask
+    with torch.no_grad():
+        grouped.model(ids, attention_mask=padding)
+    assert len(calls) == 4  # without autograd the same call is grouped (one per layer)
+    calls.clear()
+    losses = [t.model(ids, attention_mask=padding, labels=ids).loss for t in (grouped, reference)]
+    for loss in losses:
+        loss.backward()
+    assert calls == []
+    torch.testing.assert_close(losses[0], losses[1])
+    for a, b in zip(grouped.model.parameters(), reference.model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
