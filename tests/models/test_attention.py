@@ -1,9 +1,18 @@
+import pickle
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tlt_lightning.models import HFTarget, load_model
-from tlt_lightning.models.attention import GROUPED_SDPA, grouped_sdpa, use_grouped_attention
+from tlt_lightning.models.attention import (
+    GROUPED_SDPA,
+    MAX_GROUPED_QUERIES,
+    grouped_sdpa,
+    use_grouped_attention,
+)
 from tlt_lightning.rollout.engine import causal_decode_mask
 
 
@@ -109,3 +118,35 @@ def test_training_forward_is_transformers_sdpa(monkeypatch):
     torch.testing.assert_close(losses[0], losses[1])
     for a, b in zip(grouped.model.parameters(), reference.model.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_long_queries_and_single_queries_take_transformers_path(monkeypatch):
+    """Prefills longer than MAX_GROUPED_QUERIES and single-token decoding are not grouped."""
+    grouped, _ = _targets()
+    calls = _spy(monkeypatch)
+    n = MAX_GROUPED_QUERIES + 1
+    cache = grouped.new_cache(1, n + 2)
+    zero = torch.zeros(1, dtype=torch.long)
+    with torch.no_grad():
+        grouped.forward(torch.randint(3, 128, (1, n)), torch.arange(n)[None], causal_decode_mask(zero, n, n), cache)
+        L = torch.tensor([n])
+        grouped.forward(torch.tensor([[5]]), L[:, None], causal_decode_mask(L, 1, n + 1), cache)
+    assert calls == []
+
+
+def test_a_switched_model_runs_in_a_process_that_unpickles_it(tmp_path):
+    """Importing tlt_lightning.models registers the implementation: no HFTarget needed there."""
+    model = load_model("tiny-llama").model
+    HFTarget(model)
+    path = tmp_path / "model.pkl"
+    path.write_bytes(pickle.dumps(model))
+    code = (
+        "import pickle, sys, torch, tlt_lightning.models\n"
+        f"model = pickle.loads(open({str(path)!r}, 'rb').read())\n"
+        "assert model.config._attn_implementation == 'tlt_grouped_sdpa'\n"
+        "with torch.no_grad():\n"
+        "    print(model(torch.tensor([[3, 4, 5]]), attention_mask=torch.tensor([[0, 1, 1]])).logits.shape)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "torch.Size([1, 3, 128])" in out.stdout

@@ -19,7 +19,7 @@ Measured per call (``scripts/attention_small_q.py``, one AMD Zen 4 core, bf16, S
 :func:`grouped_sdpa` is the pure function; :func:`grouped_sdpa_attention` wraps it as a
 transformers attention function (``AttentionInterface``), registered as :data:`GROUPED_SDPA` by
 :func:`use_grouped_attention`. It takes the grouped path only where it is the same computation,
-without autograd (rollouts, scoring) and with a boolean mask, and hands everything else to
+without autograd (decoding, verifying drafts) and with a boolean mask, and hands everything else to
 transformers' own ``sdpa`` function unchanged, so training is untouched.
 """
 
@@ -30,10 +30,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-__all__ = ["GROUPED_SDPA", "grouped_sdpa", "grouped_sdpa_attention", "use_grouped_attention"]
+__all__ = ["GROUPED_SDPA", "MAX_GROUPED_QUERIES", "grouped_sdpa", "grouped_sdpa_attention", "use_grouped_attention"]
 
 GROUPED_SDPA = "tlt_grouped_sdpa"
+MAX_GROUPED_QUERIES = 64
+"""Most new tokens per row that :func:`grouped_sdpa_attention` groups (every draft tree fits): the
+grouped mask is ``g`` times the caller's, and long prefills gain little (their blocks are full)."""
 
 
 def grouped_sdpa(
@@ -89,16 +95,15 @@ def grouped_sdpa_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: :func:`grouped_sdpa` for several queries over a boolean mask
-    without autograd, transformers' ``sdpa`` otherwise (training, one query, no mask, biases).
+    """transformers attention function: :func:`grouped_sdpa` for 2 to :data:`MAX_GROUPED_QUERIES`
+    queries per row over a boolean mask without autograd, transformers' ``sdpa`` otherwise (training,
+    one query, long prefills, no mask, biases).
 
     Returns ``[n, q, H_q, D]`` and no attention weights, as transformers' ``sdpa`` does.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     grouped = (
         getattr(module, "num_key_value_groups", 1) > 1
-        and query.shape[2] > 1  # transformers packs a single query itself
+        and 1 < query.shape[2] <= MAX_GROUPED_QUERIES  # transformers packs a single query itself
         and attention_mask is not None
         and attention_mask.dtype == torch.bool
         and attention_mask.shape[1] == 1
@@ -114,20 +119,27 @@ def grouped_sdpa_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _register() -> None:
+    """Make :data:`GROUPED_SDPA` known to transformers (and build its masks as ``sdpa``'s)."""
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
+# At import, so that a model switched in one process also runs in another that unpickles it
+# (e.g. Lightning's ddp_spawn) as soon as tlt_lightning.models is imported there.
+_register()
+
+
 def use_grouped_attention(model: nn.Module) -> bool:
     """Switch a transformers model from ``sdpa`` to :data:`GROUPED_SDPA`; other implementations are kept.
 
-    Registers the function (and ``sdpa``'s mask builder under the same name) with transformers on
-    first use. Returns whether the model now uses it.
+    Returns whether the model now uses it. A process that unpickles a switched model needs
+    ``tlt_lightning.models`` imported (it registers the name); ``model.set_attn_implementation("sdpa")``
+    switches back.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", GROUPED_SDPA):
         return False
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
-    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
     if config._attn_implementation != GROUPED_SDPA:
         model.set_attn_implementation(GROUPED_SDPA)
     return config._attn_implementation == GROUPED_SDPA

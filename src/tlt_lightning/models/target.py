@@ -129,7 +129,7 @@ class HFTarget(nn.Module):
         model: a ``*ForCausalLM`` model whose attention layers call ``cache.update(...)``. A model
             on transformers' ``sdpa`` attention is switched to
             :data:`~tlt_lightning.models.attention.GROUPED_SDPA`: the same attention, run once per
-            key/value head when several tokens per row are decoded without autograd (verifying
+            key/value head when a few tokens per row are decoded without autograd (verifying
             drafts), transformers' ``sdpa`` everywhere else (training is unchanged).
 
     Example:
