@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, Qwen2Config
 from transformers.models.llama import modeling_llama
@@ -111,7 +112,10 @@ class DrafterAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, 0)
             key, value = key.to(query.dtype), value.to(query.dtype)
-        out = grouped_sdpa(query, key, value, mask)  # one kernel block per key/value head
+        if torch.is_grad_enabled():  # training: fp32 backward is 2x slower grouped (8 x 256 tokens)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+        else:  # drafting: one kernel block per key/value head (bf16, 1 query: ~5x faster)
+            out = grouped_sdpa(query, key, value, mask)
         return self.o_proj(out.transpose(1, 2).reshape(n, q, -1))
 
 
