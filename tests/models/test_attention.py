@@ -74,8 +74,8 @@ def _verify_forward(target):
     return target.forward(ids, L[:, None] + torch.arange(4), causal_decode_mask(L, 4, 10), cache, (2,))
 
 
-def _targets():
-    grouped, reference = HFTarget(load_model("tiny-llama").model), HFTarget(load_model("tiny-llama").model)
+def _targets(name="tiny-llama"):
+    grouped, reference = HFTarget(load_model(name).model), HFTarget(load_model(name).model)
     reference.model.set_attn_implementation("sdpa")
     return grouped, reference
 
@@ -89,9 +89,10 @@ def _spy(monkeypatch):
     return calls
 
 
-def test_grouped_target_forward_equals_sdpa(monkeypatch):
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_grouped_target_forward_equals_sdpa(monkeypatch, name):
     """A verify forward takes the grouped path and computes what transformers' sdpa does."""
-    grouped, reference = _targets()
+    grouped, reference = _targets(name)
     calls = _spy(monkeypatch)
     with torch.no_grad():
         got, expected = _verify_forward(grouped), _verify_forward(reference)
