@@ -1,4 +1,5 @@
 import json
+import statistics
 
 import pytest
 
@@ -97,6 +98,10 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     batch = data["batches"][1]
     assert batch["requests"] == 2 and batch["sd_step_fraction"] == 1.0 and batch["mean_accept_length"] >= 1
     assert batch["sd_step_cost"] > 0.5  # a 3-token tree verify plus 2 drafter steps: not cheaper than half a step
+    runs = batch["runs"]
+    assert batch["speedup_decode"] == pytest.approx(
+        statistics.median(runs["sd_decode_tps"]) / statistics.median(runs["plain_decode_tps"]))
+    assert runs["plain_decode_tps"][0] > runs["plain_tps"][0]  # 12 tokens: the prefill weighs on the whole run
     assert data["strategy"] == "tree2x2/3" and data["dtype"] == "bfloat16"
     # The batch-1 peers: HF generate plain, with the 6-layer layer-skip assistant, with prompt lookup.
     assert set(data["hf_batch1_tokens_per_s"]) == {"plain", "assisted", "prompt_lookup"}

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tlt_lightning.models import HFTarget, load_model
-from tlt_lightning.rollout import RolloutConfig, RolloutEngine
+from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutStats
 from tlt_lightning.speculative import SamplingParams, sampling_probs
 
 
@@ -65,6 +65,9 @@ def test_eos_and_max_length_stop_each_request_independently(tiny_llama):
     stats = result.stats
     assert len(stats.step_cpu_times) == len(stats.step_times) == stats.num_steps
     assert all(0 < cpu <= wall + 1e-3 for cpu, wall in zip(stats.step_cpu_times, stats.step_times))
+    assert stats.decode_tokens_per_s == pytest.approx(
+        (stats.generated_tokens - stats.prefill_tokens) / sum(stats.step_times))
+    assert RolloutStats().decode_tokens_per_s == 0.0  # no decode step (every response ended at the prefill)
 
 
 def test_sampling_is_reproducible_and_logprobs_match_a_direct_forward(tiny_target):

@@ -50,8 +50,8 @@ def _compare(plain: RolloutEngine, specs: dict[str, SpeculativeRolloutLoop], pro
     it right after the plain run, with the same seed. Returns one summary per loop (medians), each
     against the same plain runs, with its last result under ``"_last"``.
     """
-    keys = ("sd_tps", "sd_s", "sd_cpu_s", "accept", "draft_depth", "sd_step_fraction", "sd_step_cost")
-    base: dict[str, list[float]] = {"plain_tps": [], "plain_s": [], "plain_cpu_s": []}
+    keys = ("sd_tps", "sd_decode_tps", "sd_s", "sd_cpu_s", "accept", "draft_depth", "sd_step_fraction", "sd_step_cost")
+    base: dict[str, list[float]] = {"plain_tps": [], "plain_decode_tps": [], "plain_s": [], "plain_cpu_s": []}
     rows: list[dict[str, list[float]]] = [{k: [] for k in keys} for _ in specs]
     last: list[RolloutResult | None] = [None] * len(specs)
     for r in range(repeats):
@@ -60,12 +60,14 @@ def _compare(plain: RolloutEngine, specs: dict[str, SpeculativeRolloutLoop], pro
         a, ta, ca = timed(lambda: plain.generate(group, generator=torch.Generator().manual_seed(seed + r)))
         base["plain_cpu_s"].append(ca / a.stats.generated_tokens)  # CPU seconds per token
         base["plain_tps"].append(a.stats.generated_tokens / ta)
+        base["plain_decode_tps"].append(a.stats.decode_tokens_per_s)
         base["plain_s"].append(ta)
         for i, spec in enumerate(specs.values()):
             b, tb, cb = timed(lambda: spec.generate(group, generator=torch.Generator().manual_seed(seed + r)))
             stats, row = b.stats, rows[i]
             row["sd_cpu_s"].append(cb / stats.generated_tokens)
             row["sd_tps"].append(stats.generated_tokens / tb)
+            row["sd_decode_tps"].append(stats.decode_tokens_per_s)
             row["sd_s"].append(tb)
             row["accept"].append(stats.mean_accept_length)
             depths = [d for d in stats.step_draft_depths if d]
@@ -84,6 +86,8 @@ def _compare(plain: RolloutEngine, specs: dict[str, SpeculativeRolloutLoop], pro
             "sd_tokens_per_s": median(row["sd_tps"]),
             "speedup_tokens_per_s": median(row["sd_tps"]) / median(base["plain_tps"]),
             "speedup_cpu_time_per_token": median(base["plain_cpu_s"]) / median(row["sd_cpu_s"]),
+            # Decode steps only: the prefill, the same work in both, left out.
+            "speedup_decode": median(row["sd_decode_tps"]) / median(base["plain_decode_tps"]),
             "plain_seconds": median(base["plain_s"]),
             "sd_seconds": median(row["sd_s"]),
             "mean_accept_length": median(row["accept"]),
@@ -217,7 +221,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out.pop("_last")
             payload["batches"].append(out)
             print(f"  {out['strategy']}: plain {out['plain_tokens_per_s']:.1f} tok/s, SD {out['sd_tokens_per_s']:.1f} "
-                  f"tok/s, x{out['speedup_tokens_per_s']:.2f} (CPU time x{out['speedup_cpu_time_per_token']:.2f}), "
+                  f"tok/s, x{out['speedup_tokens_per_s']:.2f} (CPU time x{out['speedup_cpu_time_per_token']:.2f}, "
+                  f"decode steps x{out['speedup_decode']:.2f}), "
                   f"accept {out['mean_accept_length']:.2f} of {out['mean_draft_depth']:.2f} drafts, "
                   f"step cost {out['sd_step_cost']:.2f}", flush=True)
         if bs == 1:

@@ -121,6 +121,13 @@ class RolloutStats:
         return self.generated_tokens / self.total_time if self.total_time > 0 else 0.0
 
     @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens of the decode steps per second of them: the prefill left out (speculation does not
+        change it, and for short responses it weighs on the whole-rollout rate)."""
+        seconds = sum(self.step_times)
+        return sum(self.step_tokens) / seconds if seconds > 0 else 0.0
+
+    @property
     def mean_accept_length(self) -> float:
         """Mean tokens emitted per request per speculative step (``0`` if none ran)."""
         return float(self.accept_lengths.float().mean()) if self.accept_lengths.numel() else 0.0
