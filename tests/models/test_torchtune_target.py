@@ -81,6 +81,48 @@ def test_forward_matches_hf_with_tree_slots_and_features(pair):
     assert tune.info == hf.info
 
 
+def test_grouped_query_layers_attend_without_expanding_the_cache(pair, tt, monkeypatch):
+    """Without autograd the grouped path runs for verify-sized steps (equal to the HF adapter's and
+    to torchtune's own attention, under autograd or switched off); the layers are restored after
+    every forward, one that raises included."""
+    hf, tune = pair
+    calls = []
+    real = tt.grouped_sdpa
+    monkeypatch.setattr(tt, "grouped_sdpa", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    attns = [layer.attn for layer in tune.decoder.layers]
+    before = [(a.num_kv_heads, a._attention_call) for a in attns]
+    n, q = 2, tt.MAX_GROUPED_QUERIES + 6  # a prefill longer than the grouped path takes, then 7 tokens
+    ids = torch.randint(3, 128, (n, q + 7), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(q + 7).expand(n, -1)
+    causal = pos[:, :, None] >= pos[:, None, :]
+    outs = {}
+    for name, target, grad in (("hf", hf, False), ("grouped", tune, False), ("torchtune", tune, True),
+                               ("switched off", tune, False)):
+        cache = target.new_cache(n, q + 7)
+        tune.grouped_attention = name != "switched off"
+        with torch.set_grad_enabled(grad):
+            first = target(ids[:, :q], pos[:, :q], causal[:, None, :q, :q], cache)
+            cache.lengths[:] = q
+            second = target(ids[:, q:], pos[:, q:], causal[:, None, q:], cache)
+        outs[name] = torch.cat([first.hidden, second.hidden], 1).detach()
+        if name == "grouped":  # only the 7-token step went grouped, in every layer, with H_kv heads
+            assert calls == [torch.Size([n, hf.info.num_kv_heads, q + 7, hf.info.head_dim])] * len(attns)
+            calls.clear()
+        assert [(a.num_kv_heads, a._attention_call) for a in attns] == before
+    assert not calls  # autograd, or switched off: torchtune's own attention
+    torch.testing.assert_close(outs["grouped"], outs["hf"], rtol=1e-4, atol=1e-4)
+    for name in ("torchtune", "switched off"):
+        torch.testing.assert_close(outs["grouped"], outs[name], rtol=1e-5, atol=1e-5)
+    tune.grouped_attention = True
+    def boom(x):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tune.decoder.layers[-1].mlp, "forward", boom)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="boom"):
+        tune(ids[:, :2], pos[:, :2], causal[:, None, :2, :2], tune.new_cache(n, 2))
+    assert [(a.num_kv_heads, a._attention_call) for a in attns] == before
+
+
 def test_speculative_rollouts_run_on_the_torchtune_target(pair):
     """Lossless: speculative greedy decoding on the torchtune target gives the plain greedy tokens."""
     hf, tune = pair

@@ -6,6 +6,8 @@ Qwen2 builders), so the rollout engine and speculative decoding run on it unchan
 torchtune's own layers; only the KV cache is ours: for the duration of a forward each attention
 layer's ``kv_cache`` is a view of one layer of our :class:`~tlt_lightning.models.KVCache` (per-row
 lengths, tree slots), and the caller's 4D mask goes to torchtune's attention as ``[n, q, kv_len]``.
+Without autograd, grouped-query layers also hand their keys/values to
+:func:`~tlt_lightning.models.attention.grouped_sdpa` unexpanded (see :meth:`TorchtuneTarget._bound`).
 
 :func:`torchtune_from_hf` builds the torchtune model of a transformers Llama / Qwen2 checkpoint with
 torchtune's builders and loads the same weights through torchtune's converters (``hf_to_tune``
@@ -25,9 +27,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from tlt_lightning.models.attention import MAX_GROUPED_QUERIES, grouped_sdpa
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.target import TargetInfo, TargetOutput, _eos_ids, begin_forward
 
@@ -56,6 +60,21 @@ class _LayerCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.update(k, v, self.layer)  # [n, H_kv, q, D] in, [n, H_kv, kv_len, D] out
+
+
+def _grouped_attention_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout_p: float, is_causal: bool
+) -> torch.Tensor:
+    """torchtune's ``_attention_call`` for keys/values left with their own heads (no autograd).
+
+    ``q`` ``[n, H_q, q, D]``, ``k`` / ``v`` ``[n, H_kv, kv, D]``, ``mask`` ``[n, q, kv]`` bool ->
+    ``[n, H_q, q, D]``: :func:`grouped_sdpa` for up to :data:`MAX_GROUPED_QUERIES` queries per row,
+    PyTorch's ``enable_gqa`` for longer prefills.
+    """
+    mask = mask[:, None]
+    if q.shape[2] <= MAX_GROUPED_QUERIES:
+        return grouped_sdpa(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 class TorchtuneTarget(nn.Module):
@@ -101,6 +120,7 @@ class TorchtuneTarget(nn.Module):
                 raise ValueError(f"hf_config does not match the decoder: {name} is {theirs}, decoder has {mine}")
         self.decoder = decoder
         self._hf_config = hf
+        self.grouped_attention = True  # see _bound; False: torchtune's own attention everywhere
         if eos_token_ids is None:
             eos = hf.eos_token_id
             eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
@@ -146,17 +166,32 @@ class TorchtuneTarget(nn.Module):
 
     @contextmanager
     def _bound(self, cache: KVCache) -> Iterator[None]:
-        """Point every attention layer's ``kv_cache`` at ``cache`` for one forward."""
+        """Point every attention layer's ``kv_cache`` at ``cache`` for one forward.
+
+        Without autograd a grouped-query layer also runs as if it had as many key/value heads as
+        query heads (torchtune then skips expanding the cache to one copy per query head) and
+        attends with :func:`_grouped_attention_call`, which reads the key/value heads as they
+        are: the same attention without the copy, one CPU kernel block per key/value head
+        (:mod:`tlt_lightning.models.attention`). Everything is put back on exit. Set
+        ``grouped_attention = False`` to keep torchtune's own attention.
+        """
         if self.decoder.caches_are_setup():
             raise ValueError("decoder has torchtune KV caches set up; TorchtuneTarget uses its own KVCache")
         attns = [layer.attn for layer in self.decoder.layers]
+        on = self.grouped_attention and not torch.is_grad_enabled()
+        grouped = [a for a in attns if a.num_kv_heads != a.num_heads] if on else []
+        saved = [(a.num_kv_heads, a._attention_call) for a in grouped]
         try:
             for i, attn in enumerate(attns):
                 attn.kv_cache, attn.cache_enabled = _LayerCache(cache, i), True
+            for attn in grouped:
+                attn.num_kv_heads, attn._attention_call = attn.num_heads, _grouped_attention_call
             yield
         finally:
             for attn in attns:
                 attn.kv_cache, attn.cache_enabled = None, False
+            for attn, (kv_heads, call) in zip(grouped, saved):
+                attn.num_kv_heads, attn._attention_call = kv_heads, call
 
     def forward(
         self,
