@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from tlt_lightning.drafter import DrafterLoss, acceptance_rate, feature_loss, soft_ce, top1_agreement
+from tlt_lightning.drafter import (
+    DrafterLoss,
+    acceptance_rate,
+    draft_vocab_mass,
+    feature_loss,
+    soft_ce,
+    top1_agreement,
+)
 from tlt_lightning.speculative import sample, verify_chain
 
 
@@ -82,6 +89,33 @@ def test_acceptance_rate_is_what_speculative_sampling_accepts():
     # Binomial standard error <= 0.5 / sqrt(n) = 0.0035: allow 5 of them.
     torch.testing.assert_close(empirical, expected, atol=0.018, rtol=0)
     assert acceptance_rate(draft_logits, target_logits).item() == pytest.approx(float(expected.mean()), rel=1e-6)
+
+
+def test_with_the_vocab_mass_acceptance_is_what_sampling_accepts_from_a_reduced_vocabulary():
+    """Drafts live on 5 of 9 target tokens: verify_chain with the target's full distribution accepts
+    at the rate acceptance_rate gives with vocab_mass, below the renormalised rate."""
+    g = torch.Generator().manual_seed(2)
+    B, V = 3, 9
+    t2d = torch.tensor([True, False, True, True, False, True, False, True, False])
+    target_logits, draft_logits = torch.randn(B, V, generator=g) * 2, torch.randn(B, 5, generator=g) * 2
+    mass = draft_vocab_mass(target_logits, t2d)
+    torch.testing.assert_close(mass, target_logits.softmax(-1)[:, t2d].sum(-1))
+    n = 20_000
+    q = torch.zeros(B, V)
+    q[:, t2d] = draft_logits.softmax(-1)
+    qs = q.repeat(n, 1)
+    drafts = sample(qs, g)
+    target_probs = target_logits.softmax(-1).repeat(n, 1)[:, None].expand(-1, 2, -1)
+    empirical = verify_chain(target_probs, qs[:, None], drafts[:, None], g).num_accepted.float().view(n, B).mean(0)
+    expected = torch.stack([
+        acceptance_rate(draft_logits[i : i + 1], target_logits[i : i + 1], t2d=t2d, vocab_mass=mass[i : i + 1])
+        for i in range(B)
+    ])
+    torch.testing.assert_close(empirical, expected, atol=0.018, rtol=0)
+    renormalised = torch.stack([acceptance_rate(draft_logits[i : i + 1], target_logits[i : i + 1], t2d=t2d)
+                                for i in range(B)])
+    assert bool((expected < renormalised - 0.02).all())
+    assert draft_vocab_mass(target_logits, None).tolist() == [1.0] * B
 
 
 def test_accept_weight_trains_for_acceptance():

@@ -50,8 +50,9 @@ def test_drafters_are_scored_on_the_same_held_out_positions(stored, tiny_llama):
     # The EAGLE-1 row is evaluate_drafter on the stored features, nothing else.
     drafter = load_drafter(root / "eagle1", tiny_llama)
     direct = evaluate_drafter(drafter, tiny_llama, make_batches(rollouts[:2], drafter.config, 8, shuffle=False),
-                              DrafterLoss.for_kind("eagle1", unroll_steps=2))
+                              DrafterLoss.for_kind("eagle1", unroll_steps=2), full_vocab=True)
     assert scores[str(root / "eagle1")] == pytest.approx(direct, rel=1e-5)
+    assert direct["vocab_mass"] == pytest.approx(1.0)  # the full vocabulary: nothing to lose
 
     # A tokens-only file (and the EAGLE-3 drafter on any file) gets its features recomputed: same scores.
     again = root / "again.json"
@@ -73,3 +74,21 @@ def test_bad_arguments_say_what_to_do(stored, tmp_path):
     with pytest.raises(ValueError, match="--unroll must be >= 1"):
         main(["drafter", "evaluate", "--drafter", str(root / "eagle1"), "--rollouts",
               str(root / "full.safetensors"), "--unroll", "0"])
+
+
+def test_a_reduced_draft_vocabulary_loses_the_targets_mass_outside_it(stored, tiny_llama, tmp_path):
+    """By default acceptance counts the target's mass outside the draft vocabulary as rejected (what
+    speculative sampling sees); --renormalise gives the warm-up's renormalised metric, higher."""
+    root, _ = stored
+    torch.manual_seed(2)
+    save_drafter(Drafter(DrafterConfig.from_target(tiny_llama, draft_vocab_size=64), tiny_llama), tmp_path / "small")
+    args = ["drafter", "evaluate", "--drafter", str(tmp_path / "small"), "--rollouts", str(root / "full.safetensors"),
+            "--unroll", "2", "--json"]
+    main([*args, str(tmp_path / "sd.json")])
+    main([*args, str(tmp_path / "renormalised.json"), "--renormalise"])
+    sd = json.loads((tmp_path / "sd.json").read_text())["drafters"][str(tmp_path / "small")]
+    renormalised = json.loads((tmp_path / "renormalised.json").read_text())["drafters"][str(tmp_path / "small")]
+    assert 0 < sd["vocab_mass"] < 0.9 and "vocab_mass" not in renormalised
+    for key in ("accept", "accept_step2"):
+        assert sd[key] < renormalised[key]
+    assert sd["top1"] == pytest.approx(renormalised["top1"])

@@ -12,7 +12,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DrafterLoss", "LossOutput", "acceptance_rate", "feature_loss", "soft_ce", "top1_agreement"]
+__all__ = [
+    "DrafterLoss", "LossOutput", "acceptance_rate", "draft_vocab_mass", "feature_loss", "soft_ce", "top1_agreement",
+]
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -90,6 +92,7 @@ def acceptance_rate(
     target_logits: torch.Tensor,
     mask: torch.Tensor | None = None,
     t2d: torch.Tensor | None = None,
+    vocab_mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Probability that a draft sampled from the drafter at temperature 1 is accepted.
 
@@ -97,7 +100,9 @@ def acceptance_rate(
     draft is accepted with probability ``sum_v min(p(v), q(v)) = 1 - TV(p, q)``: the quantity that
     sets the accept length when sampling, where top-1 agreement only sets it greedily. ``p`` is
     the target's distribution renormalised on the draft vocabulary, as in :func:`soft_ce` (the
-    mass outside it is lost whatever the drafter does). Differentiable: ``1 -`` this is the
+    mass outside it is lost whatever the drafter does), unless ``vocab_mass`` gives that mass: then
+    ``p`` is the target's own distribution and the result is exactly what speculative sampling
+    accepts (:func:`draft_vocab_mass`). Differentiable: ``1 -`` this is the
     total-variation objective of :class:`DrafterLoss` (``accept_weight``), which trains for
     acceptance directly (DistillSpec's argument), where cross-entropy fits the target's whole
     distribution, tail included.
@@ -107,6 +112,8 @@ def acceptance_rate(
         target_logits: ``[N, V]`` target logits.
         mask: ``[N]`` samples that count.
         t2d: ``[V]`` bool, True for target ids in the draft vocabulary; ``None`` = full vocabulary.
+        vocab_mass: ``[N]`` the target's probability mass on the draft vocabulary; ``None`` = 1
+            (renormalised, the training objective).
 
     Returns:
         Scalar in ``[0, 1]``, averaged over masked samples.
@@ -116,8 +123,26 @@ def acceptance_rate(
         tensor(0.5000)
     """
     target_p = _target_probs(draft_logits, target_logits, t2d)
+    if vocab_mass is not None:
+        target_p = target_p * vocab_mass.to(target_p.dtype)[:, None]
     per_sample = torch.minimum(target_p, draft_logits.float().softmax(-1)).sum(-1)
     return _masked_mean(per_sample, mask)
+
+
+def draft_vocab_mass(target_logits: torch.Tensor, t2d: torch.Tensor | None) -> torch.Tensor:
+    """``[N, V]`` target logits (full vocabulary) -> ``[N]`` the target's probability on the draft vocabulary.
+
+    A draft is never a token outside the draft vocabulary, so speculative sampling rejects this
+    much more than the renormalised :func:`acceptance_rate` says (``1 - mass`` at most).
+
+    Example:
+        >>> draft_vocab_mass(torch.zeros(1, 4), torch.tensor([True, True, True, False]))
+        tensor([0.7500])
+    """
+    if t2d is None:
+        return target_logits.new_ones(target_logits.shape[:-1], dtype=torch.float32)
+    logits = target_logits.float()
+    return (logits[..., t2d].logsumexp(-1) - logits.logsumexp(-1)).exp()
 
 
 def top1_agreement(
@@ -217,13 +242,18 @@ class DrafterLoss:
         mask: torch.Tensor | None = None,
         d2t: torch.Tensor | None = None,
         t2d: torch.Tensor | None = None,
+        vocab_mass: torch.Tensor | None = None,
     ) -> LossOutput:
-        """One step's loss over ``N`` samples (``[N, H]`` hidden, ``[N, V_draft]`` / ``[N, V]`` logits)."""
+        """One step's loss over ``N`` samples (``[N, H]`` hidden, ``[N, V_draft]`` / ``[N, V]`` logits).
+
+        ``vocab_mass`` (``[N]``, see :func:`acceptance_rate`) makes ``accept`` what speculative
+        sampling accepts; the total-variation term then trains for that too.
+        """
         ce = soft_ce(draft_logits, target_logits, mask, t2d)
         feat = feature_loss(pred_hidden, target_hidden, mask) if self.feature_weight > 0 else ce.new_zeros(())
         # A metric only, unless it is trained on: no graph for it then.
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.accept_weight > 0):
-            accept = acceptance_rate(draft_logits, target_logits, mask, t2d)
+            accept = acceptance_rate(draft_logits, target_logits, mask, t2d, vocab_mass)
         loss = self.feature_weight * feat + self.ce_weight * ce + self.accept_weight * (1 - accept)
         with torch.no_grad():
             top1 = top1_agreement(draft_logits, target_logits, mask, d2t)

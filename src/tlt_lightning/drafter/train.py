@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tlt_lightning.drafter.config import DrafterConfig
-from tlt_lightning.drafter.losses import DrafterLoss
+from tlt_lightning.drafter.losses import DrafterLoss, draft_vocab_mass
 from tlt_lightning.drafter.model import Drafter
 from tlt_lightning.models.target import TargetModel
 from tlt_lightning.rollout.types import Rollout
@@ -285,9 +285,20 @@ class ConcatCache:
 
 
 def drafter_losses(
-    drafter: Drafter, target: TargetModel, batch: DrafterBatch, loss_cfg: DrafterLoss | None = None
+    drafter: Drafter,
+    target: TargetModel,
+    batch: DrafterBatch,
+    loss_cfg: DrafterLoss | None = None,
+    full_vocab: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The (differentiable) loss of a batch and detached metrics (step 1's, and top-1 / acceptance per step).
+
+    Args:
+        full_vocab: measure acceptance against the target's distribution on its whole vocabulary,
+            so that the mass outside a reduced draft vocabulary counts as rejected, as in
+            speculative sampling (one full LM-head pass more), and add ``vocab_mass``, the target's
+            mean probability on the draft vocabulary. Default: renormalised on the draft
+            vocabulary (the training objective).
 
     Returns:
         ``(loss, metrics)``; metrics hold ``feature_loss``, ``ce_loss``, ``top1``, ``accept``
@@ -305,12 +316,18 @@ def drafter_losses(
     # cross-entropy renormalises over the draft vocabulary anyway, and top-1 agreement is then
     # measured within it (a target argmax outside the draft vocabulary is rare and not counted).
     target_logits = drafter.target_logits(target_hidden)
-    d2t = t2d = None
+    d2t = t2d = vocab_mass = None
+    metrics: dict[str, torch.Tensor] = {}
+    if full_vocab:
+        with torch.no_grad():
+            reduced = drafter.t2d if drafter.config.reduced_vocab else None
+            vocab_mass = draft_vocab_mass(target.lm_head(target_hidden.to(target.dtype)), reduced)
+        metrics["vocab_mass"] = vocab_mass.mean()
     steps = cfg.unroll_steps
     cache = ConcatCache() if steps > 1 else None
     hidden_in = drafter.lift(batch.features)
     sample_idx = batch.sample_index()
-    total, weight_sum, metrics = 0.0, 0.0, {}
+    total, weight_sum = 0.0, 0.0
     for k in range(1, steps + 1):
         mask = unroll_mask(valid, k, batch.doc_ids)
         hidden_out = drafter(batch.tokens, hidden_in, batch.positions, mask, cache)
@@ -319,7 +336,7 @@ def drafter_losses(
         # output: such samples are out of step and no in-step sample attends them.)
         in_step = (sample_idx >= k - 1)[valid]
         pred = hidden_out[valid]
-        out = cfg(pred, drafter.logits(pred), target_hidden, target_logits, in_step, d2t, t2d)
+        out = cfg(pred, drafter.logits(pred), target_hidden, target_logits, in_step, d2t, t2d, vocab_mass)
         w = cfg.step_decay ** (k - 1)
         total, weight_sum = total + w * out.loss, weight_sum + w
         if k == 1:
@@ -364,14 +381,16 @@ def evaluate_drafter(
     target: TargetModel,
     batches: Sequence[DrafterBatch],
     loss_cfg: DrafterLoss | None = None,
+    full_vocab: bool = False,
 ) -> dict[str, float]:
-    """Sample-weighted mean of :func:`drafter_losses`' metrics over ``batches`` (no update)."""
+    """Sample-weighted mean of :func:`drafter_losses`' metrics over ``batches`` (no update;
+    ``full_vocab`` as there)."""
     if not batches:
         raise ValueError("batches is empty: nothing to evaluate")
     sums: dict[str, float] = {}
     total = 0
     for batch in batches:
-        _, metrics = drafter_losses(drafter, target, batch, loss_cfg)
+        _, metrics = drafter_losses(drafter, target, batch, loss_cfg, full_vocab)
         n = batch.num_samples
         total += n
         for key, value in metrics.items():

@@ -4,7 +4,9 @@ Every drafter drafts at every position of the same rollouts (teacher-forced, wit
 unroll, as :func:`~tlt_lightning.drafter.evaluate_drafter` does for the warm-up's held-out tenth),
 and the table says how much the target would accept: ``accept`` / ``accept_step{k}`` is
 ``sum(min(p, q))``, the probability that a draft sampled at temperature 1 is accepted at draft step
-``k``; ``top1`` / ``top1_step{k}`` is the greedy agreement. Steadier and far cheaper than an
+``k``, with ``p`` the target's distribution on its whole vocabulary (``vocab_mass``, its mean
+probability on a reduced draft vocabulary, is what no draft can win; ``--renormalise``: ``p``
+renormalised there, the warm-up's metric); ``top1`` / ``top1_step{k}`` is the greedy agreement. Steadier and far cheaper than an
 end-to-end benchmark on a noisy machine: use it to pick a drafter, then benchmark that one.
 """
 
@@ -24,7 +26,7 @@ from tlt_lightning.rollout import Rollout, load_rollouts
 
 __all__ = ["add_arguments", "run"]
 
-COLUMNS = ("accept", "accept_step2", "accept_step3", "top1", "top1_step2", "top1_step3", "ce_loss")
+COLUMNS = ("accept", "accept_step2", "accept_step3", "top1", "top1_step2", "top1_step3", "vocab_mass", "ce_loss")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unroll", type=int, default=3, help="draft steps evaluated per position")
     p.add_argument("--max-len", type=int, default=256, help="positions per rollout (the warm-up's default)")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--renormalise", action="store_true",
+                   help="acceptance against the target renormalised on the draft vocabulary (the warm-up's "
+                        "metric, an upper bound) instead of what speculative sampling accepts")
     p.add_argument("--json", default=None, help="where to write the results")
 
 
@@ -78,7 +83,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                shuffle=False, max_len=args.max_len)
         with torch.no_grad():
             results[path] = evaluate_drafter(drafter, target, batches,
-                                             DrafterLoss.for_kind(config.kind, unroll_steps=args.unroll))
+                                             DrafterLoss.for_kind(config.kind, unroll_steps=args.unroll),
+                                             full_vocab=not args.renormalise)
     positions = sum(min(r.length, args.max_len) for r in rollouts)
     print(f"[drafter evaluate] {len(rollouts)} rollouts, {positions} positions of {args.rollouts}")
     print(" | ".join(["drafter", *COLUMNS]))
@@ -87,7 +93,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload = {
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "model": model, "rollouts_file": args.rollouts, "rollouts": len(rollouts), "positions": positions,
-        "unroll": args.unroll, "max_len": args.max_len, "sampling": key, "machine": machine_info(),
+        "unroll": args.unroll, "max_len": args.max_len, "renormalised": args.renormalise, "sampling": key,
+        "machine": machine_info(),
         "drafters": results,
     }
     if args.json:
