@@ -90,3 +90,20 @@ def test_speculative_plot_has_a_panel_per_workload_kind(monkeypatch, tmp_path, w
                                                            "Long tail: batch over time (SD run)"]
     with pytest.raises(ValueError, match="nothing to plot"):
         bench.plot({**results, "batches": []}, None, tmp_path / "q.png")
+
+
+def test_speculative_plot_of_several_temperatures_draws_speedup_against_temperature(monkeypatch, tmp_path):
+    from tlt_lightning.bench import speculative as bench
+
+    batches = [{"temperature": t, "requests": n, "strategy": arm, "speedup_tokens_per_s": s, "mean_accept_length": 2.0}
+               for t, s in ((1.0, 1.5), (0.0, 2.5)) for n in (1, 4) for arm in ("chain3", "chain6")]
+    figures = []
+    monkeypatch.setattr(bench, "save_figure", lambda fig, path: figures.append(fig) or path)
+    bench.plot({"batches": batches, "strategies": ["chain3", "chain6"], "temperature": 1.0,
+                "temperatures": [1.0, 0.0]}, None, tmp_path / "p.png")
+    [ax] = figures[0].axes
+    assert ax.get_title().startswith("Speedup against temperature")
+    lines = [line for line in ax.get_lines() if line.get_label() != "_child0" and not line.get_label().startswith("_")]
+    assert [line.get_label() for line in lines] == ["chain3, batch 1", "chain3, batch 4", "chain6, batch 1",
+                                                    "chain6, batch 4"]
+    assert all(list(line.get_ydata()) == [1.5, 2.5] for line in lines)

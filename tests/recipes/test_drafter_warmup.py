@@ -122,6 +122,16 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     assert chain3["mean_draft_depth"] == 3 and 1 <= early["mean_draft_depth"] <= 4
     assert path.with_suffix(".png").stat().st_size > 10_000
 
+    # Several temperatures: the fixed batches at each, the HF peers once (at the first).
+    main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "1",
+          "--max-new-tokens", "8", "--long-tail-requests", "0", "--arms", "chain2", "--temperature", "1", "0",
+          "--dtype", "bfloat16", "--repeats", "1", "--assistant-layers", "0", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["temperatures"] == [1.0, 0.0] and data["temperature"] == 1.0
+    assert [(b["temperature"], b["requests"]) for b in data["batches"]] == [(1.0, 1), (0.0, 1)]
+    assert set(data["hf_batch1_tokens_per_s"]) == {"plain", "prompt_lookup"}
+    assert path.with_suffix(".png").stat().st_size > 10_000
+
     # Two drafters side by side (the first run's and its continuation), against the same plain runs.
     main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), str(more), "--batch-sizes",
           "1", "--max-new-tokens", "8", "--long-tail-requests", "0", "--arms", "chain2", "--dtype", "bfloat16",

@@ -150,7 +150,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "chain10@0.3 (stops below that confidence), chain6x2, tree4x2/8; the long tail "
                          "uses the first")
     sd.add_argument("--threshold", type=int, default=32, help="speculate below this many active requests")
-    sd.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the comparison")
+    sd.add_argument("--temperature", type=float, nargs="+", default=[1.0],
+                    help="sampling temperature of the comparison; several: the fixed batches run at each "
+                         "and the plot shows the speedup against temperature (HF peers and the long tail: the first)")
     sd.add_argument("--assistant-layers", type=int, default=6,
                     help="batch-1 peer: HF assisted generation with the target's first N layers as the "
                          "assistant (0 skips it)")

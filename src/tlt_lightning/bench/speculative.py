@@ -8,7 +8,9 @@ same plain runs; several ``--drafter`` directories compare drafters the same way
 * fixed batches (1, 8, 32, 128): speculation on at every step, throughput and mean accept length;
 * the long-tail rollout (``--long-tail-requests`` prompts, up to ``--long-tail-max-new`` tokens):
   speculation switches on below ``--threshold`` active requests; total rollout time of both;
-* batch 1 peers, HF ``generate`` at the same temperature: plain, assisted generation
+* several ``--temperature`` values: the fixed batches at each (the speedup rises as sampling
+  sharpens: the drafter's distribution matches a peaked target's more often);
+* batch 1 peers, HF ``generate`` at the (first) temperature: plain, assisted generation
   (``assistant_model=``) with the target's own first ``--assistant-layers`` decoder layers as the
   assistant (no smaller model shares SmolLM2's vocabulary; a layer-skip draft is the closest
   assistant there is), and prompt-lookup decoding (HF's assistant-free speculative method).
@@ -17,6 +19,7 @@ same plain runs; several ``--drafter`` directories compare drafters the same way
 from __future__ import annotations
 
 import argparse
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +146,21 @@ def plot(results: dict[str, Any], long_tail: RolloutResult | None, path: Path) -
         raise ValueError("nothing to plot: no batch workloads and no long-tail run")
     fig, axes = plt.subplots(1, panels, figsize=(5.3 * panels, 4.5), squeeze=False)
     axes = list(axes[0])
-    if batches:
+    temperatures = results.get("temperatures", [results["temperature"]])
+    if batches and len(temperatures) > 1:
+        a = axes.pop(0)
+        for j, (arm, n) in enumerate(itertools.product(arms, dict.fromkeys(b["requests"] for b in batches))):
+            points = [b for b in batches if b["strategy"] == arm and b["requests"] == n]
+            a.plot([b["temperature"] for b in points], [b["speedup_tokens_per_s"] for b in points], "o-",
+                   color=f"C{j}", label=f"{arm}, batch {n}")
+            for b in points:
+                a.annotate(f"{b['mean_accept_length']:.2f}", (b["temperature"], b["speedup_tokens_per_s"]),
+                           textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7, color=f"C{j}")
+        a.axhline(1.0, color="grey", lw=0.8, ls="--")
+        a.set(xlabel="sampling temperature", ylabel="speedup over plain decoding (tokens / s)",
+              title="Speedup against temperature (labels: accept length)")
+        a.legend(fontsize=8)
+    elif batches:
         a = axes.pop(0)
         sizes = list(dict.fromkeys(b["requests"] for b in batches))
         width = 0.8 / (len(arms) + 1)
@@ -202,30 +219,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for name, drafter in drafters.items() for arm in arms]
     count = max([bs * args.repeats for bs in args.batch_sizes] + [args.long_tail_requests, 1])
     prompts = task_prompts(loaded.tokenizer, args.task, count, seed=args.seed)
-    cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    plain = RolloutEngine(target, cfg)
+    temperatures = list(args.temperature)
     payload: dict[str, Any] = {
         "benchmark": "rollout-speculative",
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "weight_layout": target.weight_layout, "task": args.task,
         "drafter": args.drafter[0],
         "drafters": args.drafter, "strategy": str(arms[0]), "strategies": [label for label, _, _ in runs],
-        "temperature": args.temperature,
+        # The first temperature is the HF peers' and the long tail's.
+        "temperature": temperatures[0], "temperatures": temperatures,
         "machine": machine_info(), "batches": [],
     }
-    for bs in args.batch_sizes:
-        print(f"[bench speculative] batch {bs}, T={args.temperature}, {args.max_new_tokens} new tokens ...", flush=True)
+    for temperature, bs in itertools.product(temperatures, args.batch_sizes):
+        print(f"[bench speculative] batch {bs}, T={temperature}, {args.max_new_tokens} new tokens ...", flush=True)
+        cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=temperature)
         specs = {label: SpeculativeRolloutLoop(target, drafter, cfg, FixedChooser(arm), threshold=bs + 1)
                  for label, drafter, arm in runs}
-        for out in _compare(plain, specs, prompts, bs, args.repeats, args.seed):
+        for out in _compare(RolloutEngine(target, cfg), specs, prompts, bs, args.repeats, args.seed):
             out.pop("_last")
-            payload["batches"].append(out)
+            payload["batches"].append({"temperature": temperature, **out})
             print(f"  {out['strategy']}: plain {out['plain_tokens_per_s']:.1f} tok/s, SD {out['sd_tokens_per_s']:.1f} "
                   f"tok/s, x{out['speedup_tokens_per_s']:.2f} (CPU time x{out['speedup_cpu_time_per_token']:.2f}, "
                   f"decode steps x{out['speedup_decode']:.2f}), "
                   f"accept {out['mean_accept_length']:.2f} of {out['mean_draft_depth']:.2f} drafts, "
                   f"step cost {out['sd_step_cost']:.2f}", flush=True)
-        if bs == 1:
+        if bs == 1 and temperature == temperatures[0]:
             peers = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 4}}
             if args.assistant_layers:
                 peers["assisted"] = {"assistant_model": layer_skip_assistant(loaded.model, args.assistant_layers)}
@@ -233,7 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for r in range(args.repeats):  # alternated, as the pairs above
                 for name, kwargs in peers.items():
                     hf.setdefault(name, []).append(_hf_peer(loaded.model, prompts[r % len(prompts)],
-                                                            args.max_new_tokens, args.seed + r, args.temperature,
+                                                            args.max_new_tokens, args.seed + r, temperature,
                                                             **kwargs))
             payload["hf_batch1_tokens_per_s"] = {name: median(v) for name, v in hf.items()}
             payload["hf_batch1_assistant_layers"] = args.assistant_layers
@@ -243,7 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     long_tail = None
     if args.long_tail_requests:
         n = args.long_tail_requests
-        lt_cfg = RolloutConfig(max_new_tokens=args.long_tail_max_new, temperature=args.temperature)
+        lt_cfg = RolloutConfig(max_new_tokens=args.long_tail_max_new, temperature=temperatures[0])
         print(f"[bench speculative] long tail: {n} requests, up to {args.long_tail_max_new} tokens, "
               f"SD below {args.threshold} active ...", flush=True)
         label, drafter, arm = runs[0]
