@@ -57,6 +57,11 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     report = json.loads((out / "warmup.json").read_text())
     assert report["rollouts"] == 12 and report["draft_vocab"] == 2048
     assert 0 < report["draft_vocab_token_coverage"] <= 1
+    # A 2048-token draft vocabulary: the target's mass outside it is rejected by sampling, so the
+    # full-vocabulary acceptance is below the renormalised one, top-1 the same.
+    sd, renormalised = report["held_out_after_full_vocab"], report["held_out_after"]
+    assert 0 < sd["vocab_mass"] < 1 and sd["accept"] < renormalised["accept"]
+    assert sd["top1"] == pytest.approx(renormalised["top1"])
     assert report["final_train_metrics"]["loss"] < report["held_out_before"]["loss"] * 10
     assert (out / "warmup.png").stat().st_size > 5_000
     drafter = load_drafter(out, HFTarget(load_model("smollm2-135m").model))
