@@ -4,10 +4,11 @@ Every drafter drafts at every position of the same rollouts (teacher-forced, wit
 unroll, as :func:`~tlt_lightning.drafter.evaluate_drafter` does for the warm-up's held-out tenth),
 and the table says how much the target would accept: ``accept`` / ``accept_step{k}`` is
 ``sum(min(p, q))``, the probability that a draft sampled at temperature 1 is accepted at draft step
-``k``, with ``p`` the target's distribution on its whole vocabulary (``vocab_mass``, its mean
-probability on a reduced draft vocabulary, is what no draft can win; ``--renormalise``: ``p``
-renormalised there, the warm-up's metric); ``top1`` / ``top1_step{k}`` is the greedy agreement. Steadier and far cheaper than an
-end-to-end benchmark on a noisy machine: use it to pick a drafter, then benchmark that one.
+``k``, with ``p`` the target's distribution on its whole vocabulary (``1 - vocab_mass``, its mean
+probability outside a reduced draft vocabulary, no draft can win; ``--renormalise``: ``p``
+renormalised on the draft vocabulary, the warm-up's training metric); ``top1`` / ``top1_step{k}``
+is the greedy agreement. Steadier and far cheaper than an end-to-end benchmark on a noisy
+machine: use it to pick a drafter, then benchmark that one.
 """
 
 from __future__ import annotations
