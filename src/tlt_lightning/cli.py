@@ -11,7 +11,7 @@
     tlt-lightning bench layout [--drafter DIR] ...    weight layouts ([out, in], [in, out], packed) side by side
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning drafter evaluate --drafter DIR ...  drafters' acceptance on the same stored rollouts
-    tlt-lightning export-drafter CKPT OUT [--model M]  drafter checkpoint -> EAGLE dir for vLLM / SGLang
+    tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]  drafter checkpoint -> EAGLE dir for vLLM or SGLang
     tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune-style recipe config
     tlt-lightning models                              list the registry
 
@@ -29,6 +29,8 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -88,8 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export-drafter", help="write a drafter checkpoint in the EAGLE format of vLLM / SGLang")
     export.add_argument("checkpoint", help="drafter checkpoint directory (from `drafter warmup` or save_drafter)")
     export.add_argument("out", help="output directory (config.json, model.safetensors, README.md)")
-    export.add_argument("--model", default="smollm2-135m",
-                        help="the target the drafter drafts for: registry name or local HF directory")
+    export.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
+                        help="the serving engine that loads the export as it is (default: vllm)")
+    export.add_argument("--kind", default=None, choices=["eagle1", "eagle3"],
+                        help="require this drafter kind (default: the checkpoint's; a checkpoint is never converted)")
+    export.add_argument("--model", default=None,
+                        help="the target the drafter drafts for: registry name or local HF directory "
+                        "(default: the checkpoint's warmup.json, else the registry model of its target's shape)")
     export.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="weight dtype of the export (default: the target's)")
     export.add_argument("--seed", type=int, default=0, help="seed of a tiny registry model's random weights")
@@ -213,16 +220,48 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _export_drafter(args: argparse.Namespace) -> None:
     from tlt_lightning.drafter import export_drafter, import_drafter
+    from tlt_lightning.drafter.io import read_drafter_config
     from tlt_lightning.models import HFTarget, load_model
 
-    target = HFTarget(load_model(args.model, seed=args.seed).model)
-    try:
-        out = export_drafter(args.checkpoint, args.out, target, dtype=args.dtype)
-    except ValueError as err:  # a wrong checkpoint or target: one line, no traceback
+    try:  # a wrong checkpoint, kind or target: one line, no traceback
+        config = read_drafter_config(args.checkpoint)
+        if args.kind is not None and args.kind != config.kind:
+            raise ValueError(
+                f"{args.checkpoint} is an {config.kind} drafter and --kind is {args.kind}: a checkpoint is never "
+                f"converted; train an {args.kind} drafter (`tlt-lightning drafter warmup --kind {args.kind}`)"
+            )
+        model = args.model or _checkpoint_target(args.checkpoint, config)
+        target = HFTarget(load_model(model, seed=args.seed).model)
+        out = export_drafter(args.checkpoint, args.out, target, dtype=args.dtype, engine=args.engine)
+    except (ValueError, OSError) as err:
         raise SystemExit(f"export-drafter: {err}") from err
     config = import_drafter(out, target).config  # proves the export loads back
     vocab = f"{config.draft_vocab} of {config.vocab_size}" if config.reduced_vocab else f"all {config.vocab_size}"
-    print(f"[export-drafter] wrote a {config.kind} drafter ({vocab} tokens) for {args.model} to {out}")
+    print(f"[export-drafter] wrote a {config.kind} drafter ({vocab} tokens) for {model} to {out}, for {args.engine}")
+
+
+def _checkpoint_target(checkpoint: str, config: Any) -> str:
+    """The target a drafter checkpoint was trained for: its ``warmup.json``'s model, else the one
+    registry model of its target's shape (``ValueError`` asking for ``--model`` otherwise)."""
+    from tlt_lightning.models import models_with_signature
+
+    warmup = Path(checkpoint) / "warmup.json"
+    if warmup.is_file():
+        try:
+            model = json.loads(warmup.read_text()).get("model")
+        except json.JSONDecodeError:
+            model = None
+        if isinstance(model, str) and model:
+            return model
+    shape = (config.model_type, config.hidden_size, config.num_target_layers, config.vocab_size)
+    names = models_with_signature(*shape)
+    if len(names) != 1:
+        found = f"registry models {names} match" if names else "no registry model matches"
+        raise ValueError(
+            f"cannot tell the target of {checkpoint}: its target is a {shape[0]} model with hidden size {shape[1]}, "
+            f"{shape[2]} layers and {shape[3]} tokens, and {found}; pass --model NAME_OR_HF_DIR"
+        )
+    return names[0]
 
 
 if __name__ == "__main__":

@@ -58,13 +58,14 @@ def logits_of(drafter: Drafter, seed: int = 0) -> torch.Tensor:
         return drafter.logits(drafter(tokens, drafter.lift(features), positions, mask))
 
 
-def export(tmp_path, target, kind, draft_vocab, dtype=None, seed=0):
+def export(tmp_path, target, kind, draft_vocab, dtype=None, seed=0, engine="vllm"):
     d = trained_drafter(target, kind, draft_vocab, seed)
     ckpt = save_drafter(d, tmp_path / "ckpt")
-    return d, export_drafter(ckpt, tmp_path / "eagle", target, dtype=dtype)
+    return d, export_drafter(ckpt, tmp_path / "eagle", target, dtype=dtype, engine=engine)
 
 
 both_kinds = pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+both_engines = pytest.mark.parametrize("engine", ["vllm", "sglang"])
 both_vocabs = pytest.mark.parametrize("draft_vocab", [None, DRAFT_VOCAB], ids=["full-vocab", "draft-vocab"])
 
 
@@ -73,8 +74,11 @@ both_vocabs = pytest.mark.parametrize("draft_vocab", [None, DRAFT_VOCAB], ids=["
 
 @both_kinds
 @both_vocabs
-def test_round_trip_gives_identical_logits(tmp_path, target, kind, draft_vocab):
-    d, out = export(tmp_path, target, kind, draft_vocab)
+@both_engines
+def test_round_trip_gives_identical_logits(tmp_path, target, kind, draft_vocab, engine):
+    if engine == "sglang" and kind == "eagle3" and target.info.model_type == "qwen2":
+        pytest.skip("refused: SGLang's EAGLE-3 has no q/k/v biases (test_sglang_refuses_...)")
+    d, out = export(tmp_path, target, kind, draft_vocab, engine=engine)
     torch.manual_seed(123)  # another init: the import must overwrite every tensor
     back = import_drafter(out, target)
     assert back.config == d.config
@@ -163,9 +167,14 @@ def expected_tensors(model_type: str, kind: str, draft_vocab: int | None) -> dic
 @both_kinds
 @both_vocabs
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_names_shapes_and_dtypes_follow_the_eagle_format(tmp_path, target, kind, draft_vocab, dtype):
-    d, out = export(tmp_path, target, kind, draft_vocab, dtype=dtype)
+@both_engines
+def test_names_shapes_and_dtypes_follow_the_eagle_format(tmp_path, target, kind, draft_vocab, dtype, engine):
+    if engine == "sglang" and kind == "eagle3" and target.info.model_type == "qwen2":
+        pytest.skip("refused: SGLang's EAGLE-3 has no q/k/v biases (test_sglang_refuses_...)")
+    d, out = export(tmp_path, target, kind, draft_vocab, dtype=dtype, engine=engine)
     expected = expected_tensors(target.info.model_type, kind, draft_vocab)
+    if engine == "sglang" and kind == "eagle1":  # SGLang's EAGLE-1 fc has a bias
+        expected["fc.bias"] = [H]
     with safe_open(out / "model.safetensors", framework="pt") as f:
         shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
@@ -174,32 +183,46 @@ def test_names_shapes_and_dtypes_follow_the_eagle_format(tmp_path, target, kind,
     for name, t in tensors.items():
         want = {"d2t": torch.int64, "t2d": torch.bool}.get(name, float_dtype)
         assert t.dtype == want, name
+    if "fc.bias" in tensors:
+        assert not tensors["fc.bias"].any()
+    # The engines load every *.safetensors at the top level (vLLM failed on a d2t there): only the weights.
     files = {"README.md", "config.json", "model.safetensors"}
-    if kind == "eagle1" and draft_vocab:  # engines' EAGLE-1 has no draft vocabulary: a side file
-        files |= {"draft_vocab.safetensors", "hot_token_ids.pt"}
-        side = load_file(out / "draft_vocab.safetensors")
+    if kind == "eagle1" and draft_vocab:  # engines' EAGLE-1 has no draft vocabulary: a subfolder
+        files |= {"draft_vocab"}
+        side = load_file(out / "draft_vocab" / "draft_vocab.safetensors")
         assert {k: (list(v.shape), v.dtype) for k, v in side.items()} == {
             "d2t": ([draft_vocab], torch.int64), "t2d": ([V], torch.bool)}
-        assert torch.equal(torch.load(out / "hot_token_ids.pt"), d.draft_ids)
+        assert torch.equal(torch.load(out / "draft_vocab" / "hot_token_ids.pt"), d.draft_ids)
+        assert sorted(p.name for p in (out / "draft_vocab").iterdir()) == ["draft_vocab.safetensors", "hot_token_ids.pt"]
     assert {p.name for p in out.iterdir()} == files
-    assert all(p.stat().st_mode & 0o777 == 0o644 for p in out.iterdir())  # readable by a server's user
+    for path in out.rglob("*"):  # readable by a server's user
+        assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path
     if draft_vocab and kind == "eagle3":  # target id = draft id + d2t, ascending; t2d marks them
         ids = torch.arange(draft_vocab) + tensors["d2t"]
         assert torch.equal(ids, d.draft_ids) and torch.equal(tensors["t2d"].nonzero().flatten(), ids)
     if "midlayer.self_attn.o_proj.bias" in tensors or "layers.0.self_attn.o_proj.bias" in tensors:
         assert not any(t.any() for k, t in tensors.items() if k.endswith("o_proj.bias"))
     card = (out / "README.md").read_text()
-    assert f'"method": "{"eagle3" if kind == "eagle3" else "eagle"}"' in card
+    if engine == "vllm":
+        assert f'"method": "{"eagle3" if kind == "eagle3" else "eagle"}"' in card
+    else:
+        assert f"--speculative-algorithm {'EAGLE3' if kind == 'eagle3' else 'EAGLE'}" in card
+        assert ("draft_vocab/hot_token_ids.pt" in card) == (kind == "eagle1" and bool(draft_vocab))
     assert all(f"`{name}`" in card for name in expected)
 
 
 @both_kinds
-def test_config_json_is_what_vllm_and_sglang_read(tmp_path, target, kind):
-    _, out = export(tmp_path, target, kind, DRAFT_VOCAB)
+@both_engines
+def test_config_json_is_what_vllm_and_sglang_read(tmp_path, target, kind, engine):
+    if engine == "sglang" and kind == "eagle3" and target.info.model_type == "qwen2":
+        pytest.skip("refused: SGLang's EAGLE-3 has no q/k/v biases (test_sglang_refuses_...)")
+    _, out = export(tmp_path, target, kind, DRAFT_VOCAB, engine=engine)
     raw = json.loads((out / "config.json").read_text())
     config = AutoConfig.from_pretrained(out)  # how the engines parse it (transformers)
     assert isinstance(config, LlamaConfig) and config.model_type == "llama"
-    assert config.architectures == ["LlamaForCausalLMEagle3" if kind == "eagle3" else "LlamaForCausalLM"]
+    eagle1 = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}[engine]
+    assert config.architectures == ["LlamaForCausalLMEagle3" if kind == "eagle3" else eagle1]
+    assert raw["tlt_lightning"]["engine"] == engine
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (1, H, INTER)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (HEADS, KV, HEAD_DIM)
     assert config.vocab_size == V and config.hidden_act == "silu" and not config.tie_word_embeddings
@@ -304,6 +327,17 @@ def test_configs_the_engines_cannot_run_are_refused(tmp_path, llama):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_sglang_refuses_an_eagle3_drafter_with_attention_biases(tmp_path, qwen2, llama):
+    d = trained_drafter(qwen2, "eagle3", None)
+    with pytest.raises(ValueError, match=r"cannot export for SGLang: this eagle3 drafter has attention biases.*"
+                       r"engine='vllm', or use an eagle1 drafter"):
+        export_drafter_model(d, tmp_path / "a", engine="sglang")
+    with pytest.raises(ValueError, match=r"engine must be one of \['sglang', 'vllm'\], got 'trtllm'"):
+        export_drafter_model(trained_drafter(llama, "eagle1", None), tmp_path / "b", engine="trtllm")
+    assert list(tmp_path.iterdir()) == []
+    export_drafter_model(trained_drafter(qwen2, "eagle1", None), tmp_path / "c", engine="sglang")  # EAGLE-1 is fine
+
+
 def test_export_replaces_an_export_but_not_other_directories(tmp_path, llama):
     first = export_drafter_model(trained_drafter(llama, "eagle1", None, seed=0), tmp_path / "eagle")
     second = trained_drafter(llama, "eagle1", None, seed=1)
@@ -315,6 +349,23 @@ def test_export_replaces_an_export_but_not_other_directories(tmp_path, llama):
     with pytest.raises(ValueError, match="exists and is not a drafter export; refusing to overwrite it"):
         export_drafter_model(second, other)
     assert (other / "keep.txt").read_text() == "important"
+    # A user's file inside an earlier export is never deleted by re-exporting over it.
+    (first / "notes.md").write_text("my benchmark notes")
+    with pytest.raises(ValueError, match=r"also holds files an export does not write: \['notes.md'\].*move them away"):
+        export_drafter_model(trained_drafter(llama, "eagle1", None, seed=2), first)
+    assert (first / "notes.md").read_text() == "my benchmark notes"
+    assert torch.equal(logits_of(import_drafter(first, llama)), logits_of(second))  # untouched
+
+
+def test_an_export_with_the_side_file_at_the_top_level_still_imports(tmp_path, llama):
+    """Exports written before ``draft_vocab/`` kept the side files beside the weights; re-exporting replaces them."""
+    d, out = export(tmp_path, llama, "eagle1", DRAFT_VOCAB)
+    for name in ("draft_vocab.safetensors", "hot_token_ids.pt"):
+        (out / "draft_vocab" / name).rename(out / name)
+    (out / "draft_vocab").rmdir()
+    assert torch.equal(logits_of(import_drafter(out, llama)), logits_of(d))
+    export_drafter_model(d, out)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "draft_vocab", "model.safetensors"]
 
 
 def test_import_refuses_what_it_cannot_load_exactly(tmp_path, llama, qwen2):
@@ -365,3 +416,24 @@ def test_cli_export_drafter_writes_a_loadable_export(tmp_path, llama, capsys):
         cli.main(["export-drafter", str(tmp_path / "missing"), str(tmp_path / "x"), "--model", "tiny-llama"])
     with pytest.raises(SystemExit, match="drafter config does not match the target: model_type is 'llama'"):
         cli.main(["export-drafter", str(ckpt), str(tmp_path / "y"), "--model", "tiny-qwen2"])
+
+
+def test_cli_export_drafter_infers_the_target_and_checks_the_kind(tmp_path, llama, capsys):
+    ckpt = save_drafter(trained_drafter(llama, "eagle1", DRAFT_VOCAB), tmp_path / "ckpt")
+    out = tmp_path / "sglang"
+    assert cli.main(["export-drafter", str(ckpt), str(out), "--engine", "sglang"]) == 0  # no --model
+    assert f"for tiny-llama to {out}, for sglang" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
+    with pytest.raises(SystemExit, match=r"is an eagle1 drafter and --kind is eagle3: a checkpoint is never converted; "
+                       r"train an eagle3 drafter \(`tlt-lightning drafter warmup --kind eagle3`\)"):
+        cli.main(["export-drafter", str(ckpt), str(tmp_path / "x"), "--kind", "eagle3"])
+    (ckpt / "warmup.json").write_text(json.dumps({"model": "tiny-qwen2"}))  # the recorded target wins
+    with pytest.raises(SystemExit, match="drafter config does not match the target: model_type is 'llama'"):
+        cli.main(["export-drafter", str(ckpt), str(tmp_path / "y")])
+    (ckpt / "warmup.json").unlink()
+    meta = json.loads((ckpt / CONFIG_NAME).read_text())
+    meta["config"]["hidden_size"] = 96
+    (ckpt / CONFIG_NAME).write_text(json.dumps(meta))
+    with pytest.raises(SystemExit, match=r"cannot tell the target of .*a llama model with hidden size 96, 4 layers and "
+                       r"128 tokens, and no registry model matches; pass --model NAME_OR_HF_DIR"):
+        cli.main(["export-drafter", str(ckpt), str(tmp_path / "z")])

@@ -93,3 +93,21 @@ def test_smollm2_loads_offline(smollm2):
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
     ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids) > 3
+
+
+def _signature(model) -> tuple[str, int, int, int]:
+    c = model.config
+    return (c.model_type, c.hidden_size, c.num_hidden_layers, c.vocab_size)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_signatures_are_those_of_the_loaded_models(name):
+    assert registry.SIGNATURES[name] == _signature(load_model(name).model)
+    assert registry.models_with_signature(*registry.SIGNATURES[name]) == [name]
+    assert registry.models_with_signature("llama", 1, 2, 3) == []
+    assert set(registry.SIGNATURES) == set(available_models())
+
+
+@pytest.mark.slow
+def test_smollm2_signature_is_that_of_the_loaded_model(smollm2):
+    assert registry.SIGNATURES["smollm2-135m"] == _signature(smollm2.model)

@@ -5,8 +5,9 @@ layer plus the EAGLE keys) and ``model.safetensors``. What the engines expect, r
 loaders (vLLM ``model_executor/models/llama_eagle.py``, ``llama_eagle3.py``; SGLang
 ``models/llama_eagle.py``, ``llama_eagle3.py``):
 
-* **EAGLE-1** (``architectures: ["LlamaForCausalLM"]``; vLLM maps it to ``EagleLlamaForCausalLM``,
-  SGLang to ``LlamaForCausalLMEagle``): ``fc.weight`` ``[H, 2H]`` over ``cat(embed, feature)``, then
+* **EAGLE-1** (vLLM: ``architectures: ["LlamaForCausalLM"]``, which it maps to
+  ``EagleLlamaForCausalLM``; SGLang: ``["LlamaForCausalLMEagle"]``, and its ``fc`` has a bias, so
+  an SGLang export carries an explicit zero ``fc.bias``): ``fc.weight`` ``[H, 2H]`` over ``cat(embed, feature)``, then
   one Llama layer without ``input_layernorm`` (``layers.0.*``); its output goes through the
   *target's* LM head unnormalised. No ``lm_head``, no ``d2t``: the engines draft over the full
   vocabulary (a reduced draft vocabulary travels in a side file, see :mod:`.export`).
@@ -22,7 +23,8 @@ loaders (vLLM ``model_executor/models/llama_eagle.py``, ``llama_eagle3.py``; SGL
   (it adds one), so both are written, each in its engine's convention.
 * Llama attention has one ``attention_bias`` switch for q/k/v *and* o_proj. Qwen2 biases q/k/v
   only, so a Qwen2-target drafter is written with ``attention_bias: true`` and an all-zero
-  ``o_proj.bias``: the same function in a layout the engines load.
+  ``o_proj.bias``: the same function in a layout the engines load. SGLang's EAGLE-3 layer has no
+  attention biases at all, so a Qwen2 EAGLE-3 drafter cannot be exported for SGLang.
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ from tlt_lightning.models.target import TargetModel
 __all__ = [
     "EAGLE1_ARCHITECTURES",
     "EAGLE3_ARCHITECTURES",
+    "ENGINES",
     "EXPORT_MODEL_TYPES",
     "TLT_KEY",
+    "check_engine",
     "check_exportable",
     "config_from_eagle",
     "eagle_config",
@@ -49,20 +53,30 @@ EXPORT_MODEL_TYPES = ("llama", "qwen2")
 # What config.json may name (first: what we write). vLLM's EAGLEConfig prefixes Eagle/Eagle3 itself.
 EAGLE1_ARCHITECTURES = ("LlamaForCausalLM", "EagleLlamaForCausalLM", "LlamaForCausalLMEagle")
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# Serving engine -> the EAGLE-1 architecture it loads (EAGLE-3's is the same for both).
+ENGINES = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 # Our own record inside config.json (engines ignore unknown keys): the exact DrafterConfig.
 TLT_KEY = "tlt_lightning"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def check_exportable(config: DrafterConfig) -> None:
-    """Raise ``ValueError`` when vLLM / SGLang cannot run ``config`` as an EAGLE drafter.
+def check_engine(engine: str) -> None:
+    """``ValueError`` unless ``engine`` is one of :data:`ENGINES`."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
+
+
+def check_exportable(config: DrafterConfig, engine: str = "vllm") -> None:
+    """Raise ``ValueError`` when ``engine`` (vLLM or SGLang) cannot run ``config`` as an EAGLE drafter.
 
     Raises:
         ValueError: the target architecture has no EAGLE drafter there (only Llama-layout targets:
             :data:`EXPORT_MODEL_TYPES`), the activation is not SiLU (their Llama MLP supports only
             SiLU), or an EAGLE-3 feature layer cannot be captured (they tap the residual stream
-            entering layers ``1 .. L-1``: not the embeddings, not the final normalised state).
+            entering layers ``1 .. L-1``: not the embeddings, not the final normalised state), or
+            SGLang gets an EAGLE-3 drafter with attention biases (its EAGLE-3 layer has none).
     """
+    check_engine(engine)
     check_model_type(config.model_type)
     if config.hidden_act != "silu":
         raise ValueError(
@@ -74,6 +88,12 @@ def check_exportable(config: DrafterConfig) -> None:
         raise ValueError(
             f"cannot export: eagle3 feature_layers must lie in [1, {L - 1}] (the residual stream entering a "
             f"target layer, which is what vLLM and SGLang capture), got {config.feature_layers}"
+        )
+    if engine == "sglang" and config.kind == "eagle3" and (config.attention_bias or config.o_proj_bias):
+        raise ValueError(
+            f"cannot export for SGLang: this eagle3 drafter has attention biases (a {config.model_type!r} target's "
+            "q/k/v biases), and SGLang's EAGLE-3 layer has none, so it would silently drop them; export with "
+            "engine='vllm', or use an eagle1 drafter for SGLang"
         )
 
 
@@ -94,18 +114,18 @@ def _rope_keys(rope: dict[str, Any]) -> dict[str, Any]:
     return {"rope_theta": rope["rope_theta"], "rope_scaling": legacy, "rope_parameters": dict(rope)}
 
 
-def eagle_config(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """The ``config.json`` of an export of a drafter shaped by ``config`` stored in ``dtype``.
+def eagle_config(config: DrafterConfig, dtype: torch.dtype, engine: str = "vllm") -> dict[str, Any]:
+    """The ``config.json`` of an ``engine`` export of a drafter shaped by ``config`` stored in ``dtype``.
 
     Raises:
         ValueError: see :func:`check_exportable`; ``dtype`` is not float32/bfloat16/float16.
     """
-    check_exportable(config)
+    check_exportable(config, engine)
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
     c = config
     out: dict[str, Any] = {
-        "architectures": [EAGLE1_ARCHITECTURES[0] if c.kind == "eagle1" else EAGLE3_ARCHITECTURES[0]],
+        "architectures": [ENGINES[engine] if c.kind == "eagle1" else EAGLE3_ARCHITECTURES[0]],
         "model_type": "llama",
         "num_hidden_layers": 1,
         "hidden_size": c.hidden_size,
@@ -132,7 +152,9 @@ def eagle_config(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
             "use_aux_hidden_state": True,
             "eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.feature_layers],
         }
-    out[TLT_KEY] = {"format_version": 1, "target_model_type": c.model_type, "drafter_config": c.to_dict()}
+    out[TLT_KEY] = {
+        "format_version": 1, "engine": engine, "target_model_type": c.model_type, "drafter_config": c.to_dict()
+    }
     return out
 
 

@@ -5,10 +5,12 @@
     #                                              "num_speculative_tokens": 4})
     drafter = import_drafter("runs/drafter/eagle", target)                # identical logits
 
-An export directory holds ``config.json`` and ``model.safetensors`` in the engines' format (see
-:mod:`tlt_lightning.drafter.eagle_format`) and a model card ``README.md``. An EAGLE-1 drafter with a
-reduced draft vocabulary also gets ``draft_vocab.safetensors`` (``d2t``, ``t2d``: the engines'
-EAGLE-1 drafts over the full vocabulary and ignores it) and ``hot_token_ids.pt`` (SGLang's
+An export directory holds ``config.json`` and ``model.safetensors`` in the format of one engine
+(``engine="vllm"`` or ``"sglang"``, see :mod:`tlt_lightning.drafter.eagle_format`) and a model card
+``README.md``, nothing else at its top level: both engines load every ``*.safetensors`` file there,
+and an unknown tensor stops them. An EAGLE-1 drafter with a reduced draft vocabulary keeps it in the
+subfolder ``draft_vocab/`` (``draft_vocab.safetensors``: ``d2t``, ``t2d``; the engines' EAGLE-1
+drafts over the full vocabulary and ignores it; ``hot_token_ids.pt``: SGLang's
 ``--speculative-token-map``). The target's embedding is shared, never written; EAGLE-3 needs its
 LM head rows as ``lm_head.weight``, which is why exporting takes the target.
 """
@@ -27,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from tlt_lightning.drafter.config import DrafterConfig
 from tlt_lightning.drafter.eagle_format import (
     DTYPE_NAMES,
+    ENGINES,
     TLT_KEY,
     check_exportable,
     check_model_type,
@@ -40,7 +43,9 @@ from tlt_lightning.drafter.model_card import model_card
 from tlt_lightning.models.target import TargetModel
 
 __all__ = [
+    "ENGINES",
     "EXPORT_CONFIG",
+    "EXPORT_SIDE_DIR",
     "EXPORT_VOCAB",
     "EXPORT_WEIGHTS",
     "HOT_TOKENS",
@@ -52,8 +57,12 @@ __all__ = [
 
 EXPORT_CONFIG = "config.json"
 EXPORT_WEIGHTS = "model.safetensors"
-EXPORT_VOCAB = "draft_vocab.safetensors"  # EAGLE-1 with a reduced vocabulary only
+EXPORT_SIDE_DIR = "draft_vocab"  # EAGLE-1 with a reduced vocabulary only; engines do not look in subfolders
+EXPORT_VOCAB = "draft_vocab.safetensors"
 HOT_TOKENS = "hot_token_ids.pt"
+# Everything an export writes (and the side files' top-level places of exports before ``draft_vocab/``):
+# re-exporting replaces these and refuses a directory holding anything else.
+_EXPORT_FILES = frozenset({EXPORT_CONFIG, EXPORT_WEIGHTS, "README.md", EXPORT_SIDE_DIR, EXPORT_VOCAB, HOT_TOKENS})
 _ZERO_IF_ABSENT = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -68,20 +77,23 @@ def _dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype
     return dtype
 
 
-def eagle_state_dict(drafter: Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The drafter's tensors under the EAGLE names, as engines load them (CPU, contiguous).
+def eagle_state_dict(
+    drafter: Drafter, dtype: torch.dtype | None = None, engine: str = "vllm"
+) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under the EAGLE names, as ``engine`` loads them (CPU, contiguous).
 
     Args:
         drafter: the drafter (its target supplies the EAGLE-3 ``lm_head`` rows).
         dtype: floating-point dtype of the weights (default: the drafter's); ``d2t`` stays int64,
             ``t2d`` bool.
+        engine: ``"vllm"`` or ``"sglang"`` (whose EAGLE-1 ``fc`` has a bias: written as zeros).
 
     Returns:
         Name -> tensor, ``d2t``/``t2d`` included when the draft vocabulary is reduced (EAGLE-1
         callers move them to the side file).
     """
     c = drafter.config
-    check_exportable(c)
+    check_exportable(c, engine)
     dtype = _dtype(dtype, drafter.dtype)
     out = {k: v.detach() for k, v in drafter.state_dict().items()}
     layer = "layers.0" if c.kind == "eagle1" else "midlayer"
@@ -94,18 +106,26 @@ def eagle_state_dict(drafter: Drafter, dtype: torch.dtype | None = None) -> dict
         if bias is not None:
             raise ValueError("cannot export: the target's LM head has a bias, which EAGLE-3 lm_head has not")
         out["lm_head.weight"] = weight
+    if engine == "sglang" and c.kind == "eagle1":
+        out["fc.bias"] = out["fc.weight"].new_zeros(out["fc.weight"].shape[0])
     return {
         k: (v.to(dtype) if v.is_floating_point() else v).to("cpu").contiguous() for k, v in sorted(out.items())
     }
 
 
 def _write_atomic(directory: Path, write: Callable[[Path], None]) -> Path:
-    """Refuse to replace anything but an export, then write it atomically (see :func:`replace_directory`)."""
-    if directory.exists() and (
-        not directory.is_dir()
-        or (any(directory.iterdir()) and TLT_KEY not in _read_json(directory / EXPORT_CONFIG, missing={}))
-    ):
-        raise ValueError(f"{directory} exists and is not a drafter export; refusing to overwrite it")
+    """Refuse to replace anything but an export of ours, then write it atomically (see
+    :func:`replace_directory`). An export holding files it did not write is refused too: replacing
+    the directory would delete them."""
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        if not directory.is_dir() or TLT_KEY not in _read_json(directory / EXPORT_CONFIG, missing={}):
+            raise ValueError(f"{directory} exists and is not a drafter export; refusing to overwrite it")
+        foreign = sorted(p.name for p in directory.iterdir() if p.name not in _EXPORT_FILES)
+        if foreign:
+            raise ValueError(
+                f"{directory} is an earlier export but also holds files an export does not write: {foreign}; "
+                "re-exporting replaces the whole directory, so move them away or export to another directory"
+            )
     return replace_directory(directory, write)
 
 
@@ -124,16 +144,17 @@ def _read_json(path: Path, missing: dict | None = None) -> dict:
 
 
 def export_drafter_model(
-    drafter: Drafter, out_dir: str | os.PathLike, dtype: torch.dtype | str | None = None
+    drafter: Drafter, out_dir: str | os.PathLike, dtype: torch.dtype | str | None = None, engine: str = "vllm"
 ) -> Path:
-    """Write ``drafter`` as a deployable EAGLE / EAGLE-3 directory (atomically).
+    """Write ``drafter`` as a deployable EAGLE / EAGLE-3 directory for ``engine`` (atomically).
 
     Args:
         drafter: the drafter; its target must be the exact model it will be deployed with.
-        out_dir: the output directory; an earlier export there is replaced, any other non-empty
-            directory is refused.
+        out_dir: the output directory; an earlier export there is replaced (unless it also holds
+            files an export does not write), any other non-empty directory is refused.
         dtype: weight dtype, ``torch.dtype`` or ``"float32"``/``"bfloat16"``/``"float16"``
             (default: the drafter's).
+        engine: ``"vllm"`` (default) or ``"sglang"``: the engine that loads the directory as it is.
 
     Returns:
         ``out_dir``.
@@ -147,8 +168,8 @@ def export_drafter_model(
     """
     c = drafter.config
     dtype = _dtype(dtype, drafter.dtype)
-    config = eagle_config(c, dtype)
-    tensors = eagle_state_dict(drafter, dtype)
+    config = eagle_config(c, dtype, engine)
+    tensors = eagle_state_dict(drafter, dtype, engine)
     side: dict[str, torch.Tensor] = {}
     if c.kind == "eagle1" and c.reduced_vocab:
         side = {k: tensors.pop(k) for k in ("d2t", "t2d")}
@@ -157,12 +178,13 @@ def export_drafter_model(
         meta = {"format": "pt"}
         save_file(tensors, tmp / EXPORT_WEIGHTS, metadata=meta)
         if side:
-            save_file(side, tmp / EXPORT_VOCAB, metadata=meta)
-            torch.save(drafter.draft_ids.cpu().clone(), tmp / HOT_TOKENS)
+            (tmp / EXPORT_SIDE_DIR).mkdir()
+            save_file(side, tmp / EXPORT_SIDE_DIR / EXPORT_VOCAB, metadata=meta)
+            torch.save(drafter.draft_ids.cpu().clone(), tmp / EXPORT_SIDE_DIR / HOT_TOKENS)
         (tmp / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(config, tensors, side))
-        for path in tmp.iterdir():
-            path.chmod(0o644)  # safetensors writes 0600; a server may run as another user
+        for path in tmp.rglob("*"):  # safetensors writes 0600; a server may run as another user
+            path.chmod(0o755 if path.is_dir() else 0o644)
 
     return _write_atomic(Path(out_dir), write)
 
@@ -172,6 +194,7 @@ def export_drafter(
     out_dir: str | os.PathLike,
     target: TargetModel,
     dtype: torch.dtype | str | None = None,
+    engine: str = "vllm",
 ) -> Path:
     """Export a :func:`~tlt_lightning.drafter.save_drafter` checkpoint for vLLM / SGLang.
 
@@ -181,6 +204,7 @@ def export_drafter(
         target: the target the drafter drafts for (its architecture is checked, its LM head rows
             become the EAGLE-3 ``lm_head``).
         dtype: weight dtype (default: the target's).
+        engine: ``"vllm"`` or ``"sglang"`` (see :func:`export_drafter_model`).
 
     Raises:
         ValueError: the checkpoint's target architecture has no EAGLE drafter in vLLM / SGLang
@@ -195,7 +219,7 @@ def export_drafter(
     raw = _read_json(Path(drafter_dir) / CHECKPOINT_CONFIG).get("config")
     if isinstance(raw, dict) and "model_type" in raw:
         check_model_type(raw["model_type"])  # before DrafterConfig, whose own message is less specific
-    return export_drafter_model(load_drafter(drafter_dir, target), out_dir, dtype=dtype)
+    return export_drafter_model(load_drafter(drafter_dir, target), out_dir, dtype=dtype, engine=engine)
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -232,9 +256,10 @@ def import_drafter(
     export_dir = Path(export_dir)
     data = _read_json(export_dir / EXPORT_CONFIG)
     tensors = _load(export_dir / EXPORT_WEIGHTS)
-    vocab_file = export_dir / EXPORT_VOCAB
-    if vocab_file.is_file():
-        tensors.update(_load(vocab_file))
+    for vocab_file in (export_dir / EXPORT_SIDE_DIR / EXPORT_VOCAB, export_dir / EXPORT_VOCAB):  # new, old place
+        if vocab_file.is_file():
+            tensors.update(_load(vocab_file))
+            break
     d2t = tensors.get("d2t")
     draft_vocab = int(d2t.numel()) if d2t is not None else None
     config = config_from_eagle(data, target, draft_vocab_size=draft_vocab)

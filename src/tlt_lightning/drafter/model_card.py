@@ -18,14 +18,42 @@ def _tensor_rows(tensors: dict[str, torch.Tensor], file: str) -> list[str]:
     ]
 
 
+def _vllm_usage(method: str) -> list[str]:
+    return [
+        "## vLLM",
+        "",
+        "```python",
+        "from vllm import LLM",
+        "llm = LLM(model=TARGET_MODEL, speculative_config={",
+        f'    "method": "{method}", "model": "PATH/TO/THIS/DIR", "num_speculative_tokens": 4}})',
+        "```",
+        "",
+    ]
+
+
+def _sglang_usage(algo: str, token_map: bool) -> list[str]:
+    return [
+        "## SGLang",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path TARGET_MODEL --speculative-algorithm {algo} \\",
+        "    --speculative-draft-model-path PATH/TO/THIS/DIR --speculative-num-steps 3 \\",
+        "    --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+        + (" \\\n    --speculative-token-map PATH/TO/THIS/DIR/draft_vocab/hot_token_ids.pt" if token_map else ""),
+        "```",
+        "",
+    ]
+
+
 def model_card(config: dict[str, Any], tensors: dict[str, torch.Tensor], side: dict[str, torch.Tensor]) -> str:
     """Markdown for an export with ``config.json`` = ``config``, weights ``tensors`` and side file ``side``.
 
     Args:
         config: the export's ``config.json`` (from :func:`~tlt_lightning.drafter.eagle_format.eagle_config`).
         tensors: ``model.safetensors``'s tensors.
-        side: ``draft_vocab.safetensors``'s tensors (EAGLE-1 with a reduced vocabulary), else empty.
+        side: ``draft_vocab/draft_vocab.safetensors``'s tensors (EAGLE-1 with a reduced vocabulary), else empty.
     """
+    engine = config["tlt_lightning"]["engine"]
     record = config["tlt_lightning"]["drafter_config"]
     kind, target_type = record["kind"], config["tlt_lightning"]["target_model_type"]
     eagle3 = kind == "eagle3"
@@ -66,22 +94,9 @@ def model_card(config: dict[str, Any], tensors: dict[str, torch.Tensor], side: d
         f"| weights | {params:,} parameters, {config['torch_dtype']} (embeddings{'' if eagle3 else ' and LM head'} "
         "shared with the target, not stored) |",
         "",
-        "## vLLM",
-        "",
-        "```python",
-        "from vllm import LLM",
-        "llm = LLM(model=TARGET_MODEL, speculative_config={",
-        f'    "method": "{method}", "model": "PATH/TO/THIS/DIR", "num_speculative_tokens": 4}})',
-        "```",
-        "",
-        "## SGLang",
-        "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path TARGET_MODEL --speculative-algorithm {algo} \\",
-        "    --speculative-draft-model-path PATH/TO/THIS/DIR --speculative-num-steps 3 \\",
-        "    --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
-        + (" \\\n    --speculative-token-map PATH/TO/THIS/DIR/hot_token_ids.pt" if side else ""),
-        "```",
+        *(_vllm_usage(method) if engine == "vllm" else _sglang_usage(algo, bool(side))),
+        f"Exported for {'vLLM' if engine == 'vllm' else 'SGLang'} (the two differ in the EAGLE-1 architecture name and "
+        "`fc` bias); `tlt-lightning export-drafter --engine vllm|sglang` writes the other.",
         "",
         "## Back into tlt-lightning",
         "",
@@ -96,7 +111,7 @@ def model_card(config: dict[str, Any], tensors: dict[str, torch.Tensor], side: d
         "| name | shape | dtype | file |",
         "|---|---|---|---|",
         *_tensor_rows(tensors, "model.safetensors"),
-        *_tensor_rows(side, "draft_vocab.safetensors"),
+        *_tensor_rows(side, "draft_vocab/draft_vocab.safetensors"),
         "",
         "## Notes",
         "",
@@ -108,9 +123,9 @@ def model_card(config: dict[str, Any], tensors: dict[str, torch.Tensor], side: d
         )
     if side:
         lines.append(
-            f"- The draft vocabulary ({Vd} tokens) is in `draft_vocab.safetensors` and `hot_token_ids.pt`: vLLM's "
-            "EAGLE-1 drafts over the full vocabulary (still lossless), SGLang uses it with "
-            "`--speculative-token-map`."
+            f"- The draft vocabulary ({Vd} tokens) is in the subfolder `draft_vocab/` (the engines load every "
+            "`*.safetensors` at the top level): vLLM's EAGLE-1 drafts over the full vocabulary (still lossless), "
+            "SGLang uses it with `--speculative-token-map`."
         )
     lines.append(
         "- `tlt_lightning` in `config.json` records the drafter's own configuration; the engines ignore it."

@@ -10,7 +10,14 @@ from typing import Any
 from tlt_lightning.models.hardware import has_fast_bf16, resolve_dtype, training_precision
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import WEIGHT_LAYOUTS, PackedLinear, PackedWeight, set_weight_layout
-from tlt_lightning.models.registry import LoadedModel, ModelNotFoundError, available_models, cache_dir, load_model
+from tlt_lightning.models.registry import (
+    LoadedModel,
+    ModelNotFoundError,
+    available_models,
+    cache_dir,
+    load_model,
+    models_with_signature,
+)
 from tlt_lightning.models.target import HFTarget, TargetInfo, TargetModel, TargetOutput, default_feature_layers
 
 __all__ = [
@@ -29,6 +36,7 @@ __all__ = [
     "default_feature_layers",
     "has_fast_bf16",
     "load_model",
+    "models_with_signature",
     "resolve_dtype",
     "set_weight_layout",
     "training_precision",

