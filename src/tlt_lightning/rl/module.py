@@ -70,12 +70,16 @@ from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs, policy_batc
 from tlt_lightning.rl.grpo import AGGREGATIONS, GRPOLossOutput, group_advantages, grpo_loss
 from tlt_lightning.rl.sources import IndexDataset, PromptIndexLoader, PromptSource, TaskPromptSource
 from tlt_lightning.rl.tasks import TaskConfig, TaskDataset
+from tlt_lightning.rl.vllm_rollouts import VLLMRollouts
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
 from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
+from tlt_lightning.rollout.vllm_backend import VLLMRolloutStats
 from tlt_lightning.speculative import SDStrategy, StrategyChooser
 from tlt_lightning.tracking import MeanAcceptLength, RolloutTokensPerSecond
 
-__all__ = ["GRPOModule", "NonFiniteLossError", "RewardBatch", "RewardError"]
+__all__ = ["ROLLOUT_BACKENDS", "GRPOModule", "NonFiniteLossError", "RewardBatch", "RewardError"]
+
+ROLLOUT_BACKENDS = ("engine", "vllm")
 
 
 class RewardError(RuntimeError):
@@ -178,6 +182,12 @@ class GRPOModule(L.LightningModule):
         seed: seeds rollouts, the tiny models' weights and a fresh drafter.
         prompt_source: prompts and rewards; default: the task's, built at setup from the model's
             tokenizer. Tiny models have none: pass a :class:`~tlt_lightning.rl.TokenPromptSource`.
+        rollout_backend: ``"engine"`` (ours: :class:`RolloutEngine` / :class:`SpeculativeRolloutLoop`)
+            or ``"vllm"`` (:class:`~tlt_lightning.rl.vllm_rollouts.VLLMRollouts`: vLLM serves the
+            policy, and with ``speculative`` the drafter as its EAGLE speculator, both refreshed in
+            place every step; needs vLLM in this environment).
+        vllm: settings of the vLLM engine, :class:`~tlt_lightning.rollout.VLLMBackendConfig` fields
+            (``num_speculative_tokens``, ``dtype``, ``gpu_memory_utilization``, ``enforce_eager``, ...).
 
     Hooks and attributes for callbacks and subclasses:
         :meth:`configure_policy` and :meth:`make_target` (which model is trained, and its adapter),
@@ -201,7 +211,9 @@ class GRPOModule(L.LightningModule):
     # the reference is frozen and rebuilt from `model`; the rollout target wraps the policy's own
     # modules (or a mirror refreshed from them). Registered, they would sit in DDP's gradient buckets
     # and in every checkpoint.
-    _UNREGISTERED = frozenset({"drafter", "reference", "rollout_target", "policy_target", "rollout_policy"})
+    _UNREGISTERED = frozenset(
+        {"drafter", "reference", "rollout_target", "policy_target", "rollout_policy", "vllm_rollouts"}
+    )
 
     def __init__(
         self,
@@ -236,6 +248,8 @@ class GRPOModule(L.LightningModule):
         rollout_progress: bool = False,
         seed: int = 0,
         prompt_source: PromptSource | None = None,
+        rollout_backend: str = "engine",
+        vllm: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if isinstance(task, Mapping):
@@ -266,6 +280,8 @@ class GRPOModule(L.LightningModule):
                "'eagle1', 'eagle3' or None")
         _check(prompt_source is None or isinstance(prompt_source, PromptSource), "prompt_source",
                prompt_source, "a PromptSource (name, __len__, prompt_ids, score) or None")
+        _check(rollout_backend in ROLLOUT_BACKENDS, "rollout_backend", rollout_backend, f"one of {ROLLOUT_BACKENDS}")
+        self.vllm_rollouts = VLLMRollouts(vllm) if rollout_backend == "vllm" else None  # validates `vllm`
         # Also validates max_new_tokens / top_p / top_k, naming the field.
         RolloutConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         self.save_hyperparameters(ignore=["prompt_source", "task"])
@@ -369,6 +385,10 @@ class GRPOModule(L.LightningModule):
                 module.to(self.device)
         self.sync_rollout_policy()  # after a checkpoint restore too
 
+    def on_fit_end(self) -> None:
+        if self.vllm_rollouts is not None:
+            self.vllm_rollouts.close()
+
     @torch.no_grad()
     def sync_rollout_policy(self) -> None:
         """Copy the policy's weights into the ``rollout_dtype`` mirror (no-op without one)."""
@@ -421,6 +441,12 @@ class GRPOModule(L.LightningModule):
         was_training = self.policy.training
         self.policy.eval()
         try:
+            if self.vllm_rollouts is not None:
+                policy = self.rollout_policy if self.rollout_policy is not None else self.policy
+                return self.vllm_rollouts.generate(
+                    prompts, config, policy=policy, drafter=self.drafter if hp.speculative else None,
+                    target=self.rollout_target, step=self.global_step, generator=generator, progress=progress,
+                )
             if self.drafter is not None and hp.speculative:
                 backend = SpeculativeRolloutLoop(
                     self.rollout_target, self.drafter, config, self.strategy_chooser, threshold=hp.threshold
@@ -642,6 +668,8 @@ class GRPOModule(L.LightningModule):
         log("response/length_mean", lengths.mean())
         log("response/length_max", lengths.max(), reduce_fx="max")
         log("time/rollout_s", stats.total_time)
+        if isinstance(stats, VLLMRolloutStats):  # the policy version vLLM served (one refresh per step)
+            log("rollout/weights_version", float(stats.weights_version))
         log("time/reward_s", reward_time)
         log("time/train_s", train_time)
         for name in ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean", "grad_norm", "logprob_drift"):
