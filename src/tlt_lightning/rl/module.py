@@ -104,6 +104,39 @@ def _rollout_seed(seed: int, step: int, rank: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def _reward_fn_name(source: Any) -> str:
+    """`` (reward fn 'even_reward')`` for a source scored by a reward function, else ``""``."""
+    fn = getattr(source, "reward_fn", None)
+    if fn is None:
+        return ""
+    return f" (reward fn {getattr(fn, '__qualname__', type(fn).__name__)!r})"
+
+
+def _reward_value(reward: Any, field: str, where: str, limit: float) -> float:
+    """``reward.<field>`` as a float, refused (``RewardError``) when missing, not a number, not
+    finite or beyond ``limit`` in absolute value (float32 sums of such rewards overflow to NaN)."""
+    if reward is None or not hasattr(reward, field):
+        raise RewardError(
+            f"the reward of {where} is {reward!r}, not a Reward with .total and .correctness: "
+            "the reward function must return a number (a PromptSource.score a Reward) for every completion"
+        )
+    value = getattr(reward, field)
+    try:
+        number = float(value)
+    except (TypeError, ValueError) as err:
+        raise RewardError(
+            f"the reward {field} of {where} is {value!r}, not a number: the reward function must return "
+            "a finite float for every completion"
+        ) from err
+    if not math.isfinite(number) or abs(number) > limit:
+        raise RewardError(
+            f"the reward {field} of {where} is {number!r}: rewards must be finite and within "
+            f"+-max_abs_reward={limit:g}; fix the reward function (or raise GRPOModule(max_abs_reward=...) "
+            "for a reward scale this large)"
+        )
+    return number
+
+
 def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
     if not condition:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
@@ -178,6 +211,9 @@ class GRPOModule(L.LightningModule):
         seed: seeds rollouts, the tiny models' weights and a fresh drafter.
         prompt_source: prompts and rewards; default: the task's, built at setup from the model's
             tokenizer. Tiny models have none: pass a :class:`~tlt_lightning.rl.TokenPromptSource`.
+        max_abs_reward: a reward or correctness beyond ``+-max_abs_reward`` stops the run with a
+            :class:`RewardError` naming the task, like a non-finite one (float32 sums of rewards near
+            ``3e38`` overflow and the mean reward becomes NaN).
 
     Hooks and attributes for callbacks and subclasses:
         :meth:`configure_policy` and :meth:`make_target` (which model is trained, and its adapter),
@@ -236,6 +272,7 @@ class GRPOModule(L.LightningModule):
         rollout_progress: bool = False,
         seed: int = 0,
         prompt_source: PromptSource | None = None,
+        max_abs_reward: float = 1e6,
     ) -> None:
         super().__init__()
         if isinstance(task, Mapping):
@@ -244,9 +281,14 @@ class GRPOModule(L.LightningModule):
             raise TypeError(
                 f"task must be a TaskConfig, a dict of its fields or None, got {type(task).__name__}"
             )
-        for name, value in (("group_size", group_size), ("prompts_per_step", prompts_per_step),
-                            ("sd_steps", sd_steps), ("threshold", threshold)):
+        _check(_is_int(group_size) and group_size >= 2, "group_size", group_size,
+               "an int >= 2 (GRPO's advantage is a reward minus its group's mean: a group of 1 has "
+               "advantage 0 everywhere and trains nothing; use 4-16)")
+        for name, value in (("prompts_per_step", prompts_per_step), ("sd_steps", sd_steps),
+                            ("threshold", threshold)):
             _check(_is_int(value) and value >= 1, name, value, "an int >= 1")
+        _check(isinstance(max_abs_reward, (int, float)) and not isinstance(max_abs_reward, bool)
+               and 0 < max_abs_reward < math.inf, "max_abs_reward", max_abs_reward, "a finite number > 0")
         _check(micro_batch_size is None or (_is_int(micro_batch_size) and micro_batch_size >= 1),
                "micro_batch_size", micro_batch_size, "an int >= 1 or None")
         _check(_is_int(seed) and seed >= 0, "seed", seed, "an int >= 0")
@@ -440,16 +482,14 @@ class GRPOModule(L.LightningModule):
         source, G = self.prompt_source, self.hparams.group_size
         total, correct = [], []
         for j, (index, r) in enumerate(zip(indices.tolist(), result.rollouts)):
+            where = f"task {source.name!r}{_reward_fn_name(source)} on prompt index {index} (sample {j % G} of its group)"
             try:
                 reward = source.score(index, r.prompt_ids, r.token_ids)
             except Exception as err:  # user reward code: re-raise with where it failed
-                raise RewardError(
-                    f"the reward of task {source.name!r} failed on prompt index {index} "
-                    f"(sample {j % G} of its group): {type(err).__name__}: {err}"
-                ) from err
-            total.append(float(reward.total))
-            correct.append(float(reward.correctness))
-        return RewardBatch(torch.tensor(total), torch.tensor(correct))
+                raise RewardError(f"the reward of {where} failed: {type(err).__name__}: {err}") from err
+            total.append(_reward_value(reward, "total", where, self.hparams.max_abs_reward))
+            correct.append(_reward_value(reward, "correctness", where, self.hparams.max_abs_reward))
+        return RewardBatch(torch.tensor(total, dtype=torch.float32), torch.tensor(correct, dtype=torch.float32))
 
     def policy_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
         """``[B, T]`` the policy's log-probabilities of the completion tokens (with grad)."""
@@ -509,14 +549,17 @@ class GRPOModule(L.LightningModule):
                     f"compute_rewards must return [{indices.numel()}] rewards (one per rollout), got "
                     f"total {list(rewards.total.shape)} and correctness {list(rewards.correctness.shape)}"
                 )
-            bad = (~torch.isfinite(rewards.total)).nonzero()
-            if bad.numel():
-                j = int(bad[0])
-                raise RewardError(
-                    f"the reward of task {self.prompt_source.name!r} is {float(rewards.total[j])} "
-                    f"(not finite) on prompt index {int(indices[j])} "
-                    f"(sample {j % self.hparams.group_size} of its group)"
-                )
+            limit = self.hparams.max_abs_reward
+            for field in ("total", "correctness"):  # also for an overridden compute_rewards
+                values = getattr(rewards, field)
+                bad = (~torch.isfinite(values) | (values.abs() > limit)).nonzero()
+                if bad.numel():
+                    j = int(bad[0])
+                    raise RewardError(
+                        f"the reward {field} of task {self.prompt_source.name!r} is {float(values[j])} on prompt "
+                        f"index {int(indices[j])} (sample {j % self.hparams.group_size} of its group): rewards "
+                        f"must be finite and within +-max_abs_reward={limit:g}"
+                    )
         except Exception as err:  # held until every rank knows, so that none hangs in a collective
             error = err
         if self._any_rank(error is not None):
