@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import lightning as L
@@ -279,6 +278,33 @@ def test_resume_continues_identically(tmp_path):
         assert torch.equal(params(loaded)[name], value), name
 
 
+class GlobalDraws(L.Callback):
+    """Draws from the global RNGs every step, as user code (a reward, a callback) may."""
+
+    def __init__(self) -> None:
+        self.draws = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import random
+
+        import numpy as np
+
+        self.draws.append((float(torch.rand(1)), random.random(), float(np.random.rand())))
+
+
+def test_resume_restores_the_global_rngs(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    full = GlobalDraws()
+    L.seed_everything(0)
+    make_trainer(3, callbacks=[full, ckpt], enable_checkpointing=True).fit(make_module())
+    resumed = GlobalDraws()
+    L.seed_everything(0)  # as the CLI does: without the saved states the draws would repeat step 1's
+    make_trainer(3, callbacks=[resumed]).fit(make_module(), ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
+    assert resumed.draws == full.draws[1:]
+    saved = torch.load(tmp_path / "epoch=0-step=1.ckpt", weights_only=True)["grpo"]
+    assert saved["version"] == 2 and set(saved["rng"]) >= {"torch", "python", "numpy"}
+
+
 def test_prompt_index_loader_skips_what_it_served():
     loader = PromptIndexLoader(list(range(6)), batch_size=2)
     it = iter(loader)
@@ -432,11 +458,10 @@ def test_ddp_two_processes_on_gloo(tmp_path, monkeypatch):
     module = make_module(prompts_per_step=1, micro_batch_size=2)
     strategy = DDPStrategy(process_group_backend="gloo", start_method="spawn")
     trainer = make_trainer(2, devices=2, strategy=strategy, callbacks=[SaveRankState(tmp_path)])
-    start = time.perf_counter()
     trainer.fit(module)
-    elapsed = time.perf_counter() - start
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [s["world_size"] for s in ranks] == [2, 2]
+    assert [len(s["batches"]) for s in ranks] == [2, 2]  # both ranks took both optimizer steps
     # Each rank rolled out its own share of prompts (Lightning's DistributedSampler, seeded shuffle) ...
     shares = [sum(s["batches"], []) for s in ranks]
     assert sorted(shares[0] + shares[1]) == [0, 1, 2, 3]
@@ -450,7 +475,6 @@ def test_ddp_two_processes_on_gloo(tmp_path, monkeypatch):
     # The main process got rank 0's weights back.
     for name, value in params(module).items():
         assert torch.equal(value, ranks[0]["params"][name]), name
-    assert elapsed < 60, f"DDP fit took {elapsed:.0f} s"
 
 
 # ---------------------------------------------------------------------------------- real model

@@ -227,9 +227,14 @@ class PromptIndexLoader(DataLoader):
     ``DistributedSampler`` without shuffling) the resumed run gets exactly the prompts the
     uninterrupted run would have. Skipped batches are only indices: skipping costs nothing.
     Lightning fetches nothing ahead for loaders with a length, so "served" is "trained on".
+    Its iterators draw their base seed from a private generator (default), not from torch's global
+    one: a resumed run creates an iterator where the uninterrupted one did not, and that draw would
+    shift every later use of the global RNG.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("generator") is None:
+            kwargs["generator"] = torch.Generator().manual_seed(0)
         super().__init__(*args, **kwargs)
         self._served = 0
         self._skip = 0
