@@ -88,6 +88,26 @@ def test_default_config_is_the_real_model_on_the_default_task(capsys):
     callbacks = {c["class_path"] for c in trainer["callbacks"]}
     assert {"tlt_lightning.fit.GRPOProgressBar", "lightning.pytorch.callbacks.ModelCheckpoint"} <= callbacks
     assert model["rollout_dtype"] == "auto"
+    (bandit,) = [c for c in trainer["callbacks"] if c["class_path"] == "tlt_lightning.callbacks.BanditCallback"]
+    assert bandit["init_args"]["reproducible"] is False  # the switch is there, off: wall-time rewards
+
+
+def test_reproducible_bandit_is_a_config_switch(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
+    config = yaml.safe_load(Path(SMOLLM2).read_text())
+    (bandit,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("BanditCallback")]
+    bandit["init_args"]["reproducible"] = True
+    bandit["init_args"]["cost_model"] = {"base_time": 0.05}  # a typed dataclass in the config
+    path = tmp_path / "reproducible.yaml"
+    path.write_text(yaml.safe_dump(config))
+    fit = GRPOCLI(args=["--config", str(path), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"],
+                  run=False)
+    from tlt_lightning.callbacks import BanditCallback
+    from tlt_lightning.scheduling import StepCostModel
+
+    (callback,) = [c for c in fit.trainer.callbacks if isinstance(c, BanditCallback)]
+    assert callback.reproducible and callback.chooser.cost_model == StepCostModel(base_time=0.05)
+    assert callback.chooser.epsilon_half_life == 300  # the rest of the config still applies
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the default follows the GPU where there is one")
