@@ -161,6 +161,13 @@ def test_resume_with_other_settings_is_refused_listing_the_keys(tmp_path, monkey
     assert torch.load(ckpt, weights_only=False)["hyper_parameters"]["lr"] == 0.5
 
 
+def test_resume_overrides_takes_only_its_three_values(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", str(TINY), "--resume_overrides=maybe", "--print_config"])
+    err = capsys.readouterr().err
+    assert "resume_overrides" in err and "maybe" in err
+
+
 def test_resume_from_an_empty_checkpoint_is_a_short_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
     (tmp_path / "last.ckpt").write_bytes(b"")

@@ -28,7 +28,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -37,7 +37,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 
 from tlt_lightning.models import training_precision
-from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, RESUME_OVERRIDES, check_resume, read_checkpoint
+from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, read_checkpoint
 from tlt_lightning.rl.module import GRPOModule
 
 __all__ = [
@@ -258,7 +258,7 @@ class GRPOCLI(LightningCLI):
             help="torch intra-op threads (on shared 2-core machines 1 is often faster than 2)",
         )
         parser.add_argument(
-            "--resume_overrides", type=str, default="refuse",
+            "--resume_overrides", type=Literal["refuse", "apply", "checkpoint"], default="refuse",
             help="with --ckpt_path, module settings that differ from the checkpoint's: 'refuse' (default: "
                  "list them and stop), 'apply' them, or keep the 'checkpoint' values",
         )

@@ -305,6 +305,15 @@ def test_resume_restores_the_global_rngs(tmp_path):
     assert saved["version"] == 2 and set(saved["rng"]) >= {"torch", "python", "numpy"}
 
 
+def test_resume_on_other_prompts_warns(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    make_trainer(1, callbacks=[ckpt], enable_checkpointing=True).fit(make_module())
+    other = TokenPromptSource([*PROMPTS, [7, 7]], even_reward, name="other")
+    match = r"resuming on prompt source 'other' \(5 prompts\) from a checkpoint trained on 'synthetic' \(4 prompts\)"
+    with pytest.warns(UserWarning, match=match):
+        make_trainer(2).fit(make_module(prompt_source=other), ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
+
+
 def test_prompt_index_loader_skips_what_it_served():
     loader = PromptIndexLoader(list(range(6)), batch_size=2)
     it = iter(loader)

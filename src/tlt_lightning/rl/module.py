@@ -744,7 +744,11 @@ class GRPOModule(L.LightningModule):
         # Rollout generators derive from (seed, global_step, rank) and the prompt order from the
         # loader state Lightning saves. The global RNGs (torch, Python, NumPy; ~7 KB) are saved too,
         # so that anything drawing from them (a callback, user reward code) continues identically.
-        checkpoint["grpo"] = {"version": 2, "seed": self.hparams.seed, "rng": _global_rng_state()}
+        source = self.prompt_source
+        checkpoint["grpo"] = {
+            "version": 2, "seed": self.hparams.seed, "rng": _global_rng_state(),
+            "prompt_source": None if source is None else {"name": str(source.name), "size": len(source)},
+        }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         grpo = checkpoint.get("grpo", {})
@@ -755,6 +759,16 @@ class GRPOModule(L.LightningModule):
                 "rollouts will differ from the uninterrupted run",
                 stacklevel=2,
             )
+        trained_on, source = grpo.get("prompt_source"), self.prompt_source
+        if trained_on is not None and source is not None:
+            now = {"name": str(source.name), "size": len(source)}
+            if now != trained_on:
+                warnings.warn(
+                    f"resuming on prompt source {now['name']!r} ({now['size']} prompts) from a checkpoint trained "
+                    f"on {trained_on['name']!r} ({trained_on['size']} prompts): the prompts, and the run, will "
+                    "differ from the uninterrupted one",
+                    stacklevel=2,
+                )
         if "rng" in grpo:
             _set_global_rng_state(grpo["rng"])
         # The optimizer's moments are restored; its lr / weight decay are the module's settings (they
