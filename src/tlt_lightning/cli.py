@@ -19,8 +19,9 @@ Every subcommand takes ``--threads`` (torch intra-op threads; on shared 2-core m
 thread is often faster than two) before the subcommand name.
 
 On the command line a ``ValueError`` or ``TypeError`` (a bad setting, a file that is not what it
-should be) ends the command with a short message and exit status 1 instead of a long traceback; ``--traceback`` before
-the subcommand, or ``TLT_LIGHTNING_TRACEBACK=1`` in the environment, shows the whole traceback. ``fit`` is handed to
+should be) ends the command with a short message and exit status 1 instead of a long traceback;
+``--traceback`` before the subcommand, or ``TLT_LIGHTNING_TRACEBACK=1`` in the environment, shows
+the whole traceback. ``fit`` is handed to
 :mod:`tlt_lightning.fit` (jsonargparse) before argparse sees it: ``tlt-lightning fit --help``
 lists its options, and ``fit`` also takes ``--threads`` after its name.
 """

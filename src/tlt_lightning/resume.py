@@ -57,7 +57,10 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"ckpt_path {str(path)!r} is not a file: pass the .ckpt file of a run (e.g. .../checkpoints/last.ckpt)")
+        raise ValueError(
+            f"ckpt_path {str(path)!r} is not a file: pass the .ckpt file of a run "
+            "(e.g. .../checkpoints/last.ckpt)"
+        )
     if path.stat().st_size == 0:
         raise ValueError(
             f"ckpt_path {str(path)!r} is empty (0 bytes): the run was probably killed while saving it; "
@@ -72,8 +75,8 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, EOFError, RuntimeError, OSError, zipfile.BadZipFile, ValueError) as err:
         raise ValueError(
-            f"ckpt_path {str(path)!r} is corrupt or not a Lightning checkpoint ({type(err).__name__}: {err}); "
-            "resume from another checkpoint"
+            f"ckpt_path {str(path)!r} is corrupt or not a Lightning checkpoint "
+            f"({type(err).__name__}: {err}); resume from another checkpoint"
         ) from err
     if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
         raise ValueError(f"ckpt_path {str(path)!r} is not a Lightning checkpoint (no state_dict)")
@@ -130,12 +133,12 @@ def check_resume(
     conflicts = resume_conflicts(saved, current)
     blocking = {k: v for k, v in conflicts.items() if k not in HARMLESS_ON_RESUME}
     if mode == "refuse" and blocking:
-        listed = "\n".join(f"  model.{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(blocking.items()))
+        listed = "\n".join(f"  model.{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(blocking.items()))
         raise ValueError(
             f"resuming from {str(ckpt_path)!r} with module settings that differ from the checkpoint's "
             f"(checkpoint -> now):\n{listed}\n"
-            "To continue the checkpointed run exactly, drop these overrides (or restore the config). To apply "
-            "them anyway (the run then differs from an uninterrupted one), add --resume_overrides=apply; to "
-            "keep the checkpoint's values, add --resume_overrides=checkpoint."
+            "To continue the checkpointed run exactly, drop these overrides (or restore the config). To "
+            "apply them anyway (the run then differs from an uninterrupted one), add "
+            "--resume_overrides=apply; to keep the checkpoint's values, add --resume_overrides=checkpoint."
         )
     return conflicts

@@ -327,7 +327,9 @@ class AsyncCheckpointer:
             raise ValueError(f"{path} is not a complete drafter checkpoint (no {META_NAME} / {WEIGHTS_NAME})")
         for name in (META_NAME, WEIGHTS_NAME, OPTIMIZER_NAME):
             if (path / name).is_file() and (path / name).stat().st_size == 0:
-                raise ValueError(f"{path / name} is empty (0 bytes): the checkpoint is incomplete; load an older one")
+                raise ValueError(
+                    f"{path / name} is empty (0 bytes): the checkpoint is incomplete; load an older one"
+                )
         try:
             meta = json.loads(meta_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -352,7 +354,8 @@ class AsyncCheckpointer:
                 state = torch.load(path / OPTIMIZER_NAME, weights_only=True)
             except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as err:
                 raise ValueError(
-                    f"{path / OPTIMIZER_NAME} is corrupt or not an optimizer state: {type(err).__name__}: {err}"
+                    f"{path / OPTIMIZER_NAME} is corrupt or not an optimizer state: "
+                    f"{type(err).__name__}: {err}"
                 ) from err
             try:
                 optimizer.load_state_dict(state)

@@ -158,8 +158,9 @@ def check_finite_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLi
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             bad = int((~torch.isfinite(value)).sum())
             raise ValueError(
-                f"{path}: tensor {key!r} has {bad} non-finite value(s) of {value.numel()} (NaN or inf): the file "
-                "is corrupt or was saved from a diverged drafter; use another checkpoint or train a fresh drafter"
+                f"{path}: tensor {key!r} has {bad} non-finite value(s) of {value.numel()} (NaN or inf): the "
+                "file is corrupt or was saved from a diverged drafter; use another checkpoint or train "
+                "a fresh drafter"
             )
 
 

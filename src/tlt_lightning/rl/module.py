@@ -531,14 +531,16 @@ class GRPOModule(L.LightningModule):
         source, G = self.prompt_source, self.hparams.group_size
         total, correct = [], []
         for j, (index, r) in enumerate(zip(indices.tolist(), result.rollouts)):
-            where = f"task {source.name!r}{_reward_fn_name(source)} on prompt index {index} (sample {j % G} of its group)"
+            where = (f"task {source.name!r}{_reward_fn_name(source)} on prompt index {index} "
+                     f"(sample {j % G} of its group)")
             try:
                 reward = source.score(index, r.prompt_ids, r.token_ids)
             except Exception as err:  # user reward code: re-raise with where it failed
                 raise RewardError(f"the reward of {where} failed: {type(err).__name__}: {err}") from err
             total.append(_reward_value(reward, "total", where, self.hparams.max_abs_reward))
             correct.append(_reward_value(reward, "correctness", where, self.hparams.max_abs_reward))
-        return RewardBatch(torch.tensor(total, dtype=torch.float32), torch.tensor(correct, dtype=torch.float32))
+        return RewardBatch(torch.tensor(total, dtype=torch.float32),
+                           torch.tensor(correct, dtype=torch.float32))
 
     def policy_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
         """``[B, T]`` the policy's log-probabilities of the completion tokens (with grad)."""
@@ -605,9 +607,10 @@ class GRPOModule(L.LightningModule):
                 if bad.numel():
                     j = int(bad[0])
                     raise RewardError(
-                        f"the reward {field} of task {self.prompt_source.name!r} is {float(values[j])} on prompt "
-                        f"index {int(indices[j])} (sample {j % self.hparams.group_size} of its group): rewards "
-                        f"must be finite and within +-max_abs_reward={limit:g}"
+                        f"the reward {field} of task {self.prompt_source.name!r} is {float(values[j])} on "
+                        f"prompt index {int(indices[j])} (sample {j % self.hparams.group_size} of its "
+                        "group): "
+                        f"rewards must be finite and within +-max_abs_reward={limit:g}"
                     )
         except Exception as err:  # held until every rank knows, so that none hangs in a collective
             error = err
@@ -764,9 +767,9 @@ class GRPOModule(L.LightningModule):
             now = {"name": str(source.name), "size": len(source)}
             if now != trained_on:
                 warnings.warn(
-                    f"resuming on prompt source {now['name']!r} ({now['size']} prompts) from a checkpoint trained "
-                    f"on {trained_on['name']!r} ({trained_on['size']} prompts): the prompts, and the run, will "
-                    "differ from the uninterrupted one",
+                    f"resuming on prompt source {now['name']!r} ({now['size']} prompts) from a checkpoint "
+                    f"trained on {trained_on['name']!r} ({trained_on['size']} prompts): the prompts, and the "
+                    "run, will differ from the uninterrupted one",
                     stacklevel=2,
                 )
         if "rng" in grpo:

@@ -138,8 +138,8 @@ class TokenPromptSource:
         value = self.reward_fn(prompt_ids, completion_ids)
         if value is None or isinstance(value, (str, bytes)):
             fn = getattr(self.reward_fn, "__qualname__", type(self.reward_fn).__name__)
-            raise TypeError(f"reward_fn {fn!r} returned {value!r}: it must return a float for every completion "
-                            "(a missing `return`?)")
+            raise TypeError(f"reward_fn {fn!r} returned {value!r}: it must return a float for every "
+                            "completion (a missing `return`?)")
         r = float(value)
         return Reward(total=r, correctness=r, format=0.0, answer=None)
 

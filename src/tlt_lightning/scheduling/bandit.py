@@ -7,15 +7,15 @@ batch-size bucket, reward = tokens per second, statistics over a sliding window 
 the drafter (and the policy) as they change.
 
 :class:`BucketedChooser` holds what every chooser shares (bucketing, validation, the decision log,
-state, heat map); :class:`BEGMABStrategy` adds the epsilon-greedy rule.
+state, heat map); :class:`BEGMABStrategy` adds the epsilon-greedy rule. Baselines with the same
+interface live in :mod:`tlt_lightning.scheduling.baselines`.
 
 Reproducible mode. The reward divides by the step's *wall time*, so two runs with the same seed
 on the same machine choose differently (timing noise moves the medians), and different arms
 consume the sampling generator differently: the rollouts, and then the training, diverge. With a
 ``cost_model`` (:class:`StepCostModel`) a chooser ignores the measured time and divides by the
 modelled cost of the step instead; its decisions are then a function of the seed, the step counts
-and the accepted tokens alone, so a run is bit-identical to its repetition and to its resumption. Baselines with the same
-interface live in :mod:`tlt_lightning.scheduling.baselines`.
+and the accepted tokens alone, so a run is bit-identical to its repetition and to its resumption.
 """
 
 from __future__ import annotations
@@ -138,10 +138,13 @@ class StepCostModel:
         for name in ("base_time", "token_time", "draft_time", "draft_token_time"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"StepCostModel.{name} must be a finite number >= 0 (seconds), got {value!r}")
+                raise ValueError(
+                    f"StepCostModel.{name} must be a finite number >= 0 (seconds), got {value!r}"
+                )
         if self.base_time <= 0:
             raise ValueError(
-                f"StepCostModel.base_time must be > 0 (a step that costs nothing has no reward), got {self.base_time!r}"
+                "StepCostModel.base_time must be > 0 (a step that costs nothing has no reward), "
+                f"got {self.base_time!r}"
             )
 
     def step_time(self, batch_size: int, arm: Arm) -> float:
@@ -253,8 +256,8 @@ class BucketedChooser:
         cost_model = self._check_cost_model(cost_model)
         if self._num_updates and cost_model != self.cost_model:
             raise ValueError(
-                f"cannot change cost_model after {self._num_updates} updates (its statistics are rewards of the "
-                "other kind): set it when the chooser is built"
+                f"cannot change cost_model after {self._num_updates} updates (its statistics are rewards "
+                "of the other kind): set it when the chooser is built"
             )
         self.cost_model = cost_model
 
@@ -440,8 +443,9 @@ class BucketedChooser:
                     return "wall time" if cost is None else f"modelled cost {cost}"
 
                 raise ValueError(
-                    f"state_dict was learned with {describe(saved)} but this chooser uses {describe(mine)}: "
-                    "its statistics are in other units; resume with the same reproducible / cost_model setting"
+                    f"state_dict was learned with {describe(saved)} but this chooser uses "
+                    f"{describe(mine)}: its statistics are in other units; resume with the same "
+                    "reproducible / cost_model setting"
                 )
         if "bucket_thresholds" in state_dict and list(state_dict["bucket_thresholds"]) != list(
             self.bucket_thresholds
