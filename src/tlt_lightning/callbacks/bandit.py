@@ -44,7 +44,8 @@ class BanditCallback(L.Callback):
     """Plugs a bucketed strategy chooser into a :class:`~tlt_lightning.rl.GRPOModule`; logs and saves it.
 
     Logged after each rollout, per batch-size bucket ``b`` that had decisions in it:
-    ``bandit/{b}/decisions``, ``bandit/{b}/reward`` (mean tokens/s of those steps),
+    ``bandit/{b}/decisions``, ``bandit/{b}/reward`` (mean tokens/s of those steps; modelled with
+    ``reproducible=True``),
     ``bandit/{b}/best_arm`` (index into the bucket's arms of the arm it currently rates best) and,
     with ``log_arm_counts``, ``bandit/{b}/count/{arm}`` (how often each arm ran in this rollout).
     At the end of fit: ``bandit/heatmap.png`` (arm choice per bucket over time) and
