@@ -88,6 +88,26 @@ def test_default_config_is_the_real_model_on_the_default_task(capsys):
     callbacks = {c["class_path"] for c in trainer["callbacks"]}
     assert {"tlt_lightning.fit.GRPOProgressBar", "lightning.pytorch.callbacks.ModelCheckpoint"} <= callbacks
     assert model["rollout_dtype"] == "auto"
+    (bandit,) = [c for c in trainer["callbacks"] if c["class_path"] == "tlt_lightning.callbacks.BanditCallback"]
+    assert bandit["init_args"]["reproducible"] is False  # the switch is there, off: wall-time rewards
+
+
+def test_reproducible_bandit_is_a_config_switch(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
+    config = yaml.safe_load(Path(SMOLLM2).read_text())
+    (bandit,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("BanditCallback")]
+    bandit["init_args"]["reproducible"] = True
+    bandit["init_args"]["cost_model"] = {"base_time": 0.05}  # a typed dataclass in the config
+    path = tmp_path / "reproducible.yaml"
+    path.write_text(yaml.safe_dump(config))
+    fit = GRPOCLI(args=["--config", str(path), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"],
+                  run=False)
+    from tlt_lightning.callbacks import BanditCallback
+    from tlt_lightning.scheduling import StepCostModel
+
+    (callback,) = [c for c in fit.trainer.callbacks if isinstance(c, BanditCallback)]
+    assert callback.reproducible and callback.chooser.cost_model == StepCostModel(base_time=0.05)
+    assert callback.chooser.epsilon_half_life == 300  # the rest of the config still applies
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the default follows the GPU where there is one")
@@ -239,3 +259,55 @@ def test_fit_default_config_one_small_step_on_smollm2(tmp_path, monkeypatch):
     (checkpoint,) = (tmp_path / "fit").glob(f"*/{run.info.run_id}/checkpoints/*.ckpt")
     assert checkpoint.name == "last.ckpt"
     assert torch.load(checkpoint, weights_only=False, mmap=True)["global_step"] == 1
+
+
+# ---------------------------------------------------------------------------------- short errors
+
+
+def test_user_input_errors_print_one_short_screen_on_the_command_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
+    argv = ["fit", "--config", TINY, "--model.group_size=1", "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}"]
+    assert cli.main(argv, short_errors=True) == 1
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("tlt-lightning: error: ValueError: group_size must be an int >= 2")
+    assert "got 1" in lines[0] and "Traceback" not in err and len(lines) <= 4
+    assert lines[1] == "  (raised in " + str(Path("tlt_lightning", "rl", "module.py")) + f":{lines[1].rsplit(':', 1)[1]}"
+    assert cli.TRACEBACK_ENV in lines[-1] and "--traceback" in lines[-1]
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_traceback_flag_or_env_var_gives_the_exception(tmp_path, monkeypatch, how):
+    argv = ["fit", "--config", TINY, "--model.group_size=1", "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}"]
+    if how == "flag":
+        argv = ["--traceback", "--threads", "1", *argv]
+    else:
+        monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
+    with pytest.raises(ValueError, match="group_size must be an int >= 2"):
+        cli.main(argv, short_errors=True)
+
+
+def test_python_callers_get_the_exception_and_other_subcommands_are_short_too(capsys, monkeypatch):
+    monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
+    with pytest.raises(ValueError, match="--steps must be >= 1, got 0"):
+        cli.main(["drafter", "warmup", "--steps", "0", "--model", "tiny-llama"])
+    assert cli.main(["drafter", "warmup", "--steps", "0", "--model", "tiny-llama"], short_errors=True) == 1
+    assert capsys.readouterr().err.startswith("tlt-lightning: error: ValueError: --steps must be >= 1, got 0")
+
+
+def test_console_script_prints_a_short_error(tmp_path):
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop(cli.TRACEBACK_ENV, None)
+    out = subprocess.run(
+        [sys.executable, "-m", "tlt_lightning.cli", "fit", "--config", TINY, "--model.max_abs_reward=-1",
+         "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )
+    assert out.returncode == 1
+    assert "tlt-lightning: error: ValueError: max_abs_reward must be a finite number > 0, got -1" in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 6

@@ -16,7 +16,12 @@
     tlt-lightning models                              list the registry
 
 Every subcommand takes ``--threads`` (torch intra-op threads; on shared 2-core machines one
-thread is often faster than two) before the subcommand name. ``fit`` is handed to
+thread is often faster than two) before the subcommand name.
+
+On the command line a ``ValueError`` or ``TypeError`` (a bad setting, a file that is not what it
+should be) ends the command with a short message and exit status 1 instead of a long traceback;
+``--traceback`` before the subcommand, or ``TLT_LIGHTNING_TRACEBACK=1`` in the environment, shows
+the whole traceback. ``fit`` is handed to
 :mod:`tlt_lightning.fit` (jsonargparse) before argparse sees it: ``tlt-lightning fit --help``
 lists its options, and ``fit`` also takes ``--threads`` after its name.
 """
@@ -32,7 +37,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["TRACEBACK_ENV", "main", "short_error"]
+
+TRACEBACK_ENV = "TLT_LIGHTNING_TRACEBACK"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="tlt-lightning", description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--traceback", action="store_true",
+                        help=f"show the full traceback of a ValueError/TypeError (or set {TRACEBACK_ENV}=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     # Listed for --help only: main() hands `fit` to LightningCLI before this parser runs.
     sub.add_parser("fit", add_help=False,
@@ -112,14 +121,14 @@ def _parser() -> argparse.ArgumentParser:
 def _split_fit(argv: list[str]) -> tuple[list[str], list[str]] | None:
     """``(global options, ["fit", ...])`` when the subcommand is ``fit``, else ``None``.
 
-    The only global option is ``--threads N`` / ``--threads=N``; anything else before the
-    subcommand (``-h``, a typo) is left to argparse.
+    The global options are ``--threads N`` / ``--threads=N`` and ``--traceback``; anything else
+    before the subcommand (``-h``, a typo) is left to argparse.
     """
     i = 0
     while i < len(argv):
         if argv[i] == "--threads":
             i += 2
-        elif argv[i].startswith("--threads="):
+        elif argv[i].startswith("--threads=") or argv[i] == "--traceback":
             i += 1
         else:
             break
@@ -137,14 +146,66 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _wants_traceback(argv: Sequence[str]) -> bool:
+    """``--traceback`` among the global options (before the subcommand), or the environment variable."""
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--traceback":
+            return True
+        i += 2 if argv[i] == "--threads" else 1 if argv[i].startswith("--threads=") else len(argv)
+    return os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def short_error(err: BaseException) -> str:
+    """One screen for a user-input error: its type and message, where it was raised, how to see more.
+
+    Example:
+        >>> print(short_error(ValueError("group_size must be an int >= 2, got 1")).splitlines()[0])
+        tlt-lightning: error: ValueError: group_size must be an int >= 2, got 1
+    """
+    lines = [f"tlt-lightning: error: {type(err).__name__}: {err}"]
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        path = Path(tb.tb_frame.f_code.co_filename)
+        parts = path.parts
+        shown = str(Path(*parts[parts.index("tlt_lightning"):])) if "tlt_lightning" in parts else path.name
+        lines.append(f"  (raised in {shown}:{tb.tb_lineno})")
+    lines.append(f"  full traceback: tlt-lightning --traceback ... or {TRACEBACK_ENV}=1")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, short_errors: bool | None = None) -> int:
+    """Run ``tlt-lightning`` with ``argv`` (default: the command line).
+
+    Args:
+        argv: the arguments after the program name; ``None``: ``sys.argv[1:]``.
+        short_errors: a ``ValueError``/``TypeError`` prints :func:`short_error` to stderr and returns
+            1 instead of propagating (unless ``--traceback`` or the environment variable asks for
+            the traceback); ``None``: only on the command line (``argv is None``), so that Python
+            callers get the exception itself.
+    """
+    if short_errors is None:
+        short_errors = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not short_errors or _wants_traceback(argv):
+        return _main(argv)
+    try:
+        return _main(argv)
+    except (ValueError, TypeError) as err:  # user input: the message says what and how to fix it
+        print(short_error(err), file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may wait on a hub download
     fit = _split_fit(argv)
     if fit is not None:
         global_args, fit_args = fit
         threads = argparse.ArgumentParser(prog="tlt-lightning", add_help=False)
         threads.add_argument("--threads", type=int, default=None)
+        threads.add_argument("--traceback", action="store_true")
         _set_threads(threads.parse_args(global_args).threads)
         from tlt_lightning import fit as fit_job
 
@@ -164,8 +225,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         rollout.run(args)
     elif args.command == "bench" and args.bench == "bandit":
-        from pathlib import Path
-
         from tlt_lightning.scheduling.simulate import main as bandit_main
 
         plot = args.plot or str(Path(args.json).with_suffix(".png"))

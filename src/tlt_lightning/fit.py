@@ -7,7 +7,9 @@
 The module is :class:`~tlt_lightning.rl.GRPOModule`: its constructor arguments are the ``model:``
 section (``--model.x=...``), Lightning's ``Trainer`` arguments the ``trainer:`` section
 (``--trainer.x=...``). jsonargparse checks both against the signatures, so a misspelt key stops
-the run before anything loads, naming the key. ``--ckpt_path`` resumes a run.
+the run before anything loads, naming the key. ``--ckpt_path`` resumes a run; module settings that
+differ from the checkpoint's are refused, listed as ``old -> new``, unless ``--resume_overrides``
+says to apply them (``apply``) or to keep the checkpoint's (``checkpoint``); see :mod:`tlt_lightning.resume`.
 
 Tracking goes through :func:`tracking_logger`, a logger factory the configs name as
 ``trainer.logger``: an MLflow run in a local sqlite store by default (any tracking URI with
@@ -26,7 +28,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -35,6 +37,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 
 from tlt_lightning.models import training_precision
+from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, read_checkpoint
 from tlt_lightning.rl.module import GRPOModule
 
 __all__ = [
@@ -254,9 +257,34 @@ class GRPOCLI(LightningCLI):
             "--threads", type=int | None, default=None,
             help="torch intra-op threads (on shared 2-core machines 1 is often faster than 2)",
         )
+        parser.add_argument(
+            "--resume_overrides", type=Literal["refuse", "apply", "checkpoint"], default="refuse",
+            help="with --ckpt_path, module settings that differ from the checkpoint's: 'refuse' (default: "
+                 "list them and stop), 'apply' them, or keep the 'checkpoint' values",
+        )
         # Unless a config or flag says otherwise, train in the precision that pays on this machine:
         # bf16 autocast where bf16 products are native (AMX / AVX512-BF16 CPUs, GPUs), else fp32.
         parser.set_defaults({"trainer.precision": training_precision()})
+
+    def _parse_ckpt_path(self) -> None:
+        """Check ``--ckpt_path`` and the module settings against the checkpoint's (Lightning's own
+        version silently replaces the ``model:`` section by the checkpoint's hyper-parameters)."""
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        config = self.config[subcommand]
+        ckpt_path = config.get("ckpt_path")
+        if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_NAMES:
+            return
+        saved = read_checkpoint(ckpt_path).get("hyper_parameters") or {}
+        mode = config.get("resume_overrides") or "refuse"
+        conflicts = check_resume(ckpt_path, saved, config["model"].as_dict(), mode)
+        if mode == "checkpoint":
+            super()._parse_ckpt_path()  # Lightning's: the checkpoint's values replace the config's
+        if conflicts:
+            shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(conflicts.items()))
+            kept = "kept the checkpoint's" if mode == "checkpoint" else "applied"
+            log.warning("resuming from %s: %s changed module settings (%s)", ckpt_path, kept, shown)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand

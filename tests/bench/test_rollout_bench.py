@@ -24,8 +24,11 @@ def test_bench_rollout_cli_writes_json_and_plot(tmp_path):
     data = json.loads(path.read_text())
     batch = data["batches"][0]
     assert batch["batch_size"] == 2 and batch["identical_outputs"] == 2  # greedy: same tokens as HF
-    assert batch["tokens_per_s"] > 0 and batch["hf_tokens_per_s"] > 0
-    assert set(data["long_tail"]["lengths"]) >= {"p50", "p90", "max", "idle_fraction_static_batch"}
+    assert len(batch["runs_tokens_per_s"]) == len(batch["runs_hf_tokens_per_s"]) == 1  # --repeats 1, A B
+    lengths = data["long_tail"]["lengths"]
+    assert set(lengths) >= {"p50", "p90", "max", "idle_fraction_static_batch"}
+    assert 1 <= lengths["p50"] <= lengths["p90"] <= lengths["max"] <= 16  # --long-tail-max-new
+    assert 0 <= lengths["idle_fraction_static_batch"] < 1 and data["long_tail"]["requests"] == 4
     assert path.with_suffix(".png").stat().st_size > 10_000
 
 
@@ -57,14 +60,32 @@ def test_full_batch_step_time_compares_steps_with_every_request_active():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_hf_peer_samples_and_decodes_greedily(temperature):
+def test_hf_peer_samples_and_decodes_greedily(monkeypatch, temperature):
     """The batch-1 HF peer runs at the comparison's temperature, greedy included (HF refuses
-    temperature 0 with sampling on)."""
-    from tlt_lightning.bench.speculative import _hf_peer
-    from tlt_lightning.models import load_model
+    temperature 0 with sampling on): greedy it emits exactly our engine's tokens; sampling, its
+    seed decides its tokens. (Its speed is a benchmark figure, not a property.)"""
+    from tlt_lightning.bench import speculative as bench
+    from tlt_lightning.models import HFTarget, load_model
+    from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 
-    model = load_model("tiny-llama", seed=0).model
-    assert _hf_peer(model, [5, 6, 7], 4, seed=0, temperature=temperature) > 0
+    model = load_model("tiny-llama", seed=0).model.eval()
+    prompt, outputs, real = [5, 6, 7], [], bench.timed
+
+    def timed(fn):
+        out = real(fn)
+        outputs.append(out[0][0, len(prompt):].tolist())
+        return out
+
+    monkeypatch.setattr(bench, "timed", timed)
+    for seed in (0, 0, 1):
+        bench._hf_peer(model, prompt, 8, seed=seed, temperature=temperature)
+    assert 1 <= len(outputs[0]) <= 8 and outputs[0] == outputs[1]  # the same seed, the same tokens
+    if temperature == 0:
+        engine = RolloutEngine(HFTarget(model), RolloutConfig(max_new_tokens=8, temperature=0.0))
+        assert engine.generate([prompt]).rollouts[0].token_ids.tolist() == outputs[0]
+        assert outputs[2] == outputs[0]  # greedy: the seed changes nothing
+    else:
+        assert outputs[2] != outputs[0]  # sampled: another seed, other tokens (vocabulary 128, 8 tokens)
 
 
 @pytest.mark.parametrize("with_batches", [False, True])

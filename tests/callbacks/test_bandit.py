@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from tests.rl.test_module import make_module, make_trainer
 from tlt_lightning.callbacks import BanditCallback, SpotDrafterCallback
-from tlt_lightning.scheduling import BEGMABStrategy, FixedStrategy, UCBStrategy, arm_key
+from tlt_lightning.scheduling import BEGMABStrategy, FixedStrategy, StepCostModel, UCBStrategy, arm_key
 from tlt_lightning.speculative import SDStrategy
 
 
@@ -76,6 +76,42 @@ def test_chooser_state_survives_checkpoint_and_resume(tmp_path):
     assert fresh.state_dict()["num_updates"] == 3
 
 
+class Rewards(L.Callback):
+    def __init__(self) -> None:
+        self.rewards = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.rewards.append(outputs["rewards"].total.tolist())
+
+
+def reproducible_fit(steps, ckpt_path=None, callbacks=(), **kwargs):
+    bandit, rewards = BanditCallback(BEGMABStrategy(epsilon=0.3, seed=2), reproducible=True), Rewards()
+    trainer = make_trainer(steps, callbacks=[bandit, rewards, *callbacks], **kwargs)
+    trainer.fit(make_module(drafter_kind="eagle1", max_new_tokens=12), ckpt_path=ckpt_path)
+    return bandit.chooser, rewards.rewards
+
+
+def test_reproducible_mode_gives_identical_runs_and_exact_resume(tmp_path):
+    first, rewards = reproducible_fit(3)
+    assert first.reproducible and first.state_dict()["num_updates"] > 0
+    assert len({arm_key(d.arm) for d in first.history}) > 1  # it explores: the choices matter
+    again, rewards_again = reproducible_fit(3)
+    assert again.state_dict() == first.state_dict() and rewards_again == rewards
+    # Interrupted after one step and resumed: the same decisions, rewards and bandit state.
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    reproducible_fit(1, callbacks=[ckpt], enable_checkpointing=True)
+    resumed, resumed_rewards = reproducible_fit(3, ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
+    assert resumed_rewards == rewards[1:]
+    assert resumed.state_dict() == first.state_dict()
+
+
+def test_resuming_a_wall_time_bandit_in_reproducible_mode_is_refused(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    make_trainer(1, callbacks=[BanditCallback(), ckpt], enable_checkpointing=True).fit(make_module(drafter_kind="eagle1"))
+    with pytest.raises(ValueError, match="learned with wall time but this chooser uses modelled cost"):
+        reproducible_fit(2, ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
+
+
 def test_other_choosers_and_no_speculation(tmp_path):
     fixed = BanditCallback(FixedStrategy(SDStrategy(2)))
     module = make_module(drafter_kind="eagle1")
@@ -98,6 +134,14 @@ def test_bad_arguments():
         BanditCallback(object())
     with pytest.raises(ValueError, match="heatmap_bins must be an int >= 1, got 0"):
         BanditCallback(heatmap_bins=0)
+    with pytest.raises(ValueError, match=r"cost_model=.* is only used with reproducible=True"):
+        BanditCallback(cost_model=StepCostModel())
+    with pytest.raises(TypeError, match="reproducible must be a bool, got 'yes'"):
+        BanditCallback(reproducible="yes")
+    # UCB (or any chooser) can be made reproducible; a chooser's own cost model is kept.
+    assert BanditCallback(UCBStrategy(), reproducible=True).chooser.cost_model == StepCostModel()
+    own = StepCostModel(base_time=0.2)
+    assert BanditCallback(BEGMABStrategy(cost_model=own), reproducible=True).chooser.cost_model is own
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed")

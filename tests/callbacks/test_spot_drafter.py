@@ -198,7 +198,7 @@ def assert_same_state(a: dict, b: dict) -> None:
 
 
 def test_resume_restores_the_drafter_exactly(tmp_path):
-    kwargs = dict(max_steps_per_rollout=3, max_seconds_per_rollout=None, save_buffer=True)
+    kwargs = dict(max_steps_per_rollout=3, max_seconds_per_rollout=None)  # save_buffer: the default
     # Uninterrupted: 2 steps, checkpoints after each; the state after step 1 is kept.
     full, after_1 = SpotDrafterCallback(**kwargs), {}
 
@@ -242,7 +242,9 @@ def test_load_state_dict_tolerates_missing_keys():
     assert seen["version"] == 11 and seen["steps"] == 5  # version restored (and republished), rest kept
     assert_same(seen["same"], seen["before"])
     assert spot.steps == 6 and spot.publisher.version == 12  # 5 restored + 1 trained, published once more
-    assert "items" not in spot.state_dict()["buffer"]  # data is checkpointed only with save_buffer=True
+    assert spot.state_dict()["buffer"]["items"]  # the buffer's data is checkpointed by default
+    spot.save_buffer = False  # as SpotDrafterCallback(save_buffer=False): counters only
+    assert "items" not in spot.state_dict()["buffer"] and spot.state_dict()["buffer"]["added"] > 0
 
 
 # ---------------------------------------------------------------------------------- DDP

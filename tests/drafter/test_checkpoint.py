@@ -256,3 +256,46 @@ def test_sigkill_during_save_leaves_previous_checkpoint_loadable(llama, tmp_path
     ckpt.save(d, opt, 3)
     ckpt.wait(30)
     assert not partial.exists() and [p.name for p in ckpt.checkpoints()] == ["step-00000003"]
+
+
+@pytest.fixture
+def complete(llama, tmp_path):
+    d = make_drafter(llama)
+    ckpt = AsyncCheckpointer(tmp_path / "ckpt")
+    ckpt.save(d, trained(d), 3)
+    ckpt.wait(30)
+    return d, ckpt.latest()
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "meta.json", "optimizer.pt"])
+def test_load_of_an_empty_file_names_it(complete, name):
+    d, path = complete
+    (path / name).write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"{name} is empty \(0 bytes\): the checkpoint is incomplete"):
+        AsyncCheckpointer.load(path, d, torch.optim.AdamW(d.parameters()))
+
+
+def test_load_of_corrupt_files_raises_value_error_naming_the_file(complete):
+    d, path = complete
+    opt = torch.optim.AdamW(d.parameters())
+    (path / "optimizer.pt").write_bytes(b"\x80\x04garbage" * 8)
+    with pytest.raises(ValueError, match=r"optimizer.pt is corrupt or not an optimizer state"):
+        AsyncCheckpointer.load(path, d, opt)
+    (path / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ValueError, match=r"model.safetensors is corrupt or not a safetensors file"):
+        AsyncCheckpointer.load(path, d)
+    (path / "meta.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"meta.json must hold a JSON object, got list"):
+        AsyncCheckpointer.load(path, d)
+
+
+def test_load_refuses_non_finite_weights(complete):
+    d, path = complete
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    key = sorted(k for k, v in tensors.items() if v.is_floating_point())[0]
+    tensors[key].view(-1)[0] = float("nan")
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"tensor '{key}' has 1 non-finite value"):
+        AsyncCheckpointer.load(path, d)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import lightning as L
@@ -37,8 +36,9 @@ def raising_reward(prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> fl
 
 
 def make_module(reward=even_reward, cls=GRPOModule, **kwargs) -> GRPOModule:
-    args = dict(model="tiny-llama", group_size=4, prompts_per_step=2, max_new_tokens=8, lr=1e-2)
-    return cls(prompt_source=TokenPromptSource(PROMPTS, reward), **{**args, **kwargs})
+    args = dict(model="tiny-llama", group_size=4, prompts_per_step=2, max_new_tokens=8, lr=1e-2,
+                prompt_source=TokenPromptSource(PROMPTS, reward))
+    return cls(**{**args, **kwargs})
 
 
 def make_trainer(max_steps: int, **kwargs) -> L.Trainer:
@@ -133,12 +133,68 @@ def test_micro_batches_give_the_big_batch_gradient(aggregation, kl_coef):
 
 
 def test_nan_reward_names_task_and_prompt_index():
-    with pytest.raises(RewardError, match=r"task 'synthetic' is nan \(not finite\) on prompt index 3"):
+    match = (r"reward total of task 'synthetic' \(reward fn 'nan_on_prompt_3'\) on prompt index 3 "
+             r"\(sample 0 of its group\) is nan: rewards must be finite")
+    with pytest.raises(RewardError, match=match):
         make_trainer(2).fit(make_module(reward=nan_on_prompt_3))
 
 
+def huge_reward(prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> float:
+    return 3e38 if int(completion_ids.numel()) % 2 else -3e38
+
+
+def none_reward(prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> float:
+    even_reward(prompt_ids, completion_ids)  # forgot to return it
+
+
+def test_absurd_reward_is_refused_naming_the_limit_and_the_fix():
+    match = r"reward total of task 'synthetic' \(reward fn 'huge_reward'\).* is -?3e\+38.*max_abs_reward=1e\+06"
+    with pytest.raises(RewardError, match=match):
+        make_trainer(1).fit(make_module(reward=huge_reward))
+    # A larger limit admits it (the user said so); float32 still holds the values.
+    module = make_module(reward=huge_reward, max_abs_reward=1e39)
+    assert module.hparams.max_abs_reward == 1e39
+
+
+def test_reward_fn_returning_none_is_a_reward_error_naming_the_fn():
+    match = r"reward fn 'none_reward'.*returned None: it must return a float.*missing `return`"
+    with pytest.raises(RewardError, match=match):
+        make_trainer(1).fit(make_module(reward=none_reward))
+
+
+class NoneScoreSource(TokenPromptSource):
+    def score(self, index, prompt_ids, completion_ids):
+        return None
+
+
+class NaNCorrectnessSource(TokenPromptSource):
+    def score(self, index, prompt_ids, completion_ids):
+        return super().score(index, prompt_ids, completion_ids)._replace(correctness=float("nan"))
+
+
+def test_prompt_source_returning_none_or_nan_correctness_is_refused():
+    module = make_module(prompt_source=NoneScoreSource(PROMPTS, even_reward, name="mine"))
+    with pytest.raises(RewardError, match=r"task 'mine'.* is None, not a Reward with .total and .correctness"):
+        make_trainer(1).fit(module)
+    module = make_module(prompt_source=NaNCorrectnessSource(PROMPTS, even_reward, name="mine"))
+    with pytest.raises(RewardError, match=r"reward correctness of task 'mine'.* is nan"):
+        make_trainer(1).fit(module)
+
+
+class NaNCorrectnessRewards(GRPOModule):
+    def compute_rewards(self, indices, result):
+        rewards = super().compute_rewards(indices, result)
+        return rewards._replace(correctness=torch.full_like(rewards.correctness, float("nan")))
+
+
+def test_overridden_compute_rewards_with_nan_correctness_is_refused():
+    with pytest.raises(RewardError, match=r"reward correctness of task 'synthetic' is nan on prompt index 0"):
+        make_trainer(1).fit(make_module(cls=NaNCorrectnessRewards))
+
+
 def test_raising_reward_names_task_and_prompt_index():
-    match = r"task 'synthetic' failed on prompt index 0 \(sample 0 of its group\): ValueError: boom"
+    match = (r"task 'synthetic' \(reward fn 'raising_reward'\) on prompt index 0 \(sample 0 of its group\) "
+             r"failed: ValueError: boom")
     with pytest.raises(RewardError, match=match):
         make_trainer(1).fit(make_module(reward=raising_reward))
 
@@ -184,8 +240,12 @@ def test_rollout_logprobs_that_disagree_with_the_policy_stop_the_run():
 def test_constructor_errors_name_the_field():
     with pytest.raises(ValueError, match="temperature must be finite and > 0"):
         make_module(temperature=0.0)
-    with pytest.raises(ValueError, match="group_size must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="group_size must be an int >= 2 .*trains nothing.*, got 0"):
         make_module(group_size=0)
+    with pytest.raises(ValueError, match=r"group_size must be an int >= 2 \(GRPO's advantage.*, got 1"):
+        make_module(group_size=1)
+    with pytest.raises(ValueError, match="max_abs_reward must be a finite number > 0, got inf"):
+        make_module(max_abs_reward=float("inf"))
     with pytest.raises(ValueError, match="aggregation must be one of"):
         make_module(aggregation="mean")
     with pytest.raises(ValueError, match="top_p must be in"):
@@ -216,6 +276,42 @@ def test_resume_continues_identically(tmp_path):
                                              prompt_source=TokenPromptSource(PROMPTS, even_reward))
     for name, value in record_full.params[0].items():
         assert torch.equal(params(loaded)[name], value), name
+
+
+class GlobalDraws(L.Callback):
+    """Draws from the global RNGs every step, as user code (a reward, a callback) may."""
+
+    def __init__(self) -> None:
+        self.draws = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import random
+
+        import numpy as np
+
+        self.draws.append((float(torch.rand(1)), random.random(), float(np.random.rand())))
+
+
+def test_resume_restores_the_global_rngs(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    full = GlobalDraws()
+    L.seed_everything(0)
+    make_trainer(3, callbacks=[full, ckpt], enable_checkpointing=True).fit(make_module())
+    resumed = GlobalDraws()
+    L.seed_everything(0)  # as the CLI does: without the saved states the draws would repeat step 1's
+    make_trainer(3, callbacks=[resumed]).fit(make_module(), ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
+    assert resumed.draws == full.draws[1:]
+    saved = torch.load(tmp_path / "epoch=0-step=1.ckpt", weights_only=True)["grpo"]
+    assert saved["version"] == 2 and set(saved["rng"]) >= {"torch", "python", "numpy"}
+
+
+def test_resume_on_other_prompts_warns(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    make_trainer(1, callbacks=[ckpt], enable_checkpointing=True).fit(make_module())
+    other = TokenPromptSource([*PROMPTS, [7, 7]], even_reward, name="other")
+    match = r"resuming on prompt source 'other' \(5 prompts\) from a checkpoint trained on 'synthetic' \(4 prompts\)"
+    with pytest.warns(UserWarning, match=match):
+        make_trainer(2).fit(make_module(prompt_source=other), ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
 
 
 def test_prompt_index_loader_skips_what_it_served():
@@ -371,11 +467,10 @@ def test_ddp_two_processes_on_gloo(tmp_path, monkeypatch):
     module = make_module(prompts_per_step=1, micro_batch_size=2)
     strategy = DDPStrategy(process_group_backend="gloo", start_method="spawn")
     trainer = make_trainer(2, devices=2, strategy=strategy, callbacks=[SaveRankState(tmp_path)])
-    start = time.perf_counter()
     trainer.fit(module)
-    elapsed = time.perf_counter() - start
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [s["world_size"] for s in ranks] == [2, 2]
+    assert [len(s["batches"]) for s in ranks] == [2, 2]  # both ranks took both optimizer steps
     # Each rank rolled out its own share of prompts (Lightning's DistributedSampler, seeded shuffle) ...
     shares = [sum(s["batches"], []) for s in ranks]
     assert sorted(shares[0] + shares[1]) == [0, 1, 2, 3]
@@ -389,7 +484,6 @@ def test_ddp_two_processes_on_gloo(tmp_path, monkeypatch):
     # The main process got rank 0's weights back.
     for name, value in params(module).items():
         assert torch.equal(value, ranks[0]["params"][name]), name
-    assert elapsed < 60, f"DDP fit took {elapsed:.0f} s"
 
 
 # ---------------------------------------------------------------------------------- real model

@@ -8,6 +8,12 @@ checkpoints its state with the Lightning checkpoint and draws the heat map at th
 
 DDP: every rank has its own chooser, fed by its own rollouts (decisions need no communication).
 Lightning checkpoints hold rank 0's state, which every rank resumes from.
+
+``reproducible=True`` makes the chooser learn from a modelled step cost
+(:class:`~tlt_lightning.scheduling.StepCostModel`) instead of wall time: its decisions, and with
+them the rollouts, are then the same in every run with the same seed, and a resumed run continues
+exactly where the checkpointed one was (the chooser's statistics and its own seeded RNG are in the
+checkpoint). In a config: ``init_args: {reproducible: true}``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import lightning as L
 from typing_extensions import override
 
 from tlt_lightning.rl.module import GRPOModule
-from tlt_lightning.scheduling import BEGMABStrategy, BucketedChooser, arm_key
+from tlt_lightning.scheduling import BEGMABStrategy, BucketedChooser, StepCostModel, arm_key
 from tlt_lightning.tracking import log_artifact
 
 __all__ = ["BanditCallback"]
@@ -38,7 +44,8 @@ class BanditCallback(L.Callback):
     """Plugs a bucketed strategy chooser into a :class:`~tlt_lightning.rl.GRPOModule`; logs and saves it.
 
     Logged after each rollout, per batch-size bucket ``b`` that had decisions in it:
-    ``bandit/{b}/decisions``, ``bandit/{b}/reward`` (mean tokens/s of those steps),
+    ``bandit/{b}/decisions``, ``bandit/{b}/reward`` (mean tokens/s of those steps; modelled with
+    ``reproducible=True``),
     ``bandit/{b}/best_arm`` (index into the bucket's arms of the arm it currently rates best) and,
     with ``log_arm_counts``, ``bandit/{b}/count/{arm}`` (how often each arm ran in this rollout).
     At the end of fit: ``bandit/heatmap.png`` (arm choice per bucket over time) and
@@ -52,13 +59,23 @@ class BanditCallback(L.Callback):
             ``Trainer(strategy=...)``.
         heatmap_bins: time bins of the heat map (``>= 1``).
         log_arm_counts: also log per-arm choice counts of each rollout.
+        reproducible: learn from ``cost_model``'s modelled step cost instead of the measured wall
+            time, so that runs with the same seed (and a resumed run) decide, and sample, identically.
+            Costs some speed-up: the model ranks arms by an average machine, not the measured one.
+        cost_model: the modelled cost in reproducible mode; ``None``: ``StepCostModel()`` (only with
+            ``reproducible=True``).
 
     Example:
         >>> # L.Trainer(callbacks=[SpotDrafterCallback(), BanditCallback(BEGMABStrategy(epsilon=0.1))])
     """
 
     def __init__(
-        self, chooser: BucketedChooser | None = None, heatmap_bins: int = 20, log_arm_counts: bool = True
+        self,
+        chooser: BucketedChooser | None = None,
+        heatmap_bins: int = 20,
+        log_arm_counts: bool = True,
+        reproducible: bool = False,
+        cost_model: StepCostModel | None = None,
     ) -> None:
         super().__init__()
         if chooser is not None and not isinstance(chooser, BucketedChooser):
@@ -68,7 +85,19 @@ class BanditCallback(L.Callback):
             )
         if isinstance(heatmap_bins, bool) or not isinstance(heatmap_bins, int) or heatmap_bins < 1:
             raise ValueError(f"heatmap_bins must be an int >= 1, got {heatmap_bins!r}")
+        if not isinstance(reproducible, bool):
+            raise TypeError(f"reproducible must be a bool, got {reproducible!r}")
+        if cost_model is not None and not isinstance(cost_model, StepCostModel):
+            raise TypeError(f"cost_model must be a StepCostModel or None, got {type(cost_model).__name__}")
+        if cost_model is not None and not reproducible:
+            raise ValueError(
+                f"cost_model={cost_model} is only used with reproducible=True: set reproducible=True "
+                "(or drop cost_model to learn from wall time)"
+            )
         self.chooser: BucketedChooser = chooser if chooser is not None else BEGMABStrategy()
+        if reproducible:
+            self.chooser.use_cost_model(cost_model or self.chooser.cost_model or StepCostModel())
+        self.reproducible = self.chooser.reproducible
         self.heatmap_bins, self.log_arm_counts = heatmap_bins, bool(log_arm_counts)
         self._last = -1  # index of the last decision already logged
 

@@ -144,8 +144,13 @@ class SpotDrafterCallback(L.Callback):
         recency_decay: buffer sampling weight ``recency_decay ** age`` in policy steps, in ``(0, 1]``.
         weight_decay: AdamW weight decay (``>= 0``).
         max_grad_norm: drafter gradient clipping (``> 0`` or ``None``).
-        save_buffer: also put the buffer's data into Lightning checkpoints (exact resume of the
-            drafter's training, at the cost of up to ``buffer_mb`` per checkpoint).
+        save_buffer: also put the buffer's data into Lightning checkpoints (default): a resumed
+            run trains the drafter on the same samples, so its drafts, and with them the sampled
+            rollouts, match the uninterrupted run's. Costs up to ``buffer_mb`` per checkpoint (the
+            bf16 hidden-state features of recent responses, 1.1 KB per response token on
+            SmolLM2-135M: measured 2.2 MiB after 2 steps of ``configs/grpo_smollm2.yaml``).
+            ``False``: counters only; the drafter then trains on other data after a resume and the
+            rollouts diverge.
         timeline: save a per-worker Gantt chart PNG per epoch and for the whole fit.
         seed: seeds a built drafter's weights (identical on every rank) and batch sampling.
         registered_model_name: with an ``MLFlowLogger``, each drafter checkpoint becomes a version of
@@ -194,7 +199,7 @@ class SpotDrafterCallback(L.Callback):
         recency_decay: float = 0.5,
         weight_decay: float = 0.0,
         max_grad_norm: float | None = 1.0,
-        save_buffer: bool = False,
+        save_buffer: bool = True,
         timeline: bool = True,
         seed: int = 0,
         registered_model_name: str | None = None,

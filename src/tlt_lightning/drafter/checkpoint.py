@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import threading
@@ -35,9 +36,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from tlt_lightning.drafter.io import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME
+from tlt_lightning.drafter.io import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME, check_finite_tensors
 from tlt_lightning.drafter.model import Drafter
 
 __all__ = ["AsyncCheckpointer", "CheckpointInfo", "benchmark_checkpoint", "snapshot_state"]
@@ -315,17 +317,30 @@ class AsyncCheckpointer:
         """Load a checkpoint into ``drafter`` (strict) and ``optimizer`` (when given and saved).
 
         Raises:
-            ValueError: ``path`` is not a complete checkpoint, or its tensors do not fit ``drafter``.
+            ValueError: ``path`` is not a complete checkpoint, a file is empty, corrupt or not of its
+                format (the message names the file), or its tensors do not fit ``drafter`` or are
+                not finite.
         """
         path = Path(path)
         meta_path = path / META_NAME
         if not meta_path.is_file() or not (path / WEIGHTS_NAME).is_file():
             raise ValueError(f"{path} is not a complete drafter checkpoint (no {META_NAME} / {WEIGHTS_NAME})")
+        for name in (META_NAME, WEIGHTS_NAME, OPTIMIZER_NAME):
+            if (path / name).is_file() and (path / name).stat().st_size == 0:
+                raise ValueError(
+                    f"{path / name} is empty (0 bytes): the checkpoint is incomplete; load an older one"
+                )
         try:
             meta = json.loads(meta_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{meta_path} is not valid JSON: {err}") from err
-        tensors = load_file(path / WEIGHTS_NAME, device=str(drafter.device))
+        if not isinstance(meta, dict):
+            raise ValueError(f"{meta_path} must hold a JSON object, got {type(meta).__name__}")
+        try:
+            tensors = load_file(path / WEIGHTS_NAME, device=str(drafter.device))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{path / WEIGHTS_NAME} is corrupt or not a safetensors file: {err}") from err
+        check_finite_tensors(tensors, path / WEIGHTS_NAME)
         expected = drafter.state_dict()
         missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
         bad = [k for k in set(expected) & set(tensors) if tensors[k].shape != expected[k].shape]
@@ -335,7 +350,17 @@ class AsyncCheckpointer:
             )
         drafter.load_state_dict(tensors, strict=True)
         if optimizer is not None and (path / OPTIMIZER_NAME).is_file():
-            optimizer.load_state_dict(torch.load(path / OPTIMIZER_NAME, weights_only=True))
+            try:
+                state = torch.load(path / OPTIMIZER_NAME, weights_only=True)
+            except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as err:
+                raise ValueError(
+                    f"{path / OPTIMIZER_NAME} is corrupt or not an optimizer state: "
+                    f"{type(err).__name__}: {err}"
+                ) from err
+            try:
+                optimizer.load_state_dict(state)
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{path / OPTIMIZER_NAME} does not fit the optimizer: {err}") from err
         return CheckpointInfo(path, int(meta.get("step", 0)), dict(meta.get("extra", {})))
 
     # ------------------------------------------------------------------------------ state

@@ -2,7 +2,8 @@
 
 The embedding and LM head are the target's and are not saved; ``d2t``/``t2d`` are, when the draft
 vocabulary is reduced. Loading is strict: a corrupt file, a missing or unexpected tensor, a shape
-mismatch or a config that does not fit the target raises ``ValueError``; nothing loads silently.
+mismatch, a non-finite weight (corrupted data bytes) or a config that does not fit the target raises
+``ValueError``; nothing loads silently.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "CONFIG_NAME",
     "FORMAT_VERSION",
     "WEIGHTS_NAME",
+    "check_finite_tensors",
     "load_drafter",
     "read_drafter_config",
     "save_drafter",
@@ -138,10 +140,28 @@ def load_drafter(
             raise ValueError(
                 f"{path}: {key} has shape {list(tensors[key].shape)}, expected {list(value.shape)}"
             )
+    check_finite_tensors(tensors, path)
     if config.reduced_vocab:
         _check_vocab(tensors["d2t"], tensors["t2d"], config, path)
     drafter.load_state_dict(tensors, strict=True)
     return drafter
+
+
+def check_finite_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """Refuse (``ValueError``) floating tensors with NaN or infinite values, naming the file and tensor.
+
+    A drafter file whose data bytes were corrupted still parses (safetensors checks the header and
+    sizes, not the values), and a drafter with NaN weights drafts nothing that verification accepts:
+    speculation would silently cost time and gain nothing.
+    """
+    for key, value in tensors.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise ValueError(
+                f"{path}: tensor {key!r} has {bad} non-finite value(s) of {value.numel()} (NaN or inf): the "
+                "file is corrupt or was saved from a diverged drafter; use another checkpoint or train "
+                "a fresh drafter"
+            )
 
 
 def _check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, config: DrafterConfig, path: Path) -> None:

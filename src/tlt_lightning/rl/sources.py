@@ -135,7 +135,12 @@ class TokenPromptSource:
         return self.prompts[index]
 
     def score(self, index: int, prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> Reward:
-        r = float(self.reward_fn(prompt_ids, completion_ids))
+        value = self.reward_fn(prompt_ids, completion_ids)
+        if value is None or isinstance(value, (str, bytes)):
+            fn = getattr(self.reward_fn, "__qualname__", type(self.reward_fn).__name__)
+            raise TypeError(f"reward_fn {fn!r} returned {value!r}: it must return a float for every "
+                            "completion (a missing `return`?)")
+        r = float(value)
         return Reward(total=r, correctness=r, format=0.0, answer=None)
 
 
@@ -222,9 +227,14 @@ class PromptIndexLoader(DataLoader):
     ``DistributedSampler`` without shuffling) the resumed run gets exactly the prompts the
     uninterrupted run would have. Skipped batches are only indices: skipping costs nothing.
     Lightning fetches nothing ahead for loaders with a length, so "served" is "trained on".
+    Its iterators draw their base seed from a private generator (default), not from torch's global
+    one: a resumed run creates an iterator where the uninterrupted one did not, and that draw would
+    shift every later use of the global RNG.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("generator") is None:
+            kwargs["generator"] = torch.Generator().manual_seed(0)
         super().__init__(*args, **kwargs)
         self._served = 0
         self._skip = 0

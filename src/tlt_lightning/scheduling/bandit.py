@@ -9,6 +9,13 @@ the drafter (and the policy) as they change.
 :class:`BucketedChooser` holds what every chooser shares (bucketing, validation, the decision log,
 state, heat map); :class:`BEGMABStrategy` adds the epsilon-greedy rule. Baselines with the same
 interface live in :mod:`tlt_lightning.scheduling.baselines`.
+
+Reproducible mode. The reward divides by the step's *wall time*, so two runs with the same seed
+on the same machine choose differently (timing noise moves the medians), and different arms
+consume the sampling generator differently: the rollouts, and then the training, diverge. With a
+``cost_model`` (:class:`StepCostModel`) a chooser ignores the measured time and divides by the
+modelled cost of the step instead; its decisions are then a function of the seed, the step counts
+and the accepted tokens alone, so a run is bit-identical to its repetition and to its resumption.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ __all__ = [
     "BEGMABStrategy",
     "BucketedChooser",
     "Decision",
+    "StepCostModel",
     "arm_key",
     "default_arms",
     "parse_arm",
@@ -97,6 +105,57 @@ def _arm_from_dict(data: Any) -> Arm:
         raise ValueError(f"state_dict arm {dict(data)!r} is not a valid SDStrategy: {err}") from err
 
 
+@dataclasses.dataclass(frozen=True)
+class StepCostModel:
+    """A modelled cost of one decode step, in seconds: what a reproducible chooser divides by.
+
+    ``base_time + token_time * batch_size * (1 + verified)`` for the target's forward (``verified``:
+    the arm's drafted tokens, 0 with SD off), plus ``num_steps * (draft_time + draft_token_time *
+    batch_size * topk)`` for the drafter's passes. The defaults are the simulator's
+    (:class:`~tlt_lightning.scheduling.SimulatedSDEnvironment`): a memory-bound step whose cost grows
+    slowly with the tokens it verifies, so deep drafts pay at small batch and lose at large batch.
+    Only the ratios between arms matter to the bandit; fit them to a machine with
+    ``tlt-lightning bench strategies`` when the default ranking is wrong for it.
+
+    Args:
+        base_time: fixed cost of a target forward (``> 0``).
+        token_time: cost per token the target processes (``>= 0``).
+        draft_time: fixed cost of one drafter forward (``>= 0``).
+        draft_token_time: cost per token and branch of a drafter forward (``>= 0``).
+
+    Example:
+        >>> model = StepCostModel()
+        >>> round(model.step_time(1, None), 4), round(model.step_time(1, SDStrategy(4)), 4)
+        (0.0415, 0.0717)
+    """
+
+    base_time: float = 0.04
+    token_time: float = 0.0015
+    draft_time: float = 0.006
+    draft_token_time: float = 0.00005
+
+    def __post_init__(self) -> None:
+        for name in ("base_time", "token_time", "draft_time", "draft_token_time"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(
+                    f"StepCostModel.{name} must be a finite number >= 0 (seconds), got {value!r}"
+                )
+        if self.base_time <= 0:
+            raise ValueError(
+                "StepCostModel.base_time must be > 0 (a step that costs nothing has no reward), "
+                f"got {self.base_time!r}"
+            )
+
+    def step_time(self, batch_size: int, arm: Arm) -> float:
+        """The modelled seconds of one step of ``batch_size`` requests with ``arm``."""
+        verified = 0 if arm is None else arm.num_draft_tokens
+        target = self.base_time + self.token_time * batch_size * (1 + verified)
+        if arm is None:
+            return target
+        return target + arm.num_steps * (self.draft_time + self.draft_token_time * batch_size * arm.topk)
+
+
 class Decision(NamedTuple):
     """One logged update: which arm ran in which bucket, its reward, and why it was chosen.
 
@@ -145,6 +204,9 @@ class BucketedChooser:
             only shrinks, so each arm's statistics depend on *when* it ran: an arm exploited
             while the batch shrinks looks worse than a rival last tried at the top of the bucket.
             Per request, arms compare at matched cost. The logged reward is unchanged.
+        cost_model: reproducible mode: the reward divides by this model's cost of the step instead
+            of the measured ``step_time`` (which is then ignored), so decisions do not depend on
+            timing; ``None``: wall time (the paper's reward). See the module docstring.
     """
 
     def __init__(
@@ -154,6 +216,7 @@ class BucketedChooser:
         *,
         max_history: int = 20_000,
         per_request: bool = False,
+        cost_model: StepCostModel | None = None,
     ) -> None:
         self.bucket_thresholds = self._check_thresholds(bucket_thresholds)
         self.bucket_labels: tuple[str, ...] = tuple(
@@ -169,6 +232,34 @@ class BucketedChooser:
         self._num_updates = 0
         self._pending: dict[int, tuple[int, str]] = {}  # bucket -> (arm index, mode) of the last select
         self.per_request = bool(per_request)
+        self.cost_model = self._check_cost_model(cost_model)
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether rewards use the modelled step cost (``cost_model``) instead of wall time."""
+        return self.cost_model is not None
+
+    @staticmethod
+    def _check_cost_model(cost_model: Any) -> StepCostModel | None:
+        if cost_model is not None and not isinstance(cost_model, StepCostModel):
+            raise TypeError(
+                f"cost_model must be a StepCostModel or None (wall time), got {type(cost_model).__name__}"
+            )
+        return cost_model
+
+    def use_cost_model(self, cost_model: StepCostModel | None) -> None:
+        """Switch reproducible mode on (a :class:`StepCostModel`) or off (``None``) before any update.
+
+        Raises:
+            ValueError: the chooser already learned from rewards of the other kind.
+        """
+        cost_model = self._check_cost_model(cost_model)
+        if self._num_updates and cost_model != self.cost_model:
+            raise ValueError(
+                f"cannot change cost_model after {self._num_updates} updates (its statistics are rewards "
+                "of the other kind): set it when the chooser is built"
+            )
+        self.cost_model = cost_model
 
     # ----------------------------------------------------------------------------- validation
     @staticmethod
@@ -229,6 +320,8 @@ class BucketedChooser:
         seconds = _finite("step_time", step_time)
         if seconds <= 0:
             raise ValueError(f"step_time must be finite and > 0 seconds, got {step_time!r}")
+        if self.cost_model is not None:  # reproducible: the model's cost, not the clock's
+            seconds = self.cost_model.step_time(batch_size, arm)
         return b, i, tokens * batch_size / seconds
 
     # ----------------------------------------------------------------------------- public API
@@ -251,7 +344,8 @@ class BucketedChooser:
             batch_size: active requests in the step (same as passed to ``select``).
             arm: the arm that ran; it must be one of the bucket's arms.
             accepted_tokens: mean tokens each request emitted in the step (``>= 0``).
-            step_time: the step's wall time in seconds (finite, ``> 0``).
+            step_time: the step's wall time in seconds (finite, ``> 0``); with a ``cost_model`` the
+                modelled cost replaces it.
         """
         b, i, reward = self._check_update(batch_size, arm, accepted_tokens, step_time)
         pending = self._pending.pop(b, None)
@@ -322,6 +416,7 @@ class BucketedChooser:
             "bucket_thresholds": list(self.bucket_thresholds),
             "arms": [[_arm_to_dict(a) for a in bucket] for bucket in self.arms],
             "per_request": self.per_request,
+            "cost_model": None if self.cost_model is None else dataclasses.asdict(self.cost_model),
             "counts": self.counts,
             "num_updates": self._num_updates,
             "history": [[d.step, d.bucket, arm_key(d.arm), d.reward, d.mode] for d in self._history],
@@ -340,6 +435,18 @@ class BucketedChooser:
                 f"state_dict per_request={state_dict['per_request']} does not match the configured "
                 f"per_request={self.per_request}: its statistics are in other units"
             )
+        if "cost_model" in state_dict:
+            saved = state_dict["cost_model"]
+            mine = None if self.cost_model is None else dataclasses.asdict(self.cost_model)
+            if saved != mine:
+                def describe(cost: Any) -> str:
+                    return "wall time" if cost is None else f"modelled cost {cost}"
+
+                raise ValueError(
+                    f"state_dict was learned with {describe(saved)} but this chooser uses "
+                    f"{describe(mine)}: its statistics are in other units; resume with the same "
+                    "reproducible / cost_model setting"
+                )
         if "bucket_thresholds" in state_dict and list(state_dict["bucket_thresholds"]) != list(
             self.bucket_thresholds
         ):
@@ -486,6 +593,8 @@ class BEGMABStrategy(BucketedChooser):
         seed: seed of the bandit's own RNG.
         max_history: decisions kept in ``history``.
         per_request: compare arms on tokens per second per request (see :class:`BucketedChooser`).
+        cost_model: reproducible mode (see :class:`BucketedChooser`): rewards from a
+            :class:`StepCostModel` instead of wall time.
 
     Example:
         >>> bandit = BEGMABStrategy(seed=0)
@@ -507,8 +616,10 @@ class BEGMABStrategy(BucketedChooser):
         epsilon_floor: float = 0.01,
         max_history: int = 20_000,
         per_request: bool = False,
+        cost_model: StepCostModel | None = None,
     ) -> None:
-        super().__init__(arms, bucket_thresholds, max_history=max_history, per_request=per_request)
+        super().__init__(arms, bucket_thresholds, max_history=max_history, per_request=per_request,
+                         cost_model=cost_model)
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0.0 <= epsilon <= 1.0:
             raise ValueError(f"epsilon must be a number in [0, 1], got {epsilon!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -522,6 +633,8 @@ class BEGMABStrategy(BucketedChooser):
             or not 0.0 <= epsilon_floor <= epsilon
         ):
             raise ValueError(f"epsilon_floor must be a number in [0, epsilon={epsilon}], got {epsilon_floor!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
         self.epsilon, self.window, self.seed = float(epsilon), window, seed
         self.epsilon_half_life, self.epsilon_floor = epsilon_half_life, float(epsilon_floor)
         self._rng = random.Random(seed)

@@ -1,0 +1,144 @@
+"""Resuming ``tlt-lightning fit --ckpt_path``: what the checkpoint was trained with, and what changed.
+
+Lightning's ``LightningCLI`` silently replaces the ``model:`` section by the hyper-parameters saved in
+the checkpoint, so ``--model.*`` overrides and config edits are dropped on resume. ``tlt-lightning
+fit`` compares them instead (:func:`resume_conflicts`) and, by default, refuses to resume with
+settings that differ from the checkpoint's, listing each one as ``old -> new`` and how to proceed
+(:func:`check_resume`): ``--resume_overrides=apply`` applies them (the run then differs from the
+uninterrupted one), ``--resume_overrides=checkpoint`` keeps the checkpoint's (Lightning's behaviour).
+
+Example:
+    >>> resume_conflicts({"lr": 0.01, "seed": 0}, {"lr": 0.5, "seed": 0})
+    {'lr': (0.01, 0.5)}
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlt_lightning.rl.tasks import TaskConfig
+
+__all__ = [
+    "HARMLESS_ON_RESUME",
+    "LIGHTNING_CKPT_NAMES",
+    "RESUME_OVERRIDES",
+    "check_resume",
+    "read_checkpoint",
+    "resume_conflicts",
+]
+
+RESUME_OVERRIDES = ("refuse", "apply", "checkpoint")
+"""What ``fit --ckpt_path`` does with module settings that differ from the checkpoint's."""
+
+HARMLESS_ON_RESUME = frozenset({"rollout_progress", "check_logprobs", "logprob_tolerance", "max_abs_reward"})
+"""Module settings that change what is shown or checked, never what is sampled or learned: a
+resumed run takes the new value without asking."""
+
+LIGHTNING_CKPT_NAMES = frozenset({"last", "best", "hpc", "registry"})
+"""``ckpt_path`` values Lightning resolves itself (not files)."""
+
+_KEYS_NOT_SETTINGS = ("_instantiator", "_class_path")  # what LightningCLI adds to hparams
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A Lightning checkpoint's contents (tensors memory-mapped where the format allows).
+
+    Raises:
+        ValueError: ``path`` is missing, empty, truncated or not a torch checkpoint; the message
+            names the file and what to do.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(
+            f"ckpt_path {str(path)!r} is not a file: pass the .ckpt file of a run "
+            "(e.g. .../checkpoints/last.ckpt)"
+        )
+    if path.stat().st_size == 0:
+        raise ValueError(
+            f"ckpt_path {str(path)!r} is empty (0 bytes): the run was probably killed while saving it; "
+            "resume from an older checkpoint"
+        )
+    try:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:  # the legacy (non-zip) format cannot be memory-mapped
+            if "mmap" not in str(err):
+                raise
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError, zipfile.BadZipFile, ValueError) as err:
+        raise ValueError(
+            f"ckpt_path {str(path)!r} is corrupt or not a Lightning checkpoint "
+            f"({type(err).__name__}: {err}); resume from another checkpoint"
+        ) from err
+    if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
+        raise ValueError(f"ckpt_path {str(path)!r} is not a Lightning checkpoint (no state_dict)")
+    return dict(checkpoint)
+
+
+def _normalise(key: str, value: Any) -> Any:
+    if hasattr(value, "as_dict"):  # a jsonargparse Namespace
+        value = value.as_dict()
+    if key == "task":  # the module saves asdict(TaskConfig); a config may leave it None or partial
+        try:
+            return asdict(value if isinstance(value, TaskConfig) else TaskConfig(**(value or {})))
+        except (TypeError, ValueError):
+            return value
+    return value
+
+
+def resume_conflicts(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{key: (checkpoint value, configured value)}`` for every saved module setting the config changes.
+
+    Keys only one side has (a setting added in a later version, the prompt source) are not conflicts.
+    """
+    out = {}
+    for key, old in saved.items():
+        if key in _KEYS_NOT_SETTINGS or key not in current:
+            continue
+        old, new = _normalise(key, old), _normalise(key, current[key])
+        if old != new:
+            out[key] = (old, new)
+    return out
+
+
+def check_resume(
+    ckpt_path: str | os.PathLike, saved: Mapping[str, Any], current: Mapping[str, Any], mode: str = "refuse"
+) -> dict[str, tuple[Any, Any]]:
+    """The conflicts a resume may go on with; raises where ``mode`` is ``"refuse"`` and one matters.
+
+    Args:
+        ckpt_path: the checkpoint (for the message).
+        saved: its module hyper-parameters.
+        current: the module settings of the config and command line.
+        mode: one of :data:`RESUME_OVERRIDES`.
+
+    Returns:
+        The conflicts (``{key: (old, new)}``); with ``"refuse"`` only harmless ones
+        (:data:`HARMLESS_ON_RESUME`) are left, and the configured values are applied.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`RESUME_OVERRIDES`, or it is ``"refuse"`` and a
+            setting that changes the run differs; the message lists every one as ``model.key: old -> new``.
+    """
+    if mode not in RESUME_OVERRIDES:
+        raise ValueError(f"resume_overrides must be one of {RESUME_OVERRIDES}, got {mode!r}")
+    conflicts = resume_conflicts(saved, current)
+    blocking = {k: v for k, v in conflicts.items() if k not in HARMLESS_ON_RESUME}
+    if mode == "refuse" and blocking:
+        listed = "\n".join(f"  model.{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(blocking.items()))
+        raise ValueError(
+            f"resuming from {str(ckpt_path)!r} with module settings that differ from the checkpoint's "
+            f"(checkpoint -> now):\n{listed}\n"
+            "To continue the checkpointed run exactly, drop these overrides (or restore the config). To "
+            "apply them anyway (the run then differs from an uninterrupted one), add "
+            "--resume_overrides=apply; to keep the checkpoint's values, add --resume_overrides=checkpoint."
+        )
+    return conflicts

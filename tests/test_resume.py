@@ -1,0 +1,178 @@
+"""``tlt-lightning fit --ckpt_path``: exact resume by default, overrides refused or applied, bad files."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tlt_lightning import cli
+from tlt_lightning.resume import check_resume, read_checkpoint, resume_conflicts
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "grpo_tiny.yaml"
+
+
+# ---------------------------------------------------------------------------------- units
+
+
+def test_conflicts_compare_saved_settings_with_the_config():
+    saved = {"lr": 0.01, "seed": 0, "task": {"name": "chain_sum", "size": 8}, "_instantiator": "x", "gone": 1}
+    current = {"lr": 0.01, "seed": 1, "task": None, "new": 2}
+    # task None is the default TaskConfig; keys only one side has are not conflicts.
+    conflicts = resume_conflicts(saved, current)
+    assert set(conflicts) == {"seed", "task"} and conflicts["seed"] == (0, 1)
+    assert resume_conflicts({"task": {"name": "chain_sum", "size": 256}}, {"task": None}) == {}
+
+
+def test_check_resume_refuses_listing_every_key_and_the_ways_on():
+    saved, current = {"lr": 0.01, "seed": 0, "rollout_progress": True}, {"lr": 0.5, "seed": 3,
+                                                                       "rollout_progress": False}
+    match = (r"settings that differ from the checkpoint's \(checkpoint -> now\):\n  model.lr: 0.01 -> 0.5\n"
+             r"  model.seed: 0 -> 3\nTo continue .* exactly, drop these overrides.*--resume_overrides=apply.*"
+             r"--resume_overrides=checkpoint")
+    with pytest.raises(ValueError, match=match):
+        check_resume("x.ckpt", saved, current)
+    # Display / check settings change nothing that is learned: taken without asking.
+    assert check_resume("x.ckpt", {"rollout_progress": True}, {"rollout_progress": False}) == {
+        "rollout_progress": (True, False)}
+    assert set(check_resume("x.ckpt", saved, current, "apply")) == {"lr", "seed", "rollout_progress"}
+    with pytest.raises(ValueError, match=r"resume_overrides must be one of \('refuse', 'apply', 'checkpoint'\), got 'yes'"):
+        check_resume("x.ckpt", saved, current, "yes")
+
+
+def test_read_checkpoint_names_missing_empty_and_corrupt_files(tmp_path):
+    with pytest.raises(ValueError, match=r"ckpt_path '.*nope.ckpt' is not a file"):
+        read_checkpoint(tmp_path / "nope.ckpt")
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"'.*empty.ckpt' is empty \(0 bytes\).*resume from an older checkpoint"):
+        read_checkpoint(tmp_path / "empty.ckpt")
+    (tmp_path / "bad.ckpt").write_bytes(b"PK\x03\x04 not really a zip" * 4)
+    with pytest.raises(ValueError, match=r"'.*bad.ckpt' is corrupt or not a Lightning checkpoint"):
+        read_checkpoint(tmp_path / "bad.ckpt")
+    torch.save({"weights": torch.zeros(1)}, tmp_path / "plain.pt")
+    with pytest.raises(ValueError, match=r"'.*plain.pt' is not a Lightning checkpoint \(no state_dict\)"):
+        read_checkpoint(tmp_path / "plain.pt")
+
+
+# ---------------------------------------------------------------------------------- fit
+
+
+def tlt_config(tmp_path: Path) -> Path:
+    """The tiny config with TLT on: a spot-trained drafter (step-bounded) and a reproducible bandit."""
+    config = yaml.safe_load(TINY.read_text())
+    config["model"]["rollout_progress"] = False
+    config["trainer"]["callbacks"][1:1] = [
+        {"class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
+         "init_args": {"max_steps_per_rollout": 2, "max_seconds_per_rollout": None, "draft_vocab_size": None,
+                       "checkpoint_interval": None, "timeline": False}},
+        {"class_path": "tlt_lightning.callbacks.BanditCallback",
+         "init_args": {"reproducible": True, "chooser": {"class_path": "tlt_lightning.scheduling.BEGMABStrategy",
+                                                         "init_args": {"epsilon": 0.3, "seed": 1}}}},
+    ]
+    config["model"]["drafter_kind"] = None  # the callback builds and trains the drafter
+    path = tmp_path / "tlt.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def fit(tmp_path: Path, config: Path, name: str, *extra: str) -> tuple[list[float], dict]:
+    """Run ``tlt-lightning fit`` to a CSV logger; ``(reward/mean per step, the last checkpoint)``."""
+    argv = ["--threads", "1", "fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path / name}",
+            f"--trainer.logger.init_args.fallback_dir={tmp_path / name}", *extra]
+    assert cli.main(argv) == 0
+    (metrics,) = (tmp_path / name).rglob("metrics.csv")
+    rows = [r for r in csv.DictReader(metrics.open()) if r.get("reward/mean")]
+    (last,) = (tmp_path / name).rglob("last.ckpt")
+    return [float(r["reward/mean"]) for r in rows], torch.load(last, weights_only=False)
+
+
+def callback_state(checkpoint: dict, name: str) -> dict:
+    (key,) = [k for k in checkpoint["callbacks"] if k.startswith(name)]
+    return checkpoint["callbacks"][key]
+
+
+def assert_same(a, b, where="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_fit_resumed_from_a_checkpoint_is_the_uninterrupted_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
+    monkeypatch.setattr("tlt_lightning.fit.mlflow_available", lambda uri=None: False)  # CSV: metrics per step
+    monkeypatch.chdir(tmp_path)
+    config = tlt_config(tmp_path)
+    rewards, full = fit(tmp_path, config, "full", "--trainer.max_steps=4")
+    first, half = fit(tmp_path, config, "half", "--trainer.max_steps=2")
+    assert half["global_step"] == 2 and first == rewards[:2]
+    second, resumed = fit(tmp_path, config, "resumed", "--trainer.max_steps=4",
+                          f"--ckpt_path={next((tmp_path / 'half').rglob('last.ckpt'))}")
+    assert resumed["global_step"] == 4 and len(rewards) == 4
+    assert second == rewards[2:]  # identical rewards after the resume, exactly
+    assert_same(resumed["state_dict"], full["state_dict"], "policy")
+    assert_same(resumed["optimizer_states"], full["optimizer_states"], "optimizer")
+    # The drafter (weights, optimizer, buffer) and the reproducible bandit continued exactly too.
+    spot_full, spot_resumed = callback_state(full, "SpotDrafterCallback"), callback_state(resumed, "SpotDrafterCallback")
+    assert_same(spot_resumed["drafter"], spot_full["drafter"], "drafter")
+    assert spot_full["buffer"]["items"]  # the buffer is in the checkpoint by default
+    bandit_full = callback_state(full, "BanditCallback")
+    assert bandit_full["num_updates"] > 0 and bandit_full["cost_model"] is not None
+    assert callback_state(resumed, "BanditCallback") == bandit_full
+
+
+def test_resume_with_other_settings_is_refused_listing_the_keys(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
+    monkeypatch.chdir(tmp_path)
+    base = ["fit", "--config", str(TINY), "--trainer.logger=false", "--model.rollout_progress=false",
+            f"--trainer.default_root_dir={tmp_path}"]
+    assert cli.main([*base, "--trainer.max_steps=1"]) == 0
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    resume = [*base, "--trainer.max_steps=2", f"--ckpt_path={ckpt}"]
+    with pytest.raises(ValueError, match=r"(?s)model.lr: 0.01 -> 0.5\n  model.seed: 0 -> 3\n.*--resume_overrides=apply"):
+        cli.main([*resume, "--model.lr=0.5", "--model.seed=3"])
+    # On the command line: a short error with the keys, exit status 1, nothing trained.
+    assert cli.main([*resume, "--model.lr=0.5"], short_errors=True) == 1
+    err = capsys.readouterr().err
+    assert "model.lr: 0.01 -> 0.5" in err and "Traceback" not in err
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 1
+    # Applied on request: the new lr reaches the optimizer, the module warns about the seed.
+    with pytest.warns(UserWarning, match="resuming with seed=3 from a checkpoint trained with seed=0"):
+        assert cli.main([*resume, "--model.lr=0.5", "--model.seed=3", "--resume_overrides=apply"]) == 0
+    after = torch.load(ckpt, weights_only=False)
+    assert after["global_step"] == 2 and after["hyper_parameters"]["lr"] == 0.5
+    assert after["optimizer_states"][0]["param_groups"][0]["lr"] == 0.5
+    # Or the checkpoint's values (Lightning's behaviour), now said out loud.
+    assert cli.main([*base, "--trainer.max_steps=3", f"--ckpt_path={ckpt}", "--model.lr=0.1",
+                     "--resume_overrides=checkpoint"]) == 0
+    assert torch.load(ckpt, weights_only=False)["hyper_parameters"]["lr"] == 0.5
+
+
+def test_resume_overrides_takes_only_its_three_values(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", str(TINY), "--resume_overrides=maybe", "--print_config"])
+    err = capsys.readouterr().err
+    assert "resume_overrides" in err and "maybe" in err
+
+
+def test_resume_from_an_empty_checkpoint_is_a_short_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
+    (tmp_path / "last.ckpt").write_bytes(b"")
+    argv = ["fit", "--config", str(TINY), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}",
+            f"--ckpt_path={tmp_path / 'last.ckpt'}"]
+    assert cli.main(argv, short_errors=True) == 1
+    err = capsys.readouterr().err
+    assert "ValueError: ckpt_path" in err and "is empty (0 bytes)" in err and "EOFError" not in err
