@@ -143,7 +143,10 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     policy.save_pretrained(work / "target_v1")
     export_drafter_model(refreshed, work / "drafter_v1", dtype="float32")
     torch.manual_seed(1)
-    export_drafter_model(Drafter(drafter.config, target), work / "drafter_v2", dtype="float32")
+    other = Drafter(drafter.config, target)  # unrelated weights, the same draft vocabulary (a refresh keeps it)
+    state = other.state_dict()
+    other.load_state_dict(state | {k: v for k, v in drafter.named_buffers() if k in state})
+    export_drafter_model(other, work / "drafter_v2", dtype="float32")
     payload = {"prompts": prompts, "greedy": before, "greedy_v1": reference(), "kind": drafter.config.kind}
     (work / REFERENCE).write_text(json.dumps(payload) + "\n")
     return {"ok": True, "prompt_lengths": [len(p) for p in prompts], "kind": drafter.config.kind}
