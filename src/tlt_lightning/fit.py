@@ -36,6 +36,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 
 from tlt_lightning.models import training_precision
 from tlt_lightning.rl.module import GRPOModule
+from tlt_lightning.tracking.run_directory import run_dir
 
 __all__ = [
     "DEFAULT_TRACKING_URI",
@@ -177,11 +178,15 @@ class GRPOProgressBar(TQDMProgressBar):
 class TrackingSaveConfig(SaveConfigCallback):
     """Saves the resolved config beside the run and, with MLflow, as the run's ``config.yaml`` artifact.
 
-    Beside the run: ``<default_root_dir>/<experiment id>/<run id>/`` for MLflow (where Lightning's
-    ``ModelCheckpoint`` writes that run's checkpoints; an MLflow logger with a database store has no
-    log directory of its own), else the logger's log directory. Construct with
-    ``save_to_log_dir=False`` (Lightning's own saving needs a log directory).
+    Beside the run: in :func:`~tlt_lightning.tracking.run_dir`, ``<default_root_dir>/<experiment
+    id>/<run id>/`` for MLflow (where Lightning's ``ModelCheckpoint`` writes that run's checkpoints;
+    an MLflow logger with a database store has no log directory of its own), else the logger's log
+    directory. Construct with ``save_to_log_dir=False`` (Lightning's own saving needs a log directory).
     """
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        run_dir(trainer)  # on every rank (Lightning saves the config on rank 0 only)
+        super().setup(trainer, pl_module, stage)
 
     # Trainer arguments that are objects (logged elsewhere or not parameters at all).
     _UNLOGGED_TRAINER_KEYS = frozenset({"callbacks", "logger", "plugins", "profiler", "strategy"})
@@ -191,11 +196,7 @@ class TrackingSaveConfig(SaveConfigCallback):
         logger = trainer.logger
         if isinstance(logger, MLFlowLogger):
             logger.experiment.log_text(logger.run_id, text, self.config_filename)
-            directory = Path(trainer.default_root_dir, str(logger.experiment_id), str(logger.run_id))
-        else:
-            directory = Path(trainer.log_dir or trainer.default_root_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / self.config_filename).write_text(text)
+        (run_dir(trainer) / self.config_filename).write_text(text)
         if logger is not None:
             logger.log_hyperparams(self.extra_hyperparams(pl_module))
 

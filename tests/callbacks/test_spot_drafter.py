@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -85,11 +86,14 @@ def test_defaults_fit_trains_publishes_and_logs(tmp_path):
     assert metrics["drafter/tail_steps"] == 0 and metrics["drafter/idle_fraction_recovered"] == 0.0
     assert metrics["drafter/train_seconds"] == metrics["drafter/paid_seconds"] > 0
     assert metrics["drafter/overhead_fraction"] > 0
-    # Timeline PNGs, the summary and a final async checkpoint, loadable as a deployable drafter.
-    root = tmp_path / "drafter"
+    # Timeline PNGs, the summary and a final async checkpoint, loadable as a deployable drafter, all in
+    # the run's own directory (no logger: the first free version_N under default_root_dir).
+    assert spot.run_dir == tmp_path / "version_0"
+    root = spot.run_dir / "drafter"
     assert (root / "timeline" / "epoch-000.png").stat().st_size > 0
     assert (root / "timeline" / "fit.png").stat().st_size > 0
-    assert (root / "summary.json").is_file()
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["checkpoint"] == str(root / "checkpoints" / "step-00000002")
     assert (root / "accept_length.png").stat().st_size > 5_000
     (checkpoint,) = (root / "checkpoints").iterdir()
     assert checkpoint.name == "step-00000002"
@@ -167,6 +171,20 @@ def test_fp32_drafter_training_with_bf16_rollouts():
     final = {k: v.to(torch.bfloat16) for k, v in weights(spot.drafter).items()}
     with spot.publisher.acquire() as lease:
         assert_same(weights(lease.drafter), final)
+
+
+def test_two_runs_on_one_root_dir_keep_each_others_drafter_checkpoints(tmp_path):
+    """The reported loss: a 2-step run after a 4-step run on one default_root_dir (keep=2 each)."""
+    long_run, short_run = (SpotDrafterCallback(checkpoint_interval=1, max_steps_per_rollout=1, timeline=False)
+                           for _ in range(2))
+    make_trainer(4, callbacks=[long_run], default_root_dir=tmp_path).fit(make_module())
+    make_trainer(2, callbacks=[short_run], default_root_dir=tmp_path).fit(make_module())
+    assert (long_run.run_dir, short_run.run_dir) == (tmp_path / "version_0", tmp_path / "version_1")
+    for spot, steps in ((long_run, [3, 4]), (short_run, [1, 2])):
+        folder = spot.run_dir / "drafter" / "checkpoints"
+        assert sorted(p.name for p in folder.iterdir()) == [f"step-{s:08d}" for s in steps]
+        summary = json.loads((spot.run_dir / "drafter" / "summary.json").read_text())
+        assert summary["checkpoint"] == str(folder / f"step-{steps[-1]:08d}")
 
 
 # ---------------------------------------------------------------------------------- resume
@@ -300,7 +318,7 @@ def test_ddp_tail_training_ends_identical_on_both_ranks(tmp_path, monkeypatch):
     assert_same(ranks[0]["drafter"], ranks[1]["drafter"])
     for p, state in ranks[0]["optimizer"]["state"].items():
         assert_same(state, ranks[1]["optimizer"]["state"][p])
-    assert (tmp_path / "drafter" / "timeline" / "fit.png").is_file()
+    assert (tmp_path / "version_0" / "drafter" / "timeline" / "fit.png").is_file()
     assert elapsed < 60, f"DDP fit took {elapsed:.0f} s"
 
 

@@ -79,6 +79,7 @@ from tlt_lightning.tracking import (
     log_artifact,
     mlflow_loggers,
     plot_accept_lengths,
+    run_dir,
 )
 
 __all__ = ["SpotDrafterCallback"]
@@ -128,7 +129,7 @@ class SpotDrafterCallback(L.Callback):
         buffer_mb: memory bound of the rollout buffer in MiB (``> 0``); oldest rollouts are evicted.
         packing_budget: samples (tokens) packed into one drafter training step (``>= 2``).
         checkpoint_interval: save the drafter asynchronously every this many RL steps (rank 0,
-            under ``default_root_dir/drafter/checkpoints``); ``None``: only at the end of fit.
+            under ``<run dir>/drafter/checkpoints``); ``None``: only at the end of fit.
         min_idle_s: train in a tail only if it lasts at least this long after the worker's share
             (``>= 0`` seconds).
         max_steps_per_rollout: paid training between rollouts (single worker, or when no rank
@@ -164,6 +165,11 @@ class SpotDrafterCallback(L.Callback):
         ``drafter/buffer_mb`` and ``drafter/buffer_tokens`` (per rank), ``drafter/accept_length``
         (mean tokens per speculative step of this rollout) and ``drafter/preemption_latency_s``.
 
+    Files, under the run's own directory (:func:`~tlt_lightning.tracking.run_dir`: for
+    ``tlt-lightning fit`` ``<default_root_dir>/<experiment id>/<run id>/``, beside Lightning's
+    ``checkpoints/``), rank 0: ``drafter/checkpoints/step-XXXXXXXX/``, ``drafter/timeline/*.png``,
+    ``drafter/summary.json`` and ``drafter/accept_length.png`` (also MLflow artifacts).
+
     Attributes:
         drafter: the trained drafter (after fit also ``module.drafter``); ``optimizer``,
             ``buffer``, ``coordinator``, ``publisher``, ``checkpointer``: the objects it drives;
@@ -173,6 +179,7 @@ class SpotDrafterCallback(L.Callback):
             resumed fit does not register a step twice); ``registered_versions``: the
             ``ModelVersion`` objects this fit created.
         local_stats: this rank's share of the last RL step.
+        run_dir: the run's own output directory (set at fit start).
 
     Example:
         >>> # trainer = L.Trainer(max_steps=100, callbacks=[SpotDrafterCallback(lr=3e-4)])
@@ -253,6 +260,7 @@ class SpotDrafterCallback(L.Callback):
         self.steps = self.tail_steps = self.paid_steps = self.rl_steps = 0
         self.paid_seconds = 0.0
         self.last_checkpoint: str | None = None
+        self.run_dir: Path | None = None  # this run's own directory (tracking.run_dir), set at fit start
         self.last_metrics: dict[str, float] = {}  # what the last RL step logged
         self._saved_at = -1
         self._accepts: list[tuple[int, float]] = []  # (RL step, mean accept length) of this fit
@@ -289,7 +297,8 @@ class SpotDrafterCallback(L.Callback):
         )
         self.spot_trainer = SpotTrainer(drafter, target, self.buffer, config, rank=self.coordinator.rank)
         self.drafter, self.optimizer = drafter, self.spot_trainer.optimizer
-        self.checkpointer = AsyncCheckpointer(Path(trainer.default_root_dir) / "drafter" / "checkpoints")
+        self.run_dir = run_dir(trainer)  # on every rank: rank 0's directory, broadcast
+        self.checkpointer = AsyncCheckpointer(self.run_dir / "drafter" / "checkpoints")
         registry = trainer.is_global_zero and bool(mlflow_loggers(trainer))
         self.registrar = CheckpointRegistrar(  # its registered_steps are restored by _apply
             (self.registered_model_name or drafter_model_name(str(module.hparams.model))) if registry else None
@@ -539,7 +548,7 @@ class SpotDrafterCallback(L.Callback):
             shown = [piece for s in segments for piece in _without(s, paid)] + paid
             per_worker = sum(s.end - s.start for s in paid) / max(1, len({s.worker for s in segments}))
             title = f"{label}: idle recovered {recovered:.0%}, paid training {per_worker:.1f} s/worker"
-            path = plot_timeline(shown, Path(trainer.default_root_dir) / "drafter" / "timeline" / name, title)
+            path = plot_timeline(shown, self.run_dir / "drafter" / "timeline" / name, title)
             log_artifact(trainer, path, "drafter/timeline")
         return recovered
 
@@ -562,7 +571,7 @@ class SpotDrafterCallback(L.Callback):
                        "idle_fraction_recovered": recovered, "rl_steps": self.rl_steps,
                        "version": self.publisher.version, "checkpoint": self.last_checkpoint,
                        "rank0": self.coordinator.stats()}
-            path = Path(trainer.default_root_dir) / "drafter" / "summary.json"
+            path = self.run_dir / "drafter" / "summary.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(summary, indent=2) + "\n")
             log_artifact(trainer, path, "drafter")

@@ -1,5 +1,5 @@
 """Tracking: torchmetrics metrics over rollouts, plots, MLflow artifacts through Lightning's
-``MLFlowLogger``, and the drafter in MLflow's model registry.
+``MLFlowLogger``, the drafter in MLflow's model registry, and each run's own output directory.
 
 MLflow itself is imported only when a registry function runs: this package imports without it.
 """
@@ -12,6 +12,7 @@ from tlt_lightning.tracking.mlflow_drafter import (
     log_drafter_version,
 )
 from tlt_lightning.tracking.plots import plot_accept_lengths
+from tlt_lightning.tracking.run_directory import run_dir
 
 __all__ = [
     "AcceptanceRate",
@@ -24,4 +25,5 @@ __all__ = [
     "log_drafter_version",
     "mlflow_loggers",
     "plot_accept_lengths",
+    "run_dir",
 ]
