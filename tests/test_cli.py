@@ -176,6 +176,16 @@ def test_fit_tiny_config_logs_metrics_and_params_to_mlflow(tmp_path, monkeypatch
     assert not (tmp_path / "runs").exists() and not (tmp_path / "lightning_logs").exists()
 
 
+@needs_mlflow
+def test_fit_reports_a_broken_store_as_a_store_error_not_a_config_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mlflow.db").write_bytes(b"\x00garbage" * 512)  # not a sqlite database
+    with pytest.raises(SystemExit, match=r"tlt-lightning fit: MLflow tracking store 'sqlite:///.*mlflow.db' "
+                                         r"could not be opened \(opening the tracking store\): DatabaseError"):
+        cli.main(["fit", "--config", TINY, "--trainer.max_steps=1", *tmp_args(tmp_path)])
+    assert "Does not validate" not in capsys.readouterr().err
+
+
 def test_fit_without_mlflow_logs_to_csv(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("tlt_lightning.fit.mlflow_available", lambda uri=None: False)

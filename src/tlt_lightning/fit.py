@@ -25,7 +25,6 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 
 from tlt_lightning.models import training_precision
 from tlt_lightning.rl.module import GRPOModule
+from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store, sqlite_path
 from tlt_lightning.tracking.run_directory import run_dir
 
 __all__ = [
@@ -65,12 +65,12 @@ def mlflow_available(tracking_uri: str = DEFAULT_TRACKING_URI) -> bool:
     return all(importlib.util.find_spec(name) is not None for name in needed)
 
 
-def _sqlite_path(tracking_uri: str) -> Path | None:
-    """The database file of a ``sqlite:///PATH`` URI (relative to the working directory), else ``None``."""
-    prefix = "sqlite:///"
-    if not tracking_uri.startswith(prefix) or tracking_uri[len(prefix):] in ("", ":memory:"):
-        return None
-    return Path(tracking_uri[len(prefix):])
+def _artifact_location(tracking_uri: str, artifact_location: str | None) -> str | None:
+    """``artifact_location``, or for a sqlite store ``mlartifacts/`` beside the database file."""
+    database = sqlite_path(tracking_uri)
+    if artifact_location is None and database is not None:
+        return (database.parent / "mlartifacts").resolve().as_uri()
+    return artifact_location
 
 
 def tracking_logger(
@@ -111,12 +111,10 @@ def tracking_logger(
         return CSVLogger(fallback_dir, name=experiment_name)
     if run_name is None:
         run_name = time.strftime("fit-%Y%m%d-%H%M%S")
-    database = _sqlite_path(tracking_uri)
-    if database is not None:
-        # sqlite creates the file but not its directory.
-        database.parent.mkdir(parents=True, exist_ok=True)
-        if artifact_location is None:
-            artifact_location = (database.parent / "mlartifacts").resolve().as_uri()
+    artifact_location = _artifact_location(tracking_uri, artifact_location)
+    # A fresh sqlite store, or a new experiment, is created under a file lock: fits started at once
+    # would otherwise race on MLflow's table creation and schema migrations.
+    prepare_store(tracking_uri, experiment_name, artifact_location)
     return MLFlowLogger(
         experiment_name=experiment_name, run_name=run_name, tracking_uri=tracking_uri, tags=tags,
         artifact_location=artifact_location,
@@ -220,6 +218,15 @@ class TrackingSaveConfig(SaveConfigCallback):
         return params
 
 
+def _tracking_logger_args(config: Any) -> Any:
+    """The ``init_args`` of a ``trainer.logger`` that is :func:`tracking_logger`, else ``None``."""
+    logger = config.get("trainer", {}).get("logger")
+    name = f"{tracking_logger.__module__}.{tracking_logger.__qualname__}"
+    if getattr(logger, "class_path", None) == name:
+        return logger.init_args
+    return None
+
+
 class GRPOCLI(LightningCLI):
     """``LightningCLI`` for :class:`~tlt_lightning.rl.GRPOModule`, with only the ``fit`` subcommand.
 
@@ -266,6 +273,12 @@ class GRPOCLI(LightningCLI):
             if threads < 1:
                 raise ValueError(f"threads must be an int >= 1, got {threads}")
             torch.set_num_threads(threads)
+        logger = _tracking_logger_args(config)
+        if logger is not None and mlflow_available(logger.tracking_uri):
+            # Here, not inside the logger factory: jsonargparse would report a failure while it
+            # instantiates the logger as a config that "does not validate against" the logger type.
+            prepare_store(logger.tracking_uri, logger.experiment_name,
+                          _artifact_location(logger.tracking_uri, logger.artifact_location))
 
 
 def main(args: Sequence[str]) -> None:
@@ -278,5 +291,7 @@ def main(args: Sequence[str]) -> None:
     saved, sys.argv = sys.argv, ["tlt-lightning", *args]
     try:
         GRPOCLI()
+    except TrackingStoreError as err:  # the store, not the config: one line naming it and the cause
+        raise SystemExit(f"tlt-lightning fit: {err}") from err
     finally:
         sys.argv = saved

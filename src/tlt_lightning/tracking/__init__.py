@@ -11,6 +11,7 @@ from tlt_lightning.tracking.mlflow_drafter import (
     load_drafter_from_mlflow,
     log_drafter_version,
 )
+from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store
 from tlt_lightning.tracking.plots import plot_accept_lengths
 from tlt_lightning.tracking.run_directory import run_dir
 
@@ -19,11 +20,13 @@ __all__ = [
     "CheckpointRegistrar",
     "MeanAcceptLength",
     "RolloutTokensPerSecond",
+    "TrackingStoreError",
     "drafter_model_name",
     "load_drafter_from_mlflow",
     "log_artifact",
     "log_drafter_version",
     "mlflow_loggers",
     "plot_accept_lengths",
+    "prepare_store",
     "run_dir",
 ]
