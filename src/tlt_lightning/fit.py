@@ -7,13 +7,19 @@
 The module is :class:`~tlt_lightning.rl.GRPOModule`: its constructor arguments are the ``model:``
 section (``--model.x=...``), Lightning's ``Trainer`` arguments the ``trainer:`` section
 (``--trainer.x=...``). jsonargparse checks both against the signatures, so a misspelt key stops
-the run before anything loads, naming the key. ``--ckpt_path`` resumes a run.
+the run before anything loads, naming the key.
 
 Tracking goes through :func:`tracking_logger`, a logger factory the configs name as
 ``trainer.logger``: an MLflow run in a local sqlite store by default (any tracking URI with
 ``--trainer.logger.init_args.tracking_uri=...``), or a CSV logger with a one-line warning where
-MLflow is not installed. The resolved config is saved next to the run and, with MLflow, as the
-run's ``config.yaml`` artifact.
+MLflow is not installed. Everything a run writes goes to its own directory,
+``<default_root_dir>/<experiment id>/<run id>/`` with MLflow (:func:`~tlt_lightning.tracking.run_dir`):
+Lightning's ``checkpoints/``, the resolved ``config.yaml`` (also the run's artifact), the
+callbacks' ``drafter/``, ``bandit/`` and ``drift/`` outputs.
+
+``--ckpt_path PATH`` resumes a run: into the same MLflow run (every checkpoint names its run), which
+is marked ``FINISHED`` when the resumed fit ends, with the resumed fit's config saved beside the
+first as ``config-resume-<n>.yaml``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,9 +39,16 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_info
 
 from tlt_lightning.models import training_precision
 from tlt_lightning.rl.module import GRPOModule
+from tlt_lightning.tracking.mlflow_resume import (
+    MLflowRunCheckpoint,
+    ResumableMLFlowLogger,
+    canonical_tracking_uri,
+    mlflow_run_in_checkpoint,
+)
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store, sqlite_path
 from tlt_lightning.tracking.run_directory import run_dir
 
@@ -80,6 +94,7 @@ def tracking_logger(
     tags: dict[str, Any] | None = None,
     artifact_location: str | None = None,
     fallback_dir: str = "runs/fit",
+    run_id: str | None = None,
 ) -> Logger:
     """An :class:`~lightning.pytorch.loggers.MLFlowLogger`, or a ``CSVLogger`` where MLflow is missing.
 
@@ -98,6 +113,9 @@ def tracking_logger(
         artifact_location: where a *new* experiment stores artifacts; ``None``: for a sqlite store,
             ``mlartifacts/`` beside the database file, else MLflow's default.
         fallback_dir: the CSV logger's directory when MLflow is not available.
+        run_id: continue this MLflow run instead of starting one
+            (:class:`~tlt_lightning.tracking.ResumableMLFlowLogger`); ``fit --ckpt_path`` sets it
+            to the run the checkpoint was saved from.
 
     Example:
         >>> logger = tracking_logger("sqlite:////tmp/mlflow.db", run_name="try-1")  # doctest: +SKIP
@@ -115,9 +133,9 @@ def tracking_logger(
     # A fresh sqlite store, or a new experiment, is created under a file lock: fits started at once
     # would otherwise race on MLflow's table creation and schema migrations.
     prepare_store(tracking_uri, experiment_name, artifact_location)
-    return MLFlowLogger(
+    return ResumableMLFlowLogger(
         experiment_name=experiment_name, run_name=run_name, tracking_uri=tracking_uri, tags=tags,
-        artifact_location=artifact_location,
+        artifact_location=artifact_location, run_id=run_id,
     )
 
 
@@ -192,9 +210,17 @@ class TrackingSaveConfig(SaveConfigCallback):
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         text = self.parser.dump(self.config, skip_none=False)
         logger = trainer.logger
+        # A resumed run (the same MLflow run, fit --ckpt_path) keeps its first config: the resumed
+        # fit's goes beside it as config-resume-<n>.yaml.
+        directory, name = run_dir(trainer), self.config_filename
+        stem, suffix = Path(name).stem, Path(name).suffix
+        n = 0
+        while (directory / name).exists():
+            n += 1
+            name = f"{stem}-resume-{n}{suffix}"
         if isinstance(logger, MLFlowLogger):
-            logger.experiment.log_text(logger.run_id, text, self.config_filename)
-        (run_dir(trainer) / self.config_filename).write_text(text)
+            logger.experiment.log_text(logger.run_id, text, name)
+        (directory / name).write_text(text)
         if logger is not None:
             logger.log_hyperparams(self.extra_hyperparams(pl_module))
 
@@ -227,6 +253,32 @@ def _tracking_logger_args(config: Any) -> Any:
     return None
 
 
+def _run_to_resume(ckpt_path: str, tracking_uri: str) -> str | None:
+    """The MLflow run that ``ckpt_path`` was saved from, if it is in the store at ``tracking_uri``."""
+    if not Path(ckpt_path).is_file():  # "last", "hpc", a registry name: Lightning resolves those
+        return None
+    run = mlflow_run_in_checkpoint(ckpt_path)
+    if run is None:
+        log.warning("%s names no MLflow run (saved without MLflow or by an older version): a new run "
+                    "starts", ckpt_path)
+        return None
+    here = canonical_tracking_uri(tracking_uri)
+    if run.get("tracking_uri") != here:
+        log.warning("%s was saved from MLflow run %s in the store %s, not %s: a new run starts", ckpt_path,
+                    run["run_id"], run.get("tracking_uri"), here)
+        return None
+    import mlflow
+
+    try:
+        mlflow.MlflowClient(tracking_uri=tracking_uri).get_run(run["run_id"])
+    except mlflow.exceptions.MlflowException as err:
+        log.warning("MLflow run %s of %s is not in %s (%s): a new run starts", run["run_id"], ckpt_path,
+                    tracking_uri, err)
+        return None
+    rank_zero_info(f"Resuming MLflow run {run['run_id']} from {ckpt_path}")
+    return run["run_id"]
+
+
 class GRPOCLI(LightningCLI):
     """``LightningCLI`` for :class:`~tlt_lightning.rl.GRPOModule`, with only the ``fit`` subcommand.
 
@@ -244,6 +296,8 @@ class GRPOCLI(LightningCLI):
             GRPOModule,
             save_config_callback=TrackingSaveConfig,
             save_config_kwargs={"save_to_log_dir": False},
+            # Every checkpoint names its MLflow run: `fit --ckpt_path` continues that run.
+            trainer_defaults={"callbacks": [MLflowRunCheckpoint()]},
             seed_everything_default=0,
             auto_configure_optimizers=False,
             parser_kwargs={"fit": {"prog": "tlt-lightning fit"}},
@@ -279,6 +333,8 @@ class GRPOCLI(LightningCLI):
             # instantiates the logger as a config that "does not validate against" the logger type.
             prepare_store(logger.tracking_uri, logger.experiment_name,
                           _artifact_location(logger.tracking_uri, logger.artifact_location))
+            if config.get("ckpt_path") and logger.get("run_id") is None:
+                logger.run_id = _run_to_resume(str(config.ckpt_path), logger.tracking_uri)
 
 
 def main(args: Sequence[str]) -> None:

@@ -266,6 +266,8 @@ class SpotDrafterCallback(L.Callback):
         self._accepts: list[tuple[int, float]] = []  # (RL step, mean accept length) of this fit
         self._accept_hist = torch.zeros(0, dtype=torch.long)  # request-steps per tokens emitted
         self.registrar = CheckpointRegistrar(None)  # named at fit start: rank 0 with an MLFlowLogger
+        self._resumed = False  # this fit restored a Lightning checkpoint's state
+        self._finished = False  # the end-of-fit save / registration / summary ran in this fit
 
     @property
     def registered_steps(self) -> list[int]:
@@ -284,6 +286,7 @@ class SpotDrafterCallback(L.Callback):
         self._module = module
         drafter = self._initial_drafter(module)
         self._pending, pending = None, self._pending or {}
+        self._resumed, self._finished = bool(pending), False
         saved_config = pending.get("drafter_config")
         if saved_config is not None and DrafterConfig.from_dict(saved_config) != drafter.config:
             # The checkpoint's drafter wins (e.g. resumed with other callback arguments).
@@ -474,7 +477,7 @@ class SpotDrafterCallback(L.Callback):
         self.checkpointer.save(self.drafter, self.optimizer, rl_step, extra)  # returns at once
         self._saved_at = rl_step
         self.last_checkpoint = str(self.checkpointer.directory / f"step-{rl_step:08d}")
-        self.registrar.request(rl_step, requested)
+        self.registrar.request(rl_step, requested, self.last_checkpoint)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -491,6 +494,7 @@ class SpotDrafterCallback(L.Callback):
                          "rl_steps": self.rl_steps, "paid_seconds": self.paid_seconds},
             "last_checkpoint": self.last_checkpoint,
             "registered_steps": list(self.registered_steps),
+            "registrar": self.registrar.state_dict(),  # also the saves not registered yet
         }
 
     @override
@@ -522,7 +526,10 @@ class SpotDrafterCallback(L.Callback):
             setattr(self, key, int(counters.get(key, getattr(self, key))))
         self.paid_seconds = float(counters.get("paid_seconds", self.paid_seconds))
         self.last_checkpoint = state.get("last_checkpoint", self.last_checkpoint)
-        self.registrar.registered_steps = [int(s) for s in state.get("registered_steps", self.registered_steps)]
+        self.registrar.load_state_dict(state.get("registrar", {}))
+        if "registrar" not in state:  # a checkpoint from before the registrar had its own state
+            steps = state.get("registered_steps", self.registered_steps)
+            self.registrar.registered_steps = [int(s) for s in steps]
 
     # ------------------------------------------------------------------------------ timeline / end
     def _gather(self, since: float | None) -> tuple[list[Segment], list[Segment]]:
@@ -560,7 +567,31 @@ class SpotDrafterCallback(L.Callback):
         self._epoch_start = time.time()
 
     @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A resumed fit: the drafter saved at the step it resumes from may not have landed, or not
+        # been registered, before the first fit stopped. The restored drafter is that very drafter
+        # (weights, optimizer, counters): save it again, registered like any other save.
+        step = trainer.global_step
+        last = self.last_checkpoint
+        saved_there = last is not None and Path(last).name == f"step-{step:08d}"
+        if (
+            self._resumed and trainer.is_global_zero and step not in self.registered_steps
+            and (saved_there or step in self.registrar.pending_steps)
+        ):
+            self._save(step)
+
+    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._finish(trainer)
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._finished:  # resumed from the last step: no training ran, Lightning skipped on_train_end
+            self._finish(trainer)
+
+    def _finish(self, trainer: L.Trainer) -> None:
+        """End of fit: the final drafter saved, every save registered (rank 0), timeline and summary."""
+        self._finished = True
         recovered = self._plot(trainer, None, "fit.png", "whole fit") if self.timeline else None
         if trainer.is_global_zero:
             self._save(trainer.global_step)
@@ -570,7 +601,7 @@ class SpotDrafterCallback(L.Callback):
                        "paid_steps": self.paid_steps, "paid_seconds_rank0": self.paid_seconds,
                        "idle_fraction_recovered": recovered, "rl_steps": self.rl_steps,
                        "version": self.publisher.version, "checkpoint": self.last_checkpoint,
-                       "rank0": self.coordinator.stats()}
+                       "run_dir": str(self.run_dir), "rank0": self.coordinator.stats()}
             path = self.run_dir / "drafter" / "summary.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(summary, indent=2) + "\n")

@@ -11,6 +11,11 @@ from tlt_lightning.tracking.mlflow_drafter import (
     load_drafter_from_mlflow,
     log_drafter_version,
 )
+from tlt_lightning.tracking.mlflow_resume import (
+    MLflowRunCheckpoint,
+    ResumableMLFlowLogger,
+    mlflow_run_in_checkpoint,
+)
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store
 from tlt_lightning.tracking.plots import plot_accept_lengths
 from tlt_lightning.tracking.run_directory import run_dir
@@ -18,7 +23,9 @@ from tlt_lightning.tracking.run_directory import run_dir
 __all__ = [
     "AcceptanceRate",
     "CheckpointRegistrar",
+    "MLflowRunCheckpoint",
     "MeanAcceptLength",
+    "ResumableMLFlowLogger",
     "RolloutTokensPerSecond",
     "TrackingStoreError",
     "drafter_model_name",
@@ -26,6 +33,7 @@ __all__ = [
     "log_artifact",
     "log_drafter_version",
     "mlflow_loggers",
+    "mlflow_run_in_checkpoint",
     "plot_accept_lengths",
     "prepare_store",
     "run_dir",
