@@ -39,16 +39,10 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
-from lightning.pytorch.utilities import rank_zero_info
 
 from tlt_lightning.models import training_precision
 from tlt_lightning.rl.module import GRPOModule
-from tlt_lightning.tracking.mlflow_resume import (
-    MLflowRunCheckpoint,
-    ResumableMLFlowLogger,
-    canonical_tracking_uri,
-    mlflow_run_in_checkpoint,
-)
+from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, ResumableMLFlowLogger, resumable_run_id
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store, sqlite_path
 from tlt_lightning.tracking.run_directory import run_dir
 
@@ -253,32 +247,6 @@ def _tracking_logger_args(config: Any) -> Any:
     return None
 
 
-def _run_to_resume(ckpt_path: str, tracking_uri: str) -> str | None:
-    """The MLflow run that ``ckpt_path`` was saved from, if it is in the store at ``tracking_uri``."""
-    if not Path(ckpt_path).is_file():  # "last", "hpc", a registry name: Lightning resolves those
-        return None
-    run = mlflow_run_in_checkpoint(ckpt_path)
-    if run is None:
-        log.warning("%s names no MLflow run (saved without MLflow or by an older version): a new run "
-                    "starts", ckpt_path)
-        return None
-    here = canonical_tracking_uri(tracking_uri)
-    if run.get("tracking_uri") != here:
-        log.warning("%s was saved from MLflow run %s in the store %s, not %s: a new run starts", ckpt_path,
-                    run["run_id"], run.get("tracking_uri"), here)
-        return None
-    import mlflow
-
-    try:
-        mlflow.MlflowClient(tracking_uri=tracking_uri).get_run(run["run_id"])
-    except mlflow.exceptions.MlflowException as err:
-        log.warning("MLflow run %s of %s is not in %s (%s): a new run starts", run["run_id"], ckpt_path,
-                    tracking_uri, err)
-        return None
-    rank_zero_info(f"Resuming MLflow run {run['run_id']} from {ckpt_path}")
-    return run["run_id"]
-
-
 class GRPOCLI(LightningCLI):
     """``LightningCLI`` for :class:`~tlt_lightning.rl.GRPOModule`, with only the ``fit`` subcommand.
 
@@ -334,7 +302,7 @@ class GRPOCLI(LightningCLI):
             prepare_store(logger.tracking_uri, logger.experiment_name,
                           _artifact_location(logger.tracking_uri, logger.artifact_location))
             if config.get("ckpt_path") and logger.get("run_id") is None:
-                logger.run_id = _run_to_resume(str(config.ckpt_path), logger.tracking_uri)
+                logger.run_id = resumable_run_id(str(config.ckpt_path), logger.tracking_uri)
 
 
 def main(args: Sequence[str]) -> None:

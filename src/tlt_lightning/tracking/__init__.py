@@ -15,6 +15,7 @@ from tlt_lightning.tracking.mlflow_resume import (
     MLflowRunCheckpoint,
     ResumableMLFlowLogger,
     mlflow_run_in_checkpoint,
+    resumable_run_id,
 )
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store
 from tlt_lightning.tracking.plots import plot_accept_lengths
@@ -36,5 +37,6 @@ __all__ = [
     "mlflow_run_in_checkpoint",
     "plot_accept_lengths",
     "prepare_store",
+    "resumable_run_id",
     "run_dir",
 ]

@@ -2,7 +2,8 @@
 
 * :class:`MLflowRunCheckpoint` writes the trainer's MLflow run (run id, experiment id, tracking
   URI) into every Lightning checkpoint, under the key ``"mlflow_run"``.
-* :func:`mlflow_run_in_checkpoint` reads it back from a checkpoint file, before anything is built
+* :func:`mlflow_run_in_checkpoint` reads it back from a checkpoint file, before anything is built;
+  :func:`resumable_run_id` checks that the run is in the store the resumed fit logs to
   (``tlt-lightning fit --ckpt_path`` passes it to :func:`~tlt_lightning.fit.tracking_logger`).
 * :class:`ResumableMLFlowLogger` continues that run: marked ``RUNNING`` again when opened (a run
   whose process was killed stays ``RUNNING`` or ``FAILED`` until then; Lightning marks it
@@ -30,7 +31,7 @@ import torch
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 from tlt_lightning.tracking.lightning_mlflow import mlflow_loggers
@@ -42,6 +43,7 @@ __all__ = [
     "ResumableMLFlowLogger",
     "canonical_tracking_uri",
     "mlflow_run_in_checkpoint",
+    "resumable_run_id",
 ]
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,37 @@ def mlflow_run_in_checkpoint(path: str | os.PathLike) -> dict[str, str] | None:
     if not isinstance(run, dict) or not run.get("run_id"):
         return None
     return {key: str(run[key]) for key in ("run_id", "experiment_id", "tracking_uri") if key in run}
+
+
+def resumable_run_id(ckpt_path: str | os.PathLike, tracking_uri: str) -> str | None:
+    """The MLflow run that ``ckpt_path`` was saved from, if a fit logging to ``tracking_uri`` can continue it.
+
+    ``None`` (with a warning saying why: a new run starts) when the checkpoint names no run, names
+    a run of another store, or a run the store does not have. ``ckpt_path`` values that are not
+    files (Lightning's ``"last"``, ``"hpc"``) give ``None`` silently.
+    """
+    if not Path(ckpt_path).is_file():
+        return None
+    run = mlflow_run_in_checkpoint(ckpt_path)
+    if run is None:
+        log.warning("%s names no MLflow run (saved without MLflow or by an older version): a new run "
+                    "starts", ckpt_path)
+        return None
+    here = canonical_tracking_uri(tracking_uri)
+    if run.get("tracking_uri") != here:
+        log.warning("%s was saved from MLflow run %s in the store %s, not %s: a new run starts", ckpt_path,
+                    run["run_id"], run.get("tracking_uri"), here)
+        return None
+    import mlflow
+
+    try:
+        mlflow.MlflowClient(tracking_uri=tracking_uri).get_run(run["run_id"])
+    except mlflow.exceptions.MlflowException as err:
+        log.warning("MLflow run %s of %s is not in %s (%s): a new run starts", run["run_id"], ckpt_path,
+                    tracking_uri, err)
+        return None
+    rank_zero_info(f"Resuming MLflow run {run['run_id']} from {ckpt_path}")
+    return run["run_id"]
 
 
 class ResumableMLFlowLogger(MLFlowLogger):
