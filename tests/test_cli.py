@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import yaml
@@ -194,6 +196,114 @@ def test_fit_tiny_config_logs_metrics_and_params_to_mlflow(tmp_path, monkeypatch
     checkpoint = beside.parent / "checkpoints" / "last.ckpt"
     assert torch.load(checkpoint, weights_only=False)["global_step"] == 2
     assert not (tmp_path / "runs").exists() and not (tmp_path / "lightning_logs").exists()
+
+
+@needs_mlflow
+def test_fit_reports_a_broken_store_as_a_store_error_not_a_config_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mlflow.db").write_bytes(b"\x00garbage" * 512)  # not a sqlite database
+    with pytest.raises(SystemExit, match=r"tlt-lightning fit: MLflow tracking store 'sqlite:///.*mlflow.db' "
+                                         r"could not be opened \(opening the tracking store\): DatabaseError"):
+        cli.main(["fit", "--config", TINY, "--trainer.max_steps=1", *tmp_args(tmp_path)])
+    assert "Does not validate" not in capsys.readouterr().err
+
+
+class StopAt(L.Callback):
+    """Ends a fit with an error, as a kill would: after ``step`` (before its checkpoint), or at the end.
+
+    Listed before the SpotDrafterCallback, it runs before that callback's hook of the same name.
+    """
+
+    def __init__(self, step: int = 0, at_train_end: bool = False) -> None:
+        self.step, self.at_train_end = step, at_train_end
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.at_train_end and trainer.global_step == self.step:
+            raise RuntimeError(f"simulated kill at step {self.step}")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.at_train_end:
+            raise RuntimeError("simulated kill at the end of training")
+
+
+def resume_config(tmp_path: Path, name: str, stop: dict | None = None) -> str:
+    """The tiny config, a drafter and a Lightning checkpoint every step (and ``StopAt(**stop)``)."""
+    config = yaml.safe_load(Path(TINY).read_text())
+    config["model"]["rollout_progress"] = False
+    config["trainer"]["callbacks"] = [
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"every_n_train_steps": 1, "save_top_k": 0, "save_last": True}},
+        *([{"class_path": f"{__name__}.StopAt", "init_args": stop}] if stop is not None else []),
+        {"class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
+         "init_args": {"checkpoint_interval": 1, "max_steps_per_rollout": 1, "timeline": False}},
+    ]
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def drafter_versions(client, run_id: str) -> dict[int, str]:
+    """``{RL step: version}`` of the drafter versions registered from ``run_id``."""
+    found = client.search_model_versions("name='tlt-drafter-tiny-llama'")
+    assert {v.run_id for v in found} <= {run_id}
+    steps = [int(v.tags["rl_step"]) for v in found]
+    assert len(steps) == len(set(steps)), f"a step registered twice: {sorted(steps)}"
+    return {int(v.tags["rl_step"]): v.version for v in found}
+
+
+@needs_mlflow
+def test_fit_resumed_after_a_kill_continues_the_same_mlflow_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    def fit(config: str, *args: str) -> int:
+        return cli.main(["--threads", "1", "fit", "--config", config, "--trainer.enable_progress_bar=false",
+                         *tmp_args(tmp_path), *args])
+
+    with pytest.raises(RuntimeError, match="simulated kill at step 3"):
+        fit(resume_config(tmp_path, "first.yaml", stop={"step": 3}), "--trainer.max_steps=3")
+    client, (run,) = mlflow_runs(tmp_path, "tlt-lightning-tiny")
+    run_id = run.info.run_id
+    client.update_run(run_id, status="RUNNING")  # what a SIGKILL leaves (an exception leaves FAILED)
+    (last,) = (tmp_path / "fit").glob(f"*/{run_id}/checkpoints/last.ckpt")
+    assert torch.load(last, weights_only=False)["global_step"] == 2
+
+    assert fit(resume_config(tmp_path, "second.yaml"), "--trainer.max_steps=4", f"--ckpt_path={last}") == 0
+    client, runs = mlflow_runs(tmp_path, "tlt-lightning-tiny")
+    assert [(r.info.run_id, r.info.status) for r in runs] == [(run_id, "FINISHED")]  # one run, finished
+    # Every drafter saved is a version of that run: before the kill, at the resume step, after it.
+    assert sorted(drafter_versions(client, run_id)) == [1, 2, 3, 4]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "reward/mean"))[-1] == 3
+    # A parameter the resumed fit changed is kept as a tag (MLflow keeps the first value).
+    resumed = client.get_run(run_id).data
+    assert resumed.params["trainer/max_steps"] == "3" and resumed.tags["resumed.trainer/max_steps"] == "4"
+    # The run's own directory holds both configs and its drafter checkpoints, nothing stray.
+    run_dir = last.parent.parent
+    assert {"config.yaml", "config-resume-1.yaml"} <= {p.name for p in run_dir.iterdir()}
+    assert sorted(p.name for p in (run_dir / "drafter" / "checkpoints").iterdir()) == [
+        "step-00000003", "step-00000004"]
+
+
+@needs_mlflow
+def test_fit_resumed_after_a_kill_at_the_end_registers_the_final_drafter(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    def fit(config: str, *args: str) -> int:
+        return cli.main(["--threads", "1", "fit", "--config", config, "--trainer.enable_progress_bar=false",
+                         "--trainer.max_steps=2", *tmp_args(tmp_path), *args])
+
+    with pytest.raises(RuntimeError, match="simulated kill at the end of training"):
+        fit(resume_config(tmp_path, "first.yaml", stop={"at_train_end": True}))
+    client, (run,) = mlflow_runs(tmp_path, "tlt-lightning-tiny")
+    run_id = run.info.run_id
+    assert run.info.status == "FAILED"
+    assert sorted(drafter_versions(client, run_id)) == [1]  # the final drafter was never registered
+    (last,) = (tmp_path / "fit").glob(f"*/{run_id}/checkpoints/last.ckpt")
+
+    # Nothing left to train: the resumed fit only saves and registers the final drafter and finishes the run.
+    assert fit(resume_config(tmp_path, "second.yaml"), f"--ckpt_path={last}") == 0
+    client, runs = mlflow_runs(tmp_path, "tlt-lightning-tiny")
+    assert [(r.info.run_id, r.info.status) for r in runs] == [(run_id, "FINISHED")]
+    assert sorted(drafter_versions(client, run_id)) == [1, 2]
+    summary = json.loads((last.parent.parent / "drafter" / "summary.json").read_text())
+    assert summary["rl_steps"] == 2 and summary["checkpoint"].endswith("step-00000002")
 
 
 def test_fit_without_mlflow_logs_to_csv(tmp_path, monkeypatch):

@@ -14,8 +14,14 @@ says to apply them (``apply``) or to keep the checkpoint's (``checkpoint``); see
 Tracking goes through :func:`tracking_logger`, a logger factory the configs name as
 ``trainer.logger``: an MLflow run in a local sqlite store by default (any tracking URI with
 ``--trainer.logger.init_args.tracking_uri=...``), or a CSV logger with a one-line warning where
-MLflow is not installed. The resolved config is saved next to the run and, with MLflow, as the
-run's ``config.yaml`` artifact.
+MLflow is not installed. Everything a run writes goes to its own directory,
+``<default_root_dir>/<experiment id>/<run id>/`` with MLflow (:func:`~tlt_lightning.tracking.run_dir`):
+Lightning's ``checkpoints/``, the resolved ``config.yaml`` (also the run's artifact), the
+callbacks' ``drafter/``, ``bandit/`` and ``drift/`` outputs.
+
+``--ckpt_path PATH`` resumes a run: into the same MLflow run (every checkpoint names its run), which
+is marked ``FINISHED`` when the resumed fit ends, with the resumed fit's config saved beside the
+first as ``config-resume-<n>.yaml``.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 from tlt_lightning.models import training_precision
 from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, read_checkpoint
 from tlt_lightning.rl.module import GRPOModule
+from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, ResumableMLFlowLogger, resumable_run_id
+from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store, sqlite_path
+from tlt_lightning.tracking.run_directory import run_dir
 
 __all__ = [
     "DEFAULT_TRACKING_URI",
@@ -67,12 +76,12 @@ def mlflow_available(tracking_uri: str = DEFAULT_TRACKING_URI) -> bool:
     return all(importlib.util.find_spec(name) is not None for name in needed)
 
 
-def _sqlite_path(tracking_uri: str) -> Path | None:
-    """The database file of a ``sqlite:///PATH`` URI (relative to the working directory), else ``None``."""
-    prefix = "sqlite:///"
-    if not tracking_uri.startswith(prefix) or tracking_uri[len(prefix):] in ("", ":memory:"):
-        return None
-    return Path(tracking_uri[len(prefix):])
+def _artifact_location(tracking_uri: str, artifact_location: str | None) -> str | None:
+    """``artifact_location``, or for a sqlite store ``mlartifacts/`` beside the database file."""
+    database = sqlite_path(tracking_uri)
+    if artifact_location is None and database is not None:
+        return (database.parent / "mlartifacts").resolve().as_uri()
+    return artifact_location
 
 
 def tracking_logger(
@@ -82,6 +91,7 @@ def tracking_logger(
     tags: dict[str, Any] | None = None,
     artifact_location: str | None = None,
     fallback_dir: str = "runs/fit",
+    run_id: str | None = None,
 ) -> Logger:
     """An :class:`~lightning.pytorch.loggers.MLFlowLogger`, or a ``CSVLogger`` where MLflow is missing.
 
@@ -100,6 +110,9 @@ def tracking_logger(
         artifact_location: where a *new* experiment stores artifacts; ``None``: for a sqlite store,
             ``mlartifacts/`` beside the database file, else MLflow's default.
         fallback_dir: the CSV logger's directory when MLflow is not available.
+        run_id: continue this MLflow run instead of starting one
+            (:class:`~tlt_lightning.tracking.ResumableMLFlowLogger`); ``fit --ckpt_path`` sets it
+            to the run the checkpoint was saved from.
 
     Example:
         >>> logger = tracking_logger("sqlite:////tmp/mlflow.db", run_name="try-1")  # doctest: +SKIP
@@ -113,15 +126,13 @@ def tracking_logger(
         return CSVLogger(fallback_dir, name=experiment_name)
     if run_name is None:
         run_name = time.strftime("fit-%Y%m%d-%H%M%S")
-    database = _sqlite_path(tracking_uri)
-    if database is not None:
-        # sqlite creates the file but not its directory.
-        database.parent.mkdir(parents=True, exist_ok=True)
-        if artifact_location is None:
-            artifact_location = (database.parent / "mlartifacts").resolve().as_uri()
-    return MLFlowLogger(
+    artifact_location = _artifact_location(tracking_uri, artifact_location)
+    # A fresh sqlite store, or a new experiment, is created under a file lock: fits started at once
+    # would otherwise race on MLflow's table creation and schema migrations.
+    prepare_store(tracking_uri, experiment_name, artifact_location)
+    return ResumableMLFlowLogger(
         experiment_name=experiment_name, run_name=run_name, tracking_uri=tracking_uri, tags=tags,
-        artifact_location=artifact_location,
+        artifact_location=artifact_location, run_id=run_id,
     )
 
 
@@ -180,11 +191,15 @@ class GRPOProgressBar(TQDMProgressBar):
 class TrackingSaveConfig(SaveConfigCallback):
     """Saves the resolved config beside the run and, with MLflow, as the run's ``config.yaml`` artifact.
 
-    Beside the run: ``<default_root_dir>/<experiment id>/<run id>/`` for MLflow (where Lightning's
-    ``ModelCheckpoint`` writes that run's checkpoints; an MLflow logger with a database store has no
-    log directory of its own), else the logger's log directory. Construct with
-    ``save_to_log_dir=False`` (Lightning's own saving needs a log directory).
+    Beside the run: in :func:`~tlt_lightning.tracking.run_dir`, ``<default_root_dir>/<experiment
+    id>/<run id>/`` for MLflow (where Lightning's ``ModelCheckpoint`` writes that run's checkpoints;
+    an MLflow logger with a database store has no log directory of its own), else the logger's log
+    directory. Construct with ``save_to_log_dir=False`` (Lightning's own saving needs a log directory).
     """
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        run_dir(trainer)  # on every rank (Lightning saves the config on rank 0 only)
+        super().setup(trainer, pl_module, stage)
 
     # Trainer arguments that are objects (logged elsewhere or not parameters at all).
     _UNLOGGED_TRAINER_KEYS = frozenset({"callbacks", "logger", "plugins", "profiler", "strategy"})
@@ -192,13 +207,17 @@ class TrackingSaveConfig(SaveConfigCallback):
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         text = self.parser.dump(self.config, skip_none=False)
         logger = trainer.logger
+        # A resumed run (the same MLflow run, fit --ckpt_path) keeps its first config: the resumed
+        # fit's goes beside it as config-resume-<n>.yaml.
+        directory, name = run_dir(trainer), self.config_filename
+        stem, suffix = Path(name).stem, Path(name).suffix
+        n = 0
+        while (directory / name).exists():
+            n += 1
+            name = f"{stem}-resume-{n}{suffix}"
         if isinstance(logger, MLFlowLogger):
-            logger.experiment.log_text(logger.run_id, text, self.config_filename)
-            directory = Path(trainer.default_root_dir, str(logger.experiment_id), str(logger.run_id))
-        else:
-            directory = Path(trainer.log_dir or trainer.default_root_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / self.config_filename).write_text(text)
+            logger.experiment.log_text(logger.run_id, text, name)
+        (directory / name).write_text(text)
         if logger is not None:
             logger.log_hyperparams(self.extra_hyperparams(pl_module))
 
@@ -222,6 +241,15 @@ class TrackingSaveConfig(SaveConfigCallback):
         return params
 
 
+def _tracking_logger_args(config: Any) -> Any:
+    """The ``init_args`` of a ``trainer.logger`` that is :func:`tracking_logger`, else ``None``."""
+    logger = config.get("trainer", {}).get("logger")
+    name = f"{tracking_logger.__module__}.{tracking_logger.__qualname__}"
+    if getattr(logger, "class_path", None) == name:
+        return logger.init_args
+    return None
+
+
 class GRPOCLI(LightningCLI):
     """``LightningCLI`` for :class:`~tlt_lightning.rl.GRPOModule`, with only the ``fit`` subcommand.
 
@@ -239,6 +267,8 @@ class GRPOCLI(LightningCLI):
             GRPOModule,
             save_config_callback=TrackingSaveConfig,
             save_config_kwargs={"save_to_log_dir": False},
+            # Every checkpoint names its MLflow run: `fit --ckpt_path` continues that run.
+            trainer_defaults={"callbacks": [MLflowRunCheckpoint()]},
             seed_everything_default=0,
             auto_configure_optimizers=False,
             parser_kwargs={"fit": {"prog": "tlt-lightning fit"}},
@@ -293,6 +323,14 @@ class GRPOCLI(LightningCLI):
             if threads < 1:
                 raise ValueError(f"threads must be an int >= 1, got {threads}")
             torch.set_num_threads(threads)
+        logger = _tracking_logger_args(config)
+        if logger is not None and mlflow_available(logger.tracking_uri):
+            # Here, not inside the logger factory: jsonargparse would report a failure while it
+            # instantiates the logger as a config that "does not validate against" the logger type.
+            prepare_store(logger.tracking_uri, logger.experiment_name,
+                          _artifact_location(logger.tracking_uri, logger.artifact_location))
+            if config.get("ckpt_path") and logger.get("run_id") is None:
+                logger.run_id = resumable_run_id(str(config.ckpt_path), logger.tracking_uri)
 
 
 def main(args: Sequence[str]) -> None:
@@ -305,5 +343,7 @@ def main(args: Sequence[str]) -> None:
     saved, sys.argv = sys.argv, ["tlt-lightning", *args]
     try:
         GRPOCLI()
+    except TrackingStoreError as err:  # the store, not the config: one line naming it and the cause
+        raise SystemExit(f"tlt-lightning fit: {err}") from err
     finally:
         sys.argv = saved

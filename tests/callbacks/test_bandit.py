@@ -42,9 +42,10 @@ def test_both_callbacks_fit_two_steps(tmp_path):
         counts = [metrics[f"bandit/{label}/count/{arm_key(a).replace('/', '_')}"] for a in chooser.arms[0]]
         assert sum(counts) == metrics[f"bandit/{label}/decisions"]
     assert metrics["drafter/version"] == 2.0 and "drafter/loss" in metrics
-    # The heat map and the best arms are written at the end of fit.
-    assert (tmp_path / "bandit" / "heatmap.png").stat().st_size > 0
-    best = json.loads((tmp_path / "bandit" / "best_arms.json").read_text())["best_arms"]
+    # The heat map and the best arms are written at the end of fit, in the run's own directory.
+    assert bandit.run_dir == spot.run_dir == tmp_path / "version_0"
+    assert (bandit.run_dir / "bandit" / "heatmap.png").stat().st_size > 0
+    best = json.loads((bandit.run_dir / "bandit" / "best_arms.json").read_text())["best_arms"]
     assert best == {label: {"arm": arm_key(arm), "index": chooser.arms[0].index(arm)}
                     for label, arm in chooser.best_arms().items()}
 
@@ -119,7 +120,7 @@ def test_other_choosers_and_no_speculation(tmp_path):
     assert {arm_key(d.arm) for d in fixed.chooser.history} == {"chain2"}
     ucb = BanditCallback(UCBStrategy())
     make_trainer(1, callbacks=[ucb], default_root_dir=tmp_path).fit(make_module())  # no drafter: no decisions
-    assert ucb.chooser.history == [] and (tmp_path / "bandit" / "heatmap.png").is_file()
+    assert ucb.chooser.history == [] and (ucb.run_dir / "bandit" / "heatmap.png").is_file()
 
 
 def test_begmab_is_not_a_lightning_strategy():

@@ -24,13 +24,14 @@ def test_probe_compares_spot_and_frozen_drafters(tmp_path):
     assert probe.history[0]["spot"] == probe.history[0]["frozen"] >= 1.0
     assert all(1.0 <= h[k] <= 3.0 for h in probe.history for k in ("spot", "frozen"))  # chain2: 1..3 tokens
     # The spot drafter trained (its final checkpoint) while the frozen copy did not.
-    trained = load_drafter(next((tmp_path / "drafter" / "checkpoints").iterdir()), module.rollout_target)
+    assert probe.run_dir == spot.run_dir == tmp_path / "version_0"
+    trained = load_drafter(next((spot.run_dir / "drafter" / "checkpoints").iterdir()), module.rollout_target)
     assert not all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(),
                                                      probe._frozen.state_dict().values()))
     assert {"drift/accept_length_spot", "drift/accept_length_frozen"} <= set(trainer.callback_metrics)
-    saved = json.loads((tmp_path / "drift" / "drift.json").read_text())
+    saved = json.loads((probe.run_dir / "drift" / "drift.json").read_text())
     assert saved["history"] == probe.history and saved["strategy"] == "chain2"
-    assert (tmp_path / "drift" / "drift.png").stat().st_size > 5_000
+    assert (probe.run_dir / "drift" / "drift.png").stat().st_size > 5_000
 
 
 def test_probe_needs_a_spot_callback_and_enough_prompts(tmp_path):

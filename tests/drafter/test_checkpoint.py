@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from tlt_lightning.drafter import AsyncCheckpointer, load_drafter, snapshot_state
+from tlt_lightning.models import HFTarget, load_model
 
 from .conftest import make_drafter
 
@@ -122,19 +124,26 @@ def test_keep_and_superseded(llama, tmp_path):
     ckpt.save(d, None, 5)  # the same step again replaces it
     ckpt.wait(30)
     assert [p.name for p in ckpt.checkpoints()] == ["step-00000004", "step-00000005"]
-    assert ckpt.state_dict() == {"saved": 5, "superseded": 1}  # 1, 3, 4, 5, 5
+    state = ckpt.state_dict()
+    assert (state["saved"], state["superseded"]) == (5, 1)  # 1, 3, 4, 5, 5
+    assert state["owned"] == [4, 5] and state["writers"] == [ckpt.writer_id]
 
 
 def test_save_does_not_block_on_a_slow_writer(llama, tmp_path):
     d = make_drafter(llama)
     ckpt = AsyncCheckpointer(tmp_path)
-    ckpt._hook = lambda stage, tmp: time.sleep(0.5) if stage == "weights" else None
-    start = time.perf_counter()
-    ckpt.save(d, trained(d), 1)
-    assert time.perf_counter() - start < 0.4 and ckpt.in_flight
-    assert ckpt.last_blocking_s < 0.4
-    ckpt.wait(30)
-    assert ckpt.latest() is not None
+    writing, gate = threading.Event(), threading.Event()
+
+    def stall(stage, tmp):
+        if stage == "weights":
+            writing.set()
+            assert gate.wait(30)
+
+    ckpt._hook = stall
+    ckpt.save(d, trained(d), 1)  # returns although the writer cannot finish until the gate opens
+    assert writing.wait(30) and ckpt.in_flight and ckpt.latest() is None
+    gate.set()
+    assert ckpt.wait(30) and ckpt.latest().name == "step-00000001"
 
 
 def test_writer_failure_is_raised_later(llama, tmp_path):
@@ -252,10 +261,121 @@ def test_sigkill_during_save_leaves_previous_checkpoint_loadable(llama, tmp_path
     reference = make_drafter(llama, seed=0)
     for k, v in reference.state_dict().items():
         assert d.state_dict()[k].equal(v), k
-    # The next save cleans up the dead process's temp dir.
+    # The next save cleans up the dead process's temp dir, but keeps its checkpoint (not this writer's) ...
     ckpt.save(d, opt, 3)
     ckpt.wait(30)
-    assert not partial.exists() and [p.name for p in ckpt.checkpoints()] == ["step-00000003"]
+    assert not partial.exists() and [p.name for p in ckpt.checkpoints()] == ["step-00000001", "step-00000003"]
+    assert ckpt.owns(ckpt.latest()) and not ckpt.owns(directory / "step-00000001")
+    # ... unless it resumes that writer (its state restored from a Lightning checkpoint): then it prunes it.
+    dead_writer = json.loads((directory / "step-00000001" / "meta.json").read_text())["writer"]
+    ckpt.load_state_dict({"writers": [dead_writer], "owned": [1]})
+    ckpt.save(d, opt, 4)
+    ckpt.wait(30)
+    assert [p.name for p in ckpt.checkpoints()] == ["step-00000004"]
+    assert sorted(p.name for p in directory.iterdir()) == ["stalled", "step-00000004"]  # nothing stray
+
+
+# ---------------------------------------------------------------------------------- several writers
+
+
+def entries(directory: Path) -> list[str]:
+    """Everything in ``directory``; every ``step-*`` folder must be a complete checkpoint."""
+    names = sorted(p.name for p in directory.iterdir())
+    for name in names:
+        assert ".tmp-" not in name, f"stray temporary {name}"
+        assert (directory / name / "meta.json").is_file(), f"incomplete or empty {name}"
+    return names
+
+
+def _save_all(ckpt: AsyncCheckpointer, drafter, steps, errors: list) -> None:
+    try:
+        for step in steps:
+            ckpt.save(drafter, None, step)
+            ckpt.wait(60)
+    except Exception as err:  # noqa: BLE001 -- reported by the test
+        errors.append(err)
+
+
+def test_two_writers_in_one_folder_lose_no_save_and_leave_nothing_stray(llama, tmp_path):
+    d = make_drafter(llama)
+    a, b = AsyncCheckpointer(tmp_path, keep=2), AsyncCheckpointer(tmp_path, keep=2)
+    errors: list = []
+    threads = [threading.Thread(target=_save_all, args=(a, d, range(1, 40, 2), errors)),
+               threading.Thread(target=_save_all, args=(b, d, range(2, 41, 2), errors))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and a.saved == b.saved == 20
+    # Each writer pruned only its own checkpoints: the newest two of each are left.
+    assert entries(tmp_path) == ["step-00000037", "step-00000038", "step-00000039", "step-00000040"]
+    assert [a.owns(tmp_path / n) for n in entries(tmp_path)] == [True, False, True, False]
+
+
+def test_pruning_never_deletes_another_writers_checkpoints(llama, tmp_path):
+    """The reported loss: a 12-step run's checkpoints pruned right away because a 30-step run's were newer."""
+    d = make_drafter(llama)
+    long_run = AsyncCheckpointer(tmp_path, keep=2)
+    for step in (10, 20, 30):
+        long_run.save(d, None, step)
+        long_run.wait(30)
+    short_run = AsyncCheckpointer(tmp_path, keep=2)
+    for step in (4, 8, 12):
+        short_run.save(d, None, step)
+        short_run.wait(30)
+    assert entries(tmp_path) == ["step-00000008", "step-00000012", "step-00000020", "step-00000030"]
+
+
+def test_the_same_step_from_two_writers_ends_complete(llama, tmp_path):
+    """Writer A is held just before its rename while B saves the same step: both land, A's rename wins."""
+    d = make_drafter(llama)
+    a, b = AsyncCheckpointer(tmp_path, keep=1), AsyncCheckpointer(tmp_path, keep=1)
+    at_rename, go = threading.Event(), threading.Event()
+
+    def hold(stage, tmp):
+        if stage == "rename":
+            at_rename.set()
+            assert go.wait(30)
+
+    a._hook = hold
+    a.save(d, None, 5)
+    assert at_rename.wait(30)
+    b.save(d, None, 5)  # B's whole save (stale clean-up, rename, prune) while A's temporary exists
+    assert b.wait(30) and b.owns(tmp_path / "step-00000005")
+    go.set()
+    assert a.wait(30) and a.saved == b.saved == 1
+    assert entries(tmp_path) == ["step-00000005"] and a.owns(tmp_path / "step-00000005")
+    b.save(d, None, 6)  # B's keep=1 prunes B's own step 5 only, which A has replaced: nothing to delete
+    assert b.wait(30) and entries(tmp_path) == ["step-00000005", "step-00000006"]
+
+
+def _process_writer(directory: str, first: int, start, results) -> None:
+    torch.set_num_threads(1)
+    target = HFTarget(load_model("tiny-llama").model)
+    drafter = make_drafter(target)
+    ckpt, errors = AsyncCheckpointer(directory, keep=3), []
+    start.wait(60)
+    _save_all(ckpt, drafter, range(first, first + 60, 2), errors)
+    results.put((first, ckpt.saved, [repr(e) for e in errors]))
+
+
+def test_two_processes_in_one_folder_lose_no_save(tmp_path):
+    """Two processes write 30 checkpoints each into one folder at once (the reported 183/300 failures)."""
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(2), context.Queue()
+    procs = [context.Process(target=_process_writer, args=(str(tmp_path), first, start, results))
+             for first in (1, 2)]
+    for proc in procs:
+        proc.start()
+    try:
+        outcome = sorted(results.get(timeout=300) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+    assert outcome == [(1, 30, []), (2, 30, [])]
+    assert entries(tmp_path) == [f"step-{s:08d}" for s in range(55, 61)]
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -117,3 +118,19 @@ def test_missing_extra_names_it(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ImportError, match=r"the torchtune recipe needs torchtune: pip install 'tlt-lightning\[torchtune\]'"):
         load_config(CONFIG)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed")
+def test_a_resumed_recipe_continues_its_mlflow_run(tmp_path):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    common = [f"output_dir={tmp_path / 'out'}", "module.rollout_progress=false", f"logger.tracking_uri={uri}"]
+    first, _ = run(load_config(CONFIG, [*common, "trainer.max_steps=1"]))
+    (last,) = (tmp_path / "out").glob(f"*/{first.logger.run_id}/checkpoints/last.ckpt")
+    second, _ = run(load_config(CONFIG, [*common, "trainer.max_steps=2", f"ckpt_path={last}"]))
+    assert second.global_step == 2 and second.logger.run_id == first.logger.run_id
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    (found,) = client.search_runs([first.logger.experiment_id])
+    assert found.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")) == [0, 1]

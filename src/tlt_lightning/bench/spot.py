@@ -174,7 +174,8 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "median": {"wall_s": median([s["wall_s"] for s in timed]), **per_token(timed)},
     }
     if spot_on:
-        summary = json.loads((root / "drafter" / "summary.json").read_text())
+        (run,) = root.glob("version_*")  # the fit's own directory (tracking.run_dir; no logger: version_0)
+        summary = json.loads((run / "drafter" / "summary.json").read_text())
         latencies = sorted(x for r in ranks for x in r["latencies_s"])
         # No latency when no rank was preempted while training (a tail shorter than min_idle_s).
         p50, p99 = (
@@ -194,7 +195,7 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
             "preemption_latency_p99_s": p99,
             "top1": [s.get("all/drafter/top1") for s in ranks[0]["spot_steps"]],
             "accept_length": [s.get("all/drafter/accept_length") for s in ranks[0]["spot_steps"]],
-            "timeline": str(root / "drafter" / "timeline" / "fit.png"),
+            "timeline": str(run / "drafter" / "timeline" / "fit.png"),
         }
     m = out["median"]
     print(f"[bench spot] ddp {name}: median step {m['wall_s']:.1f} s, {m['wall_ms_per_token']:.1f} ms per token",

@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.scheduling import BEGMABStrategy, BucketedChooser, StepCostModel, arm_key
-from tlt_lightning.tracking import log_artifact
+from tlt_lightning.tracking import log_artifact, run_dir
 
 __all__ = ["BanditCallback"]
 
@@ -49,8 +49,8 @@ class BanditCallback(L.Callback):
     ``bandit/{b}/best_arm`` (index into the bucket's arms of the arm it currently rates best) and,
     with ``log_arm_counts``, ``bandit/{b}/count/{arm}`` (how often each arm ran in this rollout).
     At the end of fit: ``bandit/heatmap.png`` (arm choice per bucket over time) and
-    ``bandit/best_arms.json`` under ``default_root_dir`` (also as MLflow artifacts with an
-    :class:`~lightning.pytorch.loggers.MLFlowLogger`).
+    ``bandit/best_arms.json`` under the run's own directory (:func:`~tlt_lightning.tracking.run_dir`;
+    also as MLflow artifacts with an :class:`~lightning.pytorch.loggers.MLFlowLogger`).
 
     Args:
         chooser: a :class:`~tlt_lightning.scheduling.BucketedChooser` (``BEGMABStrategy``,
@@ -100,12 +100,14 @@ class BanditCallback(L.Callback):
         self.reproducible = self.chooser.reproducible
         self.heatmap_bins, self.log_arm_counts = heatmap_bins, bool(log_arm_counts)
         self._last = -1  # index of the last decision already logged
+        self.run_dir: Path | None = None  # the run's own directory, set at setup
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not isinstance(pl_module, GRPOModule):
             raise TypeError(f"BanditCallback needs a GRPOModule, got {type(pl_module).__name__}")
         pl_module.strategy_chooser = self.chooser
+        self.run_dir = run_dir(trainer)  # on every rank: rank 0's directory, broadcast
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -144,7 +146,7 @@ class BanditCallback(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         rank = trainer.global_rank
         suffix = "" if rank == 0 else f"-rank{rank}"
-        directory = Path(trainer.default_root_dir) / "bandit"
+        directory = self.run_dir / "bandit"
         heatmap = self.chooser.plot_heatmap(directory / f"heatmap{suffix}.png", self.heatmap_bins)
         best = {}
         for b, (label, arm) in enumerate(zip(self.chooser.bucket_labels, self._best_per_bucket())):

@@ -12,7 +12,8 @@ rollout of fixed probe prompts on the *current* policy with
 with the same chain strategy, the same random seed and speculation at every step, and logs their
 mean accept lengths (``drift/accept_length_spot``, ``drift/accept_length_frozen``) and the probe's
 cost (``drift/probe_seconds``: measurement time, not part of the method's overhead). At the end of
-fit it writes ``drift/drift.json`` and ``drift/drift.png`` under ``default_root_dir``.
+fit it writes ``drift/drift.json`` and ``drift/drift.png`` under the run's own directory
+(:func:`~tlt_lightning.tracking.run_dir`).
 
 Probe prompts are the last ``num_prompts`` prompts of the module's prompt source, which a short run
 does not train on.
@@ -34,7 +35,7 @@ from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.rollout import RolloutConfig
 from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
 from tlt_lightning.speculative import SDStrategy
-from tlt_lightning.tracking import log_artifact
+from tlt_lightning.tracking import log_artifact, run_dir
 
 __all__ = ["DrafterDriftProbe"]
 
@@ -74,6 +75,7 @@ class DrafterDriftProbe(L.Callback):
         self.history: list[dict[str, float]] = []
         self._spot: SpotDrafterCallback | None = None
         self._frozen: Drafter | None = None
+        self.run_dir: Path | None = None  # the run's own directory, set at train start
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -86,6 +88,7 @@ class DrafterDriftProbe(L.Callback):
                 f"task {pl_module.prompt_source.name!r}"
             )
         self._spot = spots[0]
+        self.run_dir = run_dir(trainer)  # on every rank: rank 0's directory, broadcast
         self._frozen = self._spot.drafter.for_target(pl_module.rollout_target).eval().requires_grad_(False)
         self._probe(trainer, pl_module)
 
@@ -130,7 +133,7 @@ class DrafterDriftProbe(L.Callback):
             return
         from tlt_lightning.bench.common import write_json
 
-        directory = Path(trainer.default_root_dir) / "drift"
+        directory = self.run_dir / "drift"
         path = write_json(directory / "drift.json", {"strategy": str(self.strategy), "history": self.history})
         figure = plot_drift(self.history, directory / "drift.png", str(self.strategy))
         log_artifact(trainer, path, "drift")

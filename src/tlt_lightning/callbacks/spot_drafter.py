@@ -79,6 +79,7 @@ from tlt_lightning.tracking import (
     log_artifact,
     mlflow_loggers,
     plot_accept_lengths,
+    run_dir,
 )
 
 __all__ = ["SpotDrafterCallback"]
@@ -128,7 +129,7 @@ class SpotDrafterCallback(L.Callback):
         buffer_mb: memory bound of the rollout buffer in MiB (``> 0``); oldest rollouts are evicted.
         packing_budget: samples (tokens) packed into one drafter training step (``>= 2``).
         checkpoint_interval: save the drafter asynchronously every this many RL steps (rank 0,
-            under ``default_root_dir/drafter/checkpoints``); ``None``: only at the end of fit.
+            under ``<run dir>/drafter/checkpoints``); ``None``: only at the end of fit.
         min_idle_s: train in a tail only if it lasts at least this long after the worker's share
             (``>= 0`` seconds).
         max_steps_per_rollout: paid training between rollouts (single worker, or when no rank
@@ -169,6 +170,11 @@ class SpotDrafterCallback(L.Callback):
         ``drafter/buffer_mb`` and ``drafter/buffer_tokens`` (per rank), ``drafter/accept_length``
         (mean tokens per speculative step of this rollout) and ``drafter/preemption_latency_s``.
 
+    Files, under the run's own directory (:func:`~tlt_lightning.tracking.run_dir`: for
+    ``tlt-lightning fit`` ``<default_root_dir>/<experiment id>/<run id>/``, beside Lightning's
+    ``checkpoints/``), rank 0: ``drafter/checkpoints/step-XXXXXXXX/``, ``drafter/timeline/*.png``,
+    ``drafter/summary.json`` and ``drafter/accept_length.png`` (also MLflow artifacts).
+
     Attributes:
         drafter: the trained drafter (after fit also ``module.drafter``); ``optimizer``,
             ``buffer``, ``coordinator``, ``publisher``, ``checkpointer``: the objects it drives;
@@ -178,6 +184,7 @@ class SpotDrafterCallback(L.Callback):
             resumed fit does not register a step twice); ``registered_versions``: the
             ``ModelVersion`` objects this fit created.
         local_stats: this rank's share of the last RL step.
+        run_dir: the run's own output directory (set at fit start).
 
     Example:
         >>> # trainer = L.Trainer(max_steps=100, callbacks=[SpotDrafterCallback(lr=3e-4)])
@@ -258,11 +265,14 @@ class SpotDrafterCallback(L.Callback):
         self.steps = self.tail_steps = self.paid_steps = self.rl_steps = 0
         self.paid_seconds = 0.0
         self.last_checkpoint: str | None = None
+        self.run_dir: Path | None = None  # this run's own directory (tracking.run_dir), set at fit start
         self.last_metrics: dict[str, float] = {}  # what the last RL step logged
         self._saved_at = -1
         self._accepts: list[tuple[int, float]] = []  # (RL step, mean accept length) of this fit
         self._accept_hist = torch.zeros(0, dtype=torch.long)  # request-steps per tokens emitted
         self.registrar = CheckpointRegistrar(None)  # named at fit start: rank 0 with an MLFlowLogger
+        self._resumed = False  # this fit restored a Lightning checkpoint's state
+        self._finished = False  # the end-of-fit save / registration / summary ran in this fit
 
     @property
     def registered_steps(self) -> list[int]:
@@ -281,6 +291,7 @@ class SpotDrafterCallback(L.Callback):
         self._module = module
         drafter = self._initial_drafter(module)
         self._pending, pending = None, self._pending or {}
+        self._resumed, self._finished = bool(pending), False
         saved_config = pending.get("drafter_config")
         if saved_config is not None and DrafterConfig.from_dict(saved_config) != drafter.config:
             # The checkpoint's drafter wins (e.g. resumed with other callback arguments).
@@ -294,7 +305,8 @@ class SpotDrafterCallback(L.Callback):
         )
         self.spot_trainer = SpotTrainer(drafter, target, self.buffer, config, rank=self.coordinator.rank)
         self.drafter, self.optimizer = drafter, self.spot_trainer.optimizer
-        self.checkpointer = AsyncCheckpointer(Path(trainer.default_root_dir) / "drafter" / "checkpoints")
+        self.run_dir = run_dir(trainer)  # on every rank: rank 0's directory, broadcast
+        self.checkpointer = AsyncCheckpointer(self.run_dir / "drafter" / "checkpoints")
         registry = trainer.is_global_zero and bool(mlflow_loggers(trainer))
         self.registrar = CheckpointRegistrar(  # its registered_steps are restored by _apply
             (self.registered_model_name or drafter_model_name(str(module.hparams.model))) if registry else None
@@ -470,7 +482,7 @@ class SpotDrafterCallback(L.Callback):
         self.checkpointer.save(self.drafter, self.optimizer, rl_step, extra)  # returns at once
         self._saved_at = rl_step
         self.last_checkpoint = str(self.checkpointer.directory / f"step-{rl_step:08d}")
-        self.registrar.request(rl_step, requested)
+        self.registrar.request(rl_step, requested, self.last_checkpoint)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -487,6 +499,7 @@ class SpotDrafterCallback(L.Callback):
                          "rl_steps": self.rl_steps, "paid_seconds": self.paid_seconds},
             "last_checkpoint": self.last_checkpoint,
             "registered_steps": list(self.registered_steps),
+            "registrar": self.registrar.state_dict(),  # also the saves not registered yet
         }
 
     @override
@@ -518,7 +531,10 @@ class SpotDrafterCallback(L.Callback):
             setattr(self, key, int(counters.get(key, getattr(self, key))))
         self.paid_seconds = float(counters.get("paid_seconds", self.paid_seconds))
         self.last_checkpoint = state.get("last_checkpoint", self.last_checkpoint)
-        self.registrar.registered_steps = [int(s) for s in state.get("registered_steps", self.registered_steps)]
+        self.registrar.load_state_dict(state.get("registrar", {}))
+        if "registrar" not in state:  # a checkpoint from before the registrar had its own state
+            steps = state.get("registered_steps", self.registered_steps)
+            self.registrar.registered_steps = [int(s) for s in steps]
 
     # ------------------------------------------------------------------------------ timeline / end
     def _gather(self, since: float | None) -> tuple[list[Segment], list[Segment]]:
@@ -544,7 +560,7 @@ class SpotDrafterCallback(L.Callback):
             shown = [piece for s in segments for piece in _without(s, paid)] + paid
             per_worker = sum(s.end - s.start for s in paid) / max(1, len({s.worker for s in segments}))
             title = f"{label}: idle recovered {recovered:.0%}, paid training {per_worker:.1f} s/worker"
-            path = plot_timeline(shown, Path(trainer.default_root_dir) / "drafter" / "timeline" / name, title)
+            path = plot_timeline(shown, self.run_dir / "drafter" / "timeline" / name, title)
             log_artifact(trainer, path, "drafter/timeline")
         return recovered
 
@@ -556,7 +572,31 @@ class SpotDrafterCallback(L.Callback):
         self._epoch_start = time.time()
 
     @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A resumed fit: the drafter saved at the step it resumes from may not have landed, or not
+        # been registered, before the first fit stopped. The restored drafter is that very drafter
+        # (weights, optimizer, counters): save it again, registered like any other save.
+        step = trainer.global_step
+        last = self.last_checkpoint
+        saved_there = last is not None and Path(last).name == f"step-{step:08d}"
+        if (
+            self._resumed and trainer.is_global_zero and step not in self.registered_steps
+            and (saved_there or step in self.registrar.pending_steps)
+        ):
+            self._save(step)
+
+    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._finish(trainer)
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._finished:  # resumed from the last step: no training ran, Lightning skipped on_train_end
+            self._finish(trainer)
+
+    def _finish(self, trainer: L.Trainer) -> None:
+        """End of fit: the final drafter saved, every save registered (rank 0), timeline and summary."""
+        self._finished = True
         recovered = self._plot(trainer, None, "fit.png", "whole fit") if self.timeline else None
         if trainer.is_global_zero:
             self._save(trainer.global_step)
@@ -566,8 +606,8 @@ class SpotDrafterCallback(L.Callback):
                        "paid_steps": self.paid_steps, "paid_seconds_rank0": self.paid_seconds,
                        "idle_fraction_recovered": recovered, "rl_steps": self.rl_steps,
                        "version": self.publisher.version, "checkpoint": self.last_checkpoint,
-                       "rank0": self.coordinator.stats()}
-            path = Path(trainer.default_root_dir) / "drafter" / "summary.json"
+                       "run_dir": str(self.run_dir), "rank0": self.coordinator.stats()}
+            path = self.run_dir / "drafter" / "summary.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(summary, indent=2) + "\n")
             log_artifact(trainer, path, "drafter")

@@ -2,10 +2,17 @@
 
 :meth:`AsyncCheckpointer.save` copies the tensors to CPU on the caller's thread (a memory copy:
 milliseconds for a one-layer drafter) and hands the copy to a background writer thread, which
-writes ``step-XXXXXXXX.tmp-PID/``, fsyncs every file and the directory, then renames it to
-``step-XXXXXXXX/``. A process killed mid-save leaves at worst a stray ``*.tmp-*`` directory (removed
-by the next save); :meth:`latest` only ever sees complete checkpoints, and the previous ones are
-deleted (beyond ``keep``) only after the new one is in place.
+writes ``step-XXXXXXXX.tmp-<host>-<pid>-<writer>/``, fsyncs every file and the directory, then
+renames it to ``step-XXXXXXXX/``. A process killed mid-save leaves at worst a stray ``*.tmp-*``
+directory (removed by the next save of any writer on the same machine, once that process is gone);
+:meth:`latest` only ever sees complete checkpoints, and the previous ones are deleted (beyond
+``keep``) only after the new one is in place.
+
+Several writers may share one directory (two runs on one ``default_root_dir``, two processes): each
+temporary name is unique to its writer (host, process and a random writer id), a writer removes only
+its own temporaries (and those of dead processes on its machine), a checkpoint is deleted by first
+renaming it to a private name (no reader or writer ever sees a half-deleted ``step-*`` folder), and
+pruning (``keep``) only touches the checkpoints this writer wrote (``meta.json`` names the writer).
 
 Layout of one checkpoint (``model.safetensors`` + ``drafter_config.json`` is the format of
 :func:`~tlt_lightning.drafter.save_drafter`, so :func:`~tlt_lightning.drafter.load_drafter` and
@@ -15,7 +22,7 @@ the exporters read it directly)::
         model.safetensors      the drafter's own tensors
         drafter_config.json    its config
         optimizer.pt           the optimizer's state_dict (torch.save)
-        meta.json              {"step": 42, "extra": {...}, "time": ...}
+        meta.json              {"step": 42, "extra": {...}, "time": ..., "writer": "..."}
 
 ``torch.distributed.checkpoint.async_save`` also runs on CPU without a process group (torch 2.13,
 with a warning), but writes sharded ``.distcp`` files in place (no rename: a kill leaves a
@@ -24,13 +31,17 @@ half-written checkpoint under its final name) that only DCP can read back, not a
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import pickle
 import re
 import shutil
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -47,6 +58,34 @@ __all__ = ["AsyncCheckpointer", "CheckpointInfo", "benchmark_checkpoint", "snaps
 OPTIMIZER_NAME = "optimizer.pt"
 META_NAME = "meta.json"
 _NAME = re.compile(r"^step-(\d{8,})$")
+# step-XXXXXXXX.tmp-<host>-<pid>-<writer>[-old]; before writers had ids: step-XXXXXXXX.tmp-<pid>[-old]
+_TEMP = re.compile(
+    r"^step-\d{8,}\.tmp-(?:(?P<host>[0-9a-f]{8})-)?(?P<pid>\d+)(?:-(?P<writer>[0-9a-f]{12}))?(?:-old)?$"
+)
+_PUBLISH_ATTEMPTS = 100  # renames lost to other writers of the same step before giving up
+
+
+def _host_id() -> str:
+    """This machine, as 8 hex digits (a process id means something only on its own machine)."""
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _read_meta(path: Path) -> dict[str, Any] | None:
+    try:
+        meta = json.loads((path / META_NAME).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 class CheckpointInfo(NamedTuple):
@@ -114,15 +153,19 @@ def _fsync_dir(path: Path) -> None:
 class AsyncCheckpointer:
     """Background, atomic drafter + optimizer checkpoints in ``directory``, keeping the newest ``keep``.
 
-    One checkpointer per directory (e.g. only rank 0 saves). If a save is requested while the
-    previous one is still being written, the newer snapshot waits as the single pending job; a
-    still newer one replaces it (counted in :attr:`superseded`): the caller never waits and at most
-    three snapshots are held in memory (being written, pending, spare buffers). A failure in the writer is raised by the next :meth:`save` or
-    :meth:`wait`.
+    If a save is requested while the previous one is still being written, the newer snapshot waits
+    as the single pending job; a still newer one replaces it (counted in :attr:`superseded`): the
+    caller never waits and at most three snapshots are held in memory (being written, pending,
+    spare buffers). A failure in the writer is raised by the next :meth:`save` or :meth:`wait`.
+
+    Other writers (threads, processes, runs) may save into the same directory at the same time:
+    every save still lands, none deletes another's files, and no empty or partial ``step-*``
+    folder is left. The same step saved by two writers: the later rename wins.
 
     Args:
         directory: where the ``step-*`` checkpoints live (created on first save).
-        keep: complete checkpoints to keep (``>= 1``); older ones are deleted after a new one lands.
+        keep: checkpoints *of this writer* to keep (``>= 1``); its older ones are deleted after a
+            new one lands. Checkpoints of other writers in the directory are never deleted.
         reuse_buffers: keep the CPU buffers of the last written snapshot and copy the next one into
             them (the caller's copy then takes about half as long, for one snapshot of memory
             held between saves).
@@ -141,6 +184,11 @@ class AsyncCheckpointer:
         self.reuse_buffers = bool(reuse_buffers)
         self.saved = 0
         self.superseded = 0
+        # This writer's id, in its temporary names and in meta.json ("writer"): what it may delete.
+        self.writer_id = uuid.uuid4().hex[:12]
+        self._writers = {self.writer_id}  # its own id and those restored by load_state_dict (a resumed run)
+        self._owned: list[int] = []  # steps this writer (or the run it resumes) wrote, oldest first
+        self._temp_suffix = f"tmp-{_host_id()}-{os.getpid()}-{self.writer_id}"
         self.last_blocking_s = 0.0  # caller-side time of the last save()
         self.last_write_s = 0.0  # writer-side time of the last completed checkpoint
         self._lock = threading.Lock()
@@ -193,6 +241,7 @@ class AsyncCheckpointer:
                 "step": step,
                 "extra": extra_json,
                 "time": time.time(),
+                "writer": self.writer_id,
             },
         )
         with self._lock:
@@ -229,12 +278,10 @@ class AsyncCheckpointer:
 
     def _write(self, job: _Job) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob("step-*.tmp-*"):  # left by a killed process
-            if not stale.name.endswith(f".tmp-{os.getpid()}"):
-                shutil.rmtree(stale, ignore_errors=True)
+        self._remove_stale()
         final = self.directory / f"step-{job.step:08d}"
-        tmp = self.directory / f"{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = self.directory / f"{final.name}.{self._temp_suffix}"
+        shutil.rmtree(tmp, ignore_errors=True)  # our own, from a failed write
         tmp.mkdir()
         try:
             save_file(job.weights, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
@@ -246,25 +293,68 @@ class AsyncCheckpointer:
             self._stage("optimizer", tmp)
             config = {"format_version": job.meta["format_version"], "config": job.meta["config"]}
             (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-            meta = {k: job.meta[k] for k in ("step", "extra", "time")}
+            meta = {k: job.meta[k] for k in ("step", "extra", "time", "writer")}
             (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
             for name in (CONFIG_NAME, META_NAME):
                 _fsync_file(tmp / name)
             _fsync_dir(tmp)
             self._stage("rename", tmp)
-            if final.exists():  # the same step saved again: move the old one aside first
-                old = self.directory / f"{final.name}.tmp-{os.getpid()}-old"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
+            self._publish(tmp, final)
             _fsync_dir(self.directory)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for old in self.checkpoints()[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        with self._lock:
+            self._owned = [s for s in self._owned if s != job.step] + [job.step]
+            expired = sorted(self._owned)[: -self.keep]
+            self._owned = [s for s in self._owned if s not in expired]
+        for step in expired:
+            self._delete(self.directory / f"step-{step:08d}")
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """Rename the complete ``tmp`` to ``final``; an existing ``final`` (the same step saved again,
+        by this or another writer) is first moved aside to a private name, then deleted."""
+        aside = self.directory / f"{final.name}.{self._temp_suffix}-old"
+        for _ in range(_PUBLISH_ATTEMPTS):
+            try:
+                os.rename(tmp, final)  # atomic; fails while ``final`` is a non-empty directory
+                return
+            except OSError as err:
+                if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+            shutil.rmtree(aside, ignore_errors=True)
+            try:
+                os.rename(final, aside)
+            except FileNotFoundError:  # another writer moved it first: try again
+                continue
+            shutil.rmtree(aside, ignore_errors=True)
+        raise RuntimeError(f"could not rename {tmp.name} to {final}: other writers kept replacing it")
+
+    def _delete(self, path: Path) -> None:
+        """Delete ``path`` if it is a checkpoint of this writer: renamed away first, then removed."""
+        meta = _read_meta(path)
+        if meta is None or meta.get("writer") not in self._writers:
+            return  # gone, or replaced by another writer's save of the same step: not ours to delete
+        trash = self.directory / f"{path.name}.{self._temp_suffix}-old"
+        shutil.rmtree(trash, ignore_errors=True)
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _remove_stale(self) -> None:
+        """Remove temporaries left by this writer, or by processes of this machine that are gone."""
+        host, pid = _host_id(), os.getpid()
+        for stale in self.directory.glob("step-*.tmp-*"):
+            found = _TEMP.match(stale.name)
+            if found is None:
+                continue
+            if found["writer"] == self.writer_id and int(found["pid"]) == pid:
+                shutil.rmtree(stale, ignore_errors=True)
+            elif (found["host"] in (None, host) and int(found["pid"]) != pid
+                  and not _process_alive(int(found["pid"]))):
+                shutil.rmtree(stale, ignore_errors=True)
 
     def _stage(self, stage: str, tmp: Path) -> None:
         if self._hook is not None:
@@ -294,6 +384,11 @@ class AsyncCheckpointer:
             return self._thread is not None
 
     # ------------------------------------------------------------------------------ reading
+    def owns(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` is a complete checkpoint written by this writer (or the run it resumes)."""
+        meta = _read_meta(Path(path))
+        return meta is not None and meta.get("writer") in self._writers
+
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints in ``directory``, oldest first."""
         if not self.directory.is_dir():
@@ -365,11 +460,22 @@ class AsyncCheckpointer:
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {"saved": self.saved, "superseded": self.superseded}
+        """Counters, and which checkpoints are this writer's (so that a resumed run prunes them)."""
+        with self._lock:
+            return {"saved": self.saved, "superseded": self.superseded, "writers": sorted(self._writers),
+                    "owned": list(self._owned)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.saved = int(state.get("saved", self.saved))
-        self.superseded = int(state.get("superseded", self.superseded))
+        """Restore a :meth:`state_dict`; missing keys keep their current values.
+
+        The restored writers' checkpoints count as this writer's own (``keep``, :meth:`owns`).
+        """
+        with self._lock:
+            self.saved = int(state.get("saved", self.saved))
+            self.superseded = int(state.get("superseded", self.superseded))
+            self._writers |= {str(w) for w in state.get("writers", ())}
+            restored = [int(s) for s in state.get("owned", ())]
+            self._owned = [s for s in restored if s not in self._owned] + self._owned
 
 
 def benchmark_checkpoint(

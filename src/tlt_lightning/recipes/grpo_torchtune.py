@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from tlt_lightning.models.hardware import training_precision
+from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, resumable_run_id
 
 __all__ = ["SECTIONS", "check_config", "load_config", "main", "run"]
 
@@ -204,8 +205,17 @@ def run(config: dict[str, Any]) -> tuple[Any, Any]:
     L.seed_everything(config.get("seed", 0))
     source = _instantiate(config["prompt_source"]) if config.get("prompt_source") else None
     module = _instantiate(config["module"], **({"prompt_source": source} if source is not None else {}))
-    logger = _instantiate(config["logger"]) if config.get("logger") else False
-    callbacks = [_instantiate(node) for node in config.get("callbacks") or []]
+    logger_node = config.get("logger")
+    resuming = bool(logger_node) and bool(config.get("ckpt_path")) and logger_node.get("run_id") is None
+    if resuming and logger_node.get("_component_") == "tlt_lightning.fit.tracking_logger":
+        from tlt_lightning.fit import DEFAULT_TRACKING_URI
+
+        # As `fit --ckpt_path`: continue the MLflow run the checkpoint was saved from.
+        uri = logger_node.get("tracking_uri", DEFAULT_TRACKING_URI)
+        logger_node = {**logger_node, "run_id": resumable_run_id(config["ckpt_path"], uri)}
+    logger = _instantiate(logger_node) if logger_node else False
+    # Every checkpoint names its MLflow run (a resumed recipe continues it).
+    callbacks = [_instantiate(node) for node in config.get("callbacks") or []] + [MLflowRunCheckpoint()]
     # As `fit` does: unless the config says otherwise, train in the precision that pays here.
     precision = {} if "precision" in config["trainer"] else {"precision": training_precision()}
     trainer = _instantiate(config["trainer"], logger=logger, callbacks=callbacks, **precision)

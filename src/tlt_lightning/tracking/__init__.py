@@ -1,5 +1,5 @@
 """Tracking: torchmetrics metrics over rollouts, plots, MLflow artifacts through Lightning's
-``MLFlowLogger``, and the drafter in MLflow's model registry.
+``MLFlowLogger``, the drafter in MLflow's model registry, and each run's own output directory.
 
 MLflow itself is imported only when a registry function runs: this package imports without it.
 """
@@ -11,17 +11,32 @@ from tlt_lightning.tracking.mlflow_drafter import (
     load_drafter_from_mlflow,
     log_drafter_version,
 )
+from tlt_lightning.tracking.mlflow_resume import (
+    MLflowRunCheckpoint,
+    ResumableMLFlowLogger,
+    mlflow_run_in_checkpoint,
+    resumable_run_id,
+)
+from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store
 from tlt_lightning.tracking.plots import plot_accept_lengths
+from tlt_lightning.tracking.run_directory import run_dir
 
 __all__ = [
     "AcceptanceRate",
     "CheckpointRegistrar",
+    "MLflowRunCheckpoint",
     "MeanAcceptLength",
+    "ResumableMLFlowLogger",
     "RolloutTokensPerSecond",
+    "TrackingStoreError",
     "drafter_model_name",
     "load_drafter_from_mlflow",
     "log_artifact",
     "log_drafter_version",
     "mlflow_loggers",
+    "mlflow_run_in_checkpoint",
     "plot_accept_lengths",
+    "prepare_store",
+    "resumable_run_id",
+    "run_dir",
 ]

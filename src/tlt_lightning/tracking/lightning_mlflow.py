@@ -57,8 +57,12 @@ class CheckpointRegistrar:
 
     :meth:`register` acts only while the writer is idle: every requested save has then landed or
     been superseded by a newer one, and no write can delete a checkpoint being logged. A
-    checkpoint that is not on disk (superseded, or deleted beyond the checkpointer's ``keep``), or a
-    stale one left by an earlier fit (written before the save was requested), is skipped.
+    checkpoint that is not on disk (superseded, or deleted beyond the checkpointer's ``keep``), a
+    stale one left by an earlier fit (written before the save was requested), or one another writer
+    replaced (not :meth:`~tlt_lightning.drafter.AsyncCheckpointer.owns`) is skipped.
+
+    Its :meth:`state_dict` holds the steps registered and those requested but not registered yet
+    (a fit stopped before they landed): a resumed fit registers the latter, or saves them again.
 
     With ``name=None`` (not rank 0, or no ``MLFlowLogger``) it registers nothing but still carries
     ``registered_steps`` through checkpoints.
@@ -72,22 +76,45 @@ class CheckpointRegistrar:
         self.name = name
         self.registered_steps: list[int] = []
         self.versions: list[Any] = []
-        self._pending: list[tuple[int, float]] = []  # (RL step, time the save was requested)
+        self._pending: list[tuple[int, float, str | None]] = []  # (RL step, time requested, checkpoint dir)
 
-    def request(self, rl_step: int, requested: float) -> None:
-        """A save of ``rl_step`` was requested at ``requested`` (``time.time()``)."""
+    @property
+    def pending_steps(self) -> list[int]:
+        """RL steps requested and not registered yet."""
+        return sorted(step for step, _, _ in self._pending)
+
+    def request(self, rl_step: int, requested: float, path: str | os.PathLike | None = None) -> None:
+        """A save of ``rl_step`` into ``path`` was requested at ``requested`` (``time.time()``).
+
+        ``path=None``: ``step-XXXXXXXX`` in the checkpointer's directory. A newer request for the
+        same step replaces an older one.
+        """
         if self.name is not None:
-            self._pending.append((rl_step, requested))
+            entry = (rl_step, requested, None if path is None else str(path))
+            self._pending = [p for p in self._pending if p[0] != rl_step] + [entry]
 
     def register(self, trainer: L.Trainer, checkpoints: Any) -> None:
         """Register what landed since the last call (``checkpoints``: the ``AsyncCheckpointer``)."""
         if not self._pending or checkpoints.in_flight:
             return
         pending, self._pending = sorted(self._pending), []
-        for step, requested in pending:
-            path = checkpoints.directory / f"step-{step:08d}"
+        for step, requested, where in pending:
+            path = Path(where) if where is not None else checkpoints.directory / f"step-{step:08d}"
             if step in self.registered_steps or not _written_since(path, requested):
+                continue
+            if not checkpoints.owns(path):  # another writer replaced it: not this run's drafter
                 continue
             for logger in mlflow_loggers(trainer):
                 self.versions.append(log_drafter_version(logger.experiment, logger.run_id, path, self.name, step))
             self.registered_steps.append(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"registered_steps": list(self.registered_steps),
+                "pending": [list(entry) for entry in sorted(self._pending)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; missing keys keep their current values."""
+        self.registered_steps = [int(s) for s in state.get("registered_steps", self.registered_steps)]
+        if self.name is not None and "pending" in state:
+            self._pending = [(int(step), float(requested), None if where is None else str(where))
+                             for step, requested, where in state["pending"]]

@@ -16,8 +16,9 @@ or a bare name (newest version), downloads the version's files and returns the
 MLflow is imported inside the functions: ``tlt_lightning.tracking`` imports without it.
 
 Example:
-    >>> # version = log_drafter_version(client, run_id, "runs/drafter/checkpoints/step-00000010",
-    >>> #                               drafter_model_name("smollm2-135m"), rl_step=10)
+    >>> # checkpoint = f"runs/fit/1/{run_id}/drafter/checkpoints/step-00000010"   # tracking.run_dir
+    >>> # version = log_drafter_version(client, run_id, checkpoint, drafter_model_name("smollm2-135m"),
+    >>> #                               rl_step=10)
     >>> # drafter = load_drafter_from_mlflow("tlt-drafter-smollm2-135m", target)        # newest
     >>> # drafter = load_drafter_from_mlflow("models:/tlt-drafter-smollm2-135m/1", target)
 """
