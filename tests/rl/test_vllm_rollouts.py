@@ -35,8 +35,12 @@ class Recorded(GRPOModule):
     def rollout(self, prompts, generator=None):
         result = super().rollout(prompts, generator)
         served = dict(self.vllm_rollouts.backend.llm.model.named_parameters())
-        self.record.append((result.stats.weights_version,
-                            all(torch.equal(served[k], p) for k, p in self.policy.named_parameters())))
+        self.record.append(
+            (
+                result.stats.weights_version,
+                all(torch.equal(served[k], p) for k, p in self.policy.named_parameters()),
+            )
+        )
         return result
 
 
@@ -73,20 +77,35 @@ def test_speculative_vllm_rollouts_serve_the_drafter_and_refresh_it(fake_vllm):
 
 def test_on_the_cpu_sampled_speculation_on_vllm_is_refused_naming_the_defect(fake_vllm):
     module = make_module(rollout_backend="vllm", drafter_kind="eagle1", vllm={"device": "cpu"})
-    with pytest.raises(ValueError, match="samples wrongly with speculative decoding.*serve sampled rollouts without a "
-                       "drafter"):
+    with pytest.raises(
+        ValueError,
+        match="samples wrongly with speculative decoding.*serve sampled rollouts without a drafter",
+    ):
         make_trainer(1).fit(module)
 
 
-@pytest.mark.parametrize("settings, error, message", [
-    ({"model": "x"}, ValueError, r"vllm: unknown settings \['model'\].*model and drafter are the module's"),
-    ({"num_speculative_tokens": 0}, ValueError, "num_speculative_tokens must be an int >= 1, got 0"),
-    ({"dtype": "int8"}, ValueError, "dtype must be one of"),
-])
+@pytest.mark.parametrize(
+    "settings, error, message",
+    [
+        (
+            {"model": "x"},
+            ValueError,
+            r"vllm: unknown settings \['model'\].*model and drafter are the module's",
+        ),
+        ({"num_speculative_tokens": 0}, ValueError, "num_speculative_tokens must be an int >= 1, got 0"),
+        ({"dtype": "int8"}, ValueError, "dtype must be one of"),
+    ],
+)
 def test_vllm_settings_are_checked_at_construction(settings, error, message):
     with pytest.raises(error, match=message):
-        GRPOModule(model="tiny-llama", rollout_backend="vllm", vllm=settings,
-                   prompt_source=TokenPromptSource(PROMPTS, even_reward))
-    with pytest.raises(ValueError, match=r"rollout_backend must be one of \('engine', 'vllm'\), got 'sglang'"):
+        GRPOModule(
+            model="tiny-llama",
+            rollout_backend="vllm",
+            vllm=settings,
+            prompt_source=TokenPromptSource(PROMPTS, even_reward),
+        )
+    with pytest.raises(
+        ValueError, match=r"rollout_backend must be one of \('engine', 'vllm'\), got 'sglang'"
+    ):
         GRPOModule(model="tiny-llama", rollout_backend="sglang")
     assert check_vllm_settings(None) == {}

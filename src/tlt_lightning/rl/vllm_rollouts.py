@@ -45,7 +45,9 @@ def check_vllm_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
     fields = {f.name for f in dataclasses.fields(VLLMBackendConfig)} - set(_OWNED)
     unknown = sorted(set(settings) - fields)
     if unknown:
-        raise ValueError(f"vllm: unknown settings {unknown}; allowed: {sorted(fields)} (model and drafter are the module's)")
+        raise ValueError(
+            f"vllm: unknown settings {unknown}; allowed: {sorted(fields)} (model and drafter are the module's)"
+        )
     VLLMBackendConfig(model=".", **settings)  # validates each value, naming the field
     return settings
 
@@ -93,8 +95,9 @@ class VLLMRollouts:
         served = dataclasses.replace(config, feature_layers=())
         if self.backend is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="tlt-vllm-"))
-            self.backend = VLLMRolloutBackend.from_policy(policy, self.workdir, drafter=drafter, rollout=served,
-                                                          **self.settings)
+            self.backend = VLLMRolloutBackend.from_policy(
+                policy, self.workdir, drafter=drafter, rollout=served, **self.settings
+            )
         elif step != self.step:
             self.backend.refresh_weights(target=policy, drafter=drafter if self.backend.speculative else None)
         self.step = step

