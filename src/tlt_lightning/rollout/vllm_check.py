@@ -150,9 +150,7 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     policy.save_pretrained(work / "target_v1")
     export_drafter_model(refreshed, work / "drafter_v1", dtype="float32")
     torch.manual_seed(1)
-    other = Drafter(
-        drafter.config, target
-    )  # unrelated weights, the same draft vocabulary (a refresh keeps it)
+    other = Drafter(drafter.config, target)  # unrelated weights, the same draft vocabulary (refreshes keep it)
     state = other.state_dict()
     other.load_state_dict(state | {k: v for k, v in drafter.named_buffers() if k in state})
     export_drafter_model(other, work / "drafter_v2", dtype="float32")
@@ -221,7 +219,7 @@ def serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     plain = build(None)
     out["device"] = plain.device
-    out["plain"] = {"greedy": run(plain, greedy), "sampled": sampled_runs(plain), "seconds": 0.0}
+    out["plain"] = {"greedy": run(plain, greedy), "sampled": sampled_runs(plain)}
     out["plain"]["seconds"] = round(time.perf_counter() - t0, 2)
     del plain
 
