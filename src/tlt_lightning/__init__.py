@@ -2,8 +2,35 @@
 
 Subpackages (imports only go downward): ``speculative`` (pure math), ``models``, ``drafter``,
 ``rollout``, ``scheduling``, ``rl``, ``tracking``; the ``tlt-lightning`` CLI sits on top.
-Import what you need from the subpackages; nothing heavy is imported here.
+The headline classes are importable from here, loaded on first use, so ``import tlt_lightning``
+itself imports nothing heavy:
+
+    >>> from tlt_lightning import GRPOModule, SpotDrafterCallback  # doctest: +SKIP
+    >>> trainer = Trainer(callbacks=[SpotDrafterCallback()])  # doctest: +SKIP
 """
 
+from importlib import import_module
+from typing import Any
+
 __version__ = "0.1.0.dev0"
-__all__ = ["__version__"]
+
+# Public name -> the subpackage that defines it.
+_LAZY = {
+    "BEGMABStrategy": "tlt_lightning.scheduling",
+    "GRPOModule": "tlt_lightning.rl",
+    "SpeculativeRolloutLoop": "tlt_lightning.rollout",
+    "SpotDrafterCallback": "tlt_lightning.callbacks",
+}
+__all__ = ["__version__", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -18,12 +18,14 @@ from tlt_lightning.rollout.engine import (
     RolloutEngine,
 )
 from tlt_lightning.rollout.io import load_rollouts, save_rollouts
+from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop, SpeculativeStep
 from tlt_lightning.rollout.types import Rollout, RolloutConfig, RolloutResult, RolloutStats
 
 __all__ = [
     "ActiveBatch",
     "DecodeStep",
     "Emission",
+    "FixedChooser",
     "PlainStep",
     "Rollout",
     "RolloutBackend",
@@ -31,6 +33,8 @@ __all__ = [
     "RolloutEngine",
     "RolloutResult",
     "RolloutStats",
+    "SpeculativeRolloutLoop",
+    "SpeculativeStep",
     "VLLMBackendConfig",
     "VLLMRolloutBackend",
     "VLLMRolloutStats",
