@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tlt_lightning.bench.common import task_prompts
+from tlt_lightning.rl.tasks import task_prompts
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 

@@ -317,7 +317,7 @@ SHIPPED_DRAFTER = Path(__file__).parents[2] / "examples" / "drafters" / "smollm2
 def test_the_shipped_drafter_is_lossless_and_accepted_on_smollm2(smollm2):
     """The drafter shipped in ``examples/`` loads for the real SmolLM2 and, greedy and in fp32,
     reproduces plain decoding token for token while several drafts per step are accepted."""
-    from tlt_lightning.bench.common import task_prompts
+    from tlt_lightning.rl.tasks import task_prompts
     from tlt_lightning.drafter import load_drafter
 
     target = HFTarget(smollm2.model)

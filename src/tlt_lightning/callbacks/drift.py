@@ -131,7 +131,7 @@ class DrafterDriftProbe(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero or not self.history:
             return
-        from tlt_lightning.bench.common import write_json
+        from tlt_lightning.reports import write_json
 
         directory = self.run_dir / "drift"
         path = write_json(directory / "drift.json", {"strategy": str(self.strategy), "history": self.history})
@@ -142,14 +142,9 @@ class DrafterDriftProbe(L.Callback):
 
 def plot_drift(history: list[dict[str, float]], path: str | Path, strategy: str = "") -> Path:
     """Accept length over RL steps, spot-trained vs frozen drafter."""
-    import matplotlib
+    from tlt_lightning.reports import new_figure, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from tlt_lightning.bench.common import save_figure
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = new_figure(figsize=(6.5, 4))
     steps = [h["step"] for h in history]
     ax.plot(steps, [h["spot"] for h in history], marker="o", label="spot-trained drafter")
     ax.plot(steps, [h["frozen"] for h in history], marker="s", label="frozen drafter")

@@ -499,7 +499,7 @@ def benchmark_checkpoint(
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tlt_lightning.bench.common import machine_info, median
+    from tlt_lightning.reports import machine_info, median
     from tlt_lightning.drafter.config import DrafterConfig
     from tlt_lightning.models.target import HFTarget
 

@@ -183,7 +183,7 @@ def benchmark_packing(
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tlt_lightning.bench.common import machine_info, median
+    from tlt_lightning.reports import machine_info, median
     from tlt_lightning.drafter.losses import DrafterLoss
     from tlt_lightning.drafter.model import Drafter
     from tlt_lightning.drafter.train import drafter_train_step

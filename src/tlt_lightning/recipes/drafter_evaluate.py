@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tlt_lightning.bench.common import machine_info, write_json
+from tlt_lightning.reports import machine_info, write_json
 from tlt_lightning.drafter import DrafterLoss, evaluate_drafter, load_drafter, make_batches, target_features
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import Rollout, load_rollouts

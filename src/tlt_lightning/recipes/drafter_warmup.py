@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from tlt_lightning.bench.common import machine_info, task_prompts, write_json
+from tlt_lightning.reports import machine_info, write_json
+from tlt_lightning.rl.tasks import task_prompts
 from tlt_lightning.drafter import (
     Drafter,
     DrafterConfig,
@@ -145,12 +146,9 @@ def load_more_rollouts(paths: list[str], key: dict[str, Any]) -> list[Rollout]:
 
 
 def plot(history: list[dict[str, float]], path: Path) -> Path:
-    import matplotlib
+    from tlt_lightning.reports import new_figure, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = new_figure(1, 2, figsize=(11, 4))
     steps = range(1, len(history) + 1)
     a.plot(steps, [h["loss"] for h in history], lw=0.8)
     a.set(xlabel="step", ylabel="loss", title="Drafter warm-up loss", yscale="log")
@@ -158,10 +156,7 @@ def plot(history: list[dict[str, float]], path: Path) -> Path:
     b.plot(steps, [h["accept"] for h in history], lw=0.8, label="acceptance at T=1")
     b.set(xlabel="step", ylabel="train batch, draft step 1", title="Agreement with the target")
     b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

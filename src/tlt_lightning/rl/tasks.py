@@ -33,6 +33,7 @@ __all__ = [
     "TaskConfig",
     "TaskDataset",
     "collate_prompts",
+    "task_prompts",
 ]
 
 # How each task's answers look, which picks the extraction rules.
@@ -321,3 +322,9 @@ class TaskDataset(Dataset):
                 f"{len(completions)}"
             )
         return torch.tensor([self.reward(p, c) for p, c in zip(prompts, completions)], dtype=torch.float32)
+
+
+def task_prompts(tokenizer: Any, task: str, count: int, seed: int = 0) -> list[list[int]]:
+    """``count`` real prompts of reasoning-gym ``task`` rendered with the model's chat template (token ids)."""
+    dataset = TaskDataset(TaskConfig(name=task, size=count, seed=seed), tokenizer)
+    return [list(dataset[i].input_ids) for i in range(count)]

@@ -100,7 +100,7 @@ def _prompts(loaded: Any, n: int, task: str | None, seed: int) -> list[list[int]
             for i in range(n)
         ]
     if task:
-        from tlt_lightning.bench.common import task_prompts
+        from tlt_lightning.rl.tasks import task_prompts
 
         return task_prompts(tok, task, n, seed=seed)
     out = []

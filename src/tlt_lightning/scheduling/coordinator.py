@@ -368,17 +368,15 @@ def plot_timeline(timeline: Sequence[Segment], path: str | Path, title: str | No
     Example:
         >>> # plot_timeline(coord.gather_timeline(since=step_start), "timeline.png")
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
+
+    from tlt_lightning.reports import new_figure, save_figure
 
     if not timeline:
         raise ValueError("timeline is empty: nothing to plot")
     t0 = min(s.start for s in timeline)
     workers = sorted({s.worker for s in timeline})
-    fig, ax = plt.subplots(figsize=(10, 0.6 * len(workers) + 1.4))
+    fig, ax = new_figure(figsize=(10, 0.6 * len(workers) + 1.4))
     for row, worker in enumerate(workers):
         for state in WorkerState:
             spans = [
@@ -399,12 +397,7 @@ def plot_timeline(timeline: Sequence[Segment], path: str | Path, title: str | No
         ncol=3,
         frameon=False,
     )
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------- benchmark
@@ -490,7 +483,7 @@ def benchmark_preemption(
 
     import torch.multiprocessing as mp
 
-    from tlt_lightning.bench.common import machine_info
+    from tlt_lightning.reports import machine_info
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"

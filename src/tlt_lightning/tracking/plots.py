@@ -19,14 +19,9 @@ def plot_accept_lengths(
         histogram: ``histogram[k]`` = how many request-steps emitted ``k`` tokens over the fit.
         path: PNG path (its folder is created).
     """
-    import matplotlib
+    from tlt_lightning.reports import new_figure, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from tlt_lightning.bench.common import save_figure
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, (a, b) = new_figure(1, 2, figsize=(11, 3.8))
     a.plot(list(steps), list(means), marker="o")
     a.set(xlabel="RL step", ylabel="mean accept length", title="Tokens per speculative step")
     b.bar(range(len(histogram)), list(histogram))
