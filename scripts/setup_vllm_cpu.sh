@@ -33,5 +33,5 @@ held=$("$VLLM_VENV/bin/python" -c "import torch, transformers; print(f'torch=={t
 # shellcheck disable=SC2086
 $PIP install $held "safetensors>=0.4" "tqdm>=4.60" "gguf>=0.10" "accelerate>=1.0" "lightning>=2.4,<2.7" \
   "torchmetrics>=1.4" "jsonargparse[signatures]>=4.30" "matplotlib>=3.7" "reasoning-gym>=0.1.20" \
-  "mlflow-skinny>=3.0" "sqlalchemy>=2.0" "alembic>=1.12" 2>&1 | grep -v "^WARNING: Location\|requires torch\(codec\|vision\)" || true
+  "mlflow-skinny>=3.0" "sqlalchemy>=2.0" "alembic>=1.12" 2>&1 | grep -v "^WARNING: Location\|requires torch\(codec\|vision\|audio\)" || true
 "$VLLM_VENV/bin/python" -c "import vllm, torch, transformers; print('[setup-vllm] ok: vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
