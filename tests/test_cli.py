@@ -421,3 +421,17 @@ def test_console_script_prints_a_short_error(tmp_path):
     assert out.returncode == 1
     assert "tlt-lightning: error: ValueError: max_abs_reward must be a finite number > 0, got -1" in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 6
+
+
+def test_a_command_line_error_is_one_line_without_third_party_warnings(tmp_path):
+    """torchao and friends warn at import about what the docs already say: the CLI keeps them quiet."""
+    import os
+    import subprocess
+    import sys
+
+    missing = tmp_path / "none"
+    out = subprocess.run([sys.executable, "-m", "tlt_lightning.cli", "export-drafter", str(missing), str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [f"export-drafter: {missing}/drafter_config.json not found: {missing} is "
+                                               "not a drafter checkpoint"]

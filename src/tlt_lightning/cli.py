@@ -198,8 +198,16 @@ def main(argv: Sequence[str] | None = None, short_errors: bool | None = None) ->
         return 1
 
 
+# Loggers of dependencies that warn on every command about what this project documents instead:
+# torchao 0.15's C++ kernels do not load beside torch 2.13 (transformers imports torchao whenever it is
+# installed; only INT4 QAT uses it), and there is no Triton on a CPU.
+QUIET_LOGGERS = ("torchao",)
+
+
 def _main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may wait on a hub download
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     fit = _split_fit(argv)
     if fit is not None:
         global_args, fit_args = fit
