@@ -435,3 +435,9 @@ def test_a_command_line_error_is_one_line_without_third_party_warnings(tmp_path)
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [f"export-drafter: {missing}/drafter_config.json not found: {missing} is "
                                                "not a drafter checkpoint"]
+
+
+def test_flags_are_never_abbreviated(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["export-drafter", "ckpt", "out", "--engin", "sglang"])
+    assert "unrecognized arguments: --engin sglang" in capsys.readouterr().err

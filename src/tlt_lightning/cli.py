@@ -42,6 +42,15 @@ __all__ = ["TRACEBACK_ENV", "main", "short_error"]
 TRACEBACK_ENV = "TLT_LIGHTNING_TRACEBACK"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse without prefix abbreviations (``--thread`` is an error, not ``--threads``); the
+    subcommands' parsers are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def _parser() -> argparse.ArgumentParser:
     from tlt_lightning.bench import checkpoint as bench_checkpoint
     from tlt_lightning.bench import e2e as bench_e2e
@@ -52,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     from tlt_lightning.bench import strategies as bench_strategies
     from tlt_lightning.recipes import drafter_evaluate, drafter_warmup
 
-    parser = argparse.ArgumentParser(prog="tlt-lightning", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="tlt-lightning", description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--traceback", action="store_true",
                         help=f"show the full traceback of a ValueError/TypeError (or set {TRACEBACK_ENV}=1)")
