@@ -306,6 +306,15 @@ def test_fit_resumed_after_a_kill_at_the_end_registers_the_final_drafter(tmp_pat
     assert summary["rl_steps"] == 2 and summary["checkpoint"].endswith("step-00000002")
 
 
+def test_fit_saves_last_ckpt_at_the_final_step_whatever_the_interval(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
+    # The tiny config checkpoints every 5 steps: Lightning alone leaves last.ckpt at step 5 of 7.
+    assert cli.main(["--threads", "1", "fit", "--config", TINY, "--trainer.max_steps=7",
+                     "--trainer.logger=false", "--model.rollout_progress=false",
+                     f"--trainer.default_root_dir={tmp_path}"]) == 0
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 7
+
+
 def test_fit_without_mlflow_logs_to_csv(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("tlt_lightning.fit.mlflow_available", lambda uri=None: False)

@@ -38,9 +38,10 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
+from typing_extensions import override
 
 from tlt_lightning.models import training_precision
 from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, read_checkpoint
@@ -53,6 +54,7 @@ __all__ = [
     "DEFAULT_TRACKING_URI",
     "GRPOCLI",
     "GRPOProgressBar",
+    "SaveLastAtTrainEnd",
     "TrackingSaveConfig",
     "main",
     "mlflow_available",
@@ -188,6 +190,25 @@ class GRPOProgressBar(TQDMProgressBar):
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes
 
 
+class SaveLastAtTrainEnd(Callback):
+    """Saves ``last.ckpt`` at the end of training when the last steps are in no checkpoint yet.
+
+    Lightning's ``ModelCheckpoint(save_last=True)`` saves at the end of training only if it has saved
+    nothing before: a fit whose ``max_steps`` is not a multiple of ``every_n_train_steps`` (16 steps,
+    every 5) would end with ``last.ckpt`` at step 15, and ``fit --ckpt_path last.ckpt`` would train
+    step 16 again. ``tlt-lightning fit`` adds this callback; it runs after the config's own callbacks
+    (their state at the end of training, e.g. the final drafter save, is in the checkpoint).
+    """
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for callback in trainer.checkpoint_callbacks:
+            # _should_skip_saving_checkpoint: already saved at this step, or not fitting.
+            due = isinstance(callback, ModelCheckpoint) and bool(callback.save_last)
+            if due and not callback._should_skip_saving_checkpoint(trainer):
+                callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
 class TrackingSaveConfig(SaveConfigCallback):
     """Saves the resolved config beside the run and, with MLflow, as the run's ``config.yaml`` artifact.
 
@@ -268,7 +289,8 @@ class GRPOCLI(LightningCLI):
             save_config_callback=TrackingSaveConfig,
             save_config_kwargs={"save_to_log_dir": False},
             # Every checkpoint names its MLflow run: `fit --ckpt_path` continues that run.
-            trainer_defaults={"callbacks": [MLflowRunCheckpoint()]},
+            # A last.ckpt of the final step, whatever every_n_train_steps is.
+            trainer_defaults={"callbacks": [MLflowRunCheckpoint(), SaveLastAtTrainEnd()]},
             seed_everything_default=0,
             auto_configure_optimizers=False,
             parser_kwargs={"fit": {"prog": "tlt-lightning fit"}},

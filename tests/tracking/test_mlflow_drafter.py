@@ -198,6 +198,27 @@ def test_log_drafter_version_registers_once_per_checkpoint(standalone, tmp_path,
     assert_same(weights(loaded), weights(drafter))
 
 
+def test_log_drafter_version_when_another_fit_creates_the_registered_model_first(standalone):
+    # Two fits on one store register their first drafter at once: both find no registered model, one
+    # creates it, the other's create fails (RESOURCE_ALREADY_EXISTS). That one must go on, not crash.
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+
+    client, run_id, directory, _ = standalone
+
+    class Racing:
+        def __getattr__(self, name):
+            return getattr(client, name)
+
+        def get_registered_model(self, name):  # the other fit creates it just after this one looked
+            client.create_registered_model(name)
+            del Racing.get_registered_model
+            raise mlflow.exceptions.MlflowException(f"no {name}", RESOURCE_DOES_NOT_EXIST)
+
+    version = log_drafter_version(Racing(), run_id, directory, "my-drafter", rl_step=1)
+    assert version.version == 1 and version.run_id == run_id
+    assert [m.name for m in client.search_registered_models()] == ["my-drafter"]
+
+
 def test_log_drafter_version_bad_input(standalone, tmp_path):
     client, run_id, directory, _ = standalone
     with pytest.raises(

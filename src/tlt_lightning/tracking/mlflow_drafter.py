@@ -116,7 +116,8 @@ def log_drafter_version(
     """Log a drafter checkpoint to run ``run_id`` and register it as a new version of ``name``.
 
     The files go under ``drafter/model/step-XXXXXXXX`` of the run; the registered model is created
-    (with a description saying how to load it) if it does not exist; the version's source is
+    (with a description saying how to load it) if it does not exist (several fits on one store may
+    register at once: one creates it, the others use it); the version's source is
     ``runs:/<run_id>/drafter/model/step-XXXXXXXX``. The same checkpoint again (same ``rl_step``,
     same weights: tag ``sha256`` of ``model.safetensors``) returns its existing version: no duplicate.
 
@@ -166,9 +167,16 @@ def log_drafter_version(
     except mlflow.exceptions.MlflowException as err:
         if err.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
-        client.create_registered_model(
-            name, tags={"library": "tlt_lightning"}, description=_DESCRIPTION.format(name=name)
-        )
+        try:
+            client.create_registered_model(
+                name, tags={"library": "tlt_lightning"}, description=_DESCRIPTION.format(name=name)
+            )
+        except mlflow.exceptions.MlflowException as exists:
+            # Another fit on the same store created it since we looked (both registering their
+            # first drafter at once): use it. Anything else (e.g. a prompt of that name) is raised.
+            if exists.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            client.get_registered_model(name)
     return client.create_model_version(
         name,
         source=f"runs:/{run_id}/{artifact_path}",
