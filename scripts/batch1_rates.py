@@ -6,7 +6,7 @@ plain at batch 1 while a direct measurement gave 34.7. This runs our plain engin
 settings, alternated prompt by prompt, and reports for each the end-to-end rate (prefill counted
 in), the decode rate (decode steps only) and CPU seconds per token (not inflated by a busy machine):
 
-* ``v8``: that benchmark's setting: T=1, up to 128 new tokens, EOS respected, packed weights;
+* ``v8``: that benchmark's setting: T=1 (``--temperature``), up to 128 new tokens, EOS respected, packed weights;
 * ``v8_ignore_eos``: the same, every response 128 tokens;
 * ``short_prompt``: 128 tokens after a 16-token prompt (attention over fewer keys, a cheap prefill);
 * ``out_in``: as ``v8_ignore_eos`` with the plain ``[out, in]`` weight layout.
@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=1000, help="countdown prompts (the v8 temperatures run used 1000)")
+    p.add_argument("--temperature", type=float, default=1.0, help="1 as the v8 run; 0: greedy (no sampling step)")
     p.add_argument("--json", default="runs/bench/batch1_rates.json")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -41,7 +42,7 @@ def main() -> None:
     plain = HFTarget(load_model("smollm2-135m", dtype="bfloat16").model)
     plain.set_weight_layout("out_in")
     prompts = task_prompts(loaded.tokenizer, "countdown", args.prompts, seed=args.seed)
-    cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=1.0)
+    cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     settings = {
         "v8": (packed, False, False),
         "v8_ignore_eos": (packed, True, False),
