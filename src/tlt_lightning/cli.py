@@ -9,6 +9,7 @@
     tlt-lightning bench spot [--drafter DIR] ...      spot drafter training: packing, preemption, 2-rank DDP overhead
     tlt-lightning bench efficiency --part P ...       importance sampling / distillation / INT4 QAT vs baselines
     tlt-lightning bench layout [--drafter DIR] ...    weight layouts ([out, in], [in, out], packed) side by side
+    tlt-lightning bench peers [--vllm-python PY] ...  our engine (plain, speculative) vs vLLM side by side
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning drafter evaluate --drafter DIR ...  drafters' acceptance on the same stored rollouts
     tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]  drafter checkpoint -> EAGLE dir for vLLM or SGLang
@@ -56,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     from tlt_lightning.bench import e2e as bench_e2e
     from tlt_lightning.bench import efficiency as bench_efficiency
     from tlt_lightning.bench import layout as bench_layout
+    from tlt_lightning.bench import peers as bench_peers
     from tlt_lightning.bench import rollout as bench_rollout
     from tlt_lightning.bench import spot as bench_spot
     from tlt_lightning.bench import strategies as bench_strategies
@@ -98,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     bench_layout.add_arguments(
         bench.add_parser("layout", help="weight layouts ([out, in], [in, out], packed) side by side: plain and speculative decoding")
     )
+
+    bench_peers.add_arguments(bench.add_parser(
+        "peers", help="our engine (plain, speculative) vs vLLM in its own venv, side by side"))
 
     drafter = sub.add_parser("drafter", help="drafter tools").add_subparsers(dest="drafter_command", required=True)
     drafter_warmup.add_arguments(drafter.add_parser("warmup", help="train a drafter on the target's rollouts"))
@@ -273,6 +278,10 @@ def _main(argv: list[str]) -> int:
         from tlt_lightning.bench import layout
 
         layout.run(args)
+    elif args.command == "bench" and args.bench == "peers":
+        from tlt_lightning.bench import peers
+
+        peers.run(args)
     elif args.command == "drafter" and args.drafter_command == "warmup":
         from tlt_lightning.recipes import drafter_warmup
 
