@@ -4,11 +4,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from tests.rollout.test_engine import random_prompts
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.models.lean import MAX_LEAN_QUERIES, lean_applies
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.engine import causal_decode_mask
+
+from tests.rollout.test_engine import random_prompts
 
 
 def pair(name: str, dtype: str = "float32") -> tuple[HFTarget, HFTarget]:
