@@ -1,0 +1,126 @@
+"""Decode and verify forward of the target on three paths, side by side: transformers' module tree
+(``HFTarget(decode="hf")``), the lean forward (``HFTarget(decode="lean")``) and, with ``--compile``,
+the lean forward through ``torch.compile`` (Inductor, static shapes, key length rounded up to a
+bucket so one graph serves many steps, gpt-fast style).
+
+Each timed call is one target forward over ``q`` new tokens per row plus the LM head, at
+``--context`` cached positions; the paths alternate round by round (A B C A B C) and medians are
+printed, so machine noise hits all of them alike. Compile time (first call of each shape) is
+printed separately; ``max|diff|`` is the largest logit difference from the transformers path.
+
+    python scripts/decode_paths.py [--dtype bfloat16] [--batch 1 8] [--queries 1 7] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.models.attention import grouped_sdpa
+from tlt_lightning.models.lean import _rms_norm, _rotate_half
+from tlt_lightning.rollout.engine import causal_decode_mask
+
+
+def static_lean(model, ids, positions, mask, keys, values, kv_len: int) -> torch.Tensor:
+    """The lean forward in a form Inductor compiles without graph breaks: per-layer cache tensors,
+    plain ``F.linear`` (no packed-weight cache), a static key length; returns logits."""
+    decoder = model.get_decoder()
+    n, q = ids.shape
+    hidden = decoder.embed_tokens(ids)
+    cos, sin = decoder.rotary_emb(hidden, positions)
+    cos, sin = cos[:, None], sin[:, None]
+    rows = torch.arange(n, device=ids.device)[:, None]
+    for i, layer in enumerate(decoder.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        x = _rms_norm(layer.input_layernorm, hidden)
+        shape = (n, q, -1, attn.head_dim)
+        query = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(shape).transpose(1, 2)
+        key = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(shape).transpose(1, 2)
+        value = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
+        query = query * cos + _rotate_half(query) * sin
+        key = key * cos + _rotate_half(key) * sin
+        keys[i][rows, :, positions] = key.transpose(1, 2)
+        values[i][rows, :, positions] = value.transpose(1, 2)
+        out = grouped_sdpa(query, keys[i][:n, :, :kv_len], values[i][:n, :, :kv_len], mask, attn.scaling)
+        hidden = hidden + F.linear(out.transpose(1, 2).reshape(n, q, -1), attn.o_proj.weight, attn.o_proj.bias)
+        x = _rms_norm(layer.post_attention_layernorm, hidden)
+        gate, up = F.linear(x, mlp.gate_proj.weight), F.linear(x, mlp.up_proj.weight)
+        hidden = hidden + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight)
+    hidden = _rms_norm(decoder.norm, hidden)
+    return F.linear(hidden, model.get_output_embeddings().weight)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--weight-layout", default="packed", choices=["out_in", "in_out", "packed"],
+                   help="layout of the hf and lean paths (the compiled path reads the parameters with F.linear)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--queries", type=int, nargs="+", default=[1, 7], help="new tokens per row (1 = decode)")
+    p.add_argument("--context", type=int, default=300, help="cached positions per row")
+    p.add_argument("--bucket", type=int, default=64, help="compiled path: key length rounded up to this")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compile", action="store_true", help="also time the torch.compile'd lean forward")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model, dtype=args.dtype).model
+    hf, lean = HFTarget(model), HFTarget(model, decode="lean")
+    compiled = torch.compile(static_lean, dynamic=False) if args.compile else None
+    print(f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads} context={args.context}; "
+          f"ms per forward+head, median of {args.rounds} alternating rounds")
+    for B in args.batch:
+        for q in args.queries:
+            med, diffs, compile_s = measure(args, model, hf, lean, compiled, B, q)
+            parts = [f"{k} {m:6.1f} ms ({B * q / m * 1e3:6.0f} tokens fed/s, max|diff| {diffs[k]:.1e})"
+                     for k, m in med.items()]
+            extra = f", compile {compile_s:.0f} s" if compiled is not None else ""
+            print(f"B={B} q={q}: " + "; ".join(parts) + f"; lean/hf {med['hf'] / med['lean']:.2f}x{extra}", flush=True)
+
+
+def measure(args, model, hf: HFTarget, lean: HFTarget, compiled, B: int, q: int):
+    """Medians (ms) per path, max logit difference from the hf path, and the compile seconds."""
+    L = args.context
+    cache = hf.new_cache(B, L + q + args.bucket)
+    per_layer = ([cache.keys[i] for i in range(hf.info.num_layers)],
+                 [cache.values[i] for i in range(hf.info.num_layers)])
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, min(1000, hf.info.vocab_size), (B, q), generator=g)
+    lengths = torch.full((B,), L)
+    pos = L + torch.arange(q)[None].expand(B, q)
+    mask = causal_decode_mask(lengths, q, L + q)
+    kv = -(-(L + q) // args.bucket) * args.bucket
+    static_mask = causal_decode_mask(lengths, q, kv)
+    fns = {
+        "hf": lambda: hf.lm_head(hf.forward(ids, pos, mask, cache).hidden),
+        "lean": lambda: lean.lm_head(lean.forward(ids, pos, mask, cache).hidden),
+    }
+    if compiled is not None:
+        fns["compiled"] = lambda: compiled(model, ids, pos, static_mask, *per_layer, kv)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    with torch.inference_mode():
+        hf.set_weight_layout(args.weight_layout)  # packed keeps the parameters row-major
+        compile_s = 0.0
+        if compiled is not None:
+            start = time.perf_counter()
+            fns["compiled"]()
+            compile_s = time.perf_counter() - start
+        ref = fns["hf"]().float()
+        diffs = {k: (f().float() - ref).abs().max().item() for k, f in fns.items()}
+        for _ in range(args.rounds):
+            for k, f in fns.items():
+                f()  # a warm call: each path finds the caches as it leaves them
+                start = time.perf_counter()
+                f()
+                times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}, diffs, compile_s
+
+
+if __name__ == "__main__":
+    main()
