@@ -9,6 +9,12 @@ printed, so machine noise hits all of them alike. Compile time (first call of ea
 printed separately; ``max|diff|`` is the largest logit difference from the transformers path.
 
     python scripts/decode_paths.py [--dtype bfloat16] [--batch 1 8] [--queries 1 7] [--compile]
+
+With ``--engine N`` it times whole greedy rollouts instead: ``RolloutEngine`` on the hf and the lean
+path alternately (A B A B, ``--repeats`` each), ``N`` new tokens for each of ``B`` countdown prompts;
+it prints the median decode step, decode tokens/s and whether the outputs are identical.
+
+    python scripts/decode_paths.py --engine 64 [--dtype bfloat16] [--batch 1 8]
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.models.attention import grouped_sdpa
 from tlt_lightning.models.lean import _rms_norm, _rotate_half
+from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.engine import causal_decode_mask
 
 
@@ -68,10 +75,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="also time the torch.compile'd lean forward")
+    p.add_argument("--engine", type=int, default=0, metavar="N",
+                   help="time greedy RolloutEngine rollouts of N new tokens instead of single forwards")
+    p.add_argument("--repeats", type=int, default=3, help="--engine: alternating runs per path")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype=args.dtype).model
+    loaded = load_model(args.model, dtype=args.dtype)
+    model = loaded.model
     hf, lean = HFTarget(model), HFTarget(model, decode="lean")
+    if args.engine:
+        engine_rollouts(args, loaded.tokenizer, hf, lean)
+        return
     compiled = torch.compile(static_lean, dynamic=False) if args.compile else None
     print(f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads} context={args.context}; "
           f"ms per forward+head, median of {args.rounds} alternating rounds")
@@ -82,6 +96,32 @@ def main() -> None:
                      for k, m in med.items()]
             extra = f", compile {compile_s:.0f} s" if compiled is not None else ""
             print(f"B={B} q={q}: " + "; ".join(parts) + f"; lean/hf {med['hf'] / med['lean']:.2f}x{extra}", flush=True)
+
+
+def engine_rollouts(args, tokenizer, hf: HFTarget, lean: HFTarget) -> None:
+    """Greedy rollouts on both paths, alternating; medians over ``args.repeats`` runs each."""
+    from tlt_lightning.bench.common import task_prompts
+
+    hf.set_weight_layout(args.weight_layout)
+    prompts = task_prompts(tokenizer, "countdown", max(args.batch), seed=0)
+    config = RolloutConfig(max_new_tokens=args.engine, temperature=0.0)
+    print(f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads}: greedy RolloutEngine, "
+          f"{args.engine} new tokens per request, median of {args.repeats} alternating runs")
+    for B in args.batch:
+        step_ms: dict[str, list[float]] = {"hf": [], "lean": []}
+        tok_s: dict[str, list[float]] = {"hf": [], "lean": []}
+        outputs: dict[str, list[list[int]]] = {}
+        for _ in range(args.repeats):
+            for name, target in (("hf", hf), ("lean", lean)):
+                result = RolloutEngine(target, config).generate(prompts[:B])
+                step_ms[name].append(statistics.median(result.stats.step_times) * 1e3)
+                tok_s[name].append(result.stats.decode_tokens_per_s)
+                outputs[name] = [r.token_ids.tolist() for r in result.rollouts]
+        med = {k: statistics.median(v) for k, v in step_ms.items()}
+        tps = {k: statistics.median(v) for k, v in tok_s.items()}
+        same = sum(a == b for a, b in zip(outputs["hf"], outputs["lean"]))
+        print(f"B={B}: hf {med['hf']:.1f} ms/step {tps['hf']:.1f} tok/s; lean {med['lean']:.1f} ms/step "
+              f"{tps['lean']:.1f} tok/s; lean/hf {med['hf'] / med['lean']:.2f}x; identical {same}/{B}", flush=True)
 
 
 def measure(args, model, hf: HFTarget, lean: HFTarget, compiled, B: int, q: int):
