@@ -33,9 +33,34 @@ from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.engine import causal_decode_mask
 
 
-def static_lean(model, ids, positions, mask, keys, values, kv_len: int) -> torch.Tensor:
+@torch.library.custom_op("tlt_bench::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """oneDNN's packed linear as an op Inductor leaves alone (its own lowering wants frozen weights)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def pack_weights(model) -> dict[str, torch.Tensor]:
+    """oneDNN-packed copies of every linear weight (what ``set_weight_layout("packed")`` multiplies by)."""
+    with torch.no_grad():
+        return {name: torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), 8)
+                for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def static_lean(model, ids, positions, mask, keys, values, kv_len: int, packed=None) -> torch.Tensor:
     """The lean forward in a form Inductor compiles without graph breaks: per-layer cache tensors,
-    plain ``F.linear`` (no packed-weight cache), a static key length; returns logits."""
+    ``F.linear`` or, given ``packed`` (:func:`pack_weights`), oneDNN's packed linear, a static key
+    length; returns logits."""
+
+    def linear(x: torch.Tensor, module: torch.nn.Linear, name: str) -> torch.Tensor:
+        if packed is None:
+            return F.linear(x, module.weight, module.bias)
+        return packed_linear(x, packed[name], module.bias, module.out_features)
+
     decoder = model.get_decoder()
     n, q = ids.shape
     hidden = decoder.embed_tokens(ids)
@@ -46,20 +71,21 @@ def static_lean(model, ids, positions, mask, keys, values, kv_len: int) -> torch
         attn, mlp = layer.self_attn, layer.mlp
         x = _rms_norm(layer.input_layernorm, hidden)
         shape = (n, q, -1, attn.head_dim)
-        query = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(shape).transpose(1, 2)
-        key = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(shape).transpose(1, 2)
-        value = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
+        pre = f"model.layers.{i}."
+        query = linear(x, attn.q_proj, pre + "self_attn.q_proj").view(shape).transpose(1, 2)
+        key = linear(x, attn.k_proj, pre + "self_attn.k_proj").view(shape).transpose(1, 2)
+        value = linear(x, attn.v_proj, pre + "self_attn.v_proj").view(shape).transpose(1, 2)
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
         keys[i][rows, :, positions] = key.transpose(1, 2)
         values[i][rows, :, positions] = value.transpose(1, 2)
         out = grouped_sdpa(query, keys[i][:n, :, :kv_len], values[i][:n, :, :kv_len], mask, attn.scaling)
-        hidden = hidden + F.linear(out.transpose(1, 2).reshape(n, q, -1), attn.o_proj.weight, attn.o_proj.bias)
+        hidden = hidden + linear(out.transpose(1, 2).reshape(n, q, -1), attn.o_proj, pre + "self_attn.o_proj")
         x = _rms_norm(layer.post_attention_layernorm, hidden)
-        gate, up = F.linear(x, mlp.gate_proj.weight), F.linear(x, mlp.up_proj.weight)
-        hidden = hidden + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight)
+        gate, up = linear(x, mlp.gate_proj, pre + "mlp.gate_proj"), linear(x, mlp.up_proj, pre + "mlp.up_proj")
+        hidden = hidden + linear(mlp.act_fn(gate) * up, mlp.down_proj, pre + "mlp.down_proj")
     hidden = _rms_norm(decoder.norm, hidden)
-    return F.linear(hidden, model.get_output_embeddings().weight)
+    return linear(hidden, model.get_output_embeddings(), "lm_head")
 
 
 def main() -> None:
@@ -75,6 +101,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="also time the torch.compile'd lean forward")
+    p.add_argument("--compile-packed", action="store_true",
+                   help="the compiled forward multiplies by oneDNN-packed weights (as the packed layout does)")
     p.add_argument("--engine", type=int, default=0, metavar="N",
                    help="time greedy RolloutEngine rollouts of N new tokens instead of single forwards")
     p.add_argument("--repeats", type=int, default=3, help="--engine: alternating runs per path")
@@ -141,8 +169,9 @@ def measure(args, model, hf: HFTarget, lean: HFTarget, compiled, B: int, q: int)
         "hf": lambda: hf.lm_head(hf.forward(ids, pos, mask, cache).hidden),
         "lean": lambda: lean.lm_head(lean.forward(ids, pos, mask, cache).hidden),
     }
+    packed = pack_weights(model) if args.compile_packed else None
     if compiled is not None:
-        fns["compiled"] = lambda: compiled(model, ids, pos, static_mask, *per_layer, kv)
+        fns["compiled"] = lambda: compiled(model, ids, pos, static_mask, *per_layer, kv, packed)
     times: dict[str, list[float]] = {k: [] for k in fns}
     with torch.inference_mode():
         hf.set_weight_layout(args.weight_layout)  # packed keeps the parameters row-major
