@@ -212,7 +212,7 @@ def test_threshold_switches_speculation_on_in_the_tail(tiny_llama):
     assert any(stats.step_speculative) and not all(stats.step_speculative)
 
 
-def tiny_vocab_target(vocab: int = 6) -> HFTarget:
+def tiny_vocab_target(vocab: int = 6, decode: str = "hf") -> HFTarget:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -220,7 +220,7 @@ def tiny_vocab_target(vocab: int = 6) -> HFTarget:
     )
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = model.config.eos_token_id = None
-    return HFTarget(model)
+    return HFTarget(model, decode=decode)
 
 
 def exact_joint(target: HFTarget, prompt: list[int], params: SamplingParams, length: int) -> torch.Tensor:
@@ -239,10 +239,10 @@ def exact_joint(target: HFTarget, prompt: list[int], params: SamplingParams, len
 
 
 def assert_sampling_exact(temperature: float, top_p: float, arm: SDStrategy, drafter_vocab: int | None = None,
-                          batch: int = 20_000, calls: int = 1) -> list[int]:
+                          batch: int = 20_000, calls: int = 1, decode: str = "hf") -> list[int]:
     """Chi-square: the joint law of tokens 2-3 (produced by speculative steps) equals the target's,
     over ``calls`` rollouts of ``batch`` requests; returns the draft depth of every step."""
-    target = tiny_vocab_target()
+    target = tiny_vocab_target(decode=decode)
     config = DrafterConfig.from_target(target, draft_vocab_size=drafter_vocab)
     counts = None if drafter_vocab is None else torch.tensor([5, 1, 4, 0, 3, 2])  # drafts among 0, 2, 4
     drafter = Drafter(config, target, token_counts=counts)  # random: many rejections
@@ -275,6 +275,25 @@ def assert_sampling_exact(temperature: float, top_p: float, arm: SDStrategy, dra
 )
 def test_sampling_is_exact_end_to_end(temperature, top_p, arm):
     assert_sampling_exact(temperature, top_p, arm)
+
+
+@pytest.mark.parametrize("arm", [SDStrategy(2), SDStrategy(2, 2, 3)], ids=str)
+def test_sampling_is_exact_through_the_lean_forward(arm):
+    """The lean decode path (``HFTarget(decode="lean")``) verifies chains and trees: still the target's law."""
+    assert_sampling_exact(1.0, 0.9, arm, decode="lean")
+
+
+@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED], ids=str)
+def test_greedy_equals_plain_through_the_lean_forward(tiny_target, arm):
+    """Speculative greedy on the lean path equals plain greedy on transformers' path, token for token."""
+    lean = HFTarget(tiny_target.model, decode="lean")
+    drafter = Drafter(DrafterConfig.from_target(lean, draft_vocab_size=96), lean)
+    prompts = random_prompts(32, seed=13)
+    config = RolloutConfig(max_new_tokens=120, temperature=0)
+    plain = RolloutEngine(tiny_target, config).generate(prompts)
+    result = SpeculativeRolloutLoop(lean, drafter, config, FixedChooser(arm), threshold=1000).generate(prompts)
+    assert all(s.token_ids.tolist() == p.token_ids.tolist() for s, p in zip(result.rollouts, plain.rollouts))
+    assert all(result.stats.step_speculative)
 
 
 @pytest.mark.parametrize("arm", [SDStrategy(2), SDStrategy(2, 2, sampled=True)], ids=str)

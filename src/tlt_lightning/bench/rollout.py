@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tlt_lightning.bench.common import machine_info, median, save_figure, task_prompts, timed, write_json
-from tlt_lightning.models import WEIGHT_LAYOUTS, HFTarget, load_model
+from tlt_lightning.models import DECODE_PATHS, WEIGHT_LAYOUTS, HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
 
 __all__ = ["add_arguments", "hf_generate", "length_summary", "run"]
@@ -125,6 +125,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--weight-layout", default="packed", choices=WEIGHT_LAYOUTS,
                    help="layout of the linear weights (see `bench layout`)")
+    p.add_argument("--decode", default="hf", choices=DECODE_PATHS,
+                   help="target decode path: transformers' modules or the lean forward (same outputs)")
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 128])
     p.add_argument("--max-new-tokens", type=int, default=128, help="per request, fixed-batch workload")
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
     model, tokenizer = loaded.model, loaded.tokenizer
-    target = HFTarget(model)
+    target = HFTarget(model, decode=args.decode)
     target.set_weight_layout(args.weight_layout)
     count = max([*args.batch_sizes, args.long_tail_requests, 1])
     prompts = task_prompts(tokenizer, args.task, count, seed=args.seed)
@@ -188,7 +190,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "benchmark": "rollout",
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "weight_layout": target.weight_layout, "task": args.task,
+        "model": args.model, "dtype": args.dtype, "weight_layout": target.weight_layout, "decode": args.decode,
+        "task": args.task,
         "machine": machine_info(),
         "batches": batches,
     }

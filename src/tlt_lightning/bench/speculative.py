@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
-    target = HFTarget(loaded.model)
+    target = HFTarget(loaded.model, decode=getattr(args, "decode", "hf"))
     target.set_weight_layout(args.weight_layout)
     drafters = {name: load_drafter(path, target).eval() for name, path in zip(names, args.drafter)}
     # One drafter: results are labelled by arm, as before; several: DIRNAME/ARM.

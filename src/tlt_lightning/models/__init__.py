@@ -18,9 +18,17 @@ from tlt_lightning.models.registry import (
     load_model,
     models_with_signature,
 )
-from tlt_lightning.models.target import HFTarget, TargetInfo, TargetModel, TargetOutput, default_feature_layers
+from tlt_lightning.models.target import (
+    DECODE_PATHS,
+    HFTarget,
+    TargetInfo,
+    TargetModel,
+    TargetOutput,
+    default_feature_layers,
+)
 
 __all__ = [
+    "DECODE_PATHS",
     "HFTarget",
     "KVCache",
     "LoadedModel",

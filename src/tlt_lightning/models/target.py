@@ -19,8 +19,14 @@ from transformers import PretrainedConfig, PreTrainedModel
 from tlt_lightning.models.attention import use_grouped_attention
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import column_major, set_weight_layout
+from tlt_lightning.models.lean import check_lean_model, lean_applies, lean_forward
 
-__all__ = ["HFTarget", "TargetInfo", "TargetModel", "TargetOutput", "begin_forward", "default_feature_layers"]
+__all__ = ["DECODE_PATHS", "HFTarget", "TargetInfo", "TargetModel", "TargetOutput", "begin_forward", "default_feature_layers"]
+
+
+DECODE_PATHS = ("hf", "lean")
+"""How :class:`HFTarget` runs decode and verify forwards: transformers' module tree, or
+:func:`~tlt_lightning.models.lean.lean_forward` (same outputs, fewer ops; Llama and Qwen2)."""
 
 
 class TargetOutput(NamedTuple):
@@ -131,6 +137,12 @@ class HFTarget(nn.Module):
             :data:`~tlt_lightning.models.attention.GROUPED_SDPA`: the same attention, run once per
             key/value head when a few tokens per row are decoded without autograd (verifying
             drafts), transformers' ``sdpa`` everywhere else (training is unchanged).
+        decode: ``"hf"`` runs every forward through transformers; ``"lean"`` runs decode and verify
+            forwards (inference, ``1..MAX_LEAN_QUERIES`` tokens per row) through
+            :func:`~tlt_lightning.models.lean.lean_forward` over the same weights, with the same
+            outputs bit for bit and less per-op overhead; prefill and training stay on transformers.
+            ``"lean"`` needs a Llama or Qwen2 model on ``sdpa`` attention
+            (:func:`~tlt_lightning.models.lean.check_lean_model`).
 
     Example:
         >>> from tlt_lightning.models import load_model
@@ -139,13 +151,18 @@ class HFTarget(nn.Module):
         4
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, decode: str = "hf") -> None:
         super().__init__()
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
             raise TypeError(f"HFTarget needs a decoder-only causal LM, got {type(model).__name__}")
+        if decode not in DECODE_PATHS:
+            raise ValueError(f"decode must be one of {DECODE_PATHS}, got {decode!r}")
         self.model = model
         use_grouped_attention(model)
+        if decode == "lean":
+            check_lean_model(model)
+        self.decode = decode
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.info = TargetInfo(
             model_type=config.model_type,
@@ -227,6 +244,8 @@ class HFTarget(nn.Module):
             The final hidden states and the requested features, ``[n, q, H]`` / ``[n, q, C, H]``.
         """
         begin_forward(cache, input_ids, positions, attention_mask, slots)
+        if self.decode == "lean" and lean_applies(input_ids, attention_mask):
+            return TargetOutput(*lean_forward(self.model, input_ids, positions, attention_mask, cache, feature_layers))
         out = self.model.get_decoder()(
             input_ids=input_ids,
             attention_mask=attention_mask,
