@@ -49,13 +49,32 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert imported(tree) == {"tlt_lightning.bench.common"}
 
 
+@pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_draws_through_pyplot(path):
+    """pyplot keeps every figure open in a global registry (and picks a backend): figures come from
+    :func:`tlt_lightning.reports.new_figure`; only ``save_figure`` imports pyplot, to close a user's figure."""
+    if path == ROOT / "reports.py":
+        return
+    users = sorted(m for m in imported(ast.parse(path.read_text())) if m.startswith("matplotlib.pyplot"))
+    assert users == [], f"{path.relative_to(ROOT)} imports pyplot: use tlt_lightning.reports.new_figure"
+
+
 def test_figures_need_no_pyplot(tmp_path):
-    import sys
+    import matplotlib.pyplot as plt
 
     from tlt_lightning.reports import new_figure, save_figure
 
+    open_before = plt.get_fignums()
     fig, ax = new_figure()
     ax.plot([0, 1], [1, 0])
     out = save_figure(fig, tmp_path / "sub" / "plot.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "matplotlib.pyplot" not in sys.modules or sys.modules["matplotlib.pyplot"].get_fignums() == []
+    assert plt.get_fignums() == open_before  # never registered with pyplot
+    grid, axes = new_figure(0, layout="constrained")  # no axes: the caller lays out its grid
+    assert axes is None and grid.get_layout_engine() is not None
+    grid.add_subplot(1, 1, 1).plot([0, 1])
+    assert save_figure(grid, tmp_path / "grid.png").exists()
+
+    mine = plt.figure()  # a user's pyplot figure is closed once saved
+    save_figure(mine, tmp_path / "mine.png")
+    assert mine.number not in plt.get_fignums()

@@ -56,20 +56,28 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     return path
 
 
-def new_figure(nrows: int = 1, ncols: int = 1, figsize: tuple[float, float] = (6.5, 4)) -> tuple[Any, Any]:
-    """A figure on its own Agg canvas and its axes (as ``plt.subplots`` returns them), without pyplot."""
+def new_figure(
+    nrows: int = 1, ncols: int = 1, figsize: tuple[float, float] = (6.5, 4), *, layout: str | None = None, **subplots: Any
+) -> tuple[Any, Any]:
+    """A figure on its own Agg canvas and its axes (as ``plt.subplots`` returns them), without pyplot.
+
+    ``subplots`` go to ``Figure.subplots`` (``squeeze=False``, ...); ``nrows=0`` makes no axes, for a
+    caller that lays out its own grid (``layout="constrained"`` then, say).
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=figsize)
+    fig = Figure(figsize=figsize, layout=layout)
     FigureCanvasAgg(fig)
-    return fig, fig.subplots(nrows, ncols)
+    return fig, (fig.subplots(nrows, ncols, **subplots) if nrows else None)
 
 
 def save_figure(fig: Any, path: str | Path) -> Path:
-    """Lay out and write a figure as PNG (creating the folder); a pyplot figure is closed too."""
+    """Lay out (unless the figure has its own layout engine) and write a figure as PNG, creating the
+    folder; a pyplot figure is closed too."""
     path = Path(path)
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     if getattr(fig.canvas, "manager", None) is not None:  # made by pyplot, which keeps it open

@@ -1,15 +1,15 @@
+import copy
 import logging
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from tests.rollout.test_engine import random_prompts
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.models.lean import MAX_LEAN_QUERIES, lean_applies
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.engine import causal_decode_mask
-
-from tests.rollout.test_engine import random_prompts
 
 
 def pair(name: str, dtype: str = "float32") -> tuple[HFTarget, HFTarget]:
@@ -108,7 +108,8 @@ def test_training_and_prefill_stay_on_transformers(tiny_llama):
 def test_bad_decode_settings_are_rejected(tiny_llama, caplog):
     with pytest.raises(ValueError, match=r"decode must be one of \('hf', 'lean'\), got 'compiled'"):
         HFTarget(tiny_llama.model, decode="compiled")
-    eager = LlamaForCausalLM._from_config(tiny_llama.hf_config, attn_implementation="eager")
+    # _from_config sets the implementation on the config it is given: a copy, not the shared fixture's.
+    eager = LlamaForCausalLM._from_config(copy.deepcopy(tiny_llama.hf_config), attn_implementation="eager")
     with pytest.raises(ValueError, match="needs the model on 'sdpa' attention, got attn_implementation='eager'"):
         HFTarget(eager, decode="lean")
     small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

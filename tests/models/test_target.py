@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -37,6 +39,36 @@ def test_prefill_then_multi_token_decode_matches_full_forward(tiny_target):
         torch.testing.assert_close(
             tiny_target.lm_head(out.hidden[r]), full[r, lens[r] : lens[r] + 3], atol=1e-5, rtol=1e-5
         )
+
+
+def test_eager_attention_reads_our_masks_as_sdpa_does(tiny_target):
+    """``eager`` adds its mask to the scores: a tree mask with a cache gap gives sdpa's outputs there too."""
+    eager = copy.deepcopy(tiny_target.model)
+    eager.set_attn_implementation("eager")
+    targets = [tiny_target, HFTarget(eager)]
+    torch.manual_seed(0)
+    prompt, tree = torch.randint(3, 128, (2, 5)), torch.randint(3, 128, (2, 3))
+    # Two siblings at position 5 (slots 5, 6) and a child of the second one at position 6 (slot 7).
+    positions, slots = torch.tensor([[5, 5, 6]] * 2), torch.tensor([[5, 6, 7]] * 2)
+    tree_mask = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 1, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(3, 5, dtype=torch.bool), tree_mask], dim=1).expand(2, 1, 3, 8)
+    hidden = []
+    for target in targets:
+        cache = target.new_cache(2, 16)
+        target.forward(prompt, torch.arange(5).expand(2, 5), causal_decode_mask(torch.zeros(2, dtype=torch.long), 5, 5), cache)
+        cache.lengths[:2] = 5
+        hidden.append(target.forward(tree, positions, mask, cache, slots=slots).hidden)
+    torch.testing.assert_close(hidden[1], hidden[0], atol=1e-5, rtol=1e-5)
+    # Sibling 0 sees only the prompt, so it equals a plain decode of that token after the prompt.
+    plain = tiny_target.model(torch.cat([prompt, tree[:, :1]], dim=1), output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(hidden[1][:, 0], plain[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_attention_without_explicit_masks_is_refused(tiny_llama):
+    model = copy.deepcopy(tiny_llama.model)
+    model.config._attn_implementation = "flash_attention_2"  # what loading with it sets (no flash-attn here)
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2' does not take; load the model with attn_implementation='sdpa'"):
+        HFTarget(model)
 
 
 def test_bad_mask_shape_is_rejected(tiny_llama):

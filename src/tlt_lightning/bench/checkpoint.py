@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tlt_lightning.bench.common import machine_info, save_figure, timed, write_json
+from tlt_lightning.bench.common import machine_info, new_figure, save_figure, timed, write_json
 from tlt_lightning.efficiency.checkpoint import (
     apply_checkpointing,
     find_blocks,
@@ -180,14 +180,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def plot(results: dict[str, dict[str, Any]], sweep: list[dict[str, Any]], path: Path, budget_mb: float) -> Path:
     """Measured peak memory and throughput (CPU time) per variant; the DP's recompute across budgets."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(results)
     colors = ["tab:gray", "tab:blue", "tab:green", "tab:olive", "tab:orange", "tab:red"]
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.3))
+    fig, (a, b, c) = new_figure(1, 3, figsize=(16, 4.3))
     a.bar(names, [results[n]["measured_peak_mb"] for n in names], color=colors)
     a.axhline(budget_mb, color="k", ls="--", lw=1, label="budget (static's peak)")
     a.set(ylabel="peak activation memory (MiB, measured)", title="Peak memory")

@@ -33,7 +33,7 @@ from typing import Any
 
 import lightning as L
 
-from tlt_lightning.bench.common import machine_info, median, save_figure, write_json
+from tlt_lightning.bench.common import machine_info, median, new_figure, save_figure, write_json
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.rl.tasks import TaskConfig
 
@@ -164,14 +164,9 @@ def per_token(steps: list[dict[str, float]]) -> dict[str, float]:
 
 
 def plot(payload: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = payload["runs"]
     drift = runs["tlt"].get("drift")
-    fig, axes = plt.subplots(1, 4 if drift else 3, figsize=(20 if drift else 15, 4.2))
+    fig, axes = new_figure(1, 4 if drift else 3, figsize=(20 if drift else 15, 4.2))
     a, b, c = axes[:3]
     for name, run in runs.items():
         steps = [s["step"] for s in run["steps"]]

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tlt_lightning.bench.common import machine_info, save_figure, write_json
+from tlt_lightning.bench.common import machine_info, new_figure, save_figure, write_json
 
 __all__ = ["add_arguments", "run"]
 
@@ -117,12 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _axes(ncols: int, width: float = 5.2) -> tuple[Any, Any]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(1, ncols, figsize=(width * ncols, 4.2))
+    return new_figure(1, ncols, figsize=(width * ncols, 4.2))
 
 
 def plot_sampler(payload: dict[str, Any], path: Path) -> Path:

@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from tlt_lightning.bench.common import machine_info, median, save_figure, task_prompts, timed, write_json
+from tlt_lightning.bench.common import (
+    machine_info,
+    median,
+    new_figure,
+    save_figure,
+    task_prompts,
+    timed,
+    write_json,
+)
 from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import WEIGHT_LAYOUTS, HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
@@ -44,13 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def plot(payload: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows, layouts = payload["workloads"], payload["layouts"]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows)), 3.8))
+    fig, ax = new_figure(figsize=(max(6.0, 1.1 * len(rows)), 3.8))
     x = range(len(rows))
     width = 0.8 / len(layouts)
     for i, layout in enumerate(layouts):

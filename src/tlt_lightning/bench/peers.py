@@ -39,7 +39,15 @@ from typing import Any, Self
 
 import torch
 
-from tlt_lightning.bench.common import machine_info, median, save_figure, task_prompts, timed, write_json
+from tlt_lightning.bench.common import (
+    machine_info,
+    median,
+    new_figure,
+    save_figure,
+    task_prompts,
+    timed,
+    write_json,
+)
 
 __all__ = ["PeerClient", "RunTiming", "add_arguments", "agreement", "alternate", "compare", "plot", "run", "summarise"]
 
@@ -220,13 +228,8 @@ def ours(backend: Any, seed: int) -> Engine:
 
 def plot(payload: dict[str, Any], path: Path) -> Path:
     """Decode and end-to-end tokens/s per engine and batch size (labels: ours/vLLM)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     batches = payload["batches"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), squeeze=False)
+    fig, axes = new_figure(1, 2, figsize=(11, 4.5), squeeze=False)
     names = list(dict.fromkeys(n for b in batches for n in b["engines"]))
     sizes = list(dict.fromkeys(b["batch_size"] for b in batches))
     width = 0.8 / max(1, len(names))

@@ -19,7 +19,15 @@ from typing import Any
 
 import torch
 
-from tlt_lightning.bench.common import machine_info, median, save_figure, task_prompts, timed, write_json
+from tlt_lightning.bench.common import (
+    machine_info,
+    median,
+    new_figure,
+    save_figure,
+    task_prompts,
+    timed,
+    write_json,
+)
 from tlt_lightning.models import DECODE_PATHS, WEIGHT_LAYOUTS, HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
 
@@ -94,13 +102,8 @@ def _compare(engine: RolloutEngine, model, tokenizer, prompts, repeats: int, see
 
 def plot(long_tail: RolloutResult | None, batches: list[dict[str, Any]], path: Path) -> Path:
     """Throughput per batch size; with a long-tail run also its length histogram and per-request timeline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = 3 if long_tail is not None else 1
-    fig, axes = plt.subplots(1, panels, figsize=(5.3 * panels, 4.5), squeeze=False)
+    fig, axes = new_figure(1, panels, figsize=(5.3 * panels, 4.5), squeeze=False)
     c = axes[0, -1]
     xs = range(len(batches))
     c.bar([x - 0.2 for x in xs], [x["tokens_per_s"] for x in batches], width=0.4, label="RolloutEngine")

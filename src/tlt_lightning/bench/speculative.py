@@ -25,7 +25,15 @@ from typing import Any
 
 import torch
 
-from tlt_lightning.bench.common import machine_info, median, save_figure, task_prompts, timed, write_json
+from tlt_lightning.bench.common import (
+    machine_info,
+    median,
+    new_figure,
+    save_figure,
+    task_prompts,
+    timed,
+    write_json,
+)
 from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
@@ -135,16 +143,11 @@ def _hf_peer(model, prompt: list[int], max_new: int, seed: int, temperature: flo
 
 
 def plot(results: dict[str, Any], long_tail: RolloutResult | None, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     batches, arms = results["batches"], results["strategies"]
     panels = (1 if batches else 0) + (2 if long_tail is not None else 0)
     if panels == 0:
         raise ValueError("nothing to plot: no batch workloads and no long-tail run")
-    fig, axes = plt.subplots(1, panels, figsize=(5.3 * panels, 4.5), squeeze=False)
+    fig, axes = new_figure(1, panels, figsize=(5.3 * panels, 4.5), squeeze=False)
     axes = list(axes[0])
     temperatures = results.get("temperatures", [results["temperature"]])
     if batches and len(temperatures) > 1:

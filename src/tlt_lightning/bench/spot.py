@@ -27,7 +27,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from tlt_lightning.bench.common import machine_info, median, save_figure, write_json
+from tlt_lightning.bench.common import machine_info, median, new_figure, save_figure, write_json
 from tlt_lightning.bench.e2e import StepRecorder, per_token
 
 __all__ = ["add_arguments", "run"]
@@ -219,13 +219,8 @@ def plot(payload: dict[str, Any], path: Path) -> Path | None:
     """Step times of the two DDP fits and the spot-trained drafter's accept length (when measured)."""
     if "ddp" not in payload:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ddp = payload["ddp"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = new_figure(1, 2, figsize=(11, 4))
     for name in ("frozen", "spot"):
         steps = ddp[name]["steps"]
         a.plot([s["step"] for s in steps], [s["wall_s"] for s in steps], marker="o", label=f"drafter {name}")

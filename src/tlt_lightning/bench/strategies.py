@@ -32,7 +32,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from tlt_lightning.bench.common import machine_info, median, task_prompts, timed, write_json
+from tlt_lightning.bench.common import (
+    machine_info,
+    median,
+    new_figure,
+    save_figure,
+    task_prompts,
+    timed,
+    write_json,
+)
 from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import WEIGHT_LAYOUTS, HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig
@@ -150,17 +158,12 @@ def _summarize(acc: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(payload: dict[str, Any], bandit: BEGMABStrategy, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from tlt_lightning.scheduling.bandit import draw_heatmaps
 
     runs = payload["runs"]
     names = list(runs)
     edges, rows = bandit.heatmap_data(num_bins=10)
-    fig = plt.figure(figsize=(6 + 3.2 * len(rows), 4.2), layout="constrained")
+    fig, _ = new_figure(0, figsize=(6 + 3.2 * len(rows), 4.2), layout="constrained")
     grid = fig.add_gridspec(1, 1 + len(rows), width_ratios=[2] + [1] * len(rows))
     a = fig.add_subplot(grid[0])
     colors = ["tab:red" if n.startswith("BEG-MAB") else "tab:gray" if n.startswith("off") else "tab:blue"
@@ -174,10 +177,7 @@ def plot(payload: dict[str, Any], bandit: BEGMABStrategy, path: Path) -> Path:
           title=f"{payload['groups']} x {payload['requests']} requests, SD below {payload['threshold']} "
                 "active")
     draw_heatmaps([fig.add_subplot(grid[1 + i]) for i in range(len(rows))], edges, rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)  # not save_figure: its tight_layout would undo the constrained layout
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

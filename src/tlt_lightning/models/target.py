@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from tlt_lightning.models.attention import use_grouped_attention
+from tlt_lightning.models.attention import GROUPED_SDPA, use_grouped_attention
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import column_major, set_weight_layout
 from tlt_lightning.models.lean import check_lean_model, lean_applies, lean_forward
@@ -119,6 +119,25 @@ def begin_forward(
     return kv_len
 
 
+def hf_attention_mask(model: PreTrainedModel, mask: torch.Tensor) -> torch.Tensor:
+    """Our ``[n, 1, q, kv_len]`` bool mask in the form ``model``'s attention implementation adds or reads.
+
+    ``sdpa`` (and :data:`~tlt_lightning.models.attention.GROUPED_SDPA`) take the bool mask as it is;
+    ``eager`` adds its mask to the scores, so it gets ``0`` where a query may attend and the dtype's
+    minimum elsewhere (a bool mask would be added as 1/0 and attend everywhere). Implementations that
+    take no arbitrary 4-D mask (flash, flex, paged) cannot verify trees and are refused.
+    """
+    impl = model.config._attn_implementation
+    if impl in ("sdpa", GROUPED_SDPA):
+        return mask
+    if impl == "eager":
+        return torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill_(~mask, torch.finfo(model.dtype).min)
+    raise ValueError(
+        f"HFTarget passes explicit [n, 1, q, kv_len] attention masks (tree verification, cache slots), "
+        f"which attn_implementation={impl!r} does not take; load the model with attn_implementation='sdpa'"
+    )
+
+
 def _eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
     eos = model.generation_config.eos_token_id if model.generation_config else None
     if eos is None:
@@ -136,7 +155,8 @@ class HFTarget(nn.Module):
             on transformers' ``sdpa`` attention is switched to
             :data:`~tlt_lightning.models.attention.GROUPED_SDPA`: the same attention, run once per
             key/value head when a few tokens per row are decoded without autograd (verifying
-            drafts), transformers' ``sdpa`` everywhere else (training is unchanged).
+            drafts), transformers' ``sdpa`` everywhere else (training is unchanged). ``eager``
+            attention runs too (:func:`hf_attention_mask`); flash and flex attention are refused.
         decode: ``"hf"`` runs every forward through transformers; ``"lean"`` runs decode and verify
             forwards (inference, ``1..MAX_LEAN_QUERIES`` tokens per row) through
             :func:`~tlt_lightning.models.lean.lean_forward` over the same weights, with the same
@@ -159,6 +179,7 @@ class HFTarget(nn.Module):
         if decode not in DECODE_PATHS:
             raise ValueError(f"decode must be one of {DECODE_PATHS}, got {decode!r}")
         self.model = model
+        hf_attention_mask(model, torch.ones(1, 1, 1, 1, dtype=torch.bool))  # refuses what cannot run here
         use_grouped_attention(model)
         if decode == "lean":
             check_lean_model(model)
@@ -248,7 +269,7 @@ class HFTarget(nn.Module):
             return TargetOutput(*lean_forward(self.model, input_ids, positions, attention_mask, cache, feature_layers))
         out = self.model.get_decoder()(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=hf_attention_mask(self.model, attention_mask),
             position_ids=positions,
             cache=cache,
             use_cache=True,
