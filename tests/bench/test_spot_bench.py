@@ -12,7 +12,7 @@ def test_spot_bench_on_the_real_model(tmp_path):
     DDP fits both ran, the spot-trained one trained in the tail and drew its timeline."""
     path = tmp_path / "spot.json"
     main(["--threads", "1", "bench", "spot", "--task", "chain_sum", "--packing-rollouts", "6",
-          "--packing-budget", "64", "--packing-repeats", "1", "--windows", "4", "--steps", "2",
+          "--packing-budget", "64", "--packing-repeats", "1", "--windows", "4", "--checkpoint-repeats", "1", "--steps", "2",
           "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "12", "--threshold", "4",
           "--depth", "2", "--out", str(tmp_path / "runs"), "--json", str(path)])
     data = json.loads(path.read_text())
@@ -20,6 +20,9 @@ def test_spot_bench_on_the_real_model(tmp_path):
     assert packing["settings"]["num_rollouts"] == 6 and packing["settings"]["vocab_size"] == 49152
     assert packing["packed"]["fill_ratio"] >= packing["padded"]["fill_ratio"] and packing["speedup"] > 0
     assert data["preemption"]["windows"] > 0 and data["preemption"]["last_finisher_windows"] == 0
+    checkpoint = data["checkpoint"]
+    assert checkpoint["settings"]["hidden_size"] == 576 and checkpoint["checkpoint_mb"] > 10
+    assert 0 < checkpoint["async_blocking_s"] and 0 < checkpoint["sync_s"]
     ddp = data["ddp"]
     for name in ("frozen", "spot"):
         assert [s["step"] for s in ddp[name]["steps"]] == [1, 2]

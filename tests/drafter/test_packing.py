@@ -6,7 +6,6 @@ import torch
 from tlt_lightning.drafter import (
     DrafterConfig,
     DrafterLoss,
-    benchmark_packing,
     drafter_losses,
     fill_ratio,
     make_batches,
@@ -141,16 +140,3 @@ def test_padded_batches_keep_their_behaviour(llama):
     assert b.attention_mask.equal(unroll_mask(b.mask, 1))
     assert b.sample_index().tolist() == [[0, 1, 2, 3]] * 2
     assert b.to("cpu").doc_ids is None
-
-
-def test_benchmark_packing_smoke():
-    out = benchmark_packing(
-        num_rollouts=6, budget=32, batch_size=2, hidden_size=64, vocab_size=128, max_length=33, repeats=1
-    )
-    assert out["packed"]["samples"] == out["padded"]["samples"]
-    assert out["packed"]["fill_ratio"] >= out["padded"]["fill_ratio"]
-    assert out["speedup"] > 0
-    with pytest.raises(ValueError, match="budget must hold the longest rollout's samples"):
-        benchmark_packing(budget=16, max_length=64)
-    with pytest.raises(ValueError, match="target and rollouts go together"):
-        benchmark_packing(rollouts=[])

@@ -4,10 +4,13 @@ Three parts, on SmolLM2-135M and countdown unless told otherwise:
 
 - ``packing``: drafter training throughput (samples/s) with sequence packing vs padding, on real
   rollouts of the target (a ``drafter warmup`` rollouts cache, or freshly sampled ones) with the
-  real drafter and its reduced vocabulary (:func:`~tlt_lightning.drafter.benchmark_packing`).
+  real drafter and its reduced vocabulary (:func:`~tlt_lightning.bench.spot_parts.benchmark_packing`).
 - ``preemption``: latency from "the rollout is over everywhere" to a training worker leaving
   TRAINING, over many windows with 2 gloo processes and a tiny drafter step
-  (:func:`~tlt_lightning.scheduling.benchmark_preemption`): the coordinator's own latency.
+  (:func:`~tlt_lightning.bench.spot_parts.benchmark_preemption`): the coordinator's own latency.
+- ``checkpoint``: how long the training loop blocks per drafter checkpoint, asynchronous vs
+  synchronous save, with a drafter of the target's size
+  (:func:`~tlt_lightning.bench.spot_parts.benchmark_checkpoint`).
 - ``ddp``: two GRPO fits with 2 DDP processes on gloo (one CPU core each), speculative rollouts
   with the same warmed-up drafter, identical but for :class:`~tlt_lightning.callbacks.SpotDrafterCallback`:
   on (the drafter trains in the other rank's tail) vs off (the drafter stays frozen). Reports the
@@ -32,7 +35,7 @@ from tlt_lightning.bench.e2e import StepRecorder, per_token
 
 __all__ = ["add_arguments", "run"]
 
-PARTS = ("packing", "preemption", "ddp")
+PARTS = ("packing", "preemption", "checkpoint", "ddp")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--packing-repeats", type=int, default=3)
     g = p.add_argument_group("preemption")
     g.add_argument("--windows", type=int, default=60, help="rollouts (training windows) to time")
+    g = p.add_argument_group("checkpoint")
+    g.add_argument("--checkpoint-repeats", type=int, default=5, help="sync / async saves to time (alternating)")
     g = p.add_argument_group("ddp")
     g.add_argument("--steps", type=int, default=5, help="GRPO steps per fit")
     g.add_argument("--prompts-per-step", type=int, default=4, help="over both ranks")
@@ -65,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _packing(args: argparse.Namespace) -> dict[str, Any]:
     from dataclasses import replace
 
-    from tlt_lightning.drafter import DrafterConfig, benchmark_packing, read_drafter_config
+    from tlt_lightning.bench.spot_parts import benchmark_packing
+    from tlt_lightning.drafter import DrafterConfig, read_drafter_config
     from tlt_lightning.models import HFTarget, load_model
 
     loaded = load_model(args.model)
@@ -98,13 +104,28 @@ def _packing(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------- preemption
 def _preemption(args: argparse.Namespace) -> dict[str, Any]:
-    from tlt_lightning.scheduling import benchmark_preemption
+    from tlt_lightning.bench.spot_parts import benchmark_preemption
 
     print(f"[bench spot] preemption: {args.windows} windows, 2 gloo processes ...", flush=True)
     out = benchmark_preemption(rollouts=args.windows, seed=args.seed,
                                plot_path=Path(args.out) / "preemption_timeline.png")
     print(f"[bench spot] preemption latency p50 {out['latency_p50_s'] * 1e3:.1f} ms, p99 "
           f"{out['latency_p99_s'] * 1e3:.1f} ms ({out['latency_p99_steps']:.2f} drafter steps)", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------- checkpoint
+def _checkpoint(args: argparse.Namespace) -> dict[str, Any]:
+    from tlt_lightning.bench.spot_parts import benchmark_checkpoint
+    from tlt_lightning.models import load_model
+
+    info = load_model(args.model).model.config
+    print(f"[bench spot] checkpoint: {args.checkpoint_repeats} sync / async saves, hidden {info.hidden_size} ...",
+          flush=True)
+    out = benchmark_checkpoint(hidden_size=info.hidden_size, vocab_size=info.vocab_size,
+                               repeats=args.checkpoint_repeats, directory=args.out, seed=args.seed)
+    print(f"[bench spot] checkpoint: the loop blocks {out['async_blocking_s'] * 1e3:.0f} ms (async) vs "
+          f"{out['sync_s'] * 1e3:.0f} ms (sync), {out['checkpoint_mb']:.0f} MB", flush=True)
     return out
 
 
@@ -235,7 +256,8 @@ def plot(payload: dict[str, Any], path: Path) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    for name in ("packing_rollouts", "packing_budget", "packing_repeats", "windows", "steps", "prompts_per_step",
+    for name in ("packing_rollouts", "packing_budget", "packing_repeats", "windows", "checkpoint_repeats", "steps",
+                 "prompts_per_step",
                  "max_new_tokens", "threshold", "depth"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -251,7 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_info(),
         "config": {k: v for k, v in vars(args).items() if k not in ("argv", "func")},
     }
-    for part, fn in (("packing", _packing), ("preemption", _preemption), ("ddp", _ddp)):
+    for part, fn in (("packing", _packing), ("preemption", _preemption), ("checkpoint", _checkpoint), ("ddp", _ddp)):
         if part in args.parts:
             payload[part] = fn(args)
             write_json(args.json, payload)  # what is measured so far survives a later crash

@@ -5,7 +5,6 @@ from tlt_lightning.drafter.buffer import BufferConfig, DrafterSample, RolloutBuf
 from tlt_lightning.drafter.checkpoint import (
     AsyncCheckpointer,
     CheckpointInfo,
-    benchmark_checkpoint,
     snapshot_state,
 )
 from tlt_lightning.drafter.config import DRAFTER_KINDS, SUPPORTED_MODEL_TYPES, DrafterConfig
@@ -28,7 +27,7 @@ from tlt_lightning.drafter.losses import (
     top1_agreement,
 )
 from tlt_lightning.drafter.model import AttentionCache, Drafter
-from tlt_lightning.drafter.packing import benchmark_packing, fill_ratio, pack_batches, pack_bins
+from tlt_lightning.drafter.packing import fill_ratio, pack_batches, pack_bins
 from tlt_lightning.drafter.publish import DrafterLease, DrafterPublisher
 from tlt_lightning.drafter.spot_trainer import PaidTraining, SpotTrainer, SpotTrainerConfig
 from tlt_lightning.drafter.train import (
@@ -66,8 +65,6 @@ __all__ = [
     "SpotTrainer",
     "SpotTrainerConfig",
     "acceptance_rate",
-    "benchmark_checkpoint",
-    "benchmark_packing",
     "draft_vocab_mass",
     "drafter_losses",
     "drafter_train_step",

@@ -53,7 +53,7 @@ from safetensors.torch import load_file, save_file
 from tlt_lightning.drafter.io import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME, check_finite_tensors
 from tlt_lightning.drafter.model import Drafter
 
-__all__ = ["AsyncCheckpointer", "CheckpointInfo", "benchmark_checkpoint", "snapshot_state"]
+__all__ = ["AsyncCheckpointer", "CheckpointInfo", "snapshot_state"]
 
 OPTIMIZER_NAME = "optimizer.pt"
 META_NAME = "meta.json"
@@ -476,71 +476,3 @@ class AsyncCheckpointer:
             self._writers |= {str(w) for w in state.get("writers", ())}
             restored = [int(s) for s in state.get("owned", ())]
             self._owned = [s for s in restored if s not in self._owned] + self._owned
-
-
-def benchmark_checkpoint(
-    hidden_size: int = 576,
-    vocab_size: int = 49152,
-    repeats: int = 5,
-    directory: str | os.PathLike | None = None,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Caller-side blocking time of :meth:`AsyncCheckpointer.save` vs a synchronous save.
-
-    The drafter is an EAGLE-1 drafter sized for SmolLM2-135M by default (``hidden_size`` 576:
-    4.2M parameters + AdamW state, ~50 MB per checkpoint) on a random 1-layer target. Synchronous =
-    the same snapshot + write + fsync + rename on the caller's thread (``save`` then ``wait``).
-    After one warm-up save each, alternates sync / async ``repeats`` times; medians.
-
-    Returns:
-        ``{"sync_s", "async_blocking_s", "ratio", "checkpoint_mb", ...}``.
-    """
-    import tempfile
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tlt_lightning.reports import machine_info, median
-    from tlt_lightning.drafter.config import DrafterConfig
-    from tlt_lightning.models.target import HFTarget
-
-    torch.manual_seed(seed)
-    heads = max(1, hidden_size // 64)
-    hf = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=int(hidden_size * 8 / 3) // 64 * 64,
-        num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=max(1, heads // 3),
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    target = HFTarget(LlamaForCausalLM(hf).eval())
-    drafter = Drafter(DrafterConfig.from_target(target, "eagle1"), target)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
-    for p in drafter.parameters():  # populate the AdamW moments
-        p.grad = torch.randn_like(p)
-    optimizer.step()
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        sync, async_ = AsyncCheckpointer(Path(tmp) / "sync"), AsyncCheckpointer(Path(tmp) / "async")
-        for ckpt in (sync, async_):  # warm-up: a run saves many times, buffers are reused after the first
-            ckpt.save(drafter, optimizer, 0)
-            ckpt.wait()
-        sync_s, async_s, write_s = [], [], []
-        for i in range(1, repeats + 1):
-            start = time.perf_counter()
-            sync.save(drafter, optimizer, i)
-            sync.wait()
-            sync_s.append(time.perf_counter() - start)
-            async_.save(drafter, optimizer, i)
-            async_s.append(async_.last_blocking_s)
-            async_.wait()  # not timed: the caller would be generating meanwhile
-            write_s.append(async_.last_write_s)
-        size = sum(f.stat().st_size for f in async_.latest().iterdir())
-    return {
-        "sync_s": median(sync_s),
-        "async_blocking_s": median(async_s),
-        "async_write_s": median(write_s),
-        "ratio": median(sync_s) / median(async_s),
-        "checkpoint_mb": size / 2**20,
-        "drafter_parameters": drafter.num_trainable_parameters(),
-        "sync_s_all": sync_s,
-        "async_blocking_s_all": async_s,
-        "settings": {"hidden_size": hidden_size, "vocab_size": vocab_size, "repeats": repeats},
-        "machine": machine_info(),
-    }

@@ -19,7 +19,6 @@ from tlt_lightning.scheduling.coordinator import (
     TrainWindow,
     WorkerCoordinator,
     WorkerState,
-    benchmark_preemption,
     idle_fraction_recovered,
     plot_timeline,
 )
@@ -41,7 +40,6 @@ __all__ = [
     "WorkerCoordinator",
     "WorkerState",
     "arm_key",
-    "benchmark_preemption",
     "default_arms",
     "parse_arm",
     "idle_fraction_recovered",

@@ -38,7 +38,6 @@ __all__ = [
     "TrainWindow",
     "WorkerCoordinator",
     "WorkerState",
-    "benchmark_preemption",
     "idle_fraction_recovered",
     "plot_timeline",
 ]
@@ -243,6 +242,15 @@ class WorkerCoordinator:
         if self._state is not WorkerState.BUSY:
             self._set(WorkerState.BUSY)
 
+    def finished_last(self) -> bool:
+        """After :meth:`wait_rollout_end`: whether this worker's share was the last one done (the
+        all-reduced finish time is its own). Always True without a process group."""
+        if not self.distributed:
+            return True
+        if self._done_at is None or self._work is None or not self._work.is_completed():
+            raise RuntimeError("finished_last() needs share_done() and the rollout's end (wait_rollout_end())")
+        return self._done_at >= float(self._signal.item())
+
     # ------------------------------------------------------------------------------ training
     def _budget_left(self, steps: int, start: float) -> bool:
         c = self.config
@@ -398,129 +406,3 @@ def plot_timeline(timeline: Sequence[Segment], path: str | Path, title: str | No
         frameon=False,
     )
     return save_figure(fig, path)
-
-
-# ---------------------------------------------------------------------------------- benchmark
-def _tiny_drafter_step(seed: int) -> Callable[[], Any]:
-    """One real drafter training step on a tiny random target (a 1-layer drafter, 8 x 64 samples)."""
-    from tlt_lightning.drafter import Drafter, DrafterConfig, drafter_train_step, make_batches
-    from tlt_lightning.models import HFTarget, load_model
-    from tlt_lightning.rollout.types import Rollout
-
-    target = HFTarget(load_model("tiny-llama", seed=seed).model)
-    torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.from_target(target), target)
-    g = torch.Generator().manual_seed(seed)
-    H, V = target.info.hidden_size, target.info.vocab_size
-    rollouts = [
-        Rollout(torch.zeros(8, dtype=torch.long), torch.randint(0, V, (65,), generator=g), torch.zeros(65),
-                "length", 0.0, 0.0, torch.randn(65, 1, H, generator=g))
-        for _ in range(8)
-    ]  # fmt: skip
-    (batch,) = make_batches(rollouts, drafter.config, batch_size=8)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
-    return lambda: drafter_train_step(drafter, target, batch, optimizer)
-
-
-def _preemption_worker(
-    rank: int, world: int, init: str, rollouts: int, tail_s: tuple, min_idle_s: float, out: str, seed: int
-) -> None:
-    import json
-    import random
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    step = _tiny_drafter_step(seed)
-    step()  # warm-up
-    coord = WorkerCoordinator(CoordinatorConfig(min_idle_s=min_idle_s))
-    rng = random.Random(seed)  # the same draws on every rank
-    windows = []
-    for i in range(rollouts):
-        tail = rng.uniform(*tail_s)
-        coord.rollout_started()
-        straggler = rank == i % world  # one rank per rollout is in the tail
-        time.sleep(tail if straggler else 0.01)
-        coord.share_done()
-        window = coord.maybe_train(step)
-        coord.wait_rollout_end()
-        # The signal is the last finish time: this rank finished last (whatever the plan said,
-        # e.g. the other one was descheduled on a loaded machine) iff it equals its own.
-        last = coord._done_at >= float(coord._signal.item()) if coord.distributed else True
-        windows.append({**window._asdict(), "straggler": straggler, "last": last})
-    timeline = coord.gather_timeline()
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, windows)
-    if rank == 0:
-        segments = [[s.worker, s.state.value, s.start, s.end] for s in timeline]
-        Path(out).write_text(json.dumps({"windows": everyone, "timeline": segments}))
-    # Teardown only after both ranks are done with every collective: a rank that destroys its group
-    # while the other still talks to it can abort the other's gloo threads (seen on a loaded machine).
-    # On an error there is no teardown: mp.spawn reports the exception and ends the other rank.
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def benchmark_preemption(
-    rollouts: int = 20,
-    world_size: int = 2,
-    tail_s: tuple[float, float] = (0.2, 0.6),
-    min_idle_s: float = 0.05,
-    seed: int = 0,
-    plot_path: str | Path | None = None,
-) -> dict[str, Any]:
-    """Preemption latency of drafter training with ``world_size`` gloo processes on this machine.
-
-    Each rollout one rank is the straggler (it "generates" for ``tail_s`` seconds, uniform); the
-    others finish at once and train a tiny drafter (real :func:`drafter_train_step` s) until the
-    straggler's :meth:`~WorkerCoordinator.share_done` preempts them.
-
-    Returns:
-        Latency p50 / p99 / max (seconds), the mean drafter step time, latency in steps, the idle
-        fraction recovered and the windows of every rank.
-    """
-    import json
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from tlt_lightning.reports import machine_info
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        args = (world_size, f"file://{tmp}/init", rollouts, tuple(tail_s), min_idle_s, str(out), seed)
-        mp.spawn(_preemption_worker, args=args, nprocs=world_size, join=True)
-        result = json.loads(out.read_text())
-    every = [w for rank in result["windows"] for w in rank]
-    windows = [w for w in every if w["steps"] > 0 and w["latency_s"] is not None]
-    timeline = [Segment(w, WorkerState(st), a, b) for w, st, a, b in result["timeline"]]
-    if plot_path is not None:
-        plot_timeline(timeline, plot_path, "preemption benchmark")
-    lat = torch.tensor([w["latency_s"] for w in windows], dtype=torch.float64)
-    step_s = sum(w["seconds"] for w in windows) / max(1, sum(w["steps"] for w in windows))
-    p50, p99 = (
-        lat.quantile(torch.tensor([0.5, 0.99], dtype=torch.float64)).tolist()
-        if lat.numel()
-        else [math.nan] * 2
-    )
-    return {
-        "latency_p50_s": p50,
-        "latency_p99_s": p99,
-        "latency_max_s": float(lat.max()) if lat.numel() else math.nan,
-        "step_s": step_s,
-        "latency_p99_steps": p99 / step_s if step_s else math.nan,
-        "windows": len(windows),
-        # Planned stragglers that trained: 0 unless the OS delayed the other rank past the tail.
-        "straggler_windows": sum(w["straggler"] and w["steps"] > 0 for w in every),
-        # Ranks that finished last and still trained: always 0 (training needs a busy peer).
-        "last_finisher_windows": sum(w["last"] and w["steps"] > 0 for w in every),
-        "steps_per_window": sum(w["steps"] for w in windows) / max(1, len(windows)),
-        "idle_fraction_recovered": idle_fraction_recovered(timeline),
-        "settings": {
-            "rollouts": rollouts,
-            "world_size": world_size,
-            "tail_s": list(tail_s),
-            "min_idle_s": min_idle_s,
-            "seed": seed,
-        },
-        "machine": machine_info(),
-    }
