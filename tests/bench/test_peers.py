@@ -25,7 +25,7 @@ from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 
 FAKE_WORKER = Path(__file__).with_name("fake_peer_worker.py")
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-# $TLT_VLLM_PYTHON, else the checkout's .venv-vllm (`make setup-vllm`), as tests/rollout/test_vllm_backend.py.
+# $TLT_VLLM_PYTHON, else the checkout's .venv-vllm (`make setup-vllm`), as tests/vllm/test_backend.py.
 VLLM_PYTHON = Path(os.environ.get("TLT_VLLM_PYTHON") or Path(__file__).resolve().parents[2] / ".venv-vllm/bin/python")
 
 
@@ -215,7 +215,7 @@ def test_cli_lists_bench_peers():
 @pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON} (make setup-vllm, or set TLT_VLLM_PYTHON)")
 def test_real_vllm_worker_greedy_equals_ours(tmp_path):
-    from tlt_lightning.rollout.vllm_check import greedy_agreement
+    from tlt_lightning.recipes.vllm_check import greedy_agreement
 
     loaded = load_model("smollm2-135m", dtype="float32")
     loaded.model.save_pretrained(tmp_path / "target")

@@ -1,4 +1,4 @@
-"""GRPO with ``rollout_backend="vllm"``: against the CPU stand-in for vLLM (tests/rollout/fake_vllm.py)."""
+"""GRPO with ``rollout_backend="vllm"``: against the CPU stand-in for vLLM (tests/vllm/fake_vllm.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from tests.rl.test_module import PROMPTS, even_reward, make_module, make_trainer
-from tests.rollout.fake_vllm import fake_vllm_module
+from tests.vllm.fake_vllm import fake_vllm_module
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.rl.sources import TokenPromptSource
 from tlt_lightning.rl.vllm_rollouts import check_vllm_settings
-from tlt_lightning.rollout import vllm_backend as vb
+from tlt_lightning.vllm import backend as vb
 
 
 @pytest.fixture

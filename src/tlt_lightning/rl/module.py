@@ -93,7 +93,7 @@ from tlt_lightning.rl.tasks import TaskConfig, TaskDataset
 from tlt_lightning.rl.vllm_rollouts import VLLMRollouts
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
 from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-from tlt_lightning.rollout.vllm_backend import VLLMRolloutStats
+from tlt_lightning.vllm.backend import VLLMRolloutStats
 from tlt_lightning.speculative import SDStrategy, StrategyChooser
 from tlt_lightning.tracking import MeanAcceptLength, RolloutTokensPerSecond
 
@@ -268,7 +268,7 @@ class GRPOModule(L.LightningModule):
             or ``"vllm"`` (:class:`~tlt_lightning.rl.vllm_rollouts.VLLMRollouts`: vLLM serves the
             policy, and with ``speculative`` the drafter as its EAGLE speculator, both refreshed in
             place every step; needs vLLM in this environment).
-        vllm: settings of the vLLM engine, :class:`~tlt_lightning.rollout.VLLMBackendConfig` fields
+        vllm: settings of the vLLM engine, :class:`~tlt_lightning.vllm.VLLMBackendConfig` fields
             (``num_speculative_tokens``, ``dtype``, ``gpu_memory_utilization``, ``enforce_eager``, ...).
         max_abs_reward: a reward or correctness beyond ``+-max_abs_reward`` stops the run with a
             :class:`RewardError` naming the task, like a non-finite one (float32 sums of rewards near

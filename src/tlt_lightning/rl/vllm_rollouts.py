@@ -2,7 +2,7 @@
 
 The engine is built at the first rollout (so a drafter attached by a callback at fit start is
 served too), from copies of the policy and drafter in a scratch directory; at the first rollout of
-every later optimizer step, :meth:`~tlt_lightning.rollout.VLLMRolloutBackend.refresh_weights` loads
+every later optimizer step, :meth:`~tlt_lightning.vllm.VLLMRolloutBackend.refresh_weights` loads
 the policy's (and the drafter's) current weights in place, and each result records the weight
 version it ran on. vLLM returns no hidden states: when the rollouts must carry drafter features
 (a spot-trained drafter), one teacher-forced forward of the rollout target computes them
@@ -33,13 +33,13 @@ _OWNED = ("model", "drafter")  # written by VLLMRollouts itself
 
 
 def check_vllm_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Validate ``GRPOModule(vllm=...)``: :class:`~tlt_lightning.rollout.VLLMBackendConfig` fields but
+    """Validate ``GRPOModule(vllm=...)``: :class:`~tlt_lightning.vllm.VLLMBackendConfig` fields but
     ``model`` / ``drafter`` (the module serves its own policy and drafter). No vLLM needed.
 
     Raises:
         ValueError / TypeError: an unknown or invalid field, naming it.
     """
-    from tlt_lightning.rollout.vllm_backend import VLLMBackendConfig
+    from tlt_lightning.vllm.backend import VLLMBackendConfig
 
     settings = dict(settings or {})
     fields = {f.name for f in dataclasses.fields(VLLMBackendConfig)} - set(_OWNED)
@@ -56,7 +56,7 @@ class VLLMRollouts:
     """The vLLM engine of one fit.
 
     Args:
-        settings: :class:`~tlt_lightning.rollout.VLLMBackendConfig` fields (see :func:`check_vllm_settings`).
+        settings: :class:`~tlt_lightning.vllm.VLLMBackendConfig` fields (see :func:`check_vllm_settings`).
     """
 
     def __init__(self, settings: Mapping[str, Any] | None = None) -> None:
@@ -90,7 +90,7 @@ class VLLMRollouts:
             progress: vLLM's progress bar.
         """
         from tlt_lightning.drafter.features import target_features
-        from tlt_lightning.rollout.vllm_backend import VLLMRolloutBackend
+        from tlt_lightning.vllm.backend import VLLMRolloutBackend
 
         served = dataclasses.replace(config, feature_layers=())
         if self.backend is None:

@@ -4,9 +4,9 @@ vLLM pins its own torch and transformers, so on a CPU it lives in its own enviro
 (``make setup-vllm``); our engine's reference tokens come from ours. The stages meet in a work
 directory::
 
-    python -m tlt_lightning.rollout.vllm_check prepare --workdir W [--model M] [--drafter CKPT] ...  # ours
-    python -m tlt_lightning.rollout.vllm_check serve --workdir W                                     # vLLM's
-    python -m tlt_lightning.rollout.vllm_check judge --workdir W [--out summary.json]                # ours
+    python -m tlt_lightning.recipes.vllm_check prepare --workdir W [--model M] [--drafter CKPT] ...  # ours
+    python -m tlt_lightning.recipes.vllm_check serve --workdir W                                     # vLLM's
+    python -m tlt_lightning.recipes.vllm_check judge --workdir W [--out summary.json]                # ours
 
 ``make check-vllm`` (CPU) and ``scripts/gpu_check_vllm.sh`` (GPU, one environment) run all three.
 
@@ -18,7 +18,7 @@ directory::
    then one refresh of policy and drafter (version 1) and one of the drafter alone (version 2).
    Sampled requests: plain ones must carry finite log-probabilities (and repeat per generator on a
    GPU); with the drafter, on the CPU they must be refused (an upstream defect, see
-   :data:`~tlt_lightning.rollout.vllm_backend.CPU_SAMPLED_SPECULATION`), on a GPU drafted and repeatable.
+   :data:`~tlt_lightning.vllm.backend.CPU_SAMPLED_SPECULATION`), on a GPU drafted and repeatable.
 3. **judge** compares: greedy tokens equal our engine's, except where they part at a near tie of
    the reference logits (devices round differently); after the refresh they follow the perturbed
    policy; swapping the drafter alone changes nothing (lossless); versions count up.
@@ -164,7 +164,7 @@ def serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Stage 2 (vLLM's environment): the backend's rollouts, speculative counters and refreshes."""
     from safetensors.torch import load_file
 
-    from tlt_lightning.rollout.vllm_backend import VLLMBackendConfig, VLLMRolloutBackend
+    from tlt_lightning.vllm.backend import VLLMBackendConfig, VLLMRolloutBackend
 
     ref = json.loads((work / REFERENCE).read_text())
     prompts = ref["prompts"]
@@ -328,7 +328,7 @@ STAGES: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tlt_lightning.rollout.vllm_check",
+        prog="python -m tlt_lightning.recipes.vllm_check",
         description=__doc__.split("\n")[0],
         allow_abbrev=False,
     )
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise FileNotFoundError(f"{missing} not found: run the earlier stages first")
             vars(args).update(json.loads((work / SETTINGS).read_text()))
         if args.stage == "serve":
-            from tlt_lightning.rollout.vllm_backend import require_vllm
+            from tlt_lightning.vllm.backend import require_vllm
 
             result["vllm"] = getattr(require_vllm(), "__version__", "unknown")
         start = time.perf_counter()

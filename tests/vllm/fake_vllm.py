@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
-from tlt_lightning.rollout.vllm_transport import LOAD_FILE, LOAD_TENSORS
+from tlt_lightning.vllm.transport import LOAD_FILE, LOAD_TENSORS
 
 
 def SamplingParams(**kwargs: Any) -> dict[str, Any]:

