@@ -19,7 +19,7 @@ torchao is optional: ``pip install 'torchao==0.15.0'`` (the version torchtune 0.
 Example:
     >>> config = Int4QATConfig(group_size=32)
     >>> student = prepare_qat(student, config)  # doctest: +SKIP
-    >>> ...  # train: distill_step(student, teacher, distill, batch).total.backward()
+    >>> # train: distill_step(student, teacher, distill, batch).total.backward()
     >>> student = convert_qat(student, config)  # doctest: +SKIP
 """
 

@@ -74,7 +74,7 @@ def parse_arm(key: str) -> Arm:
 
     Example:
         >>> parse_arm("tree4x2/8")
-        SDStrategy(num_steps=4, topk=2, num_draft_tokens=8, sampled=False, min_confidence=0.0)
+        SDStrategy(num_steps=4, topk=2, num_draft_tokens=8, sampled=False, min_confidence=0.0, fork_depth=1)
     """
     match = re.fullmatch(r"off|chain(\d+)(?:x(\d+)(?:f(\d+))?|@(\d*\.?\d+))?|tree(\d+)x(\d+)/(\d+)", key.strip())
     if match is None:

@@ -21,7 +21,7 @@ class FixedStrategy(BucketedChooser):
     Example:
         >>> from tlt_lightning.speculative import SDStrategy
         >>> FixedStrategy(SDStrategy(4)).select(32)
-        SDStrategy(num_steps=4, topk=1, num_draft_tokens=4)
+        SDStrategy(num_steps=4, topk=1, num_draft_tokens=4, sampled=False, min_confidence=0.0, fork_depth=1)
     """
 
     def __init__(self, arm: Arm, *, max_history: int = 20_000) -> None:
