@@ -12,9 +12,8 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from tests.rl.test_module import make_module, make_trainer
 from tlt_lightning.callbacks import BanditCallback, SpotDrafterCallback
-from tlt_lightning.scheduling import BEGMABStrategy, FixedStrategy, StepCostModel, UCBStrategy, arm_key
-from tlt_lightning.speculative import SDStrategy
-
+from tlt_lightning.scheduling import BEGMABStrategy, FixedStrategy, StepCostModel, UCBStrategy
+from tlt_lightning.speculative import SDStrategy, arm_key
 
 
 @pytest.fixture(autouse=True)

@@ -13,11 +13,10 @@ from tlt_lightning.scheduling import (
     FixedStrategy,
     SimulatedSDEnvironment,
     UCBStrategy,
-    arm_key,
     default_arms,
 )
 from tlt_lightning.scheduling.simulate import main, run_bandit_benchmark, run_chooser
-from tlt_lightning.speculative import SDStrategy, StrategyChooser
+from tlt_lightning.speculative import SDStrategy, StrategyChooser, arm_key
 
 CHAIN2, CHAIN4 = SDStrategy(2), SDStrategy(4)
 # Epsilon-greedy needs several explored samples of every arm before the window medians rank arms
@@ -354,7 +353,7 @@ def test_decaying_epsilon_arguments_are_checked():
 
 
 def test_parse_arm_inverts_arm_key():
-    from tlt_lightning.scheduling import parse_arm
+    from tlt_lightning.speculative import parse_arm
 
     arms = (SDStrategy(8), SDStrategy(3, 2, 5), SDStrategy(6, 2, sampled=True), SDStrategy(10, min_confidence=0.25),
             SDStrategy(6, 2, sampled=True, fork_depth=3))

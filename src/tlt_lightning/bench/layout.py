@@ -28,7 +28,7 @@ from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import WEIGHT_LAYOUTS, HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-from tlt_lightning.scheduling import parse_arm
+from tlt_lightning.speculative import parse_arm
 
 __all__ = ["add_arguments", "run"]
 

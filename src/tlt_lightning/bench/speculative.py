@@ -38,8 +38,7 @@ from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
 from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-from tlt_lightning.scheduling import parse_arm
-from tlt_lightning.speculative import SDStrategy
+from tlt_lightning.speculative import SDStrategy, parse_arm
 
 __all__ = ["run"]
 

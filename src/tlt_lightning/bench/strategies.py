@@ -45,8 +45,9 @@ from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import WEIGHT_LAYOUTS, HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig
 from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
-from tlt_lightning.scheduling.bandit import BEGMABStrategy, arm_key, default_arms, parse_arm
+from tlt_lightning.scheduling.bandit import BEGMABStrategy, default_arms
 from tlt_lightning.scheduling.baselines import FixedStrategy
+from tlt_lightning.speculative import arm_key, parse_arm
 
 __all__ = ["add_arguments", "run"]
 

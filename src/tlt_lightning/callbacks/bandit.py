@@ -27,7 +27,8 @@ import lightning as L
 from typing_extensions import override
 
 from tlt_lightning.rl.module import GRPOModule
-from tlt_lightning.scheduling import BEGMABStrategy, BucketedChooser, StepCostModel, arm_key
+from tlt_lightning.scheduling import BEGMABStrategy, BucketedChooser, StepCostModel
+from tlt_lightning.speculative import arm_key
 from tlt_lightning.tracking import log_artifact, run_dir
 
 __all__ = ["BanditCallback"]

@@ -3,14 +3,11 @@ coordinating spot drafter training on idle rollout workers."""
 
 from tlt_lightning.scheduling.bandit import (
     DEFAULT_BUCKET_THRESHOLDS,
-    Arm,
     BEGMABStrategy,
     BucketedChooser,
     Decision,
     StepCostModel,
-    arm_key,
     default_arms,
-    parse_arm,
 )
 from tlt_lightning.scheduling.baselines import FixedStrategy, UCBStrategy
 from tlt_lightning.scheduling.coordinator import (
@@ -26,7 +23,6 @@ from tlt_lightning.scheduling.simulate import SimulatedSDEnvironment, run_bandit
 
 __all__ = [
     "DEFAULT_BUCKET_THRESHOLDS",
-    "Arm",
     "BEGMABStrategy",
     "BucketedChooser",
     "CoordinatorConfig",
@@ -39,9 +35,7 @@ __all__ = [
     "UCBStrategy",
     "WorkerCoordinator",
     "WorkerState",
-    "arm_key",
     "default_arms",
-    "parse_arm",
     "idle_fraction_recovered",
     "plot_timeline",
     "run_bandit_benchmark",

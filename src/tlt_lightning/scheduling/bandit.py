@@ -25,29 +25,22 @@ import dataclasses
 import itertools
 import math
 import random
-import re
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tlt_lightning.speculative import SDStrategy
+from tlt_lightning.speculative import Arm, SDStrategy, arm_key
 
 __all__ = [
     "DEFAULT_BUCKET_THRESHOLDS",
-    "Arm",
     "BEGMABStrategy",
     "BucketedChooser",
     "Decision",
     "StepCostModel",
-    "arm_key",
     "default_arms",
-    "parse_arm",
 ]
-
-Arm = SDStrategy | None
-"""One arm: a speculative-decoding strategy, or ``None`` for plain decoding (SD off)."""
 
 DEFAULT_BUCKET_THRESHOLDS: tuple[int, ...] = (1, 2, 5, 21)
 
@@ -59,35 +52,6 @@ def default_arms() -> tuple[Arm, ...]:
     so that each one really explores (one arm per bucket would make the bandit a lookup table).
     """
     return (None, SDStrategy(2), SDStrategy(4), SDStrategy(6), SDStrategy(4, 2, 8), SDStrategy(5, 4, 16))
-
-
-def arm_key(arm: Arm) -> str:
-    """A short unique name for an arm: ``"off"``, ``"chain4"``, ``"tree5x4/16"``."""
-    return "off" if arm is None else str(arm)
-
-
-def parse_arm(key: str) -> Arm:
-    """The arm an :func:`arm_key` names: ``"off"`` -> ``None``, ``"chain6"``, ``"tree4x2/8"``,
-    ``"chain6x2"`` (a sampled tree: two chains of 6 forking at the root), ``"chain6x2f2"`` (a
-    sampled tree forking into two at its first two levels: four chains of 6) and ``"chain10@0.25"``
-    (a chain of up to 10 that stops once its confidence is below 0.25).
-
-    Example:
-        >>> parse_arm("tree4x2/8")
-        SDStrategy(num_steps=4, topk=2, num_draft_tokens=8, sampled=False, min_confidence=0.0, fork_depth=1)
-    """
-    match = re.fullmatch(r"off|chain(\d+)(?:x(\d+)(?:f(\d+))?|@(\d*\.?\d+))?|tree(\d+)x(\d+)/(\d+)", key.strip())
-    if match is None:
-        raise ValueError(
-            f"arm {key!r} is not 'off', 'chain<depth>', 'chain<depth>x<branches>[f<fork levels>]', "
-            "'chain<depth>@<min confidence>' or 'tree<depth>x<topk>/<tokens>'"
-        )
-    chain, chains, forks, confidence, depth, topk, tokens = match.groups()
-    if chain is not None:
-        if chains is not None:
-            return SDStrategy(int(chain), int(chains), sampled=True, fork_depth=int(forks or 1))
-        return SDStrategy(int(chain), min_confidence=float(confidence or 0))
-    return None if depth is None else SDStrategy(int(depth), int(topk), int(tokens))
 
 
 def _arm_to_dict(arm: Arm) -> dict[str, Any] | None:

@@ -28,15 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tlt_lightning.scheduling.bandit import (
-    Arm,
-    BEGMABStrategy,
-    BucketedChooser,
-    arm_key,
-    default_arms,
-    draw_heatmaps,
-)
+from tlt_lightning.scheduling.bandit import BEGMABStrategy, BucketedChooser, default_arms, draw_heatmaps
 from tlt_lightning.scheduling.baselines import FixedStrategy, UCBStrategy
+from tlt_lightning.speculative import Arm, arm_key
 
 __all__ = ["SimulatedSDEnvironment", "main", "run_bandit_benchmark", "run_chooser"]
 

@@ -1,7 +1,7 @@
 """Pure speculative-decoding math: sampling distributions, lossless draft verification, strategies."""
 
 from tlt_lightning.speculative.sampling import SamplingParams, sample, sampling_probs
-from tlt_lightning.speculative.strategy import SDStrategy, StrategyChooser
+from tlt_lightning.speculative.strategy import Arm, SDStrategy, StrategyChooser, arm_key, parse_arm
 from tlt_lightning.speculative.verify import (
     SiblingRule,
     VerifyResult,
@@ -12,11 +12,14 @@ from tlt_lightning.speculative.verify import (
 )
 
 __all__ = [
+    "Arm",
     "SDStrategy",
     "SamplingParams",
     "SiblingRule",
     "StrategyChooser",
     "VerifyResult",
+    "arm_key",
+    "parse_arm",
     "sample",
     "sampling_probs",
     "tree_attention_mask",

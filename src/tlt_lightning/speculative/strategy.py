@@ -1,11 +1,17 @@
-"""SDStrategy: one speculative-decoding configuration, and the protocol of whatever chooses it."""
+"""SDStrategy: one speculative-decoding configuration, its name, and the protocol of whatever chooses it.
+
+An *arm* is an :class:`SDStrategy` or ``None`` (plain decoding, named ``"off"``). Its name is the
+one format everything writes and reads (bandit state, benchmark JSON, ``--arms`` flags):
+:func:`arm_key` writes it, :func:`parse_arm` reads it back.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeAlias, runtime_checkable
 
-__all__ = ["SDStrategy", "StrategyChooser"]
+__all__ = ["Arm", "SDStrategy", "StrategyChooser", "arm_key", "parse_arm"]
 
 
 @dataclass(frozen=True, order=True)
@@ -101,12 +107,50 @@ class SDStrategy:
         return tuple(self.topk ** min(d + 1, self.fork_depth) for d in range(self.num_steps))
 
     def __str__(self) -> str:
+        """The arm name :func:`parse_arm` reads back (``parse_arm(str(s)) == s``)."""
         if self.sampled:
             fork = f"f{self.fork_depth}" if self.fork_depth > 1 else ""
             return f"chain{self.num_steps}x{self.topk}{fork}"
         if self.min_confidence:
             return f"chain{self.num_steps}@{self.min_confidence:g}"
         return f"chain{self.num_steps}" if self.is_chain else f"tree{self.num_steps}x{self.topk}/{self.num_draft_tokens}"
+
+
+Arm: TypeAlias = SDStrategy | None  # noqa: UP040 (3.10)
+"""What a chooser picks for one decode step: a speculative configuration, or ``None`` for plain decoding."""
+
+_ARM_NAME = re.compile(r"off|chain(\d+)(?:x(\d+)(?:f(\d+))?|@(\d*\.?\d+))?|tree(\d+)x(\d+)/(\d+)")
+
+
+def arm_key(arm: Arm) -> str:
+    """A short unique name for an arm: ``"off"``, ``"chain4"``, ``"tree5x4/16"`` (see :meth:`SDStrategy.__str__`)."""
+    return "off" if arm is None else str(arm)
+
+
+def parse_arm(key: str) -> Arm:
+    """The arm an :func:`arm_key` names: ``"off"`` -> ``None``, ``"chain6"``, ``"tree4x2/8"``,
+    ``"chain6x2"`` (a sampled tree: two chains of 6 forking at the root), ``"chain6x2f2"`` (a
+    sampled tree forking into two at its first two levels: four chains of 6) and ``"chain10@0.25"``
+    (a chain of up to 10 that stops once its confidence is below 0.25).
+
+    Example:
+        >>> parse_arm("tree4x2/8")
+        SDStrategy(num_steps=4, topk=2, num_draft_tokens=8, sampled=False, min_confidence=0.0, fork_depth=1)
+        >>> parse_arm(arm_key(None)) is None
+        True
+    """
+    match = _ARM_NAME.fullmatch(key.strip())
+    if match is None:
+        raise ValueError(
+            f"arm {key!r} is not 'off', 'chain<depth>', 'chain<depth>x<branches>[f<fork levels>]', "
+            "'chain<depth>@<min confidence>' or 'tree<depth>x<topk>/<tokens>'"
+        )
+    chain, chains, forks, confidence, depth, topk, tokens = match.groups()
+    if chain is not None:
+        if chains is not None:
+            return SDStrategy(int(chain), int(chains), sampled=True, fork_depth=int(forks or 1))
+        return SDStrategy(int(chain), min_confidence=float(confidence or 0))
+    return None if depth is None else SDStrategy(int(depth), int(topk), int(tokens))
 
 
 @runtime_checkable
