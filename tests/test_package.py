@@ -29,3 +29,12 @@ def test_importing_the_package_imports_nothing_heavy():
             " print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_version_is_pyproject_s():
+    """``__version__`` comes from the installed metadata: the one pyproject.toml declares."""
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert tlt_lightning.__version__ == pyproject["project"]["version"]

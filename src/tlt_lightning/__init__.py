@@ -1,7 +1,8 @@
 """tlt-lightning: lossless speculative decoding of RL rollouts with a spot-trained drafter.
 
-Subpackages (imports only go downward): ``speculative`` (pure math), ``models``, ``drafter``,
-``rollout``, ``scheduling``, ``rl``, ``tracking``; the ``tlt-lightning`` CLI sits on top.
+Subpackages, bottom floor first (imports only go downward, docs/architecture.md): ``speculative``
+(pure math), ``models``, ``rollout``, ``drafter`` and ``scheduling``, ``vllm`` and ``tracking``, ``rl``,
+``efficiency`` and ``callbacks``; the ``tlt-lightning`` CLI, ``bench`` and ``recipes`` sit on top.
 The headline classes are importable from here, loaded on first use, so ``import tlt_lightning``
 itself imports nothing heavy:
 
@@ -9,10 +10,10 @@ itself imports nothing heavy:
     >>> trainer = Trainer(callbacks=[SpotDrafterCallback()])  # doctest: +SKIP
 """
 
-from importlib import import_module
+from importlib import import_module, metadata
 from typing import Any
 
-__version__ = "0.1.0.dev0"
+__version__ = metadata.version("tlt-lightning")  # pyproject.toml's, as installed
 
 # Public name -> the subpackage that defines it.
 _LAZY = {
