@@ -85,7 +85,7 @@ def test_every_third_party_import_in_src_is_a_declared_dependency():
     assert not undeclared, f"imported in src/ but in no dependency group of pyproject.toml: {undeclared}"
     # The optional integrations stay out of the core: their imports are lazy, each group named in its error.
     for dist, extra in (("reasoning-gym", "tasks"), ("gguf", "smollm2"), ("torchao", "efficiency"),
-                        ("torchtune", "torchtune"), ("mlflow-skinny", "mlflow")):
+                        ("torchtune", "torchtune")):
         assert "core" not in declared.get(dist, {"core"}) and extra in declared[dist], dist
 
 

