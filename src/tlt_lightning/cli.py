@@ -13,6 +13,7 @@
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning drafter evaluate --drafter DIR ...  drafters' acceptance on the same stored rollouts
     tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]  drafter checkpoint -> EAGLE dir for vLLM or SGLang
+    tlt-lightning export-drafter --from-fit RUN OUT   a fit's policy (save_pretrained) + its drafter, for vLLM
     tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune-style recipe config
     tlt-lightning models                              list the registry
 
@@ -110,18 +111,29 @@ def _parser() -> argparse.ArgumentParser:
         drafter.add_parser("evaluate", help="compare drafters' acceptance on the same stored rollouts")
     )
 
-    export = sub.add_parser("export-drafter", help="write a drafter checkpoint in the EAGLE format of vLLM / SGLang")
-    export.add_argument("checkpoint", help="drafter checkpoint directory (from `drafter warmup` or save_drafter)")
-    export.add_argument("out", help="output directory (config.json, model.safetensors, README.md)")
+    export = sub.add_parser(
+        "export-drafter", help="write a drafter checkpoint in the EAGLE format of vLLM / SGLang; with --from-fit, "
+        "a fit's policy and drafter together",
+        usage="tlt-lightning export-drafter [options] CHECKPOINT OUT\n"
+              "       tlt-lightning export-drafter [options] --from-fit RUN_DIR_OR_CKPT OUT")
+    export.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
+                        help="drafter checkpoint directory (from `drafter warmup` or save_drafter); not with --from-fit")
+    export.add_argument("out", nargs="?", metavar="OUT",
+                        help="output directory (config.json, model.safetensors, README.md; with --from-fit: "
+                        "target/ (the policy, save_pretrained), drafter/, README.md, export.json)")
+    export.add_argument("--from-fit", default=None, metavar="RUN_DIR_OR_CKPT",
+                        help="export the RL policy of a fit (its run directory or a .ckpt) and the drafter trained "
+                        "with it, together, as vLLM loads them (OUT/target, OUT/drafter)")
     export.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
                         help="the serving engine that loads the export as it is (default: vllm)")
     export.add_argument("--kind", default=None, choices=["eagle1", "eagle3"],
                         help="require this drafter kind (default: the checkpoint's; a checkpoint is never converted)")
     export.add_argument("--model", default=None,
                         help="the target the drafter drafts for: registry name or local HF directory "
-                        "(default: the checkpoint's warmup.json, else the registry model of its target's shape)")
+                        "(default: the checkpoint's warmup.json, else the registry model of its target's shape; "
+                        "with --from-fit: the policy's architecture and tokenizer, default the run's model)")
     export.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="weight dtype of the export (default: the target's)")
+                        help="weight dtype of the export (default: the target's; with --from-fit, the run's)")
     export.add_argument("--seed", type=int, default=0, help="seed of a tiny registry model's random weights")
 
     tune = sub.add_parser("torchtune", help="GRPO from a torchtune-style recipe config (needs the torchtune extra)")
@@ -304,6 +316,11 @@ def _main(argv: list[str]) -> int:
 
 
 def _export_drafter(args: argparse.Namespace) -> None:
+    if args.from_fit is not None:
+        _export_fit(args)
+        return
+    if args.checkpoint is None or args.out is None:
+        raise SystemExit("export-drafter: pass CHECKPOINT and OUT (or --from-fit RUN_DIR_OR_CKPT OUT)")
     from tlt_lightning.drafter import export_drafter, import_drafter
     from tlt_lightning.drafter.io import read_drafter_config
     from tlt_lightning.models import HFTarget, load_model
@@ -323,6 +340,28 @@ def _export_drafter(args: argparse.Namespace) -> None:
     config = import_drafter(out, target).config  # proves the export loads back
     vocab = f"{config.draft_vocab} of {config.vocab_size}" if config.reduced_vocab else f"all {config.vocab_size}"
     print(f"[export-drafter] wrote a {config.kind} drafter ({vocab} tokens) for {model} to {out}, for {args.engine}")
+
+
+def _export_fit(args: argparse.Namespace) -> None:
+    """``export-drafter --from-fit``: the policy and its drafter, loaded back together to prove the pair."""
+    from transformers import AutoModelForCausalLM
+
+    from tlt_lightning.drafter import import_drafter
+    from tlt_lightning.models import HFTarget
+    from tlt_lightning.recipes.export_fit import export_fit
+
+    if args.out is not None or args.checkpoint is None:
+        raise SystemExit("export-drafter --from-fit RUN_DIR_OR_CKPT takes one positional argument, OUT")
+    try:
+        done = export_fit(args.from_fit, args.checkpoint, model=args.model, dtype=args.dtype, engine=args.engine,
+                          kind=args.kind)
+    except (ValueError, OSError) as err:
+        raise SystemExit(f"export-drafter: {err}") from err
+    policy = AutoModelForCausalLM.from_pretrained(done.policy_dir, local_files_only=True)
+    import_drafter(done.drafter_dir, HFTarget(policy))  # the pair loads back (EAGLE-3: its head is the policy's)
+    print(f"[export-drafter] wrote the step-{done.step} policy of {done.checkpoint} to {done.policy_dir}"
+          f"{' (with its tokenizer)' if done.tokenizer else ''} and its {done.kind} drafter ({done.drafter_source}) "
+          f"to {done.drafter_dir}, for {args.engine}; see {done.out / 'README.md'}")
 
 
 def _checkpoint_target(checkpoint: str, config: Any) -> str:

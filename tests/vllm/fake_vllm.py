@@ -9,7 +9,11 @@ a refresh really changes what it generates.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,6 +23,16 @@ from safetensors.torch import load_file
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.vllm.transport import LOAD_FILE, LOAD_TENSORS
+
+
+def vllm_python() -> str | None:
+    """The Python that runs a real vLLM: ``$TLT_VLLM_PYTHON``, the checkout's ``.venv-vllm`` (``make
+    setup-vllm``), or this one when it has vLLM (a GPU machine with the ``vllm`` extra); ``None``: none."""
+    venv = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    for candidate in (os.environ.get("TLT_VLLM_PYTHON"), str(venv) if venv.is_file() else None):
+        if candidate:
+            return candidate
+    return sys.executable if importlib.util.find_spec("vllm") else None
 
 
 def SamplingParams(**kwargs: Any) -> dict[str, Any]:

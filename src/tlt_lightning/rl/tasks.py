@@ -7,18 +7,22 @@ leniently extracted answer (:mod:`tlt_lightning.rl.rewards`), plus a small forma
 The defaults are tuned so that SmolLM2-135M-Instruct sampling at temperature 1 gets a mean reward
 well inside ``(0, 1)`` with variance inside groups of the same prompt, which GRPO needs to learn;
 reasoning-gym's own defaults score ~0 with it. ``docs/tasks.md`` has the measurements.
+
+reasoning-gym is the ``tasks`` extra (it pins its own dependencies exactly): imported on first use,
+so a run on a custom prompt source, the tiny models or any tool that only reads a
+:class:`TaskConfig` work without it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, NamedTuple
 
-import reasoning_gym
 import torch
-from reasoning_gym.factory import DATASETS as _RG_DATASETS
 from torch.utils.data import Dataset
 
 from tlt_lightning.rl.rewards import EXPLICIT_SOURCES, AnswerKind, find_answer
@@ -33,8 +37,21 @@ __all__ = [
     "TaskConfig",
     "TaskDataset",
     "collate_prompts",
+    "reasoning_gym",
     "task_prompts",
 ]
+
+def reasoning_gym() -> ModuleType:
+    """The ``reasoning_gym`` module, imported on first use (``ImportError`` naming the extra without it)."""
+    try:
+        import reasoning_gym as module
+    except ImportError as err:
+        raise ImportError(
+            "the reasoning-gym tasks need the `tasks` extra: pip install 'tlt-lightning[tasks]' "
+            "(make setup installs it); or pass a prompt_source of your own"
+        ) from err
+    return module
+
 
 # How each task's answers look, which picks the extraction rules.
 SUPPORTED_TASKS: dict[str, AnswerKind] = {
@@ -138,8 +155,13 @@ class TaskConfig:
             raise TypeError(f"format_weight must be a float in [0, 1], got {weight!r}")
         if not (math.isfinite(weight) and 0 <= weight <= 1):
             raise ValueError(f"format_weight must be a float in [0, 1], got {weight!r}")
-        # Build only reasoning-gym's config (cheap, nothing generated) so a bad kwarg fails here.
-        _, config_cls = _RG_DATASETS[self.name]
+        # Build only reasoning-gym's config (cheap, nothing generated) so a bad kwarg fails here; without
+        # reasoning-gym, TaskDataset names the extra when a dataset is built.
+        if importlib.util.find_spec("reasoning_gym") is None:
+            return
+        from reasoning_gym.factory import DATASETS
+
+        _, config_cls = DATASETS[self.name]
         try:
             config_cls(**self.reasoning_gym_kwargs()).validate()
         except (TypeError, ValueError, AssertionError) as err:
@@ -230,7 +252,7 @@ class TaskDataset(Dataset):
         self.config = config
         self.tokenizer = tokenizer
         try:
-            self.source = reasoning_gym.create_dataset(
+            self.source = reasoning_gym().create_dataset(
                 config.name, size=config.size, seed=config.seed, **config.reasoning_gym_kwargs()
             )
         except (TypeError, ValueError, AssertionError) as err:
