@@ -19,7 +19,7 @@ from tlt_lightning.drafter import import_drafter
 from tlt_lightning.models import HFTarget
 from tlt_lightning.recipes.export_fit import export_fit, find_fit_checkpoint, policy_state_dict
 from tlt_lightning.resume import read_checkpoint
-from tlt_lightning.rollout.vllm_backend import VLLMBackendConfig, resolve_method
+from tlt_lightning.vllm.backend import VLLMBackendConfig, resolve_method
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "grpo_tiny.yaml"

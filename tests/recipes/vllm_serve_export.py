@@ -15,7 +15,7 @@ def main(out: Path) -> dict:
     from transformers import AutoTokenizer
 
     from tlt_lightning.rollout import RolloutConfig
-    from tlt_lightning.rollout.vllm_backend import VLLMBackendConfig, VLLMRolloutBackend
+    from tlt_lightning.vllm.backend import VLLMBackendConfig, VLLMRolloutBackend
 
     tokenizer = AutoTokenizer.from_pretrained(out / "target")  # the export's own tokenizer
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]

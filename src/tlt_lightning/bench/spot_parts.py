@@ -288,7 +288,8 @@ def benchmark_preemption(
         "windows": len(windows),
         # Planned stragglers that trained: 0 unless the OS delayed the other rank past the tail.
         "straggler_windows": sum(w["straggler"] and w["steps"] > 0 for w in every),
-        # Ranks that finished last and still trained: always 0 (training needs a busy peer).
+        # Ranks that finished last and still trained: 0 unless the all-reduce that tells them so took
+        # longer than min_idle_s to complete (a loaded machine): nothing else tells a rank it was last.
         "last_finisher_windows": sum(w["last"] and w["steps"] > 0 for w in every),
         "steps_per_window": sum(w["steps"] for w in windows) / max(1, len(windows)),
         "idle_fraction_recovered": idle_fraction_recovered(timeline),

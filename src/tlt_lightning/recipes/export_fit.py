@@ -37,7 +37,7 @@ from tlt_lightning.drafter import Drafter, DrafterConfig, export_drafter_model, 
 from tlt_lightning.drafter.io import replace_directory
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.resume import read_checkpoint
-from tlt_lightning.rollout.vllm_backend import METHODS
+from tlt_lightning.vllm.backend import METHODS
 
 __all__ = ["EXPORT_RECORD", "FitExport", "export_fit", "find_fit_checkpoint", "policy_state_dict"]
 
