@@ -12,7 +12,8 @@
     tlt-lightning bench peers [--vllm-python PY] ...  our engine (plain, speculative) vs vLLM side by side
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning drafter evaluate --drafter DIR ...  drafters' acceptance on the same stored rollouts
-    tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]  drafter checkpoint -> EAGLE dir for vLLM or SGLang
+    tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]  drafter checkpoint (dir, models:/ or runs:/ URI)
+                                                      -> EAGLE dir for vLLM or SGLang
     tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune-style recipe config
     tlt-lightning models                              list the registry
 
@@ -34,6 +35,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -111,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     export = sub.add_parser("export-drafter", help="write a drafter checkpoint in the EAGLE format of vLLM / SGLang")
-    export.add_argument("checkpoint", help="drafter checkpoint directory (from `drafter warmup` or save_drafter)")
+    export.add_argument("checkpoint", help="drafter checkpoint directory (from `drafter warmup` or save_drafter), or "
+                        "an MLflow URI of one: models:/NAME/VERSION, models:/NAME@ALIAS, runs:/RUN_ID/PATH")
     export.add_argument("out", help="output directory (config.json, model.safetensors, README.md)")
     export.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
                         help="the serving engine that loads the export as it is (default: vllm)")
@@ -123,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="weight dtype of the export (default: the target's)")
     export.add_argument("--seed", type=int, default=0, help="seed of a tiny registry model's random weights")
+    export.add_argument("--tracking-uri", default=None,
+                        help="MLflow store of a models:/ or runs:/ CHECKPOINT (default: $MLFLOW_TRACKING_URI, "
+                        "else sqlite:///runs/mlflow.db, the store of `tlt-lightning fit`)")
 
     tune = sub.add_parser("torchtune", help="GRPO from a torchtune-style recipe config (needs the torchtune extra)")
     tune.add_argument("--config", required=True, help="recipe YAML with _component_ entries")
@@ -306,7 +312,13 @@ def _main(argv: list[str]) -> int:
 def _export_drafter(args: argparse.Namespace) -> None:
     from tlt_lightning.drafter import export_drafter, import_drafter
     from tlt_lightning.drafter.io import read_drafter_config
+    from tlt_lightning.drafter.mlflow_uri import is_mlflow_uri
     from tlt_lightning.models import HFTarget, load_model
+
+    if is_mlflow_uri(args.checkpoint):  # a registered version or a run's artifact: export its local copy
+        with tempfile.TemporaryDirectory(prefix="tlt-export-") as tmp:
+            _export_drafter(_downloaded(args, tmp))
+        return
 
     try:  # a wrong checkpoint, kind or target: one line, no traceback
         config = read_drafter_config(args.checkpoint)
@@ -323,6 +335,25 @@ def _export_drafter(args: argparse.Namespace) -> None:
     config = import_drafter(out, target).config  # proves the export loads back
     vocab = f"{config.draft_vocab} of {config.vocab_size}" if config.reduced_vocab else f"all {config.vocab_size}"
     print(f"[export-drafter] wrote a {config.kind} drafter ({vocab} tokens) for {model} to {out}, for {args.engine}")
+
+
+def _downloaded(args: argparse.Namespace, tmp: str) -> argparse.Namespace:
+    """``args`` with its MLflow URI ``checkpoint`` downloaded into ``tmp``, and ``--model`` defaulting to the
+    target recorded in the version's ``MLmodel`` (:mod:`tlt_lightning.tracking.mlflow_pyfunc`)."""
+    from tlt_lightning.drafter.mlflow_uri import download_drafter
+
+    try:
+        local = download_drafter(args.checkpoint, tmp, tracking_uri=args.tracking_uri)
+    except (ValueError, ModuleNotFoundError) as err:  # no mlflow, no such version / run: one line
+        raise SystemExit(f"export-drafter: {err}") from err
+    model = args.model
+    if model is None and (local / "MLmodel").is_file():
+        from mlflow.models import Model
+
+        from tlt_lightning.tracking.mlflow_pyfunc import FLAVOR_NAME
+
+        model = (Model.load(str(local / "MLmodel")).flavors.get(FLAVOR_NAME, {}).get("target") or {}).get("model")
+    return argparse.Namespace(**{**vars(args), "checkpoint": str(local), "model": model})
 
 
 def _checkpoint_target(checkpoint: str, config: Any) -> str:

@@ -27,6 +27,7 @@ from tlt_lightning.drafter.losses import (
     soft_ce,
     top1_agreement,
 )
+from tlt_lightning.drafter.mlflow_uri import download_drafter, is_mlflow_uri
 from tlt_lightning.drafter.model import AttentionCache, Drafter
 from tlt_lightning.drafter.packing import benchmark_packing, fill_ratio, pack_batches, pack_bins
 from tlt_lightning.drafter.publish import DrafterLease, DrafterPublisher
@@ -68,6 +69,7 @@ __all__ = [
     "acceptance_rate",
     "benchmark_checkpoint",
     "benchmark_packing",
+    "download_drafter",
     "draft_vocab_mass",
     "drafter_losses",
     "drafter_train_step",
@@ -78,6 +80,7 @@ __all__ = [
     "feature_loss",
     "fill_ratio",
     "import_drafter",
+    "is_mlflow_uri",
     "load_drafter",
     "make_batches",
     "pack_batches",
