@@ -199,6 +199,16 @@ def test_fit_tiny_config_logs_metrics_and_params_to_mlflow(tmp_path, monkeypatch
 
 
 @needs_mlflow
+def test_tracking_logger_without_arguments_is_the_project_store(tmp_path, monkeypatch):
+    # The logger to use from Python where Lightning's MLFlowLogger() fails (./mlruns file store).
+    monkeypatch.chdir(tmp_path)
+    logger = tracking_logger()
+    assert isinstance(logger, MLFlowLogger) and logger._tracking_uri == "sqlite:///runs/mlflow.db"
+    assert logger.experiment.get_experiment(logger.experiment_id).name == "tlt-lightning"
+    assert (tmp_path / "runs").is_dir() and not (tmp_path / "mlruns").exists()
+
+
+@needs_mlflow
 def test_fit_plain_mlflow_logger_without_arguments_logs_to_the_sqlite_store(tmp_path, monkeypatch):
     # Lightning's MLFlowLogger() defaults to the ./mlruns file store, which MLflow 3 refuses.
     monkeypatch.chdir(tmp_path)
@@ -208,8 +218,9 @@ def test_fit_plain_mlflow_logger_without_arguments_logs_to_the_sqlite_store(tmp_
     (tmp_path / "plain.yaml").write_text(yaml.safe_dump(config))
     args = ["--config", str(tmp_path / "plain.yaml"), f"--trainer.default_root_dir={tmp_path}/fit"]
     logger = GRPOCLI(args=[*args, "--trainer.logger=MLFlowLogger"], run=False).trainer.logger
-    assert type(logger) is MLFlowLogger and logger._tracking_uri == "sqlite:///runs/mlflow.db"
-    assert (tmp_path / "runs" / "mlflow.db").is_file()  # created (under the store lock) before the logger
+    database = (tmp_path / "runs" / "mlflow.db").resolve()
+    assert type(logger) is MLFlowLogger and logger._tracking_uri == f"sqlite:///{database}"
+    assert database.is_file()  # created (under the store lock) before the logger
     experiment = logger.experiment.get_experiment(logger.experiment_id)
     assert experiment.name == "lightning_logs"  # Lightning's default experiment, in our store
     assert experiment.artifact_location == (tmp_path / "runs" / "mlartifacts").resolve().as_uri()

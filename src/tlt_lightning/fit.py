@@ -48,7 +48,12 @@ from typing_extensions import override
 from tlt_lightning.models import training_precision
 from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, read_checkpoint
 from tlt_lightning.rl.module import GRPOModule
-from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, ResumableMLFlowLogger, resumable_run_id
+from tlt_lightning.tracking.mlflow_resume import (
+    MLflowRunCheckpoint,
+    ResumableMLFlowLogger,
+    canonical_tracking_uri,
+    resumable_run_id,
+)
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store, sqlite_path
 from tlt_lightning.tracking.run_directory import run_dir
 
@@ -288,17 +293,18 @@ def _default_mlflow_store(config: Any) -> None:
 
     Lightning's own default is ``$MLFLOW_TRACKING_URI`` read when Lightning is imported, else the
     ``./mlruns`` file store, which MLflow 3 keeps in maintenance mode and refuses to open. So
-    ``--trainer.logger=MLFlowLogger`` logs to :data:`DEFAULT_TRACKING_URI` (artifacts in ``mlartifacts/``
-    beside it), like the configs' factory; a ``tracking_uri`` given, or the environment variable,
-    is kept.
+    ``--trainer.logger=MLFlowLogger`` logs to :data:`DEFAULT_TRACKING_URI` (made absolute; artifacts in
+    ``mlartifacts/`` beside it), like the configs' factory; a ``tracking_uri`` given, or the environment
+    variable, is kept.
     """
     for args in _mlflow_logger_args(config):
         if args.get("tracking_uri"):
             continue
-        args.tracking_uri = DEFAULT_TRACKING_URI
-        args.artifact_location = _artifact_location(DEFAULT_TRACKING_URI, args.get("artifact_location"))
-        if mlflow_available(DEFAULT_TRACKING_URI):  # else Lightning says MLflow is missing when it builds it
-            prepare_store(DEFAULT_TRACKING_URI, args.get("experiment_name"), args.artifact_location)
+        # Absolute: MLflow caches a store per URI string, and a relative one depends on the cwd.
+        args.tracking_uri = canonical_tracking_uri(DEFAULT_TRACKING_URI)
+        args.artifact_location = _artifact_location(args.tracking_uri, args.get("artifact_location"))
+        if mlflow_available(args.tracking_uri):  # else Lightning says MLflow is missing when it builds it
+            prepare_store(args.tracking_uri, args.get("experiment_name"), args.artifact_location)
 
 
 def _tracking_logger_args(config: Any) -> Any:
