@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,7 @@ def test_a_version_is_an_mlflow_model_with_flavours_signature_and_target(registe
     assert flavour["target"] == {"model": "tiny-llama", "model_type": "llama", "hidden_size": config.hidden_size,
                                  "num_layers": config.num_target_layers, "vocab_size": config.vocab_size}
     assert flavour["rl_step"] == 5 and info.metadata["target_model"] == "tiny-llama"
+    assert flavour["tlt_lightning_version"] == metadata.version("tlt-lightning")  # the installed package
     assert info.signature.inputs.input_names() == ["input_ids"]
     assert info.signature.outputs.input_names() == ["token_ids", "mean_accept_length"]
     assert {p.name: p.default for p in info.signature.params} == {"max_new_tokens": 32, "num_draft_tokens": 4}

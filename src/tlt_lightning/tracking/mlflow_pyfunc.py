@@ -88,14 +88,18 @@ def drafter_model_signature() -> ModelSignature:
     )
 
 
+def _tlt_version() -> str | None:
+    """The installed tlt-lightning distribution's version (``None``: run from a source tree)."""
+    try:
+        return metadata.version("tlt-lightning")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _requirements() -> list[str]:
     """This tlt-lightning (when installed as a distribution) and torch, at their installed versions."""
-    reqs = [f"torch=={torch.__version__.split('+')[0]}"]
-    try:
-        reqs.insert(0, f"tlt-lightning=={metadata.version('tlt-lightning')}")
-    except metadata.PackageNotFoundError:  # run from a source tree: nothing to pin
-        pass
-    return reqs
+    version = _tlt_version()
+    return [*([f"tlt-lightning=={version}"] if version else []), f"torch=={torch.__version__.split('+')[0]}"]
 
 
 def save_drafter_model(
@@ -137,7 +141,7 @@ def save_drafter_model(
         drafter_config=config.to_dict(),
         target=target,
         rl_step=rl_step,
-        tlt_lightning_version=_requirements()[0].split("==")[-1],
+        tlt_lightning_version=_tlt_version(),
     )
     mlflow.pyfunc.save_model(
         str(path),
