@@ -199,6 +199,38 @@ def test_fit_tiny_config_logs_metrics_and_params_to_mlflow(tmp_path, monkeypatch
 
 
 @needs_mlflow
+def test_tracking_logger_without_arguments_is_the_project_store(tmp_path, monkeypatch):
+    # The logger to use from Python where Lightning's MLFlowLogger() fails (./mlruns file store).
+    monkeypatch.chdir(tmp_path)
+    logger = tracking_logger()
+    assert isinstance(logger, MLFlowLogger) and logger._tracking_uri == "sqlite:///runs/mlflow.db"
+    assert logger.experiment.get_experiment(logger.experiment_id).name == "tlt-lightning"
+    assert (tmp_path / "runs").is_dir() and not (tmp_path / "mlruns").exists()
+
+
+@needs_mlflow
+def test_fit_plain_mlflow_logger_without_arguments_logs_to_the_sqlite_store(tmp_path, monkeypatch):
+    # Lightning's MLFlowLogger() defaults to the ./mlruns file store, which MLflow 3 refuses.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])  # LightningCLI reads args= only
+    config = yaml.safe_load(Path(TINY).read_text())
+    del config["trainer"]["logger"]  # no tracking_uri anywhere: Lightning's default would apply
+    (tmp_path / "plain.yaml").write_text(yaml.safe_dump(config))
+    args = ["--config", str(tmp_path / "plain.yaml"), f"--trainer.default_root_dir={tmp_path}/fit"]
+    logger = GRPOCLI(args=[*args, "--trainer.logger=MLFlowLogger"], run=False).trainer.logger
+    database = (tmp_path / "runs" / "mlflow.db").resolve()
+    assert type(logger) is MLFlowLogger and logger._tracking_uri == f"sqlite:///{database}"
+    assert database.is_file()  # created (under the store lock) before the logger
+    experiment = logger.experiment.get_experiment(logger.experiment_id)
+    assert experiment.name == "lightning_logs"  # Lightning's default experiment, in our store
+    assert experiment.artifact_location == (tmp_path / "runs" / "mlartifacts").resolve().as_uri()
+    assert not (tmp_path / "mlruns").exists()
+    given = GRPOCLI(args=[*args, "--trainer.logger=MLFlowLogger",
+                          f"--trainer.logger.init_args.tracking_uri=sqlite:///{tmp_path}/other.db"], run=False)
+    assert given.trainer.logger._tracking_uri == f"sqlite:///{tmp_path}/other.db"  # a given URI is kept
+
+
+@needs_mlflow
 def test_fit_reports_a_broken_store_as_a_store_error_not_a_config_error(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mlflow.db").write_bytes(b"\x00garbage" * 512)  # not a sqlite database

@@ -12,7 +12,8 @@
     tlt-lightning bench peers [--vllm-python PY] ...  our engine (plain, speculative) vs vLLM side by side
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning drafter evaluate --drafter DIR ...  drafters' acceptance on the same stored rollouts
-    tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]  drafter checkpoint -> EAGLE dir for vLLM or SGLang
+    tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]  drafter checkpoint (dir, models:/ or runs:/ URI)
+                                                      -> EAGLE dir for vLLM or SGLang
     tlt-lightning export-drafter --from-fit RUN OUT   a fit's policy (save_pretrained) + its drafter, for vLLM
     tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune-style recipe config
     tlt-lightning models                              list the registry
@@ -35,6 +36,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -117,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
         usage="tlt-lightning export-drafter [options] CHECKPOINT OUT\n"
               "       tlt-lightning export-drafter [options] --from-fit RUN_DIR_OR_CKPT OUT")
     export.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
-                        help="drafter checkpoint directory (from `drafter warmup` or save_drafter); not with --from-fit")
+                        help="drafter checkpoint directory (from `drafter warmup` or save_drafter), or an MLflow URI "
+                        "of one: models:/NAME/VERSION, models:/NAME@ALIAS, runs:/RUN_ID/PATH; not with --from-fit")
     export.add_argument("out", nargs="?", metavar="OUT",
                         help="output directory (config.json, model.safetensors, README.md; with --from-fit: "
                         "target/ (the policy, save_pretrained), drafter/, README.md, export.json)")
@@ -135,6 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="weight dtype of the export (default: the target's; with --from-fit, the run's)")
     export.add_argument("--seed", type=int, default=0, help="seed of a tiny registry model's random weights")
+    export.add_argument("--tracking-uri", default=None,
+                        help="MLflow store of a models:/ or runs:/ CHECKPOINT (default: $MLFLOW_TRACKING_URI, "
+                        "else sqlite:///runs/mlflow.db, the store of `tlt-lightning fit`)")
 
     tune = sub.add_parser("torchtune", help="GRPO from a torchtune-style recipe config (needs the torchtune extra)")
     tune.add_argument("--config", required=True, help="recipe YAML with _component_ entries")
@@ -323,7 +329,13 @@ def _export_drafter(args: argparse.Namespace) -> None:
         raise SystemExit("export-drafter: pass CHECKPOINT and OUT (or --from-fit RUN_DIR_OR_CKPT OUT)")
     from tlt_lightning.drafter import export_drafter, import_drafter
     from tlt_lightning.drafter.io import read_drafter_config
+    from tlt_lightning.drafter.mlflow_uri import is_mlflow_uri
     from tlt_lightning.models import HFTarget, load_model
+
+    if is_mlflow_uri(args.checkpoint):  # a registered version or a run's artifact: export its local copy
+        with tempfile.TemporaryDirectory(prefix="tlt-export-") as tmp:
+            _export_drafter(_downloaded(args, tmp))
+        return
 
     try:  # a wrong checkpoint, kind or target: one line, no traceback
         config = read_drafter_config(args.checkpoint)
@@ -362,6 +374,25 @@ def _export_fit(args: argparse.Namespace) -> None:
     print(f"[export-drafter] wrote the step-{done.step} policy of {done.checkpoint} to {done.policy_dir}"
           f"{' (with its tokenizer)' if done.tokenizer else ''} and its {done.kind} drafter ({done.drafter_source}) "
           f"to {done.drafter_dir}, for {args.engine}; see {done.out / 'README.md'}")
+
+
+def _downloaded(args: argparse.Namespace, tmp: str) -> argparse.Namespace:
+    """``args`` with its MLflow URI ``checkpoint`` downloaded into ``tmp``, and ``--model`` defaulting to the
+    target recorded in the version's ``MLmodel`` (:mod:`tlt_lightning.tracking.mlflow_pyfunc`)."""
+    from tlt_lightning.drafter.mlflow_uri import download_drafter
+
+    try:
+        local = download_drafter(args.checkpoint, tmp, tracking_uri=args.tracking_uri)
+    except (ValueError, ModuleNotFoundError) as err:  # no mlflow, no such version / run: one line
+        raise SystemExit(f"export-drafter: {err}") from err
+    model = args.model
+    if model is None and (local / "MLmodel").is_file():
+        from mlflow.models import Model
+
+        from tlt_lightning.tracking.mlflow_pyfunc import FLAVOR_NAME
+
+        model = (Model.load(str(local / "MLmodel")).flavors.get(FLAVOR_NAME, {}).get("target") or {}).get("model")
+    return argparse.Namespace(**{**vars(args), "checkpoint": str(local), "model": model})
 
 
 def _checkpoint_target(checkpoint: str, config: Any) -> str:

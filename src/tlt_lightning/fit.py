@@ -14,7 +14,8 @@ says to apply them (``apply``) or to keep the checkpoint's (``checkpoint``); see
 Tracking goes through :func:`tracking_logger`, a logger factory the configs name as
 ``trainer.logger``: an MLflow run in a local sqlite store by default (any tracking URI with
 ``--trainer.logger.init_args.tracking_uri=...``), or a CSV logger with a one-line warning where
-MLflow is not installed. Everything a run writes goes to its own directory,
+MLflow is not installed. Lightning's own ``--trainer.logger=MLFlowLogger`` without a ``tracking_uri``
+logs to the same sqlite store (Lightning's default, the ``./mlruns`` file store, is refused by MLflow 3). Everything a run writes goes to its own directory,
 ``<default_root_dir>/<experiment id>/<run id>/`` with MLflow (:func:`~tlt_lightning.tracking.run_dir`):
 Lightning's ``checkpoints/``, the resolved ``config.yaml`` (also the run's artifact), the
 callbacks' ``drafter/``, ``bandit/`` and ``drift/`` outputs.
@@ -26,6 +27,7 @@ first as ``config-resume-<n>.yaml``.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import os
@@ -46,7 +48,12 @@ from typing_extensions import override
 from tlt_lightning.models import training_precision
 from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, read_checkpoint
 from tlt_lightning.rl.module import GRPOModule
-from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, ResumableMLFlowLogger, resumable_run_id
+from tlt_lightning.tracking.mlflow_resume import (
+    MLflowRunCheckpoint,
+    ResumableMLFlowLogger,
+    canonical_tracking_uri,
+    resumable_run_id,
+)
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store, sqlite_path
 from tlt_lightning.tracking.run_directory import run_dir
 
@@ -262,6 +269,44 @@ class TrackingSaveConfig(SaveConfigCallback):
         return params
 
 
+def _mlflow_logger_args(config: Any) -> list[Any]:
+    """The ``init_args`` of every ``trainer.logger`` entry that is an ``MLFlowLogger`` class (Lightning's
+    or a subclass), not the :func:`tracking_logger` factory."""
+    loggers = config.get("trainer", {}).get("logger")
+    found = []
+    for entry in loggers if isinstance(loggers, list) else [loggers]:
+        class_path = getattr(entry, "class_path", None)
+        if not isinstance(class_path, str) or "." not in class_path:
+            continue
+        module, _, name = class_path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):  # jsonargparse reports it when it instantiates the entry
+            continue
+        if isinstance(cls, type) and issubclass(cls, MLFlowLogger):
+            found.append(entry.init_args)
+    return found
+
+
+def _default_mlflow_store(config: Any) -> None:
+    """Point an ``MLFlowLogger`` given without ``tracking_uri`` at the store of :func:`tracking_logger`.
+
+    Lightning's own default is ``$MLFLOW_TRACKING_URI`` read when Lightning is imported, else the
+    ``./mlruns`` file store, which MLflow 3 keeps in maintenance mode and refuses to open. So
+    ``--trainer.logger=MLFlowLogger`` logs to :data:`DEFAULT_TRACKING_URI` (made absolute; artifacts in
+    ``mlartifacts/`` beside it), like the configs' factory; a ``tracking_uri`` given, or the environment
+    variable, is kept.
+    """
+    for args in _mlflow_logger_args(config):
+        if args.get("tracking_uri"):
+            continue
+        # Absolute: MLflow caches a store per URI string, and a relative one depends on the cwd.
+        args.tracking_uri = canonical_tracking_uri(DEFAULT_TRACKING_URI)
+        args.artifact_location = _artifact_location(args.tracking_uri, args.get("artifact_location"))
+        if mlflow_available(args.tracking_uri):  # else Lightning says MLflow is missing when it builds it
+            prepare_store(args.tracking_uri, args.get("experiment_name"), args.artifact_location)
+
+
 def _tracking_logger_args(config: Any) -> Any:
     """The ``init_args`` of a ``trainer.logger`` that is :func:`tracking_logger`, else ``None``."""
     logger = config.get("trainer", {}).get("logger")
@@ -345,6 +390,7 @@ class GRPOCLI(LightningCLI):
             if threads < 1:
                 raise ValueError(f"threads must be an int >= 1, got {threads}")
             torch.set_num_threads(threads)
+        _default_mlflow_store(config)
         logger = _tracking_logger_args(config)
         if logger is not None and mlflow_available(logger.tracking_uri):
             # Here, not inside the logger factory: jsonargparse would report a failure while it

@@ -357,7 +357,7 @@ def test_ddp_tail_training_ends_identical_on_both_ranks(tmp_path, monkeypatch):
          "max_steps_per_rollout and max_seconds_per_rollout are both None"),
         (dict(kind="eagle2"), r"kind must be one of \('eagle1', 'eagle3'\), got 'eagle2'"),
         (dict(draft_vocab_size=0), "draft_vocab_size must be an int >= 1 or None, got 0"),
-        (dict(drafter_path=3), "drafter_path must be a directory path or None, got 3"),
+        (dict(drafter_path=3), "drafter_path must be a directory path, a models:/ or runs:/ URI, or None, got 3"),
         (dict(recency_decay=0.0), r"recency_decay must be in \(0, 1\], got 0.0"),
         (dict(weight_decay=-1), "weight_decay must be a number >= 0, got -1"),
         (dict(max_grad_norm=0), "max_grad_norm must be a number > 0 or None, got 0"),

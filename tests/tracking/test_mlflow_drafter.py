@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -13,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
 from tests.rl.test_module import make_module, make_trainer
 from tlt_lightning import fit
 from tlt_lightning.callbacks import SpotDrafterCallback
-from tlt_lightning.drafter import Drafter, DrafterConfig, save_drafter
+from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
 from tlt_lightning.tracking import (
     drafter_model_name,
     load_drafter_from_mlflow,
@@ -24,6 +26,18 @@ from tlt_lightning.tracking import (
 mlflow = pytest.importorskip("mlflow")
 
 NAME = "tlt-drafter-tiny-llama"
+
+
+@contextlib.contextmanager
+def mlflow_tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow's process-wide tracking URI (what ``mlflow.pyfunc.load_model("models:/...")`` resolves
+    against) set to ``uri``, then set back. Lightning's ``MLFlowLogger`` sets it too when it opens a run."""
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous)
 
 
 def weights(drafter: Drafter) -> dict[str, torch.Tensor]:
@@ -100,7 +114,10 @@ def test_the_run_holds_each_steps_drafter(fitted):
     assert folders == {f"drafter/model/step-{s:08d}" for s in (1, 2, 3)}
     for step in (1, 2, 3):
         files = {Path(a.path).name for a in client.list_artifacts(run_id, f"drafter/model/step-{step:08d}")}
-        assert files == {"model.safetensors", "drafter_config.json", "meta.json"}  # no optimizer state
+        # The checkpoint's own files (no optimizer state) beside what makes it an MLflow model.
+        checkpoint = {"model.safetensors", "drafter_config.json", "meta.json"}
+        mlflow_model = {"MLmodel", "requirements.txt", "python_env.yaml", "conda.yaml"}
+        assert checkpoint | mlflow_model <= files and "optimizer.pt" not in files
 
 
 def test_newest_version_reloads_the_final_drafter_and_older_versions_older_weights(fitted, monkeypatch):
@@ -123,6 +140,33 @@ def test_newest_version_reloads_the_final_drafter_and_older_versions_older_weigh
     assert_same(weights(load_drafter_from_mlflow(NAME, target, version="1")), saved[1])
 
 
+def test_the_callbacks_settings_are_run_params(fitted):
+    params = fitted["client"].get_run(fitted["run_id"]).data.params
+    spot = fitted["spot"]
+    assert params["drafter/lr"] == "0.0003" and params["drafter/buffer_mb"] == "256.0"
+    assert params["drafter/checkpoint_interval"] == "1" and params["drafter/max_steps_per_rollout"] == "1"
+    assert params["drafter/kind"] == "eagle1" and params["drafter/draft_vocab_size"] == "8192"
+    # The drafter actually trained: the draft vocabulary capped at tiny-llama's 128 tokens.
+    assert params["drafter/effective_draft_vocab"] == "128" == str(spot.drafter.config.draft_vocab)
+    assert params["drafter/registered_model_name"] == NAME and params["drafter/drafter_path"] == "None"
+    assert params["drafter/trainable_parameters"] == str(spot.drafter.num_trainable_parameters())
+    assert set(params) >= set(spot.params()) and "lr" in params  # beside the module's own hyper-parameters
+
+
+def test_a_fits_versions_load_by_uri_and_as_pyfunc_models(fitted):
+    uri, run_id, target, saved = fitted["uri"], fitted["run_id"], fitted["target"], fitted["record"].saved
+    assert_same(weights(load_drafter(f"models:/{NAME}/2", target, tracking_uri=uri)), saved[2])
+    step1 = f"runs:/{run_id}/drafter/model/step-00000001"
+    assert_same(weights(load_drafter(step1, target, tracking_uri=uri)), saved[1])
+    assert_same(weights(load_drafter_from_mlflow(step1, target, tracking_uri=uri)), saved[1])
+    with mlflow_tracking_uri(uri):
+        model = mlflow.pyfunc.load_model(f"models:/{NAME}/3", model_config={"target": target})
+        info = mlflow.models.get_model_info(f"models:/{NAME}/3")
+    assert_same(weights(model.get_raw_model()), saved[3])
+    assert info.flavors["tlt_drafter"]["target"]["model"] == "tiny-llama"  # the fit's model, loadable by name
+    assert info.flavors["tlt_drafter"]["rl_step"] == 3
+
+
 def test_unknown_names_versions_and_aliases_say_what_exists(fitted, tmp_path):
     uri, target = fitted["uri"], fitted["target"]
     with pytest.raises(ValueError, match=rf"no registered model 'nope' in .*registered models: \['{NAME}'\]"):
@@ -139,9 +183,9 @@ def test_unknown_names_versions_and_aliases_say_what_exists(fitted, tmp_path):
     ):
         load_drafter_from_mlflow(NAME, target, tracking_uri=missing)
     assert not (tmp_path / "none.db").exists()
-    with pytest.raises(
-        ValueError, match=r"uri_or_name must be 'models:/<name>/<version>', .* got 'runs:/x/y'"
-    ):
+    with pytest.raises(ValueError, match=r"location must be 'models:/<name>/<version>', .* got 'file:/x/y'"):
+        load_drafter_from_mlflow("file:/x/y", target, tracking_uri=uri)
+    with pytest.raises(ValueError, match=r"no run 'x' in sqlite:.* \(from 'runs:/x/y'\)"):
         load_drafter_from_mlflow("runs:/x/y", target, tracking_uri=uri)
     with pytest.raises(ValueError, match=r"version=2 given with a models:/ URI that names one already"):
         load_drafter_from_mlflow(f"models:/{NAME}/1", target, version=2, tracking_uri=uri)

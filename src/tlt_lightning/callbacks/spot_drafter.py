@@ -62,6 +62,7 @@ from tlt_lightning.drafter import (
     SpotTrainerConfig,
     load_drafter,
 )
+from tlt_lightning.drafter.mlflow_uri import is_mlflow_uri
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.rollout.types import RolloutResult
 from tlt_lightning.scheduling import (
@@ -141,7 +142,8 @@ class SpotDrafterCallback(L.Callback):
         draft_vocab_size: draft vocabulary of a built drafter, capped at the target's vocabulary;
             the first ids (BPE ids are roughly ordered by merge frequency); ``None``: full vocabulary.
         drafter_path: load the drafter from this :func:`~tlt_lightning.drafter.save_drafter` (or
-            async checkpoint) directory instead of building one (e.g. a warmed-up drafter).
+            async checkpoint) directory, or a ``models:/<name>/<version>`` / ``runs:/`` URI of one
+            (:func:`~tlt_lightning.drafter.load_drafter`), instead of building one (e.g. a warmed-up drafter).
         recency_decay: buffer sampling weight ``recency_decay ** age`` in policy steps, in ``(0, 1]``.
         weight_decay: AdamW weight decay (``>= 0``).
         max_grad_norm: drafter gradient clipping (``> 0`` or ``None``).
@@ -169,6 +171,9 @@ class SpotDrafterCallback(L.Callback):
         ``drafter/overhead_fraction`` (paid seconds over the RL step without them),
         ``drafter/buffer_mb`` and ``drafter/buffer_tokens`` (per rank), ``drafter/accept_length``
         (mean tokens per speculative step of this rollout) and ``drafter/preemption_latency_s``.
+
+    Run parameters (every logger's ``log_hyperparams``, at fit start): :meth:`params`, the settings
+        above and the trained drafter's kind, draft vocabulary and feature layers, as ``drafter/<name>``.
 
     Files, under the run's own directory (:func:`~tlt_lightning.tracking.run_dir`: for
     ``tlt-lightning fit`` ``<default_root_dir>/<experiment id>/<run id>/``, beside Lightning's
@@ -230,7 +235,7 @@ class SpotDrafterCallback(L.Callback):
              "an int >= 1 or None"),
             ("drafter_path", drafter_path,
              drafter_path is None or isinstance(drafter_path, (str, os.PathLike)),
-             "a directory path or None"),
+             "a directory path, a models:/ or runs:/ URI, or None"),
             ("recency_decay", recency_decay, num(recency_decay) and 0 < recency_decay <= 1, "in (0, 1]"),
             ("registered_model_name", registered_model_name,
              registered_model_name is None or (isinstance(registered_model_name, str)
@@ -309,7 +314,8 @@ class SpotDrafterCallback(L.Callback):
         self.checkpointer = AsyncCheckpointer(self.run_dir / "drafter" / "checkpoints")
         registry = trainer.is_global_zero and bool(mlflow_loggers(trainer))
         self.registrar = CheckpointRegistrar(  # its registered_steps are restored by _apply
-            (self.registered_model_name or drafter_model_name(str(module.hparams.model))) if registry else None
+            (self.registered_model_name or drafter_model_name(str(module.hparams.model))) if registry else None,
+            target_model=str(module.hparams.model),
         )
         self._apply(pending, publisher_too=False)
         self.publisher = DrafterPublisher(self.drafter, serving_target=module.rollout_target)
@@ -323,6 +329,35 @@ class SpotDrafterCallback(L.Callback):
         self._wrap_rollout(module)
         self._epoch_start = time.time()
         self._accepts, self._accept_hist = [], torch.zeros(0, dtype=torch.long)
+        for logger in trainer.loggers:  # run parameters (MLflow params, CSV hparams.yaml); rank 0 only
+            logger.log_hyperparams(self.params())
+
+    def params(self) -> dict[str, Any]:
+        """The settings of this callback and of the drafter it trains, as run parameters ``drafter/<name>``.
+
+        Logged at fit start through every logger's ``log_hyperparams`` (MLflow run params). The
+        ``effective_*`` entries describe the drafter actually trained (built, loaded from
+        ``drafter_path``, taken over from the module or restored from a checkpoint), which may
+        differ from ``kind`` / ``draft_vocab_size``.
+        """
+        if self.drafter is None:
+            raise RuntimeError("SpotDrafterCallback.params() is known once fit has started (the drafter is built then)")
+        config = self.drafter.config
+        settings = {
+            "lr": self.lr, "buffer_mb": self.buffer_mb, "packing_budget": self.packing_budget,
+            "checkpoint_interval": self.checkpoint_interval, "min_idle_s": self.min_idle_s,
+            "max_steps_per_rollout": self.max_steps_per_rollout,
+            "max_seconds_per_rollout": self.max_seconds_per_rollout, "kind": self.kind,
+            "draft_vocab_size": self.draft_vocab_size,
+            "drafter_path": None if self.drafter_path is None else os.fspath(self.drafter_path),
+            "recency_decay": self.recency_decay, "weight_decay": self.weight_decay,
+            "max_grad_norm": self.max_grad_norm, "save_buffer": self.save_buffer, "timeline": self.timeline,
+            "seed": self.seed, "registered_model_name": self.registrar.name or self.registered_model_name,
+            "effective_kind": config.kind, "effective_draft_vocab": config.draft_vocab,
+            "feature_layers": list(config.rollout_feature_layers),
+            "trainable_parameters": self.drafter.num_trainable_parameters(),
+        }
+        return {f"drafter/{name}": value for name, value in settings.items()}
 
     def _initial_drafter(self, module: GRPOModule) -> Drafter:
         """The drafter to train: in fp32 (bf16 drafter training diverges) on the policy's own target.
@@ -340,8 +375,9 @@ class SpotDrafterCallback(L.Callback):
                 return module.drafter
             return module.drafter.for_target(target, dtype=torch.float32)
         if self.drafter_path is not None:
-            if not Path(self.drafter_path).is_dir():
-                raise ValueError(f"drafter_path {str(self.drafter_path)!r} is not a drafter directory")
+            if not is_mlflow_uri(self.drafter_path) and not Path(self.drafter_path).is_dir():
+                raise ValueError(f"drafter_path {str(self.drafter_path)!r} is not a drafter directory "
+                                 "(nor a models:/ or runs:/ URI)")
             return load_drafter(self.drafter_path, target, dtype=torch.float32)
         vocab = target.info.vocab_size
         size = None if self.draft_vocab_size is None else min(self.draft_vocab_size, vocab)

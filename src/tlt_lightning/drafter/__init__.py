@@ -26,6 +26,7 @@ from tlt_lightning.drafter.losses import (
     soft_ce,
     top1_agreement,
 )
+from tlt_lightning.drafter.mlflow_uri import download_drafter, is_mlflow_uri
 from tlt_lightning.drafter.model import AttentionCache, Drafter
 from tlt_lightning.drafter.packing import fill_ratio, pack_batches, pack_bins
 from tlt_lightning.drafter.publish import DrafterLease, DrafterPublisher
@@ -65,6 +66,7 @@ __all__ = [
     "SpotTrainer",
     "SpotTrainerConfig",
     "acceptance_rate",
+    "download_drafter",
     "draft_vocab_mass",
     "drafter_losses",
     "drafter_train_step",
@@ -75,6 +77,7 @@ __all__ = [
     "feature_loss",
     "fill_ratio",
     "import_drafter",
+    "is_mlflow_uri",
     "load_drafter",
     "make_batches",
     "pack_batches",

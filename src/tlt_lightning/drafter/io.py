@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tlt_lightning.drafter.config import DrafterConfig
+from tlt_lightning.drafter.mlflow_uri import download_drafter, is_mlflow_uri
 from tlt_lightning.drafter.model import Drafter
 from tlt_lightning.models.target import TargetModel
 
@@ -107,19 +108,36 @@ def read_drafter_config(directory: str | os.PathLike) -> DrafterConfig:
 
 
 def load_drafter(
-    directory: str | os.PathLike, target: TargetModel, dtype: torch.dtype | None = None
+    directory: str | os.PathLike,
+    target: TargetModel,
+    dtype: torch.dtype | None = None,
+    tracking_uri: str | None = None,
 ) -> Drafter:
     """Load a drafter saved by :func:`save_drafter` for ``target``.
 
     Args:
-        directory: the checkpoint directory.
+        directory: the checkpoint directory, or an MLflow URI of one: ``models:/<name>/<version>``,
+            ``models:/<name>@<alias>`` (a registered drafter version) or ``runs:/<run id>/<path>``
+            (downloaded to a temporary directory, see :func:`~tlt_lightning.drafter.mlflow_uri.download_drafter`).
         target: the target it drafts for (its config must match; its embedding and LM head are used).
         dtype: parameter dtype (default: the target's).
+        tracking_uri: the MLflow store of a URI; ``None``: ``$MLFLOW_TRACKING_URI``, else the store
+            of ``tlt-lightning fit`` (``sqlite:///runs/mlflow.db``).
 
     Raises:
         ValueError: missing/corrupt files, a config that does not match ``target``, missing or
-            unexpected tensors, shape mismatches or an inconsistent draft vocabulary.
+            unexpected tensors, shape mismatches or an inconsistent draft vocabulary; a URI that
+            does not resolve (the message names what exists).
+        ModuleNotFoundError: a URI without MLflow installed (the ``mlflow`` extra).
+
+    Example:
+        >>> # load_drafter("runs/drafter/warmup", target)
+        >>> # load_drafter("models:/tlt-drafter-smollm2-135m/3", target)
     """
+    if is_mlflow_uri(directory):
+        with tempfile.TemporaryDirectory(prefix="tlt-drafter-") as tmp:
+            local = download_drafter(str(directory), tmp, tracking_uri=tracking_uri)
+            return load_drafter(local, target, dtype=dtype)  # tensors are read into memory before tmp goes
     config = read_drafter_config(directory)
     drafter = Drafter(config, target, dtype=dtype)
     path = Path(directory) / WEIGHTS_NAME

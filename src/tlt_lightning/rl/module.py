@@ -250,7 +250,8 @@ class GRPOModule(L.LightningModule):
         drafter_kind: ``"eagle1"``/``"eagle3"``: create a fresh drafter of that kind at setup
             when none is attached; ``None``: none (a callback may attach one).
         drafter_path: load the drafter from this :func:`~tlt_lightning.drafter.save_drafter`
-            directory instead (e.g. a warmed-up one).
+            directory instead (e.g. a warmed-up one), or from a ``models:/`` or ``runs:/`` MLflow URI
+            of one (:func:`~tlt_lightning.drafter.load_drafter`).
         sd_steps: draft depth of the default strategy (a chain, :class:`FixedChooser`).
         threshold: speculate only while fewer requests than this are active.
         check_logprobs: check that the rollout's log-probabilities agree with the training

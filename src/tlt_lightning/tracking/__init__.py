@@ -1,5 +1,6 @@
 """Tracking: torchmetrics metrics over rollouts, plots, MLflow artifacts through Lightning's
-``MLFlowLogger``, the drafter in MLflow's model registry, and each run's own output directory.
+``MLFlowLogger``, the drafter in MLflow's model registry (each version an MLflow model with a
+``python_function`` flavour), and each run's own output directory.
 
 MLflow itself is imported only when a registry function runs: this package imports without it.
 """
@@ -11,6 +12,7 @@ from tlt_lightning.tracking.mlflow_drafter import (
     load_drafter_from_mlflow,
     log_drafter_version,
 )
+from tlt_lightning.tracking.mlflow_pyfunc import DrafterPyfunc, save_drafter_model
 from tlt_lightning.tracking.mlflow_resume import (
     MLflowRunCheckpoint,
     ResumableMLFlowLogger,
@@ -24,6 +26,7 @@ from tlt_lightning.tracking.run_directory import run_dir
 __all__ = [
     "AcceptanceRate",
     "CheckpointRegistrar",
+    "DrafterPyfunc",
     "MLflowRunCheckpoint",
     "MeanAcceptLength",
     "ResumableMLFlowLogger",
@@ -39,4 +42,5 @@ __all__ = [
     "prepare_store",
     "resumable_run_id",
     "run_dir",
+    "save_drafter_model",
 ]

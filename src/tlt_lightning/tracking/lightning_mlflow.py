@@ -67,13 +67,18 @@ class CheckpointRegistrar:
     With ``name=None`` (not rank 0, or no ``MLFlowLogger``) it registers nothing but still carries
     ``registered_steps`` through checkpoints.
 
+    Args:
+        name: the registered model (``None``: register nothing).
+        target_model: the target the drafter drafts for (registry name or HF directory), recorded in
+            each version's ``MLmodel`` so that ``mlflow.pyfunc.load_model`` loads it.
+
     Attributes:
         registered_steps: RL steps already registered (restore it on resume: no step twice).
         versions: the ``ModelVersion`` objects this registrar created.
     """
 
-    def __init__(self, name: str | None) -> None:
-        self.name = name
+    def __init__(self, name: str | None, target_model: str | None = None) -> None:
+        self.name, self.target_model = name, target_model
         self.registered_steps: list[int] = []
         self.versions: list[Any] = []
         self._pending: list[tuple[int, float, str | None]] = []  # (RL step, time requested, checkpoint dir)
@@ -105,7 +110,8 @@ class CheckpointRegistrar:
             if not checkpoints.owns(path):  # another writer replaced it: not this run's drafter
                 continue
             for logger in mlflow_loggers(trainer):
-                self.versions.append(log_drafter_version(logger.experiment, logger.run_id, path, self.name, step))
+                self.versions.append(log_drafter_version(logger.experiment, logger.run_id, path, self.name, step,
+                                                         target_model=self.target_model))
             self.registered_steps.append(step)
 
     def state_dict(self) -> dict[str, Any]:

@@ -3,22 +3,25 @@
 A drafter checkpoint (:func:`~tlt_lightning.drafter.save_drafter` or an
 :class:`~tlt_lightning.drafter.AsyncCheckpointer` ``step-*`` directory) becomes
 
-* artifacts of the training run under ``drafter/model/step-XXXXXXXX/`` (``model.safetensors``,
-  ``drafter_config.json`` and ``meta.json`` when present; the optimizer state is not logged: a
-  registered drafter is for drafting, a Lightning checkpoint is for resuming), and
+* an MLflow model logged to the training run under ``drafter/model/step-XXXXXXXX/``: the
+  checkpoint's own files (``model.safetensors``, ``drafter_config.json`` and ``meta.json`` when
+  present; the optimizer state is not logged: a registered drafter is for drafting, a Lightning
+  checkpoint is for resuming) beside an ``MLmodel`` with a ``python_function`` flavour, a signature,
+  the drafter config and the target signature (:mod:`tlt_lightning.tracking.mlflow_pyfunc`), and
 * a version of the registered model ``name`` whose source is ``runs:/<run_id>/drafter/model/step-...``,
   tagged ``rl_step``, ``kind``, ``draft_vocab``, ``run_id`` and ``sha256`` (of the weights file).
 
-:func:`load_drafter_from_mlflow` resolves ``"models:/<name>/<version>"``, ``"models:/<name>@<alias>"``
-or a bare name (newest version), downloads the version's files and returns the
-:class:`~tlt_lightning.drafter.Drafter` for a target.
+A version loads back as a :class:`~tlt_lightning.drafter.Drafter` with :func:`load_drafter_from_mlflow`
+(or :func:`~tlt_lightning.drafter.load_drafter` with its ``models:/`` URI), as a ``python_function``
+model with ``mlflow.pyfunc.load_model``, and exports for vLLM with ``tlt-lightning export-drafter
+models:/<name>/<version> OUT``.
 
 MLflow is imported inside the functions: ``tlt_lightning.tracking`` imports without it.
 
 Example:
     >>> # checkpoint = f"runs/fit/1/{run_id}/drafter/checkpoints/step-00000010"   # tracking.run_dir
     >>> # version = log_drafter_version(client, run_id, checkpoint, drafter_model_name("smollm2-135m"),
-    >>> #                               rl_step=10)
+    >>> #                               rl_step=10, target_model="smollm2-135m")
     >>> # drafter = load_drafter_from_mlflow("tlt-drafter-smollm2-135m", target)        # newest
     >>> # drafter = load_drafter_from_mlflow("models:/tlt-drafter-smollm2-135m/1", target)
 """
@@ -31,11 +34,18 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from tlt_lightning.drafter.io import CONFIG_NAME, WEIGHTS_NAME, load_drafter
+from tlt_lightning.drafter.mlflow_uri import (
+    DEFAULT_TRACKING_URI,
+    _quote,
+    download_drafter,
+    import_mlflow,
+)
+from tlt_lightning.tracking.mlflow_pyfunc import save_drafter_model
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -52,26 +62,15 @@ __all__ = [
     "log_drafter_version",
 ]
 
-# The tracking store of `tlt-lightning fit` (tlt_lightning.fit.DEFAULT_TRACKING_URI; a test keeps them equal).
-DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"
 DRAFTER_ARTIFACT_PATH = "drafter/model"
-_LOGGED_FILES = (WEIGHTS_NAME, CONFIG_NAME, "meta.json")  # not optimizer.pt: not needed to draft
-_INSTALL = "pip install 'tlt-lightning[mlflow]'"
 _DESCRIPTION = (
     "EAGLE-style speculative-decoding drafter trained by tlt_lightning's SpotDrafterCallback on the "
-    "policy's own rollouts during GRPO training; one version per drafter checkpoint (tag rl_step). "
-    "Load one with: tlt_lightning.tracking.load_drafter_from_mlflow('{name}', target[, version])."
+    "policy's own rollouts during GRPO training; one version per drafter checkpoint (tag rl_step), each "
+    "an MLflow model (python_function flavour) whose directory is a drafter checkpoint. Load one with: "
+    "tlt_lightning.tracking.load_drafter_from_mlflow('{name}', target[, version]), "
+    "mlflow.pyfunc.load_model('models:/{name}/<version>'), or export it for vLLM with "
+    "tlt-lightning export-drafter models:/{name}/<version> OUT."
 )
-
-
-def _mlflow() -> Any:
-    try:
-        import mlflow
-    except ImportError as err:
-        raise ModuleNotFoundError(
-            f"MLflow is not installed: the drafter registry needs the mlflow extra ({_INSTALL})"
-        ) from err
-    return mlflow
 
 
 def drafter_model_name(model: str | os.PathLike) -> str:
@@ -102,20 +101,19 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _quote(value: str) -> str:
-    return f'"{value}"' if "'" in value else f"'{value}'"
-
-
 def log_drafter_version(
     client: MlflowClient,
     run_id: str,
     checkpoint_dir: str | os.PathLike,
     name: str,
     rl_step: int,
+    target_model: str | None = None,
 ) -> ModelVersion:
-    """Log a drafter checkpoint to run ``run_id`` and register it as a new version of ``name``.
+    """Log a drafter checkpoint to run ``run_id`` as an MLflow model and register it as a new version of ``name``.
 
-    The files go under ``drafter/model/step-XXXXXXXX`` of the run; the registered model is created
+    The model (the checkpoint's files, ``MLmodel``, environment files: see
+    :func:`~tlt_lightning.tracking.mlflow_pyfunc.save_drafter_model`) goes under
+    ``drafter/model/step-XXXXXXXX`` of the run; the registered model is created
     (with a description saying how to load it) if it does not exist (several fits on one store may
     register at once: one creates it, the others use it); the version's source is
     ``runs:/<run_id>/drafter/model/step-XXXXXXXX``. The same checkpoint again (same ``rl_step``,
@@ -128,6 +126,9 @@ def log_drafter_version(
         checkpoint_dir: a drafter checkpoint directory (``model.safetensors`` + ``drafter_config.json``).
         name: registered-model name (see :func:`drafter_model_name`).
         rl_step: the RL (policy) step of the checkpoint (``>= 0``).
+        target_model: the target it was trained for (registry name or HF directory), recorded so
+            that ``mlflow.pyfunc.load_model`` loads it; ``None``: the registry model of the target's
+            signature, when exactly one fits.
 
     Returns:
         The ``ModelVersion``, tagged ``rl_step``, ``kind``, ``draft_vocab``, ``run_id``, ``sha256``.
@@ -149,7 +150,7 @@ def log_drafter_version(
         kind, vocab = config["kind"], config.get("draft_vocab_size") or config["vocab_size"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"{directory / CONFIG_NAME} is not a drafter config: {err!r}") from err
-    mlflow = _mlflow()
+    mlflow = import_mlflow()
     artifact_path = f"{DRAFTER_ARTIFACT_PATH}/step-{rl_step:08d}"
     digest = _sha256(directory / WEIGHTS_NAME)
     # The same checkpoint registered before (a resumed fit saving its restored step again, a retry):
@@ -159,9 +160,9 @@ def log_drafter_version(
     )
     if same:
         return min(same, key=lambda v: int(v.version))
-    for file in _LOGGED_FILES:
-        if (directory / file).is_file():
-            client.log_artifact(run_id, str(directory / file), artifact_path)
+    with tempfile.TemporaryDirectory(prefix="tlt-drafter-model-") as tmp:
+        model = save_drafter_model(directory, Path(tmp) / "model", target_model=target_model, rl_step=rl_step)
+        client.log_artifacts(run_id, str(model), artifact_path)
     try:
         client.get_registered_model(name)
     except mlflow.exceptions.MlflowException as err:
@@ -192,57 +193,6 @@ def log_drafter_version(
     )
 
 
-def _sqlite_missing(uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` URI when it does not exist (MLflow would create it empty)."""
-    prefix = "sqlite:///"
-    if not uri.startswith(prefix) or uri[len(prefix) :] in ("", ":memory:"):
-        return None
-    path = Path(uri[len(prefix) :])
-    return None if path.is_file() else path
-
-
-def _parse(uri_or_name: str, version: int | str | None) -> tuple[str, str | None, str | None]:
-    """``(name, version, alias)`` of a ``models:/`` URI or a bare name (+ ``version``)."""
-    forms = "'models:/<name>/<version>', 'models:/<name>@<alias>' or a registered-model name"
-    if not isinstance(uri_or_name, str) or not uri_or_name.strip():
-        raise ValueError(f"uri_or_name must be {forms}, got {uri_or_name!r}")
-    if version is not None and (
-        isinstance(version, bool)
-        or not isinstance(version, (int, str))
-        or (isinstance(version, int) and version < 1)
-        or (isinstance(version, str) and not version.strip())
-    ):
-        raise ValueError(
-            f"version must be an int >= 1, a version string, 'latest', an alias or None, got {version!r}"
-        )
-    text = uri_or_name.strip()
-    if text.startswith("models:/"):
-        body = text[len("models:/") :]
-        if "@" in body:
-            name, alias = body.split("@", 1)
-            parsed: tuple[str, str | None, str | None] = (name, None, alias)
-        elif body.count("/") == 1:
-            name, ver = body.split("/")
-            parsed = (name, ver, None)
-        else:
-            raise ValueError(f"uri_or_name must be {forms}, got {uri_or_name!r}")
-        if not parsed[0] or "" in parsed[1:] or "/" in (parsed[2] or ""):
-            raise ValueError(f"uri_or_name must be {forms}, got {uri_or_name!r}")
-        if version is not None:
-            raise ValueError(
-                f"version={version!r} given with a models:/ URI that names one already ({text!r})"
-            )
-        return parsed
-    if ":/" in text:
-        raise ValueError(f"uri_or_name must be {forms}, got {uri_or_name!r}")
-    if version is None:
-        return text, None, None
-    ver = str(version).strip()
-    if ver.isdigit() or ver.lower() == "latest":
-        return text, ver, None
-    return text, None, ver.lstrip("@")
-
-
 def load_drafter_from_mlflow(
     uri_or_name: str,
     target: TargetModel,
@@ -253,8 +203,8 @@ def load_drafter_from_mlflow(
     """Load a registered drafter version for ``target`` in one call.
 
     Args:
-        uri_or_name: ``"models:/<name>/<version>"``, ``"models:/<name>@<alias>"`` or a registered
-            name (see :func:`drafter_model_name`).
+        uri_or_name: ``"models:/<name>/<version>"``, ``"models:/<name>@<alias>"``,
+            ``"runs:/<run id>/<path>"`` or a registered name (see :func:`drafter_model_name`).
         target: the target model it drafts for (see :func:`~tlt_lightning.drafter.load_drafter`).
         version: with a bare name: a version number, ``"latest"`` or an alias; ``None``: the newest version.
         tracking_uri: the MLflow store; ``None``: ``$MLFLOW_TRACKING_URI``, else the store of
@@ -266,50 +216,14 @@ def load_drafter_from_mlflow(
 
     Raises:
         ModuleNotFoundError: MLflow is not installed (the ``mlflow`` extra).
-        ValueError: a malformed URI, no such store, registered model, version or alias (the message
-            names those that exist), or files that do not fit ``target``.
+        ValueError: a malformed URI, no such store, registered model, version, alias, run or
+            artifact (the message names those that exist), or files that do not fit ``target``.
 
     Example:
         >>> # drafter = load_drafter_from_mlflow("tlt-drafter-smollm2-135m", target)
         >>> # drafter = load_drafter_from_mlflow("models:/tlt-drafter-smollm2-135m/3", target,
         >>> #                                    tracking_uri="sqlite:///runs/mlflow.db")
     """
-    name, ver, alias = _parse(uri_or_name, version)
-    mlflow = _mlflow()
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-    missing_db = _sqlite_missing(uri)
-    if missing_db is not None:
-        raise ValueError(f"no MLflow store at {uri!r} ({missing_db} does not exist): pass tracking_uri=")
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    not_found = mlflow.exceptions.MlflowException
-    try:
-        registered = client.get_registered_model(name)
-    except not_found as err:
-        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
-            raise
-        names = sorted(m.name for m in client.search_registered_models())
-        raise ValueError(
-            f"no registered model {name!r} in {uri}; registered models: {names or 'none'}"
-        ) from err
-    versions = sorted(int(v.version) for v in client.search_model_versions(f"name={_quote(name)}"))
-    if alias is not None:
-        if alias not in registered.aliases:
-            raise ValueError(
-                f"registered model {name!r} has no alias {alias!r}; aliases: {sorted(registered.aliases) or 'none'}"
-                f", versions: {versions}"
-            )
-        number = int(registered.aliases[alias])
-    elif ver is None or ver.lower() == "latest":
-        if not versions:
-            raise ValueError(f"registered model {name!r} in {uri} has no versions yet")
-        number = versions[-1]
-    else:
-        number = int(ver)
-        if number not in versions:
-            raise ValueError(
-                f"registered model {name!r} has no version {ver}; versions: {versions or 'none'}"
-            )
     with tempfile.TemporaryDirectory(prefix="tlt-drafter-") as tmp:
-        source = client.get_model_version_download_uri(name, str(number))
-        local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=tmp, tracking_uri=uri)
+        local = download_drafter(uri_or_name, tmp, version=version, tracking_uri=tracking_uri)
         return load_drafter(local, target, dtype=dtype)  # reads the tensors into memory before tmp goes
