@@ -16,6 +16,7 @@ from tlt_lightning.models.registry import (
     available_models,
     cache_dir,
     load_model,
+    model_dir,
     models_with_signature,
 )
 from tlt_lightning.models.target import (
@@ -44,6 +45,7 @@ __all__ = [
     "default_feature_layers",
     "has_fast_bf16",
     "load_model",
+    "model_dir",
     "models_with_signature",
     "resolve_dtype",
     "set_weight_layout",
