@@ -13,7 +13,7 @@
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning drafter evaluate --drafter DIR ...  drafters' acceptance on the same stored rollouts
     tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]  drafter checkpoint -> EAGLE dir for vLLM or SGLang
-    tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune-style recipe config
+    tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune recipe config (= tune run ...)
     tlt-lightning models                              list the registry
 
 Every subcommand takes ``--threads`` (torch intra-op threads; on shared 2-core machines one
@@ -124,8 +124,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="weight dtype of the export (default: the target's)")
     export.add_argument("--seed", type=int, default=0, help="seed of a tiny registry model's random weights")
 
-    tune = sub.add_parser("torchtune", help="GRPO from a torchtune-style recipe config (needs the torchtune extra)")
-    tune.add_argument("--config", required=True, help="recipe YAML with _component_ entries")
+    tune = sub.add_parser("torchtune", help="GRPO from a torchtune recipe config, as `tune run "
+                                            "tlt_lightning.recipes.grpo_torchtune` (needs the torchtune extra)")
+    tune.add_argument("--config", required=True, help="recipe YAML with _component_ nodes")
     tune.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (torchtune syntax)")
 
     sub.add_parser("models", help="list registry model names")
