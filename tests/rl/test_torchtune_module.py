@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import importlib
 import math
 import os
@@ -193,6 +194,25 @@ def test_bad_builder_nodes_are_named(tt, tmp_path, change, match):
         make_module(cls=tt[0].TorchtuneGRPOModule, **{**nodes(tmp_path), **change})
     with pytest.raises(ValueError, match="tokenizer needs builder and checkpointer"):
         make_module(cls=tt[0].TorchtuneGRPOModule, tokenizer={"_component_": "transformers.AutoTokenizer"})
+
+
+def test_a_torchtune_tokenizer_renders_and_scores_the_task(tt, tmp_path):
+    """The tokenizer node: torchtune's Llama 3 tokenizer (a byte-level vocabulary here) renders the task's
+    prompts as torchtune's generate recipe does and decodes completions for the task's scorer."""
+    (tmp_path / "bytes.tiktoken").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n"
+                                                     for b in range(256)))
+    load_model("tiny-llama", seed=0).model.save_pretrained(tmp_path / "tiny")
+    tokenizer = {"_component_": "torchtune.models.llama3.llama3_tokenizer", "path": str(tmp_path / "bytes.tiktoken")}
+    module = make_module(cls=tt[0].TorchtuneGRPOModule, prompt_source=None, tokenizer=tokenizer,
+                         task={"name": "basic_arithmetic", "size": 4}, **nodes(tmp_path / "tiny"))
+    module.configure_model()
+    prompt = module.prompt_source.dataset[0]
+    assert prompt.text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>")
+    assert prompt.text.endswith(f"{prompt.question}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert module.prompt_source.prompt_ids(0)[:2] == [128000, 128006]  # <|begin_of_text|>, <|start_header_id|>
+    answer = module.tokenizer.encode(f"<answer>{prompt.entry['answer']}</answer>", add_bos=False, add_eos=False)
+    reward = module.prompt_source.score(0, torch.tensor(prompt.input_ids), torch.tensor([*answer, 128009]))
+    assert reward.correctness == 1.0 and reward.format > 0
 
 
 def test_a_checkpoint_dir_without_a_transformers_config_is_refused(tt, tmp_path):

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from tlt_lightning.models import load_model
 from tlt_lightning.models.registry import DTYPES
@@ -44,8 +44,33 @@ from tlt_lightning.models.torchtune_target import TorchtuneTarget, TransformerDe
 from tlt_lightning.rl.batch import PolicyBatch
 from tlt_lightning.rl.grpo import token_logprobs
 from tlt_lightning.rl.module import GRPOModule
+from tlt_lightning.rl.sources import PromptSource, TaskPromptSource
+from tlt_lightning.rl.tasks import TaskDataset
 
-__all__ = ["TorchtuneGRPOModule", "torchtune_completion_logprobs"]
+__all__ = ["TorchtuneGRPOModule", "torchtune_chat_render", "torchtune_completion_logprobs"]
+
+
+def torchtune_chat_render(tokenizer: Any) -> Callable[[list[dict[str, str]]], tuple[str, list[int]]]:
+    """A :class:`~tlt_lightning.rl.tasks.TaskDataset` ``render`` for a torchtune model tokenizer.
+
+    Renders as torchtune's ``generate`` recipe does: the messages as torchtune ``Message`` objects
+    and an empty assistant message, ``tokenizer({"messages": ...}, inference=True)["tokens"]``; the
+    text is those tokens decoded with their special tokens. The generation prompt is right for
+    tokenizers that honour ``inference=True`` (torchtune 0.6.1's Llama 3 tokenizer does; its Qwen 2 /
+    2.5 tokenizers close the empty assistant turn: use their transformers tokenizer instead).
+
+    Example:
+        >>> render = torchtune_chat_render(llama3_tokenizer(path))  # doctest: +SKIP
+        >>> text, ids = render([{"role": "user", "content": "What is 2+3?"}])  # doctest: +SKIP
+    """
+    from torchtune.data import Message
+
+    def render(messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        chat = [Message(role=m["role"], content=m["content"]) for m in messages]
+        tokens = list(tokenizer({"messages": [*chat, Message(role="assistant", content="")]}, inference=True)["tokens"])
+        return tokenizer.decode(tokens, skip_special_tokens=False), tokens
+
+    return render
 
 
 def torchtune_completion_logprobs(
@@ -165,6 +190,13 @@ class TorchtuneGRPOModule(GRPOModule):
         decoder.load_state_dict(state, strict=True)
         tokenizer = config.instantiate(OmegaConf.create(dict(hp.tokenizer))) if hp.get("tokenizer") else None
         return decoder.to(DTYPES[hp.dtype]), tokenizer
+
+    def configure_prompt_source(self) -> PromptSource:
+        """The task's prompts, rendered by a torchtune tokenizer (:func:`torchtune_chat_render`) or the parent's way."""
+        if self.tokenizer is None or isinstance(self.tokenizer, PreTrainedTokenizerBase):
+            return super().configure_prompt_source()
+        dataset = TaskDataset(self.task_config, self.tokenizer, render=torchtune_chat_render(self.tokenizer))
+        return TaskPromptSource(dataset)
 
     def configure_reference(self) -> nn.Module:
         """The KL reference: with ``builder``, a copy of the initial decoder; else the parent's."""
