@@ -35,7 +35,7 @@ NAMED = ["model=null", "checkpointer=null", "module.model=tiny-llama"]
 
 @pytest.fixture(scope="module", autouse=True)
 def cache(tmp_path_factory):
-    """The tiny model's transformers directory (``${tlt_model_dir:tiny-llama}``) goes to a temporary cache."""
+    """The tiny model's transformers directory (``checkpoint_dir: tiny-llama``) goes to a temporary cache."""
     path = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TLT_LIGHTNING_CACHE", str(path))
@@ -68,8 +68,8 @@ def test_torchtune_sections_build_the_policy(base_run, cache):
     assert isinstance(module, TorchtuneGRPOModule) and isinstance(module.policy, TransformerDecoder)
     assert isinstance(module.prompt_source, SyntheticPromptSource)
     assert module.hparams.builder["_component_"] == "torchtune.models.llama3_2.llama3_2"
-    assert module.hparams.checkpointer["checkpoint_dir"] == str(cache / "tiny-llama-seed0")
-    assert module.hparams.model == str(cache / "tiny-llama-seed0")  # the weights' directory names the model
+    assert module.hparams.checkpointer["checkpoint_dir"] == module.hparams.model == "tiny-llama"  # names the model
+    assert (cache / "tiny-llama-seed0" / "model.safetensors").is_file()  # what the checkpointer read
     assert module.drafter is not None and any(module.last_rollout.stats.step_speculative)
     assert trainer.global_step == 1 and trainer.logger is None
 
@@ -202,6 +202,16 @@ def test_tune_run_refuses_a_recipe_that_is_not_one(monkeypatch):
         tune()
 
 
+@pytest.mark.parametrize("path", [CONFIG, SMOLLM2])
+def test_tune_validate_accepts_the_configs(path, monkeypatch, capsys):
+    """torchtune's own `tune validate` (signatures of every top-level node) passes the shipped configs."""
+    from torchtune._cli.tune import main as tune
+
+    monkeypatch.setattr(sys, "argv", ["tune", "validate", path])
+    tune()
+    assert "Config is well-formed!" in capsys.readouterr().out
+
+
 def test_missing_extra_names_it(monkeypatch):
     monkeypatch.delitem(sys.modules, "tlt_lightning.recipes.grpo_torchtune")  # imported afresh, then put back
     for name in [n for n in sys.modules if n == "torchtune" or n.startswith("torchtune.")]:
@@ -230,7 +240,7 @@ def test_a_resumed_recipe_continues_its_mlflow_run(tmp_path):
 @pytest.mark.slow
 def test_the_smollm2_recipe_builds_smollm2_with_torchtune_builders(monkeypatch, request):
     """configs/grpo_torchtune_smollm2.yaml: llama3_2's builder + the checkpointer compute SmolLM2's function,
-    and the task's prompts are rendered by the tokenizer section (the checkpoint's chat template)."""
+    and the task's prompts are rendered by the checkpoint's tokenizer (its chat template)."""
     if USER_CACHE is None:
         monkeypatch.delenv("TLT_LIGHTNING_CACHE")
     else:
@@ -239,7 +249,7 @@ def test_the_smollm2_recipe_builds_smollm2_with_torchtune_builders(monkeypatch, 
     module = build_module(load_config(SMOLLM2, ["logger=null"]))
     module.configure_model()
     assert isinstance(module.policy, TransformerDecoder) and module.prompt_source.name == "chain_sum"
-    prompt = module.prompt_source.dataset[0]  # SmolLM2's chat template, by the tokenizer section's tokenizer
+    prompt = module.prompt_source.dataset[0]  # SmolLM2's chat template (tokenizer: null: the checkpoint's)
     assert prompt.text.startswith("<|im_start|>") and smollm2.tokenizer.decode(prompt.input_ids) == prompt.text
     ids = torch.tensor([prompt.input_ids])
     with torch.no_grad():

@@ -38,6 +38,7 @@ __all__ = [
     "available_models",
     "cache_dir",
     "load_model",
+    "load_tokenizer",
     "model_dir",
     "models_with_signature",
 ]
@@ -227,7 +228,12 @@ def load_model(name: str, dtype: str = "float32", seed: int = 0) -> LoadedModel:
         return LoadedModel(name, model.to(torch_dtype).eval(), None)
     path = model_dir(name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
-    tokenizer = None
+    return LoadedModel(name, model.eval(), load_tokenizer(path))
+
+
+def load_tokenizer(directory: str | os.PathLike) -> PreTrainedTokenizerBase | None:
+    """The transformers tokenizer of a model directory, or ``None`` when it has no tokenizer files."""
+    path = Path(directory)
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return LoadedModel(name, model.eval(), tokenizer)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return None

@@ -15,7 +15,7 @@ arguments, built with ``torchtune.config.instantiate``. Top-level sections:
 ``output_dir``   where the run writes (used through ``${output_dir}`` interpolations)
 ``model``        a torchtune model builder (``torchtune.models.llama3_2.llama3_2``, ...): the policy
 ``checkpointer`` torchtune's ``FullModelHFCheckpointer``: the weights ``model`` is loaded with
-``tokenizer``    a tokenizer component (optional; task prompts need a chat template)
+``tokenizer``    a tokenizer component (``null``: the checkpoint directory's transformers tokenizer)
 ``prompt_source`` component handed to the module as ``prompt_source`` (``null``: the task's)
 ``module``       the LightningModule (with ``model``: a ``TorchtuneGRPOModule``)
 ``logger``       component, e.g. ``tlt_lightning.fit.tracking_logger`` (``null``: no logger)
@@ -26,9 +26,9 @@ arguments, built with ``torchtune.config.instantiate``. Top-level sections:
 
 ``model``, ``checkpointer`` and ``tokenizer`` go to :class:`~tlt_lightning.rl.TorchtuneGRPOModule`
 as its ``builder``, ``checkpointer`` and ``tokenizer`` nodes; without them the module builds its
-policy from its own ``model`` name. ``${tlt_model_dir:NAME}`` in a config is the transformers
-directory of a registry model (:func:`~tlt_lightning.models.model_dir`, written on first use), what a
-checkpointer reads.
+policy from its own ``model`` name. The checkpointer's ``checkpoint_dir`` is a transformers directory
+or a registry name (``tiny-llama``, ``smollm2-135m``: :func:`~tlt_lightning.models.model_dir`, written on
+first use), which also names the model unless ``module.model`` does.
 
 Overrides are torchtune's: ``a.b=value`` sets a field, ``node=dotted.path`` swaps a node's
 component, ``~a.b`` deletes a field; ``node=null`` (torchtune sets its ``_component_`` to null)
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -59,7 +58,6 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from tlt_lightning.models.hardware import training_precision
-from tlt_lightning.models.registry import model_dir
 from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, resumable_run_id
 from tlt_lightning.tracking.run_directory import run_dir, save_run_config
 
@@ -80,13 +78,6 @@ __all__ = ["SECTIONS", "RecipeConfigLogger", "build_module", "check_config", "lo
 SECTIONS = ("seed", "threads", "output_dir", "model", "checkpointer", "tokenizer", "prompt_source", "module",
             "logger", "callbacks", "trainer", "ckpt_path")
 _OPTIONAL_NODES = ("model", "checkpointer", "tokenizer", "prompt_source", "logger")
-
-# `checkpoint_dir: ${tlt_model_dir:tiny-llama}`: a registry model as a transformers directory. OmegaConf 2.4
-# renamed register_new_resolver (2.3's only form, warned about in 2.4) to register_resolver (a legacy one in 2.3).
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    OmegaConf.register_new_resolver("tlt_model_dir", lambda name, seed=0: str(model_dir(str(name), int(seed))),
-                                    replace=True)
 
 
 def _enabled(node: Any) -> bool:

@@ -19,7 +19,9 @@ the same initial weights, i.e. the same function as the initial torchtune policy
 Or torchtune's builders supply the model, as in a torchtune recipe: ``builder`` is a ``model:``
 node (``{"_component_": "torchtune.models.llama3_2.llama3_2", "num_layers": 16, ...}``),
 ``checkpointer`` a ``checkpointer:`` node (``torchtune.training.FullModelHFCheckpointer``) whose
-weights it is loaded with, ``tokenizer`` an optional ``tokenizer:`` node; all three are built with
+weights it is loaded with (its ``checkpoint_dir`` a transformers directory or a registry name:
+:func:`~tlt_lightning.models.model_dir`), ``tokenizer`` an optional ``tokenizer:`` node (default:
+the checkpoint directory's transformers tokenizer, if it has one); all three are built with
 ``torchtune.config.instantiate`` in :meth:`configure_policy`, and the KL reference is a frozen copy
 of that initial decoder.
 """
@@ -29,7 +31,6 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
-from tlt_lightning.models import load_model
+from tlt_lightning.models import ModelNotFoundError, load_model, load_tokenizer, model_dir
 from tlt_lightning.models.registry import DTYPES
 from tlt_lightning.models.target import TargetModel, _eos_ids
 from tlt_lightning.models.torchtune_target import TorchtuneTarget, TransformerDecoder, torchtune_from_hf
@@ -145,8 +146,8 @@ class TorchtuneGRPOModule(GRPOModule):
         if tokenizer is not None and builder is None:
             raise ValueError("tokenizer needs builder and checkpointer (without them the tokenizer is the one `model` names)")
         if checkpointer is not None and "checkpoint_dir" not in checkpointer:
-            raise ValueError(f"checkpointer needs a checkpoint_dir (holding the transformers config.json the "
-                             f"drafter is sized from), got {dict(checkpointer)!r}")
+            raise ValueError(f"checkpointer needs a checkpoint_dir (a transformers directory or a registry model "
+                             f"name), got {dict(checkpointer)!r}")
         super().__init__(*args, **kwargs)
 
     def configure_policy(self) -> tuple[nn.Module, Any, TargetModel]:
@@ -170,10 +171,11 @@ class TorchtuneGRPOModule(GRPOModule):
         from torchtune import config, training
 
         hp = self.hparams
-        directory = Path(hp.checkpointer["checkpoint_dir"])
-        if not (directory / "config.json").is_file():
-            raise ValueError(f"checkpointer.checkpoint_dir {str(directory)!r} has no config.json: the policy's "
-                             "architecture (drafter sizes, EOS ids) is read from the transformers config there")
+        try:  # a directory, or a registry model's (written on first use)
+            directory = model_dir(str(hp.checkpointer["checkpoint_dir"]), seed=hp.seed)
+        except ModelNotFoundError as err:
+            raise ValueError(f"checkpointer.checkpoint_dir: {err} The policy's architecture (drafter sizes, EOS "
+                             "ids) is read from the transformers config.json there.") from err
         self._hf_config = AutoConfig.from_pretrained(directory, local_files_only=True)
         eos = None
         if (directory / "generation_config.json").is_file():
@@ -186,9 +188,12 @@ class TorchtuneGRPOModule(GRPOModule):
         if not isinstance(decoder, TransformerDecoder):
             raise TypeError(f"builder {hp.builder['_component_']} must return a torchtune TransformerDecoder, "
                             f"got {type(decoder).__name__}")
-        state = config.instantiate(OmegaConf.create(dict(hp.checkpointer))).load_checkpoint()[training.MODEL_KEY]
-        decoder.load_state_dict(state, strict=True)
-        tokenizer = config.instantiate(OmegaConf.create(dict(hp.tokenizer))) if hp.get("tokenizer") else None
+        checkpointer = config.instantiate(OmegaConf.create({**hp.checkpointer, "checkpoint_dir": str(directory)}))
+        decoder.load_state_dict(checkpointer.load_checkpoint()[training.MODEL_KEY], strict=True)
+        if hp.get("tokenizer") is not None:
+            tokenizer = config.instantiate(OmegaConf.create(dict(hp.tokenizer)))
+        else:
+            tokenizer = load_tokenizer(directory)
         return decoder.to(DTYPES[hp.dtype]), tokenizer
 
     def configure_prompt_source(self) -> PromptSource:
