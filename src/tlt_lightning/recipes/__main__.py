@@ -2,7 +2,7 @@
 
 torchtune 0.6.1's ``tune run`` takes a recipe that is not one of its own for a file path: it drops the
 last dotted part as if it were an extension (``os.path.splitext``) and runs the rest,
-``tlt_lightning.recipes``, with ``runpy`` as ``__main__`` (``torchrun -m`` with ``--nproc_per_node``).
+``tlt_lightning.recipes``, with ``runpy`` as ``__main__`` (with ``--nproc_per_node``: ``torchrun -m``).
 This package has one torchtune recipe, :mod:`tlt_lightning.recipes.grpo_torchtune`; the command
 line as typed (``sys.orig_argv``, which ``tune run`` leaves alone) says whether another was named.
 """

@@ -41,8 +41,8 @@ is logged as the run's params (the module's as Lightning logs them).
 
 ``tune run`` and dotted paths: torchtune 0.6.1 reads the last dotted part of a recipe that is not
 one of its own as a file extension and runs the rest (``tlt_lightning.recipes``) with ``runpy`` as
-``__main__``; the package's ``__main__`` runs :func:`recipe_main`. ``tune run --nproc_per_node N``
-launches it with ``torchrun -m`` the same way.
+``__main__``; the package's ``__main__`` runs :func:`recipe_main`. (``tune run --nproc_per_node N``
+would start the same package with ``torchrun -m``; not tried here.)
 """
 
 from __future__ import annotations
