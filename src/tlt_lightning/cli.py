@@ -15,7 +15,7 @@
     tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]  drafter checkpoint (dir, models:/ or runs:/ URI)
                                                       -> EAGLE dir for vLLM or SGLang
     tlt-lightning export-drafter --from-fit RUN OUT   a fit's policy (save_pretrained) + its drafter, for vLLM
-    tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune-style recipe config
+    tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune recipe config (= tune run ...)
     tlt-lightning models                              list the registry
 
 Every subcommand takes ``--threads`` (torch intra-op threads; on shared 2-core machines one
@@ -142,8 +142,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="MLflow store of a models:/ or runs:/ CHECKPOINT (default: $MLFLOW_TRACKING_URI, "
                         "else sqlite:///runs/mlflow.db, the store of `tlt-lightning fit`)")
 
-    tune = sub.add_parser("torchtune", help="GRPO from a torchtune-style recipe config (needs the torchtune extra)")
-    tune.add_argument("--config", required=True, help="recipe YAML with _component_ entries")
+    tune = sub.add_parser("torchtune", help="GRPO from a torchtune recipe config, as `tune run "
+                                            "tlt_lightning.recipes.grpo_torchtune` (needs the torchtune extra)")
+    tune.add_argument("--config", required=True, help="recipe YAML with _component_ nodes")
     tune.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (torchtune syntax)")
 
     sub.add_parser("models", help="list registry model names")

@@ -35,14 +35,13 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from typing_extensions import override
 
 from tlt_lightning.models import training_precision
@@ -55,7 +54,7 @@ from tlt_lightning.tracking.mlflow_resume import (
     resumable_run_id,
 )
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store, sqlite_path
-from tlt_lightning.tracking.run_directory import run_dir
+from tlt_lightning.tracking.run_directory import run_dir, save_run_config
 
 __all__ = [
     "DEFAULT_TRACKING_URI",
@@ -233,21 +232,11 @@ class TrackingSaveConfig(SaveConfigCallback):
     _UNLOGGED_TRAINER_KEYS = frozenset({"callbacks", "logger", "plugins", "profiler", "strategy"})
 
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        text = self.parser.dump(self.config, skip_none=False)
-        logger = trainer.logger
         # A resumed run (the same MLflow run, fit --ckpt_path) keeps its first config: the resumed
         # fit's goes beside it as config-resume-<n>.yaml.
-        directory, name = run_dir(trainer), self.config_filename
-        stem, suffix = Path(name).stem, Path(name).suffix
-        n = 0
-        while (directory / name).exists():
-            n += 1
-            name = f"{stem}-resume-{n}{suffix}"
-        if isinstance(logger, MLFlowLogger):
-            logger.experiment.log_text(logger.run_id, text, name)
-        (directory / name).write_text(text)
-        if logger is not None:
-            logger.log_hyperparams(self.extra_hyperparams(pl_module))
+        save_run_config(trainer, self.parser.dump(self.config, skip_none=False), self.config_filename)
+        if trainer.logger is not None:
+            trainer.logger.log_hyperparams(self.extra_hyperparams(pl_module))
 
     def extra_hyperparams(self, pl_module: LightningModule) -> dict[str, Any]:
         """What the Trainer's own hyper-parameter logging misses: the task, the prompt source, the trainer.

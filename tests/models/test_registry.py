@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tlt_lightning.models import ModelNotFoundError, available_models, load_model
+from tlt_lightning.models import ModelNotFoundError, available_models, load_model, model_dir
 from tlt_lightning.models import registry
 
 
@@ -32,6 +32,21 @@ def test_local_directory_round_trip(tmp_path):
     assert loaded.tokenizer is None  # the directory has no tokenizer files
     ids = torch.tensor([[5, 6, 7]])
     torch.testing.assert_close(loaded.model(ids).logits, tiny(ids).logits)
+
+
+def test_model_dir_writes_a_tiny_model_once_with_the_weights_load_model_gives(monkeypatch, tmp_path):
+    monkeypatch.setenv("TLT_LIGHTNING_CACHE", str(tmp_path))
+    path = model_dir("tiny-qwen2", seed=2)
+    assert path == tmp_path / "tiny-qwen2-seed2" and (path / "config.json").is_file()
+    written = (path / "model.safetensors").stat().st_mtime_ns
+    assert model_dir("tiny-qwen2", seed=2) == path and (path / "model.safetensors").stat().st_mtime_ns == written
+    ids = torch.tensor([[5, 6, 7]])
+    torch.testing.assert_close(load_model(str(path)).model(ids).logits,
+                               load_model("tiny-qwen2", seed=2).model(ids).logits)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-qwen2-seed2"]  # no temporary left behind
+    assert model_dir(str(path)) == path  # a local directory is itself
+    with pytest.raises(ModelNotFoundError, match="is not a directory with a config.json"):
+        model_dir(str(tmp_path / "nowhere"))
 
 
 def test_missing_smollm2_package_gives_install_hint(monkeypatch, tmp_path):

@@ -127,6 +127,22 @@ def test_tokenizer_needs_chat_template(tokenizer):
 # --- prompts ------------------------------------------------------------------------------------
 
 
+def test_a_render_function_replaces_the_chat_template(tokenizer):
+    """``render`` (e.g. a torchtune tokenizer's) renders the messages; no chat template is needed then."""
+    plain = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer)
+    seen = []
+
+    def render(messages):
+        seen.append(messages)
+        text = "|".join(f"{m['role']}:{m['content']}" for m in messages)
+        return text, plain(text, add_special_tokens=False)["input_ids"]
+
+    ds = TaskDataset(TaskConfig(size=2, system_prompt=None), plain, render=render)
+    prompt = ds[0]
+    assert seen == [[{"role": "user", "content": prompt.question}]]
+    assert prompt.text == f"user:{prompt.question}" and plain.decode(prompt.input_ids) == prompt.text
+
+
 def test_prompts_are_deterministic_in_the_seed(tokenizer):
     a, b = make(tokenizer, seed=3), make(tokenizer, seed=3)
     assert [a[i] for i in range(len(a))] == [b[i] for i in range(len(b))]

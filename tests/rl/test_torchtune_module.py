@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import importlib
 import math
 import os
@@ -155,16 +156,69 @@ def test_spot_drafter_trains_on_the_torchtune_policy_and_serves_on_its_bf16_mirr
     assert math.isfinite(metrics["drafter/loss"]) and metrics["drafter/accept_length"] >= 1.0
 
 
-def test_the_torchtune_policy_recipe_config_runs(tt, tmp_path):
-    """configs/grpo_torchtune_policy.yaml: the torchtune recipe with a torchtune policy, one step."""
-    from tlt_lightning.recipes.grpo_torchtune import load_config, run
+def nodes(directory: Path) -> dict[str, dict]:
+    """torchtune's ``model:`` (as ``builder``) and ``checkpointer:`` nodes of tiny-llama's weights in ``directory``."""
+    builder = {"_component_": "torchtune.models.llama3_2.llama3_2", "vocab_size": 128, "num_layers": 4,
+               "num_heads": 4, "num_kv_heads": 2, "embed_dim": 64, "intermediate_dim": 128, "max_seq_len": 512,
+               "norm_eps": 1e-6, "rope_base": 10000, "scale_factor": 1, "tie_word_embeddings": True}
+    checkpointer = {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": str(directory),
+                    "checkpoint_files": ["model.safetensors"], "model_type": "LLAMA3_2",
+                    "output_dir": str(directory.parent / "out")}
+    return {"builder": builder, "checkpointer": checkpointer}
 
-    config = Path(__file__).resolve().parents[2] / "configs" / "grpo_torchtune_policy.yaml"
-    overrides = ["trainer.max_steps=1", "logger=null", f"output_dir={tmp_path}", "module.rollout_progress=false"]
-    trainer, module = run(load_config(config, overrides))
-    assert isinstance(module, tt[0].TorchtuneGRPOModule) and isinstance(module.policy, tt[1].TransformerDecoder)
-    assert trainer.global_step == 1 and any(module.last_rollout.stats.step_speculative)
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+def test_builder_nodes_give_the_policy_and_a_torchtune_kl_reference(tt, tmp_path):
+    """torchtune's builder + checkpointer: the decoder of the checkpoint; the reference, a frozen copy of it."""
+    load_model("tiny-llama", seed=0).model.save_pretrained(tmp_path / "tiny")
+    module = configured(tt[0].TorchtuneGRPOModule, "tiny-llama", kl_coef=0.1, **nodes(tmp_path / "tiny"))
+    named = configured(tt[0].TorchtuneGRPOModule, "tiny-llama")
+    batch = padded_batch()
+    logprobs = module.policy_logprobs(batch)
+    torch.testing.assert_close(logprobs, named.policy_logprobs(batch))  # the same function as the converted twin
+    assert isinstance(module.reference, tt[1].TransformerDecoder) and module.reference is not module.policy
+    assert not any(p.requires_grad for p in module.reference.parameters())
+    torch.testing.assert_close(module.reference_logprobs(batch), logprobs.detach())
+    out = module.policy_loss(batch._replace(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])), logprobs,
+                             batch.mask.sum().float())
+    assert abs(float(out.kl.detach())) < 1e-9 and math.isfinite(float(out.loss.detach()))
+    assert module.policy_target.info.eos_token_ids == named.policy_target.info.eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"checkpointer": None}, "builder and checkpointer go together"),
+    ({"builder": "torchtune.models.llama3_2.llama3_2"}, "builder must be a torchtune config node"),
+    ({"checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer"}}, "checkpointer needs a checkpoint_dir"),
+])
+def test_bad_builder_nodes_are_named(tt, tmp_path, change, match):
+    with pytest.raises(ValueError, match=match):
+        make_module(cls=tt[0].TorchtuneGRPOModule, **{**nodes(tmp_path), **change})
+    with pytest.raises(ValueError, match="tokenizer needs builder and checkpointer"):
+        make_module(cls=tt[0].TorchtuneGRPOModule, tokenizer={"_component_": "transformers.AutoTokenizer"})
+
+
+def test_a_torchtune_tokenizer_renders_and_scores_the_task(tt, tmp_path):
+    """The tokenizer node: torchtune's Llama 3 tokenizer (a byte-level vocabulary here) renders the task's
+    prompts as torchtune's generate recipe does and decodes completions for the task's scorer."""
+    (tmp_path / "bytes.tiktoken").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n"
+                                                     for b in range(256)))
+    load_model("tiny-llama", seed=0).model.save_pretrained(tmp_path / "tiny")
+    tokenizer = {"_component_": "torchtune.models.llama3.llama3_tokenizer", "path": str(tmp_path / "bytes.tiktoken")}
+    module = make_module(cls=tt[0].TorchtuneGRPOModule, prompt_source=None, tokenizer=tokenizer,
+                         task={"name": "basic_arithmetic", "size": 4}, **nodes(tmp_path / "tiny"))
+    module.configure_model()
+    prompt = module.prompt_source.dataset[0]
+    assert prompt.text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>")
+    assert prompt.text.endswith(f"{prompt.question}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert module.prompt_source.prompt_ids(0)[:2] == [128000, 128006]  # <|begin_of_text|>, <|start_header_id|>
+    answer = module.tokenizer.encode(f"<answer>{prompt.entry['answer']}</answer>", add_bos=False, add_eos=False)
+    reward = module.prompt_source.score(0, torch.tensor(prompt.input_ids), torch.tensor([*answer, 128009]))
+    assert reward.correctness == 1.0 and reward.format > 0
+
+
+def test_a_checkpoint_dir_without_a_transformers_config_is_refused(tt, tmp_path):
+    module = make_module(cls=tt[0].TorchtuneGRPOModule, **nodes(tmp_path))
+    with pytest.raises(ValueError, match=r"checkpointer.checkpoint_dir: model '.*' not found: .* The policy's architecture"):
+        module.configure_model()
 
 
 def test_make_target_before_configure_model_says_what_to_do(tt):

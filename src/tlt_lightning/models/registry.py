@@ -44,6 +44,8 @@ __all__ = [
     "available_models",
     "cache_dir",
     "load_model",
+    "load_tokenizer",
+    "model_dir",
     "models_with_signature",
     "smollm2_available",
     "smollm2_package_dir",
@@ -161,38 +163,78 @@ def _check_gguf_loader() -> None:
         )
 
 
-def _smollm2_dir() -> Path:
-    """The plain safetensors copy of SmolLM2, converting the GGUF on first use (atomic: temp dir + rename)."""
-    target = cache_dir() / SMOLLM2_DIR
+def _save_once(target: Path, save: Callable[[Path], None]) -> Path:
+    """``target``, written by ``save(directory)`` unless it holds a ``config.json`` already.
+
+    Atomic: ``save`` writes a temporary directory beside ``target``, renamed into place, so processes
+    started at once never see half a model (the first rename wins, the others drop their copy).
+    """
     if (target / "config.json").is_file():
         return target
-    gguf = _smollm2_gguf()
-    _check_gguf_loader()
-    log.warning("Converting %s to safetensors under %s (first use only, ~20 s)...", gguf.name, target)
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # The GGUF was dequantised on load: what we save is a plain fp32 checkpoint.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save(tmp)
         os.replace(tmp, target)
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        # Another process converted it first (Linux: ENOTEMPTY, as the target is a full directory).
+        # Another process wrote it first (Linux: ENOTEMPTY, as the target is a full directory).
         if error.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not (target / "config.json").is_file():
             raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.warning("Converted in %.1f s.", time.perf_counter() - start)
     return target
+
+
+def _smollm2_dir() -> Path:
+    """The plain safetensors copy of SmolLM2, converting the GGUF on first use (atomic: :func:`_save_once`)."""
+    target = cache_dir() / SMOLLM2_DIR
+    if (target / "config.json").is_file():
+        return target
+    gguf = _smollm2_gguf()
+    _check_gguf_loader()
+
+    def convert(directory: Path) -> None:
+        log.warning("Converting %s to safetensors under %s (first use only, ~20 s)...", gguf.name, target)
+        start = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The GGUF was dequantised on load: what we save is a plain fp32 checkpoint.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        log.warning("Converted in %.1f s.", time.perf_counter() - start)
+
+    return _save_once(target, convert)
+
+
+def model_dir(name: str, seed: int = 0) -> Path:
+    """A transformers directory (``config.json`` + safetensors) of registry model ``name``, written on first use.
+
+    What a torchtune ``checkpointer:`` reads (``FullModelHFCheckpointer(checkpoint_dir=...)``):
+    SmolLM2's converted copy, or a tiny model's random weights of ``seed`` (the same weights
+    ``load_model(name, seed=seed)`` returns), under :func:`cache_dir`. A local directory is returned as is.
+
+    Example:
+        >>> (model_dir("tiny-llama") / "config.json").is_file()  # doctest: +SKIP
+        True
+    """
+    if name == "smollm2-135m":
+        return _smollm2_dir()
+    if name in TINY_MODELS:
+        return _save_once(cache_dir() / f"{name}-seed{seed}",
+                          lambda directory: load_model(name, seed=seed).model.save_pretrained(directory))
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"model {name!r} not found: it is not a registry name ({', '.join(available_models())}) "
+            f"and {path.resolve()} is not a directory with a config.json."
+        )
+    return path
 
 
 def load_model(name: str, dtype: str = "float32", seed: int = 0) -> LoadedModel:
@@ -223,17 +265,14 @@ def load_model(name: str, dtype: str = "float32", seed: int = 0) -> LoadedModel:
             torch.manual_seed(seed)
             model = TINY_MODELS[name]()
         return LoadedModel(name, model.to(torch_dtype).eval(), None)
-    if name == "smollm2-135m":
-        path = _smollm2_dir()
-    else:
-        path = Path(name).expanduser()
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(
-                f"model {name!r} not found: it is not a registry name ({', '.join(available_models())}) "
-                f"and {path.resolve()} is not a directory with a config.json."
-            )
+    path = model_dir(name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
-    tokenizer = None
+    return LoadedModel(name, model.eval(), load_tokenizer(path))
+
+
+def load_tokenizer(directory: str | os.PathLike) -> PreTrainedTokenizerBase | None:
+    """The transformers tokenizer of a model directory, or ``None`` when it has no tokenizer files."""
+    path = Path(directory)
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return LoadedModel(name, model.eval(), tokenizer)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return None

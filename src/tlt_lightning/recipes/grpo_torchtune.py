@@ -1,166 +1,148 @@
-"""GRPO + TLT from a torchtune-style recipe config: ``_component_`` nodes and ``key=value`` overrides.
+"""GRPO + TLT as a torchtune recipe: ``tune run`` launches it, torchtune's builders supply the model.
 
-    tlt-lightning torchtune --config configs/grpo_torchtune.yaml trainer.max_steps=2 module.lr=0.05
-    python -m tlt_lightning.recipes.grpo_torchtune --config configs/grpo_torchtune.yaml logger=null
+    tune run tlt_lightning.recipes.grpo_torchtune --config configs/grpo_torchtune.yaml trainer.max_steps=2
+    tlt-lightning torchtune --config configs/grpo_torchtune.yaml module.lr=0.05 logger=null
 
 The same training as ``tlt-lightning fit`` (a :class:`~tlt_lightning.rl.GRPOModule` fitted by a
-Lightning ``Trainer``), configured the torchtune way: every object is a node whose ``_component_``
-is a dotted path and whose other keys are its keyword arguments, built with
-``torchtune.config.instantiate`` (needs the ``torchtune`` extra). Top-level sections:
+Lightning ``Trainer``), configured and launched the torchtune way. :func:`recipe_main` is decorated
+with ``torchtune.config.parse`` (the config file and ``key=value`` overrides, torchtune's parser);
+every object is a node whose ``_component_`` is a dotted path and whose other keys are its keyword
+arguments, built with ``torchtune.config.instantiate``. Top-level sections:
 
-============== ===============================================================================
-``seed``       ``lightning.seed_everything`` before anything is built
-``threads``    torch intra-op threads (``null``: torch's choice)
-``output_dir`` where the run writes (used through ``${output_dir}`` interpolations)
+================ =============================================================================
+``seed``         ``lightning.seed_everything`` before anything is built
+``threads``      torch intra-op threads (``null``: torch's choice)
+``output_dir``   where the run writes (used through ``${output_dir}`` interpolations)
+``model``        a torchtune model builder (``torchtune.models.llama3_2.llama3_2``, ...): the policy
+``checkpointer`` torchtune's ``FullModelHFCheckpointer``: the weights ``model`` is loaded with
+``tokenizer``    a tokenizer component (``null``: the checkpoint directory's transformers tokenizer)
 ``prompt_source`` component handed to the module as ``prompt_source`` (``null``: the task's)
-``module``     the LightningModule (``GRPOModule`` or a subclass)
-``logger``     component, e.g. ``tlt_lightning.fit.tracking_logger`` (``null``: no logger)
-``callbacks``  list of components
-``trainer``    ``lightning.pytorch.Trainer``
-``ckpt_path``  checkpoint to resume from (``null``: a fresh run)
-============== ===============================================================================
+``module``       the LightningModule (with ``model``: a ``TorchtuneGRPOModule``)
+``logger``       component, e.g. ``tlt_lightning.fit.tracking_logger`` (``null``: no logger)
+``callbacks``    list of components
+``trainer``      ``lightning.pytorch.Trainer``
+``ckpt_path``    checkpoint to resume from (``null``: a fresh run)
+================ =============================================================================
 
-Overrides follow torchtune's command line: ``a.b=value`` sets a field (the value is parsed as
-YAML), ``node=dotted.path`` swaps a node's component, ``~a.b`` deletes a field. Two additions:
-``node=null`` disables an optional node, and every override and every node is checked before
-anything is built: a key must exist or be a keyword argument of its component, so a misspelt key
-stops the run naming it and what is allowed.
+``model``, ``checkpointer`` and ``tokenizer`` go to :class:`~tlt_lightning.rl.TorchtuneGRPOModule`
+as its ``builder``, ``checkpointer`` and ``tokenizer`` nodes; without them the module builds its
+policy from its own ``model`` name. The checkpointer's ``checkpoint_dir`` is a transformers directory
+or a registry name (``tiny-llama``, ``smollm2-135m``: :func:`~tlt_lightning.models.model_dir`, written on
+first use), which also names the model unless ``module.model`` does.
+
+Overrides are torchtune's: ``a.b=value`` sets a field, ``node=dotted.path`` swaps a node's
+component, ``~a.b`` deletes a field; ``node=null`` (torchtune sets its ``_component_`` to null)
+disables an optional node. Every section and every node is checked before anything is built
+(``torchtune.config.validate``): a misspelt key stops the run naming it and what is allowed.
+
+Tracking as ``fit``: the resolved config is saved as ``config.yaml`` in the run's directory
+(:func:`~tlt_lightning.tracking.run_dir`) and, with MLflow, as the run's artifact; the whole config
+is logged as the run's params (the module's as Lightning logs them).
+
+``tune run`` and dotted paths: torchtune 0.6.1 reads the last dotted part of a recipe that is not
+one of its own as a file extension and runs the rest (``tlt_lightning.recipes``) with ``runpy`` as
+``__main__``; the package's ``__main__`` runs :func:`recipe_main`. (``tune run --nproc_per_node N``
+would start the same package with ``torchrun -m``; not tried here.)
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import inspect
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
 
 from tlt_lightning.models.hardware import training_precision
 from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, resumable_run_id
+from tlt_lightning.tracking.run_directory import run_dir, save_run_config
 
-__all__ = ["SECTIONS", "check_config", "load_config", "main", "run"]
+try:  # torchtune.config.parse's own parser and merge, validate's errors
+    from omegaconf import DictConfig, OmegaConf
+    from torchtune import config
+    from torchtune.config._errors import ConfigError, InstantiationError
+    from torchtune.config._parse import TuneRecipeArgumentParser
+    from torchtune.config._utils import _get_component_from_path, _merge_yaml_and_cli_args
+except ImportError as err:  # the optional extra is not installed
+    raise ImportError(
+        "the torchtune recipe needs torchtune: pip install 'tlt-lightning[torchtune]' "
+        f"(torchtune==0.6.1, torchao==0.15.0); the import failed with: {err}"
+    ) from err
 
-SECTIONS = ("seed", "threads", "output_dir", "prompt_source", "module", "logger", "callbacks", "trainer", "ckpt_path")
-_OPTIONAL_NODES = ("prompt_source", "logger")
+__all__ = ["SECTIONS", "RecipeConfigLogger", "build_module", "check_config", "load_config", "recipe_main", "run"]
+
+SECTIONS = ("seed", "threads", "output_dir", "model", "checkpointer", "tokenizer", "prompt_source", "module",
+            "logger", "callbacks", "trainer", "ckpt_path")
+_OPTIONAL_NODES = ("model", "checkpointer", "tokenizer", "prompt_source", "logger")
 
 
-def _torchtune_config() -> Any:
+def _enabled(node: Any) -> bool:
+    """A node that is set: not ``null``, and not a ``node=null`` override (a null ``_component_``)."""
+    return node is not None and not (isinstance(node, dict) and "_component_" in node and node["_component_"] is None)
+
+
+def _allowed(path: str) -> list[str]:
     try:
-        from torchtune import config
-    except ImportError as err:
-        raise ImportError(
-            "the torchtune recipe needs torchtune: pip install 'tlt-lightning[torchtune]' "
-            f"(torchtune==0.6.1, torchao==0.15.0); the import failed with: {err}"
-        ) from err
-    return config
+        params = inspect.signature(_get_component_from_path(path)).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
-def _omegaconf() -> Any:
-    _torchtune_config()  # omegaconf comes with torchtune: one message names the extra
-    import omegaconf
-
-    return omegaconf
-
-
-def _is_component(node: Any) -> bool:
-    return isinstance(node, dict) and "_component_" in node
-
-
-def _resolve(path: str, where: str) -> Any:
-    """The object a ``_component_`` dotted path names (the longest importable module, then attributes)."""
-    parts = path.split(".") if isinstance(path, str) else []
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        try:
-            for attr in parts[i:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            break
-        return obj
-    raise ValueError(f"{where}: _component_ {path!r} cannot be imported (a dotted path to a class or function)")
-
-
-def _check_component(node: dict[str, Any], where: str) -> None:
-    """Every key of a ``_component_`` node must be a keyword argument of the component."""
-    target = _resolve(node["_component_"], where)
+def _validate(node: Any, where: str) -> None:
+    """``torchtune.config.validate`` on one node, its errors as a ``ValueError`` naming the node."""
+    if not (isinstance(node, dict) and isinstance(node.get("_component_"), str)):
+        raise ValueError(f"{where} must be a node with a _component_ (a dotted path), got {node!r}")
     try:
-        params = inspect.signature(target).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
-        return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    allowed = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    for key in node:
-        if key != "_component_" and key not in allowed:
-            raise ValueError(f"{where}.{key}: {node['_component_']} has no parameter {key!r}; allowed: {allowed}")
+        config.validate(OmegaConf.create({where: node}))
+    except InstantiationError as err:
+        raise ValueError(f"{where}: _component_ {node['_component_']!r} cannot be imported: {err}") from err
+    except ConfigError as err:
+        found = "; ".join(str(e) for e in err.errors)
+        raise ValueError(f"{where}: {found}; allowed: {_allowed(node['_component_'])}") from err
 
 
-def check_config(config: dict[str, Any]) -> None:
-    """Check sections and components of a plain-dict config; ``ValueError`` names the first bad key."""
-    unknown = sorted(set(config) - set(SECTIONS))
+def check_config(cfg: DictConfig) -> dict[str, Any]:
+    """Check the sections and every node of ``cfg``; returns it resolved, as plain dicts and lists.
+
+    Raises:
+        ValueError: an unknown section, a node without a ``_component_``, a component that cannot
+            be imported or does not take a key (the message names it and what is allowed).
+    """
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    if not isinstance(plain, dict):
+        raise ValueError(f"a recipe config is a mapping of sections, got {type(plain).__name__}")
+    unknown = sorted(set(plain) - set(SECTIONS))
     if unknown:
         raise ValueError(f"unknown config sections {unknown}; allowed: {list(SECTIONS)}")
     for name in ("module", "trainer"):
-        if not _is_component(config.get(name)):
-            raise ValueError(f"{name} must be a node with a _component_, got {config.get(name)!r}")
-    for name in ("prompt_source", "logger", "module", "trainer"):
-        if config.get(name) is not None:
-            if not _is_component(config[name]):
-                raise ValueError(f"{name} must be a node with a _component_ or null, got {config[name]!r}")
-            _check_component(config[name], name)
-    callbacks = config.get("callbacks") or []
+        if not _enabled(plain.get(name)):
+            raise ValueError(f"{name} must be a node with a _component_, got {plain.get(name)!r}")
+    for name in (*_OPTIONAL_NODES, "module", "trainer"):
+        if _enabled(plain.get(name)):
+            _validate(plain[name], name)
+    callbacks = plain.get("callbacks") or []
     if not isinstance(callbacks, list):
         raise ValueError(f"callbacks must be a list of _component_ nodes, got {callbacks!r}")
     for i, node in enumerate(callbacks):
-        if not _is_component(node):
-            raise ValueError(f"callbacks[{i}] must be a node with a _component_, got {node!r}")
-        _check_component(node, f"callbacks[{i}]")
+        _validate(node, f"callbacks[{i}]")
+    if _enabled(plain.get("model")) != _enabled(plain.get("checkpointer")):
+        raise ValueError("model and checkpointer go together: the model builder makes the policy, the "
+                         "checkpointer loads its weights (FullModelHFCheckpointer with a checkpoint_dir)")
+    if _enabled(plain.get("tokenizer")) and not _enabled(plain.get("model")):
+        raise ValueError("tokenizer needs a model and checkpointer section (else the module's model brings its own)")
+    if _enabled(plain.get("model")) and "builder" not in _allowed(plain["module"]["_component_"]):
+        raise ValueError(f"with a model section the module must take torchtune builders "
+                         f"(tlt_lightning.rl.TorchtuneGRPOModule), got {plain['module']['_component_']}")
+    return plain
 
 
-def _apply_override(config: dict[str, Any], override: str) -> None:
-    """Apply one torchtune-syntax override to the plain-dict ``config`` in place."""
-    import yaml
-
-    remove = override.startswith("~")
-    key, sep, raw = override[1:].partition("=") if remove else override.partition("=")
-    if not remove and not sep:
-        raise ValueError(f"overrides must be key=value (or ~key to delete one), got {override!r}")
-    *parents, leaf = key.split(".")
-    node: Any = config
-    for i, part in enumerate(parents):
-        if not isinstance(node, dict) or part not in node or not isinstance(node[part], dict):
-            raise ValueError(f"override {override!r}: no section {'.'.join(parents[: i + 1])!r} in the config")
-        node = node[part]
-    if remove:
-        if leaf not in node or leaf == "_component_":
-            raise ValueError(f"override {override!r}: no field {key!r} to delete")
-        del node[leaf]
-        return
-    value = yaml.safe_load(raw) if raw else ""
-    if not parents and leaf not in SECTIONS:
-        raise ValueError(f"override {override!r}: unknown section {leaf!r}; allowed: {list(SECTIONS)}")
-    if leaf not in node and not _is_component(node):
-        raise ValueError(f"override {override!r}: no field {key!r} in the config")
-    if _is_component(node.get(leaf)) and isinstance(value, str):
-        node[leaf]["_component_"] = value  # node=dotted.path swaps the component, keeps its arguments
-    elif value is None and not parents and leaf not in (*_OPTIONAL_NODES, "threads", "ckpt_path"):
-        raise ValueError(f"override {override!r}: {leaf} cannot be null")
-    else:
-        node[leaf] = value
-
-
-def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Read a recipe YAML (``${...}`` interpolations resolved), apply ``overrides``, check it.
-
-    Returns:
-        The config as plain dicts and lists.
+def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> DictConfig:
+    """Read a recipe YAML and apply ``overrides`` as ``tune run`` does (``torchtune.config.parse``); check it.
 
     Raises:
         ValueError: a malformed override, an unknown section or key, a component that cannot be
@@ -169,72 +151,111 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> dict[
     Example:
         >>> cfg = load_config("configs/grpo_torchtune.yaml", ["module.lr=0.05", "logger=null"])  # doctest: +SKIP
     """
-    omegaconf = _omegaconf()
-    path = Path(path)
-    if not path.is_file():
+    if not Path(path).is_file():
         raise ValueError(f"config file {path} not found")
-    OmegaConf = omegaconf.OmegaConf
-    config = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a mapping of sections, got {type(config).__name__}")
-    for override in overrides:
-        _apply_override(config, override)
-    config = OmegaConf.to_container(OmegaConf.create(config), resolve=True)  # ${...} see the overrides
-    check_config(config)
-    return config
+    parser = TuneRecipeArgumentParser(prog="tune run tlt_lightning.recipes.grpo_torchtune")
+    yaml_args, cli_args = parser.parse_known_args(["--config", str(path), *overrides])
+    cfg = _merge_yaml_and_cli_args(yaml_args, cli_args)
+    check_config(cfg)
+    return cfg
 
 
-def _instantiate(node: dict[str, Any], **kwargs: Any) -> Any:
-    omegaconf = _omegaconf()
-    return _torchtune_config().instantiate(omegaconf.OmegaConf.create(node), **kwargs)
+def _params(plain: dict[str, Any]) -> dict[str, Any]:
+    """The config as run params: lists as ``{index: item}`` (flattened as ``callbacks/0/_component_``).
 
-
-def run(config: dict[str, Any]) -> tuple[Any, Any]:
-    """Build everything ``config`` names and fit; returns ``(trainer, module)``.
-
-    The resolved config is saved as ``recipe_config.yaml`` in the trainer's ``default_root_dir``.
+    Of the module only its component: Lightning logs its hyper-parameters (defaults included), and
+    with them the ``model``, ``checkpointer`` and ``tokenizer`` nodes it was given (``builder/...``,
+    ``checkpointer/...``, ``tokenizer/...``).
     """
-    import lightning as L
-    import yaml
+    def nested(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: nested(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return {str(i): nested(v) for i, v in enumerate(value)}
+        return value
 
-    check_config(config)
-    if config.get("threads") is not None:
-        if not isinstance(config["threads"], int) or config["threads"] < 1:
-            raise ValueError(f"threads must be an int >= 1 or null, got {config['threads']!r}")
-        torch.set_num_threads(config["threads"])
-    L.seed_everything(config.get("seed", 0))
-    source = _instantiate(config["prompt_source"]) if config.get("prompt_source") else None
-    module = _instantiate(config["module"], **({"prompt_source": source} if source is not None else {}))
-    logger_node = config.get("logger")
-    resuming = bool(logger_node) and bool(config.get("ckpt_path")) and logger_node.get("run_id") is None
-    if resuming and logger_node.get("_component_") == "tlt_lightning.fit.tracking_logger":
-        from tlt_lightning.fit import DEFAULT_TRACKING_URI
+    given = ("model", "checkpointer", "tokenizer") if _enabled(plain.get("model")) else ()
+    params = {k: nested(v) for k, v in plain.items() if k not in given}
+    params["module"] = {"_component_": plain["module"]["_component_"]}
+    return params
 
-        # As `fit --ckpt_path`: continue the MLflow run the checkpoint was saved from.
-        uri = logger_node.get("tracking_uri", DEFAULT_TRACKING_URI)
-        logger_node = {**logger_node, "run_id": resumable_run_id(config["ckpt_path"], uri)}
-    logger = _instantiate(logger_node) if logger_node else False
-    # Every checkpoint names its MLflow run (a resumed recipe continues it).
-    callbacks = [_instantiate(node) for node in config.get("callbacks") or []] + [MLflowRunCheckpoint()]
+
+class RecipeConfigLogger(Callback):
+    """Tracks a recipe's config as ``fit`` does: ``config.yaml`` in the run's directory and as the MLflow
+    run's artifact (:func:`~tlt_lightning.tracking.save_run_config`), the whole config as the run's params.
+
+    Args:
+        cfg: the resolved config as plain dicts and lists.
+    """
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        run_dir(trainer)  # on every rank: it broadcasts rank 0's directory
+        if not trainer.is_global_zero:
+            return
+        save_run_config(trainer, OmegaConf.to_yaml(OmegaConf.create(self.cfg), sort_keys=False))
+        if trainer.logger is not None:
+            trainer.logger.log_hyperparams(_params(self.cfg))
+
+
+def build_module(cfg: DictConfig) -> LightningModule:
+    """The ``module`` node, given the ``prompt_source`` and torchtune's ``model`` / ``checkpointer`` /
+    ``tokenizer`` nodes (as ``builder`` / ``checkpointer`` / ``tokenizer``); nothing is loaded yet.
+
+    Example:
+        >>> module = build_module(load_config("configs/grpo_torchtune.yaml"))  # doctest: +SKIP
+        >>> module.configure_model()  # doctest: +SKIP
+    """
+    plain = check_config(cfg)
+    kwargs: dict[str, Any] = {}
+    if _enabled(plain.get("prompt_source")):
+        kwargs["prompt_source"] = config.instantiate(cfg.prompt_source)
+    if _enabled(plain.get("model")):  # torchtune's builders supply the policy
+        kwargs |= {"builder": plain["model"], "checkpointer": plain["checkpointer"],
+                   "tokenizer": plain["tokenizer"] if _enabled(plain.get("tokenizer")) else None}
+        if "model" not in plain["module"]:  # names the model (drafter registry names, messages)
+            kwargs["model"] = str(plain["checkpointer"]["checkpoint_dir"])
+    return config.instantiate(cfg.module, **kwargs)
+
+
+def run(cfg: DictConfig) -> tuple[Trainer, LightningModule]:
+    """Build everything ``cfg`` names and fit; returns ``(trainer, module)``."""
+    from tlt_lightning.fit import DEFAULT_TRACKING_URI, SaveLastAtTrainEnd, tracking_logger
+
+    plain = check_config(cfg)
+    if plain.get("threads") is not None:
+        if not isinstance(plain["threads"], int) or plain["threads"] < 1:
+            raise ValueError(f"threads must be an int >= 1 or null, got {plain['threads']!r}")
+        torch.set_num_threads(plain["threads"])
+    L.seed_everything(plain.get("seed", 0))
+    module = build_module(cfg)
+    logger_node = plain.get("logger") if _enabled(plain.get("logger")) else None
+    if logger_node and plain.get("ckpt_path") and logger_node.get("run_id") is None:
+        if logger_node["_component_"] == f"{tracking_logger.__module__}.{tracking_logger.__name__}":
+            # As `fit --ckpt_path`: continue the MLflow run the checkpoint was saved from.
+            uri = logger_node.get("tracking_uri", DEFAULT_TRACKING_URI)
+            logger_node = {**logger_node, "run_id": resumable_run_id(plain["ckpt_path"], uri)}
+    logger = config.instantiate(OmegaConf.create(logger_node)) if logger_node else False
+    # As fit: every checkpoint names its MLflow run, a last.ckpt of the final step, the config tracked.
+    callbacks = [config.instantiate(node) for node in cfg.get("callbacks") or []]
+    callbacks += [MLflowRunCheckpoint(), SaveLastAtTrainEnd(), RecipeConfigLogger(plain)]
     # As `fit` does: unless the config says otherwise, train in the precision that pays here.
-    precision = {} if "precision" in config["trainer"] else {"precision": training_precision()}
-    trainer = _instantiate(config["trainer"], logger=logger, callbacks=callbacks, **precision)
-    root = Path(trainer.default_root_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "recipe_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    trainer.fit(module, ckpt_path=config.get("ckpt_path"))
+    precision = {} if "precision" in plain["trainer"] else {"precision": training_precision()}
+    trainer = config.instantiate(cfg.trainer, logger=logger, callbacks=callbacks, **precision)
+    trainer.fit(module, ckpt_path=plain.get("ckpt_path"))
     return trainer, module
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tlt_lightning.recipes.grpo_torchtune", description=__doc__)
-    parser.add_argument("--config", required=True, help="recipe YAML with _component_ nodes")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="torchtune-syntax overrides")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    run(load_config(args.config, args.overrides))
-    return 0
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """GRPO + TLT from a torchtune recipe config (``tune run tlt_lightning.recipes.grpo_torchtune --config CFG``)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may wait on a hub download
+    check_config(cfg)
+    config.log_config(recipe_name="tlt_lightning.recipes.grpo_torchtune", cfg=cfg)
+    run(cfg)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    recipe_main()

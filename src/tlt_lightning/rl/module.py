@@ -277,6 +277,7 @@ class GRPOModule(L.LightningModule):
 
     Hooks and attributes for callbacks and subclasses:
         :meth:`configure_policy` and :meth:`make_target` (which model is trained, and its adapter),
+        :meth:`configure_reference` and :meth:`reference_logprobs` (the KL reference),
         :meth:`rollout`, :meth:`compute_rewards`, :meth:`policy_logprobs`, :meth:`policy_loss`;
         ``strategy_chooser`` (any :class:`~tlt_lightning.speculative.StrategyChooser`, e.g. the
         bandit), ``drafter`` (``None`` or a :class:`~tlt_lightning.drafter.Drafter` on
@@ -423,8 +424,7 @@ class GRPOModule(L.LightningModule):
             rollout_model = self.policy if self.rollout_policy is None else self.rollout_policy
             set_weight_layout(rollout_model, hp.weight_layout)
         if hp.kl_coef > 0:
-            reference = load_model(hp.model, dtype=hp.dtype, seed=hp.seed).model
-            self.reference = reference.eval().requires_grad_(False)
+            self.reference = self.configure_reference().eval().requires_grad_(False)
         if self.prompt_source is None:
             self.prompt_source = self.configure_prompt_source()
         if self.drafter is None and hp.drafter_path is not None:
@@ -450,6 +450,11 @@ class GRPOModule(L.LightningModule):
         if hp.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
         return policy, loaded.tokenizer, self.make_target(policy)
+
+    def configure_reference(self) -> nn.Module:
+        """The KL reference (``kl_coef > 0``): the initial policy, rebuilt from ``model``; frozen by the caller."""
+        hp = self.hparams
+        return load_model(hp.model, dtype=hp.dtype, seed=hp.seed).model
 
     def make_target(self, module: nn.Module) -> TargetModel:
         """The target adapter rollouts and drafters use for ``module`` (the policy or its ``rollout_dtype``
@@ -573,6 +578,10 @@ class GRPOModule(L.LightningModule):
         """``[B, T]`` the policy's log-probabilities of the completion tokens (with grad)."""
         return completion_logprobs(self.policy, batch, self.hparams.temperature)
 
+    def reference_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
+        """``[B, T]`` the KL reference's log-probabilities of the completion tokens (called without grad)."""
+        return completion_logprobs(self.reference, batch, self.hparams.temperature)
+
     def policy_loss(
         self, batch: PolicyBatch, logprobs: torch.Tensor, num_items: torch.Tensor
     ) -> GRPOLossOutput:
@@ -584,7 +593,7 @@ class GRPOModule(L.LightningModule):
         hp, ref = self.hparams, None
         if self.reference is not None:
             with torch.no_grad():
-                ref = completion_logprobs(self.reference, batch, hp.temperature)
+                ref = self.reference_logprobs(batch)
         return grpo_loss(
             logprobs, logprobs.detach(), batch.advantages, batch.mask, clip_eps=hp.clip_eps,
             clip_eps_high=hp.clip_eps_high, kl_coef=hp.kl_coef, ref_logprobs=ref, aggregation=hp.aggregation,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -232,7 +232,11 @@ class TaskDataset(Dataset):
 
     Args:
         config: the task, its size, seed, settings, system prompt and format weight.
-        tokenizer: a Hugging Face tokenizer with a chat template.
+        tokenizer: a Hugging Face tokenizer with a chat template (or any tokenizer whose
+            ``decode(ids, skip_special_tokens=True)`` gives the completion's text, with ``render``).
+        render: ``messages -> (text, input_ids)``, the chat rendering with the generation prompt;
+            default the tokenizer's ``apply_chat_template`` (e.g.
+            :func:`~tlt_lightning.rl.torchtune_module.torchtune_chat_render` for a torchtune tokenizer).
 
     Example:
         >>> ds = TaskDataset(TaskConfig(name="chain_sum", size=8), tokenizer)  # doctest: +SKIP
@@ -241,16 +245,22 @@ class TaskDataset(Dataset):
         1.1
     """
 
-    def __init__(self, config: TaskConfig, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        config: TaskConfig,
+        tokenizer: Any,
+        render: Callable[[list[dict[str, str]]], tuple[str, list[int]]] | None = None,
+    ) -> None:
         if not isinstance(config, TaskConfig):
             raise TypeError(f"config must be a TaskConfig, got {type(config).__name__}")
-        if not getattr(tokenizer, "chat_template", None):
+        if render is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 f"tokenizer {type(tokenizer).__name__} has no chat_template: prompts are rendered "
                 "with apply_chat_template, so use an instruct/chat tokenizer or set one"
             )
         self.config = config
         self.tokenizer = tokenizer
+        self.render = render or self._apply_chat_template
         try:
             self.source = reasoning_gym().create_dataset(
                 config.name, size=config.size, seed=config.seed, **config.reasoning_gym_kwargs()
@@ -291,9 +301,12 @@ class TaskDataset(Dataset):
         system_prompt = self.config.rendered_system_prompt()
         if system_prompt is not None:
             messages.insert(0, {"role": "system", "content": system_prompt})
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        input_ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        text, input_ids = self.render(messages)
         return Prompt(index=index, question=entry["question"], text=text, input_ids=input_ids, entry=entry)
+
+    def _apply_chat_template(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def score(self, prompt: int | Prompt, completion: str) -> Reward:
         """Score one completion, with the parts of its reward.

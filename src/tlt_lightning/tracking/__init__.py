@@ -21,7 +21,7 @@ from tlt_lightning.tracking.mlflow_resume import (
 )
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store
 from tlt_lightning.tracking.plots import plot_accept_lengths
-from tlt_lightning.tracking.run_directory import run_dir
+from tlt_lightning.tracking.run_directory import run_dir, save_run_config
 
 __all__ = [
     "AcceptanceRate",
@@ -43,4 +43,5 @@ __all__ = [
     "resumable_run_id",
     "run_dir",
     "save_drafter_model",
+    "save_run_config",
 ]

@@ -19,8 +19,9 @@ import weakref
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.loggers import MLFlowLogger
 
-__all__ = ["run_dir"]
+__all__ = ["run_dir", "save_run_config"]
 
 _RESOLVED: weakref.WeakKeyDictionary[L.Trainer, Path] = weakref.WeakKeyDictionary()
 _VERSION = re.compile(r"^version_(\d+)$")
@@ -79,3 +80,23 @@ def run_dir(trainer: L.Trainer) -> Path:
     found.mkdir(parents=True, exist_ok=True)
     _RESOLVED[trainer] = found
     return found
+
+
+def save_run_config(trainer: L.Trainer, text: str, filename: str = "config.yaml") -> Path:
+    """Write a run's resolved config into :func:`run_dir` and, with MLflow, as the run's artifact.
+
+    A run resumed into the same MLflow run keeps its first config: the resumed fit's goes beside
+    it as ``<stem>-resume-<n><suffix>`` (``config-resume-1.yaml``). Call it on rank 0, after
+    :func:`run_dir` was resolved on every rank. Returns the file written.
+    """
+    directory, name = run_dir(trainer), filename
+    stem, suffix = Path(filename).stem, Path(filename).suffix
+    n = 0
+    while (directory / name).exists():
+        n += 1
+        name = f"{stem}-resume-{n}{suffix}"
+    logger = trainer.logger
+    if isinstance(logger, MLFlowLogger):
+        logger.experiment.log_text(logger.run_id, text, name)
+    (directory / name).write_text(text)
+    return directory / name
