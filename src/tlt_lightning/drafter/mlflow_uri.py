@@ -31,7 +31,7 @@ __all__ = [
     "tracking_uri_or_default",
 ]
 
-# The tracking store of `tlt-lightning fit` (tlt_lightning.fit.DEFAULT_TRACKING_URI; a test keeps them equal).
+# The tracking store of `tlt-lightning fit` (and of `tracking_logger()` with no arguments).
 DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"
 URI_SCHEMES = ("models:/", "runs:/")
 _INSTALL = "pip install 'tlt-lightning[mlflow]'"
