@@ -16,7 +16,7 @@ step (the callback's state). :func:`export_fit` writes both into one directory::
 
 which vLLM loads as it is: ``LLM(model="OUT/target", speculative_config={"method": "eagle" |
 "eagle3", "model": "OUT/drafter", "num_speculative_tokens": K})``, the layout
-:meth:`~tlt_lightning.rollout.VLLMRolloutBackend.from_policy` serves too. Nothing is rebuilt but the
+:meth:`~tlt_lightning.vllm.VLLMRolloutBackend.from_policy` serves too. Nothing is rebuilt but the
 policy's architecture (``load_model`` of the run's ``model``): no prompt source, task or trainer.
 A run without a ``SpotDrafterCallback`` exports the drafter it loaded (``drafter_path``).
 """
