@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from tlt_lightning.models.attention import GROUPED_SDPA, use_grouped_attention
-from tlt_lightning.models.compiled import CompileConfig, CompiledDecode, check_compiled_model
+from tlt_lightning.models.compiled import Bucket, CompileConfig, CompiledDecode, check_compiled_model
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import column_major, set_weight_layout
 from tlt_lightning.models.lean import check_lean_model, lean_applies, lean_forward
@@ -228,9 +228,14 @@ class HFTarget(nn.Module):
         return "compiled"
 
     @property
+    def compile_times(self) -> dict[Bucket, float]:
+        """Seconds each compiled bucket's first call took (empty unless ``decode="compiled"``)."""
+        return {} if self._compiled is None else dict(self._compiled.compile_times)
+
+    @property
     def compile_seconds(self) -> float:
         """Seconds spent compiling decode graphs so far (0 unless ``decode="compiled"``)."""
-        return 0.0 if self._compiled is None else self._compiled.compile_seconds
+        return sum(self.compile_times.values())
 
     @property
     def hf_config(self) -> PretrainedConfig:
