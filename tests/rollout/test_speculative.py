@@ -247,6 +247,8 @@ def assert_sampling_exact(temperature: float, top_p: float, arm: SDStrategy, dra
     config = DrafterConfig.from_target(target, draft_vocab_size=drafter_vocab)
     counts = None if drafter_vocab is None else torch.tensor([5, 1, 4, 0, 3, 2])  # drafts among 0, 2, 4
     drafter = Drafter(config, target, token_counts=counts)  # random: many rejections
+    if compile_config is not None:  # the drafter's steps through the same mechanism
+        drafter.use_compiled_steps(compile_config)
     params = SamplingParams(temperature, top_p)
     prompt, n = [1, 4, 2], batch * calls
     config = RolloutConfig(max_new_tokens=3, temperature=temperature, top_p=top_p, prefill_chunk=batch)
@@ -267,6 +269,7 @@ def assert_sampling_exact(temperature: float, top_p: float, arm: SDStrategy, dra
     assert pvalue > 1e-3
     if decode == "compiled":  # the graphs verified the drafts; nothing fell back to the eager path
         assert target.compile_seconds > 0 and not target._compiled._warned
+        assert drafter.compile_seconds > 0 and not drafter._compiled._warned
     return depths
 
 
@@ -288,7 +291,8 @@ def test_sampling_is_exact_through_the_lean_forward(arm):
 
 @pytest.mark.parametrize("arm", [SDStrategy(2), SDStrategy(2, 2, 3)], ids=str)
 def test_sampling_is_exact_through_the_compiled_forward(arm):
-    """Chains and trees verified in compiled graphs (every step padded to 20k rows x 4 tokens): the target's law."""
+    """Chains and trees drafted and verified in compiled graphs (every step padded to 20k rows x 4 tokens):
+    the target's law."""
     config = CompileConfig(batch_buckets=(20_000,), query_buckets=(4,))
     assert_sampling_exact(1.0, 0.9, arm, decode="compiled", compile_config=config)
 

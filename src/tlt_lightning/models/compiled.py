@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,17 @@ from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import PackedLinear, PackedWeight, packable_dtypes
 from tlt_lightning.models.lean import MAX_LEAN_QUERIES, check_lean_model, lean_decoder
 
-__all__ = ["COMPILE_MODES", "Bucket", "CompileConfig", "CompiledDecode", "check_compiled_model", "packed_linear"]
+__all__ = [
+    "COMPILE_MODES",
+    "Bucket",
+    "BucketedGraphs",
+    "CompileConfig",
+    "CompiledDecode",
+    "Padded",
+    "StaticKV",
+    "check_compiled_model",
+    "packed_linear",
+]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +148,28 @@ def check_compiled_model(model: nn.Module) -> None:
             )
 
 
+class StaticKV:
+    """The key/value store of a traced forward: ``[L, B, H, S, D]`` buffers written at ``slots``, read to ``kv_len``.
+
+    ``update`` has :meth:`KVCache.update`'s contract, for ``n`` padded rows (rows ``[0, n)`` of the buffers).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, kv_len: int) -> None:
+        self.keys, self.values, self.slots, self.kv_len = keys, values, slots, kv_len
+        self.rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
+
+    def begin_step(self, rows: int, positions: torch.Tensor) -> int:
+        return self.kv_len  # the slots were fixed by the caller, padding included
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args: object, **kwargs: object
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``[n, H, q, D]`` new keys/values, return ``[n, H, kv_len, D]`` views of the buffers."""
+        n = self.rows.shape[0]
+        self.keys[layer][self.rows, :, self.slots] = key.transpose(1, 2).to(self.keys.dtype)
+        self.values[layer][self.rows, :, self.slots] = value.transpose(1, 2).to(self.values.dtype)
+        return self.keys[layer, :n, :, : self.kv_len], self.values[layer, :n, :, : self.kv_len]
+
+
 def _static_forward(
     model: nn.Module,
     packed: dict[str, torch.Tensor] | None,
@@ -149,55 +182,52 @@ def _static_forward(
     kv_len: int,
     feature_layers: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The traced function: :func:`lean_decoder` writing ``[L, B, H, S, D]`` buffers at ``slots``, reading ``kv_len`` slots."""
-    n = input_ids.shape[0]
-    rows = torch.arange(n, device=input_ids.device)[:, None]
-
-    def update_kv(key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys[layer][rows, :, slots] = key.transpose(1, 2).to(keys.dtype)
-        values[layer][rows, :, slots] = value.transpose(1, 2).to(values.dtype)
-        return keys[layer, :n, :, :kv_len], values[layer, :n, :, :kv_len]
+    """The traced function: :func:`lean_decoder` over a :class:`StaticKV`, linears multiplying by ``packed``."""
 
     def linear(x: torch.Tensor, module: nn.Module, name: str) -> torch.Tensor:
         if packed is None:
             return F.linear(x, module.weight, module.bias)
         return packed_linear(x, packed[name], module.bias, module.out_features)
 
-    return lean_decoder(model, input_ids, positions, mask, update_kv, feature_layers, linear)
+    store = StaticKV(keys, values, slots, kv_len)
+    return lean_decoder(model, input_ids, positions, mask, store.update, feature_layers, linear)
 
 
-class CompiledDecode:
-    """Decode and verify forwards of a Llama/Qwen2 model through compiled, bucketed graphs.
+class Padded(NamedTuple):
+    """A forward's inputs padded to its bucket (``[B, Q]``, ``[B, 1, Q, K]``), and its true ``n, q``."""
 
-    :class:`~tlt_lightning.models.HFTarget` builds one for ``decode="compiled"``; its forward
-    calls it and runs the eager lean forward whenever it returns ``None``.
+    bucket: Bucket
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+    n: int
+    q: int
+
+
+class BucketedGraphs:
+    """What every compiled step shares: buckets, caches with room for padding, padding, timing, fallback warnings.
+
+    Subclasses compile their traced function with :meth:`compile` and call :meth:`pad` then :meth:`launch`.
 
     Args:
-        model: a model accepted by :func:`check_compiled_model`.
+        device: where the graphs run.
         config: buckets and mode (default :class:`CompileConfig`).
+        what: the name warnings and logs give the step (``"decode='compiled'"``).
 
     Attributes:
         compile_times: seconds each bucket's first call took (tracing, compiling, one run).
-
-    Example:
-        >>> from tlt_lightning.models import load_model
-        >>> decode = CompiledDecode(load_model("tiny-llama").model, CompileConfig(batch_buckets=(2,)))
-        >>> decode.new_cache(num_layers=4, max_batch=1, num_kv_heads=2, max_len=10, head_dim=16).keys.shape
-        torch.Size([4, 2, 2, 257, 16])
     """
 
-    def __init__(self, model: nn.Module, config: CompileConfig | None = None) -> None:
-        check_compiled_model(model)
-        self.model, self.config = model, config or CompileConfig()
-        device = model.device
+    def __init__(self, device: torch.device, config: CompileConfig | None, what: str) -> None:
+        self.config, self.what = config or CompileConfig(), what
         self.mode = self.config.mode or ("reduce-overhead" if device.type == "cuda" else "default")
         self._cudagraphs = device.type == "cuda" and "cudagraphs" not in self.mode and self.mode != "default"
-        self._pack = self.config.packed_weights and device.type == "cpu" and model.dtype in packable_dtypes()
-        self._linears = [(n, m) for n, m in model.get_decoder().named_modules() if isinstance(m, nn.Linear)]
-        self._own_packs: dict[str, PackedWeight] = {}
         self._warned: set[tuple] = set()
         self.compile_times: dict[Bucket, float] = {}
-        self._fn = torch.compile(_static_forward, dynamic=False, fullgraph=True, mode=self.mode)
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return torch.compile(fn, dynamic=False, fullgraph=True, mode=self.mode)
 
     @property
     def compile_seconds(self) -> float:
@@ -218,11 +248,6 @@ class CompiledDecode:
             torch._dynamo.mark_static_address(cache.values)
         return cache
 
-    def _fallback(self, key: tuple, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning("decode='compiled': %s; running the eager lean forward", message)
-
     def bucket(self, n: int, q: int, kv_len: int, feature_layers: tuple[int, ...] = ()) -> Bucket | None:
         """The bucket a forward of ``n`` rows, ``q`` new tokens each, over ``kv_len`` key slots runs in (or ``None``)."""
         c = self.config
@@ -230,6 +255,101 @@ class CompiledDecode:
         if batch is None or queries is None:
             return None
         return Bucket(batch, queries, _round_up(kv_len, c.kv_step), tuple(feature_layers))
+
+    def _fallback(self, key: tuple, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("%s: %s; running the eager forward", self.what, message)
+
+    def pad(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor | None = None,
+        feature_layers: tuple[int, ...] = (),
+    ) -> Padded | None:
+        """The forward's inputs padded to its bucket, or ``None`` where the graphs do not apply (run eager).
+
+        Padding tokens are token 0 at position 0, written at the cache's spare slot and attending slot 0.
+        """
+        n, q = input_ids.shape
+        kv_len = attention_mask.shape[-1]
+        if kv_len <= q:  # nothing cached before these tokens: a prefill, eager by design
+            return None
+        if torch.is_grad_enabled():
+            self._fallback(("autograd",), "the graphs run without autograd, this forward needs it")
+            return None
+        bucket = self.bucket(n, q, kv_len, feature_layers)
+        if bucket is None:
+            c = self.config
+            self._fallback(("shape", n, q), f"{n} rows x {q} new tokens is outside the buckets "
+                                             f"(batch_buckets={c.batch_buckets}, query_buckets={c.query_buckets})")
+            return None
+        rows, buffer_len = cache.keys.shape[1], cache.keys.shape[3]
+        if bucket.batch > rows or buffer_len <= max(cache.max_len, bucket.kv_len):
+            self._fallback(("cache", rows, buffer_len), "the cache has no room for the bucket's padding "
+                                                        "(make it with the model's new_cache)")
+            return None
+        B, Q, K = bucket.batch, bucket.queries, bucket.kv_len
+        ids = input_ids.new_zeros(B, Q)
+        ids[:n, :q] = input_ids
+        pos = positions.new_zeros(B, Q)
+        pos[:n, :q] = positions
+        where = positions.new_full((B, Q), buffer_len - 1)
+        where[:n, :q] = positions if slots is None else slots
+        mask = attention_mask.new_zeros(B, 1, Q, K)
+        mask[..., 0] = True
+        mask[:n, :, :q, :kv_len] = attention_mask
+        return Padded(bucket, ids, pos, where, mask, n, q)
+
+    def launch(self, fn: Callable[..., Any], bucket: Bucket, *args: Any) -> Any:
+        """Call the compiled ``fn``, timing the bucket's first call (its compile) and logging it."""
+        first = bucket not in self.compile_times
+        start = time.perf_counter()
+        if self._cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, accumulated_recompile_limit=_RECOMPILE_LIMIT):
+            out = fn(*args)
+        if first:
+            self.compile_times[bucket] = time.perf_counter() - start
+            log.info("%s: bucket %s compiled in %.1f s", self.what, tuple(bucket), self.compile_times[bucket])
+        return out
+
+    def unpad(self, x: torch.Tensor | None, padded: Padded) -> torch.Tensor | None:
+        """``[B, Q, ...]`` graph output -> ``[n, q, ...]`` (copied out of CUDA graph memory, which the next replay reuses)."""
+        if x is None:
+            return None
+        x = x[: padded.n, : padded.q]
+        return x.clone() if self._cudagraphs else x
+
+
+class CompiledDecode(BucketedGraphs):
+    """Decode and verify forwards of a Llama/Qwen2 model through compiled, bucketed graphs.
+
+    :class:`~tlt_lightning.models.HFTarget` builds one for ``decode="compiled"``; its forward
+    calls it and runs the eager lean forward whenever it returns ``None``.
+
+    Args:
+        model: a model accepted by :func:`check_compiled_model`.
+        config: buckets and mode (default :class:`CompileConfig`).
+
+    Example:
+        >>> from tlt_lightning.models import load_model
+        >>> decode = CompiledDecode(load_model("tiny-llama").model, CompileConfig(batch_buckets=(2,)))
+        >>> decode.new_cache(num_layers=4, max_batch=1, num_kv_heads=2, max_len=10, head_dim=16).keys.shape
+        torch.Size([4, 2, 2, 257, 16])
+    """
+
+    def __init__(self, model: nn.Module, config: CompileConfig | None = None) -> None:
+        check_compiled_model(model)
+        super().__init__(model.device, config, "decode='compiled'")
+        self.model = model
+        self._pack = self.config.packed_weights and model.device.type == "cpu" and model.dtype in packable_dtypes()
+        self._linears = [(n, m) for n, m in model.get_decoder().named_modules() if isinstance(m, nn.Linear)]
+        self._own_packs: dict[str, PackedWeight] = {}
+        self._fn = self.compile(_static_forward)
 
     def _packed(self) -> dict[str, torch.Tensor] | None:
         if not self._pack:
@@ -253,57 +373,10 @@ class CompiledDecode:
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """:func:`~tlt_lightning.models.lean.lean_forward`'s result through the bucket's graph, or ``None``
         where the graphs do not apply (the caller runs the eager path). ``cache.begin_step`` was called."""
-        n, q = input_ids.shape
-        kv_len = attention_mask.shape[-1]
-        if kv_len <= q:  # nothing cached before these tokens: a prefill, eager by design
+        p = self.pad(input_ids, positions, attention_mask, cache, slots, feature_layers)
+        if p is None:
             return None
-        if torch.is_grad_enabled():
-            self._fallback(("autograd",), "the graphs run without autograd, this forward needs it")
-            return None
-        bucket = self.bucket(n, q, kv_len, feature_layers)
-        if bucket is None:
-            c = self.config
-            self._fallback(("shape", n, q), f"{n} rows x {q} new tokens is outside the buckets "
-                                             f"(batch_buckets={c.batch_buckets}, query_buckets={c.query_buckets})")
-            return None
-        rows, buffer_len = cache.keys.shape[1], cache.keys.shape[3]
-        if bucket.batch > rows or buffer_len <= max(cache.max_len, bucket.kv_len):
-            self._fallback(("cache", rows, buffer_len), "the cache has no room for the bucket's padding "
-                                                        "(make it with HFTarget.new_cache)")
-            return None
-        ids, pos, where, mask = self._pad(bucket, input_ids, positions, slots, attention_mask, buffer_len - 1)
-        first = bucket not in self.compile_times
-        start = time.perf_counter()
-        if self._cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, accumulated_recompile_limit=_RECOMPILE_LIMIT):
-            hidden, features = self._fn(self.model, self._packed(), ids, pos, where, mask, cache.keys, cache.values,
-                                        bucket.kv_len, bucket.feature_layers)
-        if first:
-            self.compile_times[bucket] = time.perf_counter() - start
-            log.info("decode='compiled': bucket %s compiled in %.1f s", tuple(bucket), self.compile_times[bucket])
-        hidden = hidden[:n, :q]
-        features = None if features is None else features[:n, :q]
-        if self._cudagraphs:  # the graph's output memory is reused by its next replay
-            hidden = hidden.clone()
-            features = None if features is None else features.clone()
-        return hidden, features
-
-    @staticmethod
-    def _pad(
-        bucket: Bucket, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
-        mask: torch.Tensor, spare: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Inputs padded to the bucket: token 0 at position 0, written at the ``spare`` slot, seeing slot 0."""
-        n, q = input_ids.shape
-        B, Q, K = bucket.batch, bucket.queries, bucket.kv_len
-        ids = input_ids.new_zeros(B, Q)
-        ids[:n, :q] = input_ids
-        pos = positions.new_zeros(B, Q)
-        pos[:n, :q] = positions
-        where = positions.new_full((B, Q), spare)
-        where[:n, :q] = positions if slots is None else slots
-        padded = mask.new_zeros(B, 1, Q, K)
-        padded[..., 0] = True
-        padded[:n, :, :q, : mask.shape[-1]] = mask
-        return ids, pos, where, padded
+        hidden, features = self.launch(self._fn, p.bucket, self.model, self._packed(), p.input_ids, p.positions,
+                                       p.slots, p.mask, cache.keys, cache.values, p.bucket.kv_len,
+                                       p.bucket.feature_layers)
+        return self.unpad(hidden, p), self.unpad(features, p)

@@ -109,6 +109,8 @@ class PackedLinear(nn.Linear):
     _packed_weight: PackedWeight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # traced (a compiled drafter step): the parameter is a graph input
+            return F.linear(x, self.weight, self.bias)
         return self._packed_weight.linear(x, self.weight, self.bias)
 
 

@@ -17,7 +17,8 @@ of a busy 2-core AMD Zen 4): one forward + head is 1.04-1.12x faster than transf
 greedy ``RolloutEngine`` decode step 1.02x (batch 1) and 1.05x (batch 8); most of the step is the
 linears (oneDNN), not dispatch. The same loop through ``torch.compile`` (``--compile
 --compile-packed``) was 1.15-1.45x faster than transformers' path, but compiled 26-31 s per shape
-and is not bit-equal; it is the next step (a bucketed compiled path), not this module.
+and is not bit-equal: that is :mod:`~tlt_lightning.models.compiled` (``decode="compiled"``), which
+traces :func:`lean_decoder` itself over shape buckets.
 """
 
 from __future__ import annotations
