@@ -221,3 +221,15 @@ def test_compiled_drafter_steps_change_no_emitted_token(compiled_pair, kind, cap
     # Same drafts up to rounding: acceptance within a few percent of the eager drafter's.
     mean = lambda r: float(r.stats.accept_lengths.float().mean())  # noqa: E731
     assert mean(result) == pytest.approx(mean(reference), rel=0.1)
+
+
+@pytest.mark.parametrize(("name", "dtype", "tolerance"),
+                         [("tiny-llama", "float32", 1e-5), ("tiny-qwen2", "bfloat16", 5e-2)])
+def test_hidden_states_within_the_documented_tolerance(name, dtype, tolerance):
+    """models.compiled's documented tolerance: largest difference / largest |hidden| (decode, 3 rows of 3 tokens)."""
+    model = load_model(name, dtype=dtype, seed=0).model
+    hf, compiled = HFTarget(model), HFTarget(model, decode="compiled", compile_config=SHARED)
+    lens = torch.tensor([5, 9, 3])
+    expected, got = decode_once(hf, lens).float(), decode_once(compiled, lens).float()
+    assert compiled.compile_seconds > 0
+    assert (got - expected).abs().max() <= tolerance * expected.abs().max()

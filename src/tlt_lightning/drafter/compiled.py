@@ -36,8 +36,8 @@ def _static_step(
     positions: torch.Tensor,
     slots: torch.Tensor,
     mask: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
     kv_len: int,
 ) -> torch.Tensor:
     return drafter.layers_forward(tokens, hidden_in, positions, mask, StaticKV(keys, values, slots, kv_len))
@@ -75,5 +75,5 @@ class CompiledDrafterStep(BucketedGraphs):
         hidden = hidden_in.new_zeros(p.bucket.batch, p.bucket.queries, hidden_in.shape[-1])
         hidden[: p.n, : p.q] = hidden_in
         out = self.launch(self._fn, p.bucket, self.drafter, p.input_ids, hidden, p.positions, p.slots, p.mask,
-                          cache.keys, cache.values, p.bucket.kv_len)
+                          list(cache.keys.unbind(0)), list(cache.values.unbind(0)), p.bucket.kv_len)
         return self.unpad(out, p)

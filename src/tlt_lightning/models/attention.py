@@ -103,7 +103,9 @@ def grouped_sdpa_attention(
     """
     grouped = (
         getattr(module, "num_key_value_groups", 1) > 1
-        and 1 < query.shape[2] <= MAX_GROUPED_QUERIES  # transformers packs a single query itself
+        # transformers packs a single query itself, but not in a traced graph (models.compiled)
+        and (1 < query.shape[2] or torch.compiler.is_compiling())
+        and query.shape[2] <= MAX_GROUPED_QUERIES
         and attention_mask is not None
         and attention_mask.dtype == torch.bool
         and attention_mask.shape[1] == 1

@@ -169,8 +169,8 @@ class HFTarget(nn.Module):
             ``"lean"`` needs a Llama or Qwen2 model on ``sdpa`` attention
             (:func:`~tlt_lightning.models.lean.check_lean_model`). ``"compiled"`` (opt-in) runs
             those forwards through compiled graphs, one per shape bucket
-            (:class:`~tlt_lightning.models.compiled.CompiledDecode`; fp32 greedy outputs equal, bf16
-            within rounding), the eager lean forward where a call fits no graph; a model the
+            (:class:`~tlt_lightning.models.compiled.CompiledDecode`; fp32 greedy outputs equal; hidden
+            states within 1e-5 (fp32) / 5e-2 (bf16) of the largest value), the eager lean forward where a call fits no graph; a model the
             lean path cannot run logs a warning and decodes with ``"hf"`` (``"lean"`` if only its
             linears are wrapped). :attr:`compile_seconds` is the compile time so far.
         compile_config: buckets and mode for ``decode="compiled"``.
