@@ -96,7 +96,8 @@ def grouped_sdpa_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: :func:`grouped_sdpa` for 2 to :data:`MAX_GROUPED_QUERIES`
-    queries per row over a boolean mask without autograd, transformers' ``sdpa`` otherwise (training,
+    queries per row (1 too inside a ``torch.compile`` trace, where transformers does not pack a single
+    query) over a boolean mask without autograd, transformers' ``sdpa`` otherwise (training,
     one query, long prefills, no mask, biases).
 
     Returns ``[n, q, H_q, D]`` and no attention weights, as transformers' ``sdpa`` does.
