@@ -189,6 +189,7 @@ def test_compare_with_a_fake_worker_writes_json_plot_and_equal_greedy_tokens(tmp
     data = json.loads((tmp_path / "peers.json").read_text())
     assert data["plot"] == payload["plot"] and Path(data["plot"]).stat().st_size > 10_000
     assert set(data["vllm"]) == {"plain", "speculative"} and data["vllm"]["plain"]["startup_s"] >= 0
+    assert data["decode"] == "hf" and data["compile_seconds"] == 0 and data["compile_buckets"] == []
     assert [(b["phase"], b["batch_size"]) for b in data["batches"]] == [
         ("plain", 1), ("plain", 3), ("speculative", 1), ("speculative", 3)]
     for b in data["batches"]:

@@ -1,11 +1,14 @@
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tlt_lightning.bench.common import compile_report
 from tlt_lightning.bench.rollout import length_summary
 from tlt_lightning.cli import main
+from tlt_lightning.models.compiled import Bucket
 
 
 def test_length_summary_idle_fraction():
@@ -30,6 +33,28 @@ def test_bench_rollout_cli_writes_json_and_plot(tmp_path):
     assert 1 <= lengths["p50"] <= lengths["p90"] <= lengths["max"] <= 16  # --long-tail-max-new
     assert 0 <= lengths["idle_fraction_static_batch"] < 1 and data["long_tail"]["requests"] == 4
     assert path.with_suffix(".png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_bench_rollout_compiled_decode_reports_compile_time_apart(tmp_path):
+    path = tmp_path / "rollout.json"
+    main(["--threads", "1", "bench", "rollout", "--decode", "compiled", "--batch-sizes", "1", "--max-new-tokens", "8",
+          "--long-tail-requests", "0", "--repeats", "1", "--json", str(path)])
+    data = json.loads(path.read_text())
+    batch = data["batches"][0]
+    assert data["decode"] == "compiled" and batch["identical_outputs"] == 1  # fp32 greedy: HF's tokens
+    assert batch["compile_seconds"] > 0 and batch["compile_seconds_in_runs"] == 0  # compiled in the warm-up
+    assert data["compile_seconds"] == pytest.approx(sum(b["seconds"] for b in data["compile_buckets"]))
+    assert data["compile_buckets"][0]["batch"] == 1 and data["compile_buckets"][0]["queries"] == 1
+
+
+def test_compile_report_lists_buckets_and_their_seconds():
+    target = SimpleNamespace(compile_times={Bucket(1, 1, 256, ()): 2.0, Bucket(8, 4, 512, (30,)): 3.5})
+    report = compile_report(target)
+    assert report["compile_seconds"] == 5.5
+    assert report["compile_buckets"][1] == {"batch": 8, "queries": 4, "kv_len": 512, "feature_layers": [30],
+                                            "seconds": 3.5}
+    assert compile_report(object()) == {"compile_seconds": 0, "compile_buckets": []}
 
 
 def test_layer_skip_assistant_shares_the_targets_first_layers():

@@ -106,8 +106,8 @@ def test_training_and_prefill_stay_on_transformers(tiny_llama):
 
 
 def test_bad_decode_settings_are_rejected(tiny_llama, caplog):
-    with pytest.raises(ValueError, match=r"decode must be one of \('hf', 'lean'\), got 'compiled'"):
-        HFTarget(tiny_llama.model, decode="compiled")
+    with pytest.raises(ValueError, match=r"decode must be one of \('hf', 'lean', 'compiled'\), got 'fast'"):
+        HFTarget(tiny_llama.model, decode="fast")
     # _from_config sets the implementation on the config it is given: a copy, not the shared fixture's.
     eager = LlamaForCausalLM._from_config(copy.deepcopy(tiny_llama.hf_config), attn_implementation="eager")
     with pytest.raises(ValueError, match="needs the model on 'sdpa' attention, got attn_implementation='eager'"):

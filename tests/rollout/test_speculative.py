@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tlt_lightning.drafter import Drafter, DrafterConfig, DrafterLoss, warmup_drafter
-from tlt_lightning.models import HFTarget
+from tlt_lightning.models import CompileConfig, HFTarget
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
@@ -212,7 +212,7 @@ def test_threshold_switches_speculation_on_in_the_tail(tiny_llama):
     assert any(stats.step_speculative) and not all(stats.step_speculative)
 
 
-def tiny_vocab_target(vocab: int = 6, decode: str = "hf") -> HFTarget:
+def tiny_vocab_target(vocab: int = 6, decode: str = "hf", compile_config: CompileConfig | None = None) -> HFTarget:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -220,7 +220,7 @@ def tiny_vocab_target(vocab: int = 6, decode: str = "hf") -> HFTarget:
     )
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = model.config.eos_token_id = None
-    return HFTarget(model, decode=decode)
+    return HFTarget(model, decode=decode, compile_config=compile_config)
 
 
 def exact_joint(target: HFTarget, prompt: list[int], params: SamplingParams, length: int) -> torch.Tensor:
@@ -239,13 +239,16 @@ def exact_joint(target: HFTarget, prompt: list[int], params: SamplingParams, len
 
 
 def assert_sampling_exact(temperature: float, top_p: float, arm: SDStrategy, drafter_vocab: int | None = None,
-                          batch: int = 20_000, calls: int = 1, decode: str = "hf") -> list[int]:
+                          batch: int = 20_000, calls: int = 1, decode: str = "hf",
+                          compile_config: CompileConfig | None = None) -> list[int]:
     """Chi-square: the joint law of tokens 2-3 (produced by speculative steps) equals the target's,
     over ``calls`` rollouts of ``batch`` requests; returns the draft depth of every step."""
-    target = tiny_vocab_target(decode=decode)
+    target = tiny_vocab_target(decode=decode, compile_config=compile_config)
     config = DrafterConfig.from_target(target, draft_vocab_size=drafter_vocab)
     counts = None if drafter_vocab is None else torch.tensor([5, 1, 4, 0, 3, 2])  # drafts among 0, 2, 4
     drafter = Drafter(config, target, token_counts=counts)  # random: many rejections
+    if compile_config is not None:  # the drafter's steps through the same mechanism
+        drafter.use_compiled_steps(compile_config)
     params = SamplingParams(temperature, top_p)
     prompt, n = [1, 4, 2], batch * calls
     config = RolloutConfig(max_new_tokens=3, temperature=temperature, top_p=top_p, prefill_chunk=batch)
@@ -264,6 +267,9 @@ def assert_sampling_exact(temperature: float, top_p: float, arm: SDStrategy, dra
     assert observed[~keep].sum() == 0, "a token outside the top-p nucleus was emitted"
     _, pvalue = chisquare(observed[keep].numpy(), (expected[keep] / expected[keep].sum() * n).numpy())
     assert pvalue > 1e-3
+    if decode == "compiled":  # the graphs verified the drafts; nothing fell back to the eager path
+        assert target.compile_seconds > 0 and not target._compiled._warned
+        assert drafter.compile_seconds > 0 and not drafter._compiled._warned
     return depths
 
 
@@ -281,6 +287,14 @@ def test_sampling_is_exact_end_to_end(temperature, top_p, arm):
 def test_sampling_is_exact_through_the_lean_forward(arm):
     """The lean decode path (``HFTarget(decode="lean")``) verifies chains and trees: still the target's law."""
     assert_sampling_exact(1.0, 0.9, arm, decode="lean")
+
+
+@pytest.mark.parametrize("arm", [SDStrategy(2), SDStrategy(2, 2, 3)], ids=str)
+def test_sampling_is_exact_through_the_compiled_forward(arm):
+    """Chains and trees drafted and verified in compiled graphs (every step padded to 20k rows x 4 tokens):
+    the target's law."""
+    config = CompileConfig(batch_buckets=(20_000,), query_buckets=(4,))
+    assert_sampling_exact(1.0, 0.9, arm, decode="compiled", compile_config=config)
 
 
 @pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED], ids=str)

@@ -10,7 +10,7 @@ from typing import Any
 from tlt_lightning.reports import machine_info, median, new_figure, save_figure, write_json
 from tlt_lightning.rl.tasks import task_prompts
 
-__all__ = ["machine_info", "median", "new_figure", "save_figure", "task_prompts", "timed", "write_json"]
+__all__ = ["compile_report", "machine_info", "median", "new_figure", "save_figure", "task_prompts", "timed", "write_json"]
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
@@ -23,3 +23,17 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     start, cpu = time.perf_counter(), time.process_time()
     out = fn()
     return out, time.perf_counter() - start, time.process_time() - cpu
+
+
+def compile_report(target: Any) -> dict[str, Any]:
+    """Compile time of a ``decode="compiled"`` target so far, to report apart from decoding.
+
+    Returns ``{"compile_seconds": total, "compile_buckets": [{"batch", "queries", "kv_len",
+    "feature_layers", "seconds"}, ...]}`` (zero and empty for other targets).
+    """
+    times = getattr(target, "compile_times", {})
+    return {
+        "compile_seconds": sum(times.values()),
+        "compile_buckets": [{**b._asdict(), "feature_layers": list(b.feature_layers), "seconds": s}
+                            for b, s in times.items()],
+    }

@@ -40,6 +40,7 @@ from typing import Any, Self
 import torch
 
 from tlt_lightning.bench.common import (
+    compile_report,
     machine_info,
     median,
     new_figure,
@@ -251,9 +252,13 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tlt_lightning.models import DECODE_PATHS
+
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="both engines")
     p.add_argument("--weight-layout", default="packed", help="our engine's weight layout (see `bench layout`)")
+    p.add_argument("--decode", default="hf", choices=DECODE_PATHS,
+                   help="our engine's decode path (see `bench rollout --decode`); compile time reported apart")
     p.add_argument("--drafter", default="examples/drafters/smollm2-countdown", help="drafter checkpoint directory")
     p.add_argument("--k", type=int, default=3, help="drafted tokens per step: our chain{k}, vLLM num_speculative_tokens")
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
@@ -297,7 +302,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
     loaded.model.save_pretrained(work / "target")  # what vLLM serves: the same weights, same dtype
-    target = HFTarget(loaded.model)
+    target = HFTarget(loaded.model, decode=args.decode)
     drafter, drafter_dir = None, None
     if args.speculative:
         drafter = load_drafter(args.drafter, target).eval()
@@ -329,6 +334,7 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
         "benchmark": "peers",
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "weight_layout": args.weight_layout, "task": args.task,
+        "decode": getattr(target, "decode", "hf"),
         "drafter": args.drafter if drafter is not None else None, "k": args.k, "max_new_tokens": args.max_new_tokens,
         "prompt_tokens": {"mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))},
         "machine": machine_info(), "worker_command": command, "worker_env": _worker_env(args, threads),
@@ -401,6 +407,9 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
             print(f"[bench peers] speculative (chain{args.k}, greedy), fixed batches", flush=True)
             fixed(engines, ("ours-sd", "vllm-sd"), "speculative")
 
+    # Compiled decode: graphs compile in the untimed warm-ups of the fixed batches, and inside the first
+    # long-tail runs (medians over --repeats); the total is reported here, apart from the rates.
+    payload.update(compile_report(target))
     json_path = write_json(args.json, payload)
     plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
     payload["plot"] = str(plot(payload, plot_path))

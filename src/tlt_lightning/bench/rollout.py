@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from tlt_lightning.bench.common import (
+    compile_report,
     machine_info,
     median,
     new_figure,
@@ -74,8 +75,18 @@ def length_summary(lengths: torch.Tensor) -> dict[str, float]:
 
 
 def _compare(engine: RolloutEngine, model, tokenizer, prompts, repeats: int, seed: int) -> dict[str, Any]:
-    """Engine vs HF on one workload, alternating runs; throughput medians and output agreement."""
+    """Engine vs HF on one workload, alternating runs; throughput medians and output agreement.
+
+    A compiled target (``--decode compiled``) first runs the workload once untimed, so its graphs
+    are compiled before the timed runs; ``compile_seconds`` is what that took, and
+    ``compile_seconds_in_runs`` what the timed runs still compiled (shapes the warm-up missed).
+    """
     ours, theirs, ours_cpu, theirs_cpu, result, hf_out = [], [], [], [], None, None
+    compiled = getattr(engine.target, "decode", None) == "compiled"
+    before = compile_report(engine.target)["compile_seconds"]
+    if compiled:
+        engine.generate(prompts, generator=torch.Generator().manual_seed(seed))
+    warm = compile_report(engine.target)["compile_seconds"]
     for r in range(repeats):
         gen = torch.Generator().manual_seed(seed + r)
         result, t, cpu = timed(lambda: engine.generate(prompts, generator=gen))
@@ -96,6 +107,8 @@ def _compare(engine: RolloutEngine, model, tokenizer, prompts, repeats: int, see
         "runs_hf_tokens_per_cpu_s": theirs_cpu,
         "identical_outputs": same,
         "requests": len(prompts),
+        "compile_seconds": warm - before,
+        "compile_seconds_in_runs": compile_report(engine.target)["compile_seconds"] - warm,
         "result": result,
     }
 
@@ -129,7 +142,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-layout", default="packed", choices=WEIGHT_LAYOUTS,
                    help="layout of the linear weights (see `bench layout`)")
     p.add_argument("--decode", default="hf", choices=DECODE_PATHS,
-                   help="target decode path: transformers' modules or the lean forward (same outputs)")
+                   help="target decode path: transformers' modules, the lean forward (same outputs) or the lean "
+                        "forward compiled per shape bucket (fp32 greedy: same tokens; compile time reported apart)")
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 128])
     p.add_argument("--max-new-tokens", type=int, default=128, help="per request, fixed-batch workload")
@@ -187,7 +201,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         batches.append({"batch_size": bs, **out})
         print(f"  engine {out['tokens_per_s']:.1f} tok/s, HF {out['hf_tokens_per_s']:.1f} tok/s, "
               f"x{out['speedup_vs_hf']:.2f} (CPU time x{out['speedup_vs_hf_cpu_time']:.2f}), "
-              f"identical {out['identical_outputs']}/{bs}", flush=True)
+              f"identical {out['identical_outputs']}/{bs}"
+              + (f", compiled in {out['compile_seconds']:.1f} s (untimed)" if out["compile_seconds"] else ""),
+              flush=True)
 
     long_tail = None
     payload: dict[str, Any] = {
@@ -210,6 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  engine {out['tokens_per_s']:.1f} tok/s, HF {out['hf_tokens_per_s']:.1f} tok/s, "
               f"x{out['speedup_vs_hf']:.2f}; lengths {payload['long_tail']['lengths']}", flush=True)
 
+    payload.update(compile_report(target))
     json_path = write_json(args.json, payload)
     plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
     payload["plot"] = str(plot(long_tail, batches, plot_path))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from tlt_lightning.bench.common import (
+    compile_report,
     machine_info,
     median,
     new_figure,
@@ -277,6 +278,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  plain {out['plain_seconds']:.1f} s, SD {out['sd_seconds']:.1f} s, "
               f"x{out['speedup_rollout_time']:.2f}, accept {out['mean_accept_length']:.2f}", flush=True)
 
+    payload.update(compile_report(target))  # --decode compiled: counted inside the runs, reported too
     json_path = write_json(args.json, payload)
     plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
     payload["plot"] = str(plot(payload, long_tail, plot_path))

@@ -22,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tlt_lightning.drafter.compiled import CompiledDrafterStep
 from tlt_lightning.drafter.config import DrafterConfig
 from tlt_lightning.drafter.layers import ARCH, AttentionCache, Eagle1Layer, Eagle3Layer, hf_config
+from tlt_lightning.models.compiled import CompileConfig
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import PackedWeight, set_weight_layout
 from tlt_lightning.models.target import HFTarget, TargetModel
@@ -132,6 +134,7 @@ class Drafter(nn.Module):
         self._head_cache: tuple[tuple[int, ...], torch.Tensor, torch.Tensor | None] | None = None
         self.weight_layout = "out_in"
         self._packed_head = PackedWeight()
+        self._compiled: CompiledDrafterStep | None = None
         arch_config = hf_config(config)
         self.rotary_emb = ARCH[config.model_type].rotary(config=arch_config)  # fp32 inv_freq, not persistent
         if config.kind == "eagle1":
@@ -296,6 +299,23 @@ class Drafter(nn.Module):
             raise ValueError(
                 f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, q, kv_len]}, got {list(attention_mask.shape)}"
             )
+        # Drafting (cached, no autograd) may run compiled; training stays eager by design.
+        if (self._compiled is not None and isinstance(cache, KVCache) and attention_mask.dtype == torch.bool
+                and not torch.is_grad_enabled()):
+            out = self._compiled(tokens, hidden_in, positions, attention_mask, cache, slots)
+            if out is not None:
+                return out
+        return self.layers_forward(tokens, hidden_in, positions, attention_mask, cache)
+
+    def layers_forward(
+        self,
+        tokens: torch.Tensor,
+        hidden_in: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: AttentionCache | None,
+    ) -> torch.Tensor:
+        """:meth:`forward` after its checks (``cache.begin_step`` done): embed, rotate, the layer; ``[n, q, H]``."""
         embeds = self.embed(tokens)
         hidden_in = hidden_in.to(self.dtype)
         cos, sin = self.rotary_emb(embeds, positions)
@@ -304,6 +324,28 @@ class Drafter(nn.Module):
                 self.fc(torch.cat([embeds, hidden_in], -1)), cos, sin, attention_mask, cache
             )
         return self.midlayer(embeds, hidden_in, cos, sin, attention_mask, cache)
+
+    def use_compiled_steps(self, config: CompileConfig | None = None) -> Drafter:
+        """Run cached forwards (drafting) through graphs compiled per shape bucket (opt-in; returns ``self``).
+
+        See :mod:`tlt_lightning.drafter.compiled`: same buckets and fallback as
+        ``HFTarget(decode="compiled")``; caches from :meth:`new_cache` get the room padding needs.
+        Training forwards (no cache, autograd) stay eager. ``config=None``: default buckets.
+
+        Example:
+            >>> from tlt_lightning.models import HFTarget, load_model
+            >>> target = HFTarget(load_model("tiny-llama").model)
+            >>> drafter = Drafter(DrafterConfig.from_target(target), target).use_compiled_steps()
+            >>> drafter.compile_seconds
+            0.0
+        """
+        self._compiled = CompiledDrafterStep(self, config)
+        return self
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling drafter graphs so far (0 without :meth:`use_compiled_steps`)."""
+        return 0.0 if self._compiled is None else self._compiled.compile_seconds
 
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` output hidden -> ``[..., V_draft]`` logits through the target's frozen LM head."""
@@ -354,4 +396,7 @@ class Drafter(nn.Module):
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         """A one-layer :class:`KVCache` for this drafter (``cache.update(k, v, 0)``)."""
         c = self.config
+        if self._compiled is not None:  # room for the buckets' padding
+            return self._compiled.new_cache(1, max_batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype,
+                                            self.device)
         return KVCache(1, max_batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype, self.device)

@@ -7,6 +7,7 @@ needs torchtune, and accessing them without it raises an ``ImportError`` naming 
 
 from typing import Any
 
+from tlt_lightning.models.compiled import CompileConfig, CompiledDecode
 from tlt_lightning.models.hardware import has_fast_bf16, resolve_dtype, training_precision
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import WEIGHT_LAYOUTS, PackedLinear, PackedWeight, set_weight_layout
@@ -31,6 +32,8 @@ from tlt_lightning.models.target import (
 
 __all__ = [
     "DECODE_PATHS",
+    "CompileConfig",
+    "CompiledDecode",
     "HFTarget",
     "KVCache",
     "LoadedModel",

@@ -96,14 +96,17 @@ def grouped_sdpa_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: :func:`grouped_sdpa` for 2 to :data:`MAX_GROUPED_QUERIES`
-    queries per row over a boolean mask without autograd, transformers' ``sdpa`` otherwise (training,
+    queries per row (1 too inside a ``torch.compile`` trace, where transformers does not pack a single
+    query) over a boolean mask without autograd, transformers' ``sdpa`` otherwise (training,
     one query, long prefills, no mask, biases).
 
     Returns ``[n, q, H_q, D]`` and no attention weights, as transformers' ``sdpa`` does.
     """
     grouped = (
         getattr(module, "num_key_value_groups", 1) > 1
-        and 1 < query.shape[2] <= MAX_GROUPED_QUERIES  # transformers packs a single query itself
+        # transformers packs a single query itself, but not in a traced graph (models.compiled)
+        and (1 < query.shape[2] or torch.compiler.is_compiling())
+        and query.shape[2] <= MAX_GROUPED_QUERIES
         and attention_mask is not None
         and attention_mask.dtype == torch.bool
         and attention_mask.shape[1] == 1

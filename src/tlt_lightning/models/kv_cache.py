@@ -33,9 +33,12 @@ class KVCache:
         head_dim: size of one head.
         dtype: storage dtype (the model's).
         device: storage device.
+        spare_slots: storage slots per row beyond ``max_len``, never part of a sequence (bucketed
+            compiled forwards write the keys of their padding there, see
+            :mod:`~tlt_lightning.models.compiled`).
 
     Attributes:
-        keys, values: ``[L, B, H_kv, S, D]`` buffers.
+        keys, values: ``[L, B, H_kv, S, D]`` buffers, ``S = max_len + spare_slots``.
         lengths: ``[B]`` int64, committed tokens per row.
     """
 
@@ -48,8 +51,9 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        spare_slots: int = 0,
     ) -> None:
-        shape = (num_layers, max_batch, num_kv_heads, max_len, head_dim)
+        shape = (num_layers, max_batch, num_kv_heads, max_len + spare_slots, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(max_batch, dtype=torch.long, device=device)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WEIGHT_LAYOUTS", "PackedLinear", "PackedWeight", "column_major", "set_weight_layout"]
+__all__ = ["WEIGHT_LAYOUTS", "PackedLinear", "PackedWeight", "column_major", "packable_dtypes", "set_weight_layout"]
 
 WEIGHT_LAYOUTS = ("out_in", "in_out", "packed")
 PACK_ROWS = 8  # the row count oneDNN's blocked format is chosen for (1-128 rows measured within ~10% of the best)
@@ -121,14 +121,23 @@ class PackedWeight:
             or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
         ):
             return F.linear(x, weight, bias)
-        x = x.to(dtype)
+        return torch.ops.mkldnn._linear_pointwise(x.to(dtype), self.packed(weight), bias, "none", [], "")
+
+    def packed(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of ``weight`` (a CPU tensor of a dtype in ``packable_dtypes()``), remade if it changed."""
         key = (weight.data_ptr(), weight._version, weight.shape)  # a new dtype is a new storage
         if self._key != key:
             # A normal tensor even under inference_mode, so later no_grad calls can use it.
             with torch.inference_mode(False), torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
             self._key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        assert self._packed is not None
+        return self._packed
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """Weight dtypes oneDNN packs on this CPU (empty without oneDNN)."""
+    return _PACKABLE
 
 
 class PackedLinear(nn.Linear):
@@ -141,6 +150,8 @@ class PackedLinear(nn.Linear):
     _packed_weight: PackedWeight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # traced (a compiled drafter step): the parameter is a graph input
+            return F.linear(x, self.weight, self.bias)
         return self._packed_weight.linear(x, self.weight, self.bias)
 
 

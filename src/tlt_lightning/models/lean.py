@@ -17,10 +17,13 @@ of a busy 2-core AMD Zen 4): one forward + head is 1.04-1.12x faster than transf
 greedy ``RolloutEngine`` decode step 1.02x (batch 1) and 1.05x (batch 8); most of the step is the
 linears (oneDNN), not dispatch. The same loop through ``torch.compile`` (``--compile
 --compile-packed``) was 1.15-1.45x faster than transformers' path, but compiled 26-31 s per shape
-and is not bit-equal; it is the next step (a bucketed compiled path), not this module.
+and is not bit-equal: that is :mod:`~tlt_lightning.models.compiled` (``decode="compiled"``), which
+traces :func:`lean_decoder` itself over shape buckets.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -30,7 +33,24 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 from tlt_lightning.models.attention import GROUPED_SDPA, MAX_GROUPED_QUERIES, grouped_sdpa_attention
 from tlt_lightning.models.kv_cache import KVCache
 
-__all__ = ["LEAN_LAYER_TYPES", "MAX_LEAN_QUERIES", "check_lean_model", "lean_applies", "lean_forward"]
+__all__ = [
+    "LEAN_LAYER_TYPES",
+    "MAX_LEAN_QUERIES",
+    "Linear",
+    "UpdateKV",
+    "check_lean_model",
+    "lean_applies",
+    "lean_decoder",
+    "lean_forward",
+]
+
+Linear = Callable[[torch.Tensor, nn.Module, str], torch.Tensor]
+"""``linear(x, module, name)``: one of the model's linears applied to ``x``; ``name`` is its path in
+the decoder (``"layers.3.self_attn.q_proj"``), for callers that multiply by their own copy of it."""
+
+UpdateKV = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+"""``update_kv(key, value, layer_idx)``: store ``[n, H_kv, q, D]`` new keys/values of a layer and
+return the ``[n, H_kv, kv_len, D]`` keys/values attention reads (:meth:`KVCache.update`'s contract)."""
 
 LEAN_LAYER_TYPES: tuple[type[nn.Module], ...] = (LlamaDecoderLayer, Qwen2DecoderLayer)
 """Decoder layer classes whose forward :func:`lean_forward` reproduces (pre-norm, RoPE, GQA, SwiGLU)."""
@@ -92,6 +112,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _call_module(x: torch.Tensor, module: nn.Module, name: str) -> torch.Tensor:
+    return module(x)
+
+
 def lean_forward(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -128,6 +152,25 @@ def lean_forward(
         >>> hidden.shape
         torch.Size([1, 2, 64])
     """
+    return lean_decoder(model, input_ids, positions, attention_mask, cache.update, feature_layers)
+
+
+def lean_decoder(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attention_mask: torch.Tensor,
+    update_kv: UpdateKV,
+    feature_layers: tuple[int, ...] = (),
+    linear: Linear = _call_module,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`lean_forward` with the key/value store and the linears injected: the one copy of the math.
+
+    The eager path stores into a :class:`KVCache` and calls the linears as modules;
+    :mod:`~tlt_lightning.models.compiled` traces this same function with a static-shape store and
+    oneDNN-packed weights. Arguments and returns as :func:`lean_forward`'s, with ``update_kv``
+    (:data:`UpdateKV`) for the cache and ``linear`` (:data:`Linear`) for every projection.
+    """
     decoder = model.get_decoder()
     n, q = input_ids.shape
     num_layers = len(decoder.layers)
@@ -140,19 +183,22 @@ def lean_forward(
     cos, sin = cos[:, None], sin[:, None]  # [n, 1, q, D]: broadcast over heads
     for i, layer in enumerate(decoder.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        pre = f"layers.{i}."
         x = _rms_norm(layer.input_layernorm, hidden)
         shape = (n, q, -1, attn.head_dim)
-        query = attn.q_proj(x).view(shape).transpose(1, 2)
-        key = attn.k_proj(x).view(shape).transpose(1, 2)
-        value = attn.v_proj(x).view(shape).transpose(1, 2)
+        query = linear(x, attn.q_proj, pre + "self_attn.q_proj").view(shape).transpose(1, 2)
+        key = linear(x, attn.k_proj, pre + "self_attn.k_proj").view(shape).transpose(1, 2)
+        value = linear(x, attn.v_proj, pre + "self_attn.v_proj").view(shape).transpose(1, 2)
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
-        keys, values = cache.update(key, value, attn.layer_idx)
+        keys, values = update_kv(key, value, attn.layer_idx)
         # The attention function transformers would call, so every shape dispatches as it does there.
         out, _ = grouped_sdpa_attention(attn, query, keys, values, attention_mask, scaling=attn.scaling)
-        hidden = hidden + attn.o_proj(out.reshape(n, q, -1))
+        hidden = hidden + linear(out.reshape(n, q, -1), attn.o_proj, pre + "self_attn.o_proj")
         x = _rms_norm(layer.post_attention_layernorm, hidden)
-        hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        gate = linear(x, mlp.gate_proj, pre + "mlp.gate_proj")
+        up = linear(x, mlp.up_proj, pre + "mlp.up_proj")
+        hidden = hidden + linear(mlp.act_fn(gate) * up, mlp.down_proj, pre + "mlp.down_proj")
         if i + 1 in wanted and i + 1 < num_layers:
             states[i + 1] = hidden
     hidden = _rms_norm(decoder.norm, hidden)

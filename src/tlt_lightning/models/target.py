@@ -8,6 +8,7 @@ layers from the same pass, so drafter features cost no extra forward.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -17,6 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from tlt_lightning.models.attention import GROUPED_SDPA, use_grouped_attention
+from tlt_lightning.models.compiled import Bucket, CompileConfig, CompiledDecode, check_compiled_model
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import column_major, set_weight_layout
 from tlt_lightning.models.lean import check_lean_model, lean_applies, lean_forward
@@ -24,9 +26,12 @@ from tlt_lightning.models.lean import check_lean_model, lean_applies, lean_forwa
 __all__ = ["DECODE_PATHS", "HFTarget", "TargetInfo", "TargetModel", "TargetOutput", "begin_forward", "default_feature_layers"]
 
 
-DECODE_PATHS = ("hf", "lean")
-"""How :class:`HFTarget` runs decode and verify forwards: transformers' module tree, or
-:func:`~tlt_lightning.models.lean.lean_forward` (same outputs, fewer ops; Llama and Qwen2)."""
+log = logging.getLogger(__name__)
+
+DECODE_PATHS = ("hf", "lean", "compiled")
+"""How :class:`HFTarget` runs decode and verify forwards: transformers' module tree,
+:func:`~tlt_lightning.models.lean.lean_forward` (same outputs, fewer ops; Llama and Qwen2), or that
+forward through ``torch.compile`` over shape buckets (:mod:`~tlt_lightning.models.compiled`)."""
 
 
 class TargetOutput(NamedTuple):
@@ -162,7 +167,13 @@ class HFTarget(nn.Module):
             :func:`~tlt_lightning.models.lean.lean_forward` over the same weights, with the same
             outputs bit for bit and less per-op overhead; prefill and training stay on transformers.
             ``"lean"`` needs a Llama or Qwen2 model on ``sdpa`` attention
-            (:func:`~tlt_lightning.models.lean.check_lean_model`).
+            (:func:`~tlt_lightning.models.lean.check_lean_model`). ``"compiled"`` (opt-in) runs
+            those forwards through compiled graphs, one per shape bucket
+            (:class:`~tlt_lightning.models.compiled.CompiledDecode`; fp32 greedy outputs equal; hidden
+            states within 1e-5 (fp32) / 5e-2 (bf16) of the largest value), the eager lean forward where a call fits no graph; a model the
+            lean path cannot run logs a warning and decodes with ``"hf"`` (``"lean"`` if only its
+            linears are wrapped). :attr:`compile_seconds` is the compile time so far.
+        compile_config: buckets and mode for ``decode="compiled"``.
 
     Example:
         >>> from tlt_lightning.models import load_model
@@ -171,7 +182,7 @@ class HFTarget(nn.Module):
         4
     """
 
-    def __init__(self, model: PreTrainedModel, decode: str = "hf") -> None:
+    def __init__(self, model: PreTrainedModel, decode: str = "hf", compile_config: CompileConfig | None = None) -> None:
         super().__init__()
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
@@ -183,6 +194,9 @@ class HFTarget(nn.Module):
         use_grouped_attention(model)
         if decode == "lean":
             check_lean_model(model)
+        self._compiled: CompiledDecode | None = None
+        if decode == "compiled":
+            decode = self._compiled_or_fallback(model, compile_config)
         self.decode = decode
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.info = TargetInfo(
@@ -197,6 +211,31 @@ class HFTarget(nn.Module):
         )
         self.weight_layout = "out_in"
         self._head_copy: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def _compiled_or_fallback(self, model: PreTrainedModel, compile_config: CompileConfig | None) -> str:
+        """Set up ``decode="compiled"``, or the eager path the model supports (with a warning)."""
+        try:
+            check_compiled_model(model)
+        except (TypeError, ValueError) as err:
+            try:
+                check_lean_model(model)
+                eager = "lean"
+            except (TypeError, ValueError):
+                eager = "hf"
+            log.warning("decode='compiled' is not available for this model (%s); decoding with decode=%r", err, eager)
+            return eager
+        self._compiled = CompiledDecode(model, compile_config)
+        return "compiled"
+
+    @property
+    def compile_times(self) -> dict[Bucket, float]:
+        """Seconds each compiled bucket's first call took (empty unless ``decode="compiled"``)."""
+        return {} if self._compiled is None else dict(self._compiled.compile_times)
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling decode graphs so far (0 unless ``decode="compiled"``)."""
+        return sum(self.compile_times.values())
 
     @property
     def hf_config(self) -> PretrainedConfig:
@@ -238,6 +277,9 @@ class HFTarget(nn.Module):
 
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         i = self.info
+        if self._compiled is not None:  # room for the buckets' padding
+            return self._compiled.new_cache(i.num_layers, max_batch, i.num_kv_heads, max_len, i.head_dim,
+                                            self.dtype, self.device)
         return KVCache(i.num_layers, max_batch, i.num_kv_heads, max_len, i.head_dim, self.dtype, self.device)
 
     def forward(
@@ -265,7 +307,11 @@ class HFTarget(nn.Module):
             The final hidden states and the requested features, ``[n, q, H]`` / ``[n, q, C, H]``.
         """
         begin_forward(cache, input_ids, positions, attention_mask, slots)
-        if self.decode == "lean" and lean_applies(input_ids, attention_mask):
+        if self._compiled is not None and attention_mask.dtype == torch.bool:
+            out = self._compiled(input_ids, positions, attention_mask, cache, feature_layers, slots)
+            if out is not None:
+                return TargetOutput(*out)
+        if self.decode != "hf" and lean_applies(input_ids, attention_mask):
             return TargetOutput(*lean_forward(self.model, input_ids, positions, attention_mask, cache, feature_layers))
         out = self.model.get_decoder()(
             input_ids=input_ids,

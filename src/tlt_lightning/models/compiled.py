@@ -1,0 +1,387 @@
+"""A compiled decode path: the lean forward through ``torch.compile``, over static shape buckets (gpt-fast style).
+
+:func:`~tlt_lightning.models.lean.lean_decoder` is traced as it is (one copy of the math) with a
+static-shape key/value store: each forward of ``n`` rows of ``q`` new tokens over ``kv_len`` key
+slots runs in the graph of its *bucket*: the smallest batch bucket ``>= n``, the smallest query
+bucket ``>= q`` and ``kv_len`` rounded up to a multiple of ``kv_step``
+(:class:`CompileConfig`). Graphs are compiled lazily, once per bucket, and reused for every step
+that falls in it; each compile is timed and logged (:attr:`CompiledDecode.compile_times`) so
+benchmarks report it apart from decoding.
+
+Padding never touches a sequence: padded rows and padded queries write their keys and values into a
+spare slot past ``max_len`` (:meth:`CompiledDecode.new_cache` allocates it), real queries see the
+padded key slots masked out, and padded queries attend slot 0 so they stay finite.
+
+On a CPU the linears multiply by oneDNN-packed copies of the weights (:class:`PackedWeight`, what
+the ``"packed"`` layout uses) through :func:`packed_linear`, an op Inductor keeps as it is; the packed
+copies are graph *inputs*, remade when a weight changes in place (an RL update), so graphs never
+freeze weights. Measured (``scripts/decode_paths.py``): compiling pays on a CPU only with packed
+weights. On CUDA the default mode is ``"reduce-overhead"`` (CUDA graphs per bucket), the cache
+buffers are marked static, and outputs are copied out of the graph's memory.
+
+Calls the graphs do not take run on the eager lean forward instead: prefill (rows with nothing
+cached: ``kv_len <= q``), autograd, a shape outside every bucket, or a cache without the spare slot;
+the last three log one warning per kind and shape.
+
+Numerics: the same contract as the other paths. fp32 greedy outputs equal transformers' token for
+token (tests on tiny Llama and Qwen2, SmolLM2 in a slow test). Inductor fuses the element-wise ops and
+padding changes the row count of the matrix products, so hidden states differ from the eager path by
+rounding: documented tolerance (tested), the largest difference relative to the largest hidden value,
+``1e-5`` in fp32 (measured ~1.5e-6) and ``5e-2`` in bf16 (measured ~2-3e-2: a few bf16 ulps). bf16
+greedy outputs can part after a near-tie, as between any two bf16 kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tlt_lightning.models.kv_cache import KVCache
+from tlt_lightning.models.layout import PackedLinear, PackedWeight, packable_dtypes
+from tlt_lightning.models.lean import MAX_LEAN_QUERIES, check_lean_model, lean_decoder
+
+__all__ = [
+    "COMPILE_MODES",
+    "Bucket",
+    "BucketedGraphs",
+    "CompileConfig",
+    "CompiledDecode",
+    "Padded",
+    "StaticKV",
+    "check_compiled_model",
+    "packed_linear",
+]
+
+log = logging.getLogger(__name__)
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_RECOMPILE_LIMIT = 4096  # one graph per bucket is the design, not a recompile storm
+
+
+@torch.library.custom_op("tlt_lightning::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``W`` oneDNN-packed (:meth:`PackedWeight.packed`); ``[..., in] -> [..., out]``.
+
+    A custom op so Inductor calls oneDNN as it is (its own lowering of packed linears wants frozen weights).
+    """
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _ascending(name: str, sizes: tuple[int, ...], most: int | None = None) -> None:
+    if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes) or list(sizes) != sorted(set(sizes)):
+        raise ValueError(f"{name} must be a non-empty, strictly increasing tuple of positive ints, got {sizes!r}")
+    if most is not None and sizes[-1] > most:
+        raise ValueError(f"{name} must not exceed {most} (the lean path's most queries per row), got {sizes!r}")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """Shape buckets and mode of :class:`CompiledDecode`.
+
+    Attributes:
+        batch_buckets: row counts graphs are compiled for; ``n`` rows run in the smallest bucket ``>= n``.
+        query_buckets: new tokens per row (1: decode, ``K + 1``: a chain of ``K`` drafts, tree nodes);
+            at most :data:`~tlt_lightning.models.lean.MAX_LEAN_QUERIES`.
+        kv_step: key slots attention reads, rounded up to a multiple of this (the rest masked).
+        mode: ``torch.compile`` mode (:data:`COMPILE_MODES`); ``None``: ``"reduce-overhead"`` (CUDA
+            graphs) on CUDA, ``"default"`` elsewhere.
+        packed_weights: on a CPU, multiply by oneDNN-packed weights passed as graph inputs (without
+            them compiling does not pay on a CPU; no effect elsewhere or for dtypes oneDNN cannot pack).
+
+    Example:
+        >>> CompileConfig(batch_buckets=(1, 8), query_buckets=(1, 4)).kv_step
+        256
+    """
+
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    query_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
+    kv_step: int = 256
+    mode: str | None = None
+    packed_weights: bool = True
+
+    def __post_init__(self) -> None:
+        _ascending("batch_buckets", self.batch_buckets)
+        _ascending("query_buckets", self.query_buckets, MAX_LEAN_QUERIES)
+        if not isinstance(self.kv_step, int) or self.kv_step < 1:
+            raise ValueError(f"kv_step must be a positive int, got {self.kv_step!r}")
+        if self.mode is not None and self.mode not in COMPILE_MODES:
+            raise ValueError(f"mode must be None or one of {COMPILE_MODES}, got {self.mode!r}")
+
+
+class Bucket(NamedTuple):
+    """The static shape of one compiled graph: padded rows, queries per row, key slots; requested features."""
+
+    batch: int
+    queries: int
+    kv_len: int
+    feature_layers: tuple[int, ...]
+
+
+def _bucket(sizes: tuple[int, ...], value: int) -> int | None:
+    return next((s for s in sizes if s >= value), None)
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def check_compiled_model(model: nn.Module) -> None:
+    """Raise unless :class:`CompiledDecode` can trace ``model``: :func:`check_lean_model`, and every
+    linear of its decoder a plain ``nn.Linear`` (or the ``"packed"`` layout's), not a wrapper (peft, QAT)."""
+    check_lean_model(model)
+    for name, module in model.get_decoder().named_modules():
+        if isinstance(module, nn.Linear) and type(module) not in (nn.Linear, PackedLinear):
+            raise TypeError(
+                f"decode='compiled' multiplies by the decoder's nn.Linear weights, {name} is {type(module).__name__}; "
+                "use decode='lean' for this model"
+            )
+
+
+class StaticKV:
+    """The key/value store of a traced forward: per-layer ``[B, H, S, D]`` buffers written at ``slots``, read to ``kv_len``.
+
+    ``update`` has :meth:`KVCache.update`'s contract, for ``n`` padded rows (rows ``[0, n)`` of the buffers).
+    The buffers are one tensor per layer (views of the cache's ``[L, B, H, S, D]``), each written
+    once per forward: written through one ``[L, ...]`` input, Inductor copied the whole cache per layer
+    (measured: 4x slower steps at batch 8).
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor, kv_len: int) -> None:
+        self.keys, self.values, self.slots, self.kv_len = keys, values, slots, kv_len
+        self.rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
+
+    def begin_step(self, rows: int, positions: torch.Tensor) -> int:
+        return self.kv_len  # the slots were fixed by the caller, padding included
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args: object, **kwargs: object
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``[n, H, q, D]`` new keys/values, return ``[n, H, kv_len, D]`` views of the buffers."""
+        n, keys, values = self.rows.shape[0], self.keys[layer], self.values[layer]
+        keys[self.rows, :, self.slots] = key.transpose(1, 2).to(keys.dtype)
+        values[self.rows, :, self.slots] = value.transpose(1, 2).to(values.dtype)
+        return keys[:n, :, : self.kv_len], values[:n, :, : self.kv_len]
+
+
+def _static_forward(
+    model: nn.Module,
+    packed: dict[str, torch.Tensor] | None,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    kv_len: int,
+    feature_layers: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The traced function: :func:`lean_decoder` over a :class:`StaticKV`, linears multiplying by ``packed``."""
+
+    def linear(x: torch.Tensor, module: nn.Module, name: str) -> torch.Tensor:
+        if packed is None:
+            return F.linear(x, module.weight, module.bias)
+        return packed_linear(x, packed[name], module.bias, module.out_features)
+
+    store = StaticKV(keys, values, slots, kv_len)
+    return lean_decoder(model, input_ids, positions, mask, store.update, feature_layers, linear)
+
+
+class Padded(NamedTuple):
+    """A forward's inputs padded to its bucket (``[B, Q]``, ``[B, 1, Q, K]``), and its true ``n, q``."""
+
+    bucket: Bucket
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+    n: int
+    q: int
+
+
+class BucketedGraphs:
+    """What every compiled step shares: buckets, caches with room for padding, padding, timing, fallback warnings.
+
+    Subclasses compile their traced function with :meth:`compile` and call :meth:`pad` then :meth:`launch`.
+
+    Args:
+        device: where the graphs run.
+        config: buckets and mode (default :class:`CompileConfig`).
+        what: the name warnings and logs give the step (``"decode='compiled'"``).
+
+    Attributes:
+        compile_times: seconds each bucket's first call took (tracing, compiling, one run).
+    """
+
+    def __init__(self, device: torch.device, config: CompileConfig | None, what: str) -> None:
+        self.config, self.what = config or CompileConfig(), what
+        self.mode = self.config.mode or ("reduce-overhead" if device.type == "cuda" else "default")
+        self._cudagraphs = device.type == "cuda" and "cudagraphs" not in self.mode and self.mode != "default"
+        self._warned: set[tuple] = set()
+        self.compile_times: dict[Bucket, float] = {}
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return torch.compile(fn, dynamic=False, fullgraph=True, mode=self.mode)
+
+    @property
+    def compile_seconds(self) -> float:
+        """Total seconds spent compiling (first calls of every bucket so far)."""
+        return sum(self.compile_times.values())
+
+    def new_cache(
+        self, num_layers: int, max_batch: int, num_kv_heads: int, max_len: int, head_dim: int,
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    ) -> KVCache:
+        """A :class:`KVCache` with room for the buckets: rows rounded up to a batch bucket, key slots
+        to a multiple of ``kv_step``, plus the spare slot padding writes to."""
+        rows = _bucket(self.config.batch_buckets, max_batch) or max_batch
+        spare = _round_up(max_len, self.config.kv_step) - max_len + 1
+        cache = KVCache(num_layers, rows, num_kv_heads, max_len, head_dim, dtype, device, spare_slots=spare)
+        if self._cudagraphs:  # CUDA graphs write the cache in place: its address must not change
+            torch._dynamo.mark_static_address(cache.keys)
+            torch._dynamo.mark_static_address(cache.values)
+        return cache
+
+    def bucket(self, n: int, q: int, kv_len: int, feature_layers: tuple[int, ...] = ()) -> Bucket | None:
+        """The bucket a forward of ``n`` rows, ``q`` new tokens each, over ``kv_len`` key slots runs in (or ``None``)."""
+        c = self.config
+        batch, queries = _bucket(c.batch_buckets, n), _bucket(c.query_buckets, q)
+        if batch is None or queries is None:
+            return None
+        return Bucket(batch, queries, _round_up(kv_len, c.kv_step), tuple(feature_layers))
+
+    def _fallback(self, key: tuple, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("%s: %s; running the eager forward", self.what, message)
+
+    def pad(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor | None = None,
+        feature_layers: tuple[int, ...] = (),
+    ) -> Padded | None:
+        """The forward's inputs padded to its bucket, or ``None`` where the graphs do not apply (run eager).
+
+        Padding tokens are token 0 at position 0, written at the cache's spare slot and attending slot 0.
+        """
+        n, q = input_ids.shape
+        kv_len = attention_mask.shape[-1]
+        if kv_len <= q:  # nothing cached before these tokens: a prefill, eager by design
+            return None
+        if torch.is_grad_enabled():
+            self._fallback(("autograd",), "the graphs run without autograd, this forward needs it")
+            return None
+        bucket = self.bucket(n, q, kv_len, feature_layers)
+        if bucket is None:
+            c = self.config
+            self._fallback(("shape", n, q), f"{n} rows x {q} new tokens is outside the buckets "
+                                             f"(batch_buckets={c.batch_buckets}, query_buckets={c.query_buckets})")
+            return None
+        rows, buffer_len = cache.keys.shape[1], cache.keys.shape[3]
+        if bucket.batch > rows or buffer_len <= max(cache.max_len, bucket.kv_len):
+            self._fallback(("cache", rows, buffer_len), "the cache has no room for the bucket's padding "
+                                                        "(make it with the model's new_cache)")
+            return None
+        B, Q, K = bucket.batch, bucket.queries, bucket.kv_len
+        ids = input_ids.new_zeros(B, Q)
+        ids[:n, :q] = input_ids
+        pos = positions.new_zeros(B, Q)
+        pos[:n, :q] = positions
+        where = positions.new_full((B, Q), buffer_len - 1)
+        where[:n, :q] = positions if slots is None else slots
+        mask = attention_mask.new_zeros(B, 1, Q, K)
+        mask[..., 0] = True
+        mask[:n, :, :q, :kv_len] = attention_mask
+        return Padded(bucket, ids, pos, where, mask, n, q)
+
+    def launch(self, fn: Callable[..., Any], bucket: Bucket, *args: Any) -> Any:
+        """Call the compiled ``fn``, timing the bucket's first call (its compile) and logging it."""
+        first = bucket not in self.compile_times
+        start = time.perf_counter()
+        if self._cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, accumulated_recompile_limit=_RECOMPILE_LIMIT):
+            out = fn(*args)
+        if first:
+            self.compile_times[bucket] = time.perf_counter() - start
+            log.info("%s: bucket %s compiled in %.1f s", self.what, tuple(bucket), self.compile_times[bucket])
+        return out
+
+    def unpad(self, x: torch.Tensor | None, padded: Padded) -> torch.Tensor | None:
+        """``[B, Q, ...]`` graph output -> ``[n, q, ...]`` (copied out of CUDA graph memory, which the next replay reuses)."""
+        if x is None:
+            return None
+        x = x[: padded.n, : padded.q]
+        return x.clone() if self._cudagraphs else x
+
+
+class CompiledDecode(BucketedGraphs):
+    """Decode and verify forwards of a Llama/Qwen2 model through compiled, bucketed graphs.
+
+    :class:`~tlt_lightning.models.HFTarget` builds one for ``decode="compiled"``; its forward
+    calls it and runs the eager lean forward whenever it returns ``None``.
+
+    Args:
+        model: a model accepted by :func:`check_compiled_model`.
+        config: buckets and mode (default :class:`CompileConfig`).
+
+    Example:
+        >>> from tlt_lightning.models import load_model
+        >>> decode = CompiledDecode(load_model("tiny-llama").model, CompileConfig(batch_buckets=(2,)))
+        >>> decode.new_cache(num_layers=4, max_batch=1, num_kv_heads=2, max_len=10, head_dim=16).keys.shape
+        torch.Size([4, 2, 2, 257, 16])
+    """
+
+    def __init__(self, model: nn.Module, config: CompileConfig | None = None) -> None:
+        check_compiled_model(model)
+        super().__init__(model.device, config, "decode='compiled'")
+        self.model = model
+        self._pack = self.config.packed_weights and model.device.type == "cpu" and model.dtype in packable_dtypes()
+        self._linears = [(n, m) for n, m in model.get_decoder().named_modules() if isinstance(m, nn.Linear)]
+        self._own_packs: dict[str, PackedWeight] = {}
+        self._fn = self.compile(_static_forward)
+
+    def _packed(self) -> dict[str, torch.Tensor] | None:
+        if not self._pack:
+            return None
+        out = {}
+        for name, module in self._linears:
+            packer = getattr(module, "_packed_weight", None)  # the "packed" layout's own copy: share it
+            if packer is None:
+                packer = self._own_packs.setdefault(name, PackedWeight())
+            out[name] = packer.packed(module.weight)
+        return out
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: KVCache,
+        feature_layers: tuple[int, ...] = (),
+        slots: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """:func:`~tlt_lightning.models.lean.lean_forward`'s result through the bucket's graph, or ``None``
+        where the graphs do not apply (the caller runs the eager path). ``cache.begin_step`` was called."""
+        p = self.pad(input_ids, positions, attention_mask, cache, slots, feature_layers)
+        if p is None:
+            return None
+        hidden, features = self.launch(self._fn, p.bucket, self.model, self._packed(), p.input_ids, p.positions,
+                                       p.slots, p.mask, list(cache.keys.unbind(0)),
+                                       list(cache.values.unbind(0)), p.bucket.kv_len,
+                                       p.bucket.feature_layers)
+        return self.unpad(hidden, p), self.unpad(features, p)

@@ -1,0 +1,235 @@
+"""The compiled decode path (``HFTarget(decode="compiled")``) emits what the eager paths emit.
+
+Compiling costs seconds per graph on the tiny models (more on a cold Inductor cache), so the fast
+tests share one compiled target per model whose single bucket (16 rows x 8 queries, features of
+the last layer) serves plain decoding, chain and tree verification alike: every call is padded,
+which is what these tests are after.
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM
+
+from tests.rollout.test_engine import random_prompts
+from tlt_lightning.drafter import Drafter, DrafterConfig
+from tlt_lightning.models import CompileConfig, HFTarget, load_model
+from tlt_lightning.models.compiled import Bucket, CompiledDecode
+from tlt_lightning.rollout import RolloutConfig, RolloutEngine
+from tlt_lightning.rollout.engine import causal_decode_mask
+from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
+from tlt_lightning.speculative import SDStrategy
+
+SHARED = CompileConfig(batch_buckets=(16,), query_buckets=(8,), kv_step=256)
+
+
+@pytest.fixture(scope="module")
+def compiled_pair(tiny_target) -> tuple[HFTarget, HFTarget]:
+    """The fixture's model behind transformers' path and behind the compiled one (one module, not mutated)."""
+    return tiny_target, HFTarget(tiny_target.model, decode="compiled", compile_config=SHARED)
+
+
+def features_of(target: HFTarget) -> tuple[int, ...]:
+    return (target.info.num_layers,)  # what an EAGLE-1 drafter reads: plain and speculative steps share a graph
+
+
+def no_warnings(caplog) -> None:
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_plain_greedy_decode_equals_transformers(compiled_pair, caplog):
+    """12 requests x 40 tokens, rows leaving the batch as they finish: token for token, features close."""
+    hf, compiled = compiled_pair
+    config = RolloutConfig(max_new_tokens=40, temperature=0.0, feature_layers=features_of(hf))
+    prompts = random_prompts(12, seed=5)
+    expected = RolloutEngine(hf, config).generate(prompts)
+    with caplog.at_level(logging.INFO, logger="tlt_lightning.models.compiled"):
+        result = RolloutEngine(compiled, config).generate(prompts)
+    for a, b in zip(expected.rollouts, result.rollouts):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        torch.testing.assert_close(a.features, b.features, rtol=1e-4, atol=1e-5)
+    assert Bucket(16, 8, 256, features_of(hf)) in compiled._compiled.compile_times
+    assert compiled.compile_seconds > 0
+    no_warnings(caplog)
+
+
+@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 3, 6), SDStrategy(3, 2, sampled=True)], ids=str)
+def test_chain_and_tree_verification_equal_plain_greedy(compiled_pair, arm, caplog):
+    """Speculative greedy verifying through the graphs (chains of 5, trees of 7 tokens) equals plain greedy."""
+    hf, compiled = compiled_pair
+    drafter = Drafter(DrafterConfig.from_target(hf, draft_vocab_size=96), hf)
+    prompts = random_prompts(10, seed=13)
+    config = RolloutConfig(max_new_tokens=60, temperature=0.0)
+    plain = RolloutEngine(hf, config).generate(prompts)
+    with caplog.at_level(logging.WARNING):
+        result = SpeculativeRolloutLoop(compiled, drafter, config, FixedChooser(arm), threshold=1000).generate(prompts)
+    assert all(s.token_ids.tolist() == p.token_ids.tolist() for s, p in zip(result.rollouts, plain.rollouts))
+    assert all(result.stats.step_speculative)
+    assert list(compiled._compiled.compile_times) == [Bucket(16, 8, 256, features_of(hf))]  # reused, not recompiled
+    no_warnings(caplog)
+
+
+def decode_once(target: HFTarget, lens: torch.Tensor, q: int = 3, grad: bool = False) -> torch.Tensor:
+    """One forward of ``q`` tokens per row after a prefill of ``lens`` tokens; ``[n, q, H]``."""
+    n, width = lens.numel(), int(lens.max())
+    cache = target.new_cache(n, 32)
+    slots = torch.arange(width)
+    mask = (slots[None, None, :] <= slots[None, :, None]) & (slots[None, None, :] < lens[:, None, None])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        target.forward(torch.randint(3, 128, (n, width), generator=g), slots.expand(n, width), mask[:, None], cache)
+    cache.lengths[:n] = lens
+    positions = lens[:, None] + torch.arange(q)
+    mask = causal_decode_mask(lens, q, int(positions.max()) + 1)
+    ids = torch.randint(3, 128, (n, q), generator=g)
+    with torch.set_grad_enabled(grad):
+        return target.forward(ids, positions, mask, cache, feature_layers=features_of(target)).hidden
+
+
+def test_weights_updated_after_compiling_are_followed(tiny_llama):
+    """The RL case: an optimizer changes the weights in place; the graph reads them (and their packed copies) anew."""
+    model = copy.deepcopy(tiny_llama.model)  # never change the shared fixture's weights
+    hf = HFTarget(model)
+    compiled = HFTarget(model, decode="compiled", compile_config=SHARED)
+    lens = torch.tensor([5, 9])
+    before = decode_once(compiled, lens)
+    torch.testing.assert_close(before, decode_once(hf, lens), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)  # in place, as optimizer.step() does
+    expected = decode_once(hf, lens)
+    assert not torch.allclose(before, expected, atol=1e-3)
+    torch.testing.assert_close(decode_once(compiled, lens), expected, rtol=1e-4, atol=1e-5)
+    assert len(compiled._compiled.compile_times) == 1
+
+
+def test_the_packed_layout_shares_its_packed_weights(tiny_llama):
+    model = copy.deepcopy(tiny_llama.model)
+    target = HFTarget(model, decode="compiled", compile_config=SHARED)
+    target.set_weight_layout("packed")
+    packed = target._compiled._packed()
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert packed["layers.0.self_attn.q_proj"] is q_proj._packed_weight.packed(q_proj.weight)
+    assert not target._compiled._own_packs
+
+
+def test_shapes_outside_the_buckets_fall_back_with_one_warning(tiny_llama, caplog):
+    """Too many rows, too many queries, autograd: the eager result, one warning per kind, nothing compiled."""
+    config = CompileConfig(batch_buckets=(1,), query_buckets=(1,))
+    compiled = HFTarget(tiny_llama.model, decode="compiled", compile_config=config)
+    lens = torch.tensor([4, 7])
+    with caplog.at_level(logging.WARNING, logger="tlt_lightning.models.compiled"):
+        for _ in range(2):
+            torch.testing.assert_close(decode_once(compiled, lens), decode_once(tiny_llama, lens), rtol=0, atol=0)
+        out = decode_once(compiled, lens[:1], grad=True)
+    assert out.requires_grad
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "2 rows x 3 new tokens is outside the buckets (batch_buckets=(1,), query_buckets=(1,))" in messages[0]
+    assert "the graphs run without autograd" in messages[1]
+    assert compiled.compile_seconds == 0 and not compiled._compiled.compile_times
+
+
+def test_a_cache_without_spare_room_falls_back(tiny_llama, caplog):
+    compiled = HFTarget(tiny_llama.model, decode="compiled", compile_config=SHARED)
+    cache = tiny_llama.new_cache(2, 16)  # no spare slot for padding
+    positions = torch.tensor([[3], [5]])
+    mask = causal_decode_mask(torch.tensor([3, 5]), 1, 6)
+    cache.begin_step(2, positions)
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        assert compiled._compiled(torch.tensor([[4], [5]]), positions, mask, cache) is None
+    assert "the cache has no room for the bucket's padding" in caplog.text
+
+
+def test_unsupported_models_decode_eagerly_with_a_warning(tiny_llama, caplog):
+    small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1}
+    with caplog.at_level(logging.WARNING):
+        mistral = HFTarget(MistralForCausalLM(MistralConfig(**small)), decode="compiled")
+    assert mistral.decode == "hf" and mistral.compile_seconds == 0
+    assert "decode='compiled' is not available for this model (decode='lean' supports decoder layers" in caplog.text
+    model = copy.deepcopy(tiny_llama.model)
+    layer = model.model.layers[0].mlp
+    layer.up_proj = type("WrappedLinear", (torch.nn.Linear,), {})(layer.up_proj.in_features, layer.up_proj.out_features,
+                                                                   bias=False)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        wrapped = HFTarget(model, decode="compiled")
+    assert wrapped.decode == "lean"
+    assert "layers.0.mlp.up_proj is WrappedLinear; use decode='lean'" in caplog.text
+
+
+def test_new_cache_has_room_for_the_buckets(tiny_llama):
+    compiled = HFTarget(tiny_llama.model, decode="compiled", compile_config=CompileConfig(batch_buckets=(4, 8), kv_step=16))
+    cache = compiled.new_cache(5, 20)
+    assert cache.keys.shape[1] == 8 and cache.keys.shape[3] == 33 and cache.max_len == 20
+    assert CompiledDecode(tiny_llama.model).bucket(3, 5, 300, (4,)) == Bucket(4, 8, 512, (4,))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_buckets": ()}, r"batch_buckets must be a non-empty, strictly increasing tuple of positive ints, got \(\)"),
+        ({"batch_buckets": (4, 2)}, r"batch_buckets must be .* got \(4, 2\)"),
+        ({"query_buckets": (1, 128)}, r"query_buckets must not exceed 64"),
+        ({"kv_step": 0}, "kv_step must be a positive int, got 0"),
+        ({"mode": "fast"}, r"mode must be None or one of \('default', 'reduce-overhead'"),
+    ],
+)
+def test_bad_compile_configs_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CompileConfig(**kwargs)
+
+
+@pytest.mark.slow
+def test_compiled_rollouts_equal_transformers_on_smollm2():
+    """SmolLM2-135M, real countdown prompts, fp32 greedy: the compiled path emits the same tokens."""
+    from tlt_lightning.bench.common import task_prompts
+
+    loaded = load_model("smollm2-135m", dtype="float32")
+    prompts = task_prompts(loaded.tokenizer, "countdown", 4, seed=0)
+    config = RolloutConfig(max_new_tokens=48, temperature=0.0)
+    hf = HFTarget(loaded.model)
+    compiled = HFTarget(loaded.model, decode="compiled", compile_config=CompileConfig(batch_buckets=(4,), query_buckets=(1,)))
+    results = [RolloutEngine(t, config).generate(prompts) for t in (hf, compiled)]
+    for a, b in zip(*(r.rollouts for r in results)):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+    assert list(compiled._compiled.compile_times) == [Bucket(4, 1, 256, ())]
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_compiled_drafter_steps_change_no_emitted_token(compiled_pair, kind, caplog):
+    """The drafter's step through the same mechanism: greedy speculative output still equals plain greedy,
+    and its graphs were used (compiled, no fallback)."""
+    hf, compiled = compiled_pair
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_target(hf, kind=kind, draft_vocab_size=96), hf)
+    eager_drafts = copy.deepcopy(drafter)
+    drafter.use_compiled_steps(SHARED)
+    prompts = random_prompts(10, seed=13)
+    config = RolloutConfig(max_new_tokens=40, temperature=0.0)
+    plain = RolloutEngine(hf, config).generate(prompts)
+    arm = FixedChooser(SDStrategy(3, 2, 6))
+    with caplog.at_level(logging.WARNING):
+        result = SpeculativeRolloutLoop(compiled, drafter, config, arm, threshold=1000).generate(prompts)
+    reference = SpeculativeRolloutLoop(hf, eager_drafts, config, arm, threshold=1000).generate(prompts)
+    assert all(s.token_ids.tolist() == p.token_ids.tolist() for s, p in zip(result.rollouts, plain.rollouts))
+    assert drafter.compile_seconds > 0 and not drafter._compiled._warned
+    no_warnings(caplog)
+    # Same drafts up to rounding: acceptance within a few percent of the eager drafter's.
+    mean = lambda r: float(r.stats.accept_lengths.float().mean())  # noqa: E731
+    assert mean(result) == pytest.approx(mean(reference), rel=0.1)
+
+
+@pytest.mark.parametrize(("name", "dtype", "tolerance"),
+                         [("tiny-llama", "float32", 1e-5), ("tiny-qwen2", "bfloat16", 5e-2)])
+def test_hidden_states_within_the_documented_tolerance(name, dtype, tolerance):
+    """models.compiled's documented tolerance: largest difference / largest |hidden| (decode, 3 rows of 3 tokens)."""
+    model = load_model(name, dtype=dtype, seed=0).model
+    hf, compiled = HFTarget(model), HFTarget(model, decode="compiled", compile_config=SHARED)
+    lens = torch.tensor([5, 9, 3])
+    expected, got = decode_once(hf, lens).float(), decode_once(compiled, lens).float()
+    assert compiled.compile_seconds > 0
+    assert (got - expected).abs().max() <= tolerance * expected.abs().max()
