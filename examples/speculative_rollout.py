@@ -18,8 +18,8 @@ from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rl import TaskConfig, TaskDataset
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
-from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-from tlt_lightning.speculative import SDStrategy
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.speculative import DraftSpec
 
 
 def main(drafter_dir: str, max_new_tokens: int = 256) -> None:
@@ -32,7 +32,7 @@ def main(drafter_dir: str, max_new_tokens: int = 256) -> None:
     config = RolloutConfig(max_new_tokens=max_new_tokens, temperature=1.0)
 
     plain = RolloutEngine(target, config).generate(prompts, generator=torch.Generator().manual_seed(0))
-    loop = SpeculativeRolloutLoop(target, drafter, config, FixedChooser(SDStrategy(6)), threshold=8)
+    loop = SpeculativeRolloutLoop(target, drafter, config, DraftSpec(6), threshold=8)
     spec = loop.generate(prompts, generator=torch.Generator().manual_seed(0), progress=True)
     print(f"plain:       {plain.stats.tokens_per_s:6.1f} tokens/s")
     print(f"speculative: {spec.stats.tokens_per_s:6.1f} tokens/s, mean accept length "

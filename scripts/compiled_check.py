@@ -27,8 +27,8 @@ from tlt_lightning.drafter import Drafter, DrafterConfig
 from tlt_lightning.models import CompileConfig, HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.engine import causal_decode_mask
-from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-from tlt_lightning.speculative import SDStrategy
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.speculative import DraftSpec
 
 
 def prompts_for(target: HFTarget, n: int, seed: int) -> list[list[int]]:
@@ -69,8 +69,8 @@ def main() -> int:
         failures.append("plain decode")
 
     drafter = Drafter(DrafterConfig.from_target(hf), hf)
-    for arm in (SDStrategy(3), SDStrategy(3, 2, 6)):
-        loop = SpeculativeRolloutLoop(compiled, drafter, replace(rollout, feature_layers=()), FixedChooser(arm), threshold=1000)
+    for arm in (DraftSpec(3), DraftSpec(3, 2, 6)):
+        loop = SpeculativeRolloutLoop(compiled, drafter, replace(rollout, feature_layers=()), arm, threshold=1000)
         result = loop.generate(prompts)
         print(f"{arm}: identical to plain {same_tokens(expected, result)}/{len(prompts)}", flush=True)
         if same_tokens(expected, result) != len(prompts):

@@ -108,8 +108,8 @@ def test_reproducible_bandit_is_a_config_switch(tmp_path, monkeypatch):
     from tlt_lightning.scheduling import StepCostModel
 
     (callback,) = [c for c in fit.trainer.callbacks if isinstance(c, BanditCallback)]
-    assert callback.reproducible and callback.chooser.cost_model == StepCostModel(base_time=0.05)
-    assert callback.chooser.epsilon_half_life == 300  # the rest of the config still applies
+    assert callback.reproducible and callback.strategy.cost_model == StepCostModel(base_time=0.05)
+    assert callback.strategy.epsilon_half_life == 300  # the rest of the config still applies
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the default follows the GPU where there is one")

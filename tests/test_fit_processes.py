@@ -47,7 +47,7 @@ def tlt_config(tmp_path: Path) -> Path:
                        "checkpoint_interval": 1, "timeline": False}},
         {"class_path": "tlt_lightning.callbacks.BanditCallback",
          "init_args": {"reproducible": True,
-                       "chooser": {"class_path": "tlt_lightning.scheduling.BEGMABStrategy",
+                       "strategy": {"class_path": "tlt_lightning.scheduling.BEGMABStrategy",
                                    "init_args": {"epsilon": 0.3, "seed": 1}}}},
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"every_n_train_steps": 2, "save_top_k": -1, "filename": "{step}", "save_last": True}},

@@ -71,7 +71,7 @@ def tlt_config(tmp_path: Path) -> Path:
          "init_args": {"max_steps_per_rollout": 2, "max_seconds_per_rollout": None, "draft_vocab_size": None,
                        "checkpoint_interval": None, "timeline": False}},
         {"class_path": "tlt_lightning.callbacks.BanditCallback",
-         "init_args": {"reproducible": True, "chooser": {"class_path": "tlt_lightning.scheduling.BEGMABStrategy",
+         "init_args": {"reproducible": True, "strategy": {"class_path": "tlt_lightning.scheduling.BEGMABStrategy",
                                                          "init_args": {"epsilon": 0.3, "seed": 1}}}},
     ]
     config["model"]["drafter_kind"] = None  # the callback builds and trains the drafter

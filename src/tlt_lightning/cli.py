@@ -3,7 +3,7 @@
     tlt-lightning fit --config CONFIG [--model.x=...] [--trainer.x=...]   GRPO training (LightningCLI)
     tlt-lightning bench rollout [--json PATH] ...   engine vs HF generate, long-tail workload
     tlt-lightning bench bandit [--json PATH]          BEG-MAB vs UCB vs fixed arms, simulated
-    tlt-lightning bench checkpoint [--json PATH] ...  budgeted vs static activation checkpointing
+    tlt-lightning bench activation-checkpointing [--json PATH] ...  budgeted vs static activation checkpointing
     tlt-lightning bench strategies --drafter DIR ...  BEG-MAB vs fixed SD arms on a real long-tail rollout
     tlt-lightning bench e2e [--drafter DIR] ...       GRPO steps with TLT vs the identical run without it
     tlt-lightning bench spot [--drafter DIR] ...      spot drafter training: packing, preemption, 2-rank DDP overhead
@@ -56,7 +56,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tlt_lightning.bench import checkpoint as bench_checkpoint
+    from tlt_lightning.bench import activation_checkpointing as bench_checkpoint
     from tlt_lightning.bench import e2e as bench_e2e
     from tlt_lightning.bench import efficiency as bench_efficiency
     from tlt_lightning.bench import layout as bench_layout
@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     bandit.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 
     bench_checkpoint.add_arguments(
-        bench.add_parser("checkpoint", help="budgeted (DP) vs static every-other-layer activation checkpointing")
+        bench.add_parser("activation-checkpointing", help="budgeted (DP) vs static every-other-layer activation checkpointing")
     )
 
     bench_strategies.add_arguments(
@@ -273,10 +273,10 @@ def _main(argv: list[str]) -> int:
         ratios = {name: round(v["reward_vs_oracle"], 3) for name, v in result["strategies"].items()}
         print(f"[bench bandit] reward / per-bucket oracle: {json.dumps(ratios)}")
         print(f"[bench bandit] wrote {args.json} and {plot}")
-    elif args.command == "bench" and args.bench == "checkpoint":
-        from tlt_lightning.bench import checkpoint
+    elif args.command == "bench" and args.bench == "activation-checkpointing":
+        from tlt_lightning.bench import activation_checkpointing
 
-        checkpoint.run(args)
+        activation_checkpointing.run(args)
     elif args.command == "bench" and args.bench == "strategies":
         from tlt_lightning.bench import strategies
 

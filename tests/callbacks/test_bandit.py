@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from tests.rl.test_module import make_module, make_trainer
 from tlt_lightning.callbacks import BanditCallback, SpotDrafterCallback
 from tlt_lightning.scheduling import BEGMABStrategy, FixedStrategy, StepCostModel, UCBStrategy
-from tlt_lightning.speculative import SDStrategy, arm_key
+from tlt_lightning.speculative import DraftSpec, arm_key
 
 
 @pytest.fixture(autouse=True)
@@ -26,49 +26,49 @@ def test_both_callbacks_fit_two_steps(tmp_path):
     module = make_module(max_new_tokens=12)
     trainer = make_trainer(2, callbacks=[spot, bandit], default_root_dir=tmp_path)
     trainer.fit(module)
-    chooser = bandit.chooser
-    assert isinstance(chooser, BEGMABStrategy) and module.strategy_chooser is chooser
+    strategy = bandit.strategy
+    assert isinstance(strategy, BEGMABStrategy) and module.draft_strategy is strategy
     # The rollouts consulted the bandit at every decode step below the threshold and reported back.
-    history = chooser.history
+    history = strategy.history
     assert history and {d.mode for d in history} <= {"untried", "explore", "exploit", "unpaired"}
     assert len({arm_key(d.arm) for d in history}) > 1  # it explores several arms
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     last = module.last_rollout.stats
-    buckets = {chooser.bucket_labels[chooser.bucket_of(n)] for n in last.step_batch_sizes if n < 32}
+    buckets = {strategy.bucket_labels[strategy.bucket_of(n)] for n in last.step_batch_sizes if n < 32}
     for label in buckets:
         assert metrics[f"bandit/{label}/decisions"] >= 1 and metrics[f"bandit/{label}/reward"] > 0
-        assert 0 <= metrics[f"bandit/{label}/best_arm"] < len(chooser.arms[0])
-        counts = [metrics[f"bandit/{label}/count/{arm_key(a).replace('/', '_')}"] for a in chooser.arms[0]]
+        assert 0 <= metrics[f"bandit/{label}/best_arm"] < len(strategy.arms[0])
+        counts = [metrics[f"bandit/{label}/count/{arm_key(a).replace('/', '_')}"] for a in strategy.arms[0]]
         assert sum(counts) == metrics[f"bandit/{label}/decisions"]
     assert metrics["drafter/version"] == 2.0 and "drafter/loss" in metrics
     # The heat map and the best arms are written at the end of fit, in the run's own directory.
     assert bandit.run_dir == spot.run_dir == tmp_path / "version_0"
     assert (bandit.run_dir / "bandit" / "heatmap.png").stat().st_size > 0
     best = json.loads((bandit.run_dir / "bandit" / "best_arms.json").read_text())["best_arms"]
-    assert best == {label: {"arm": arm_key(arm), "index": chooser.arms[0].index(arm)}
-                    for label, arm in chooser.best_arms().items()}
+    assert best == {label: {"arm": arm_key(arm), "index": strategy.arms[0].index(arm)}
+                    for label, arm in strategy.best_arms().items()}
 
 
-def test_chooser_state_survives_checkpoint_and_resume(tmp_path):
+def test_strategy_state_survives_checkpoint_and_resume(tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
     first = BanditCallback(BEGMABStrategy(epsilon=0.3, seed=1))
     trainer = make_trainer(1, callbacks=[first, ckpt], enable_checkpointing=True)
     trainer.fit(make_module(drafter_kind="eagle1"))
-    saved = first.chooser.state_dict()
+    saved = first.strategy.state_dict()
     assert saved["num_updates"] > 0
 
     resumed, at_load = BanditCallback(BEGMABStrategy(epsilon=0.3, seed=1)), {}
 
     class AtStart(L.Callback):
         def on_fit_start(self, trainer, pl_module):
-            at_load.update(resumed.chooser.state_dict())
+            at_load.update(resumed.strategy.state_dict())
 
     make_trainer(2, callbacks=[resumed, AtStart()]).fit(
         make_module(drafter_kind="eagle1"), ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
     assert at_load == saved  # counts, windows, RNG state and history, exactly
-    assert resumed.chooser.state_dict()["num_updates"] > saved["num_updates"]  # and it kept learning
+    assert resumed.strategy.state_dict()["num_updates"] > saved["num_updates"]  # and it kept learning
 
-    # The callback's state is the chooser's; missing keys are tolerated.
+    # The callback's state is the strategy's; missing keys are tolerated.
     fresh = BanditCallback(BEGMABStrategy(epsilon=0.3, seed=1))
     fresh.load_state_dict(saved)
     assert fresh.state_dict() == saved
@@ -88,7 +88,7 @@ def reproducible_fit(steps, ckpt_path=None, callbacks=(), **kwargs):
     bandit, rewards = BanditCallback(BEGMABStrategy(epsilon=0.3, seed=2), reproducible=True), Rewards()
     trainer = make_trainer(steps, callbacks=[bandit, rewards, *callbacks], **kwargs)
     trainer.fit(make_module(drafter_kind="eagle1", max_new_tokens=12), ckpt_path=ckpt_path)
-    return bandit.chooser, rewards.rewards
+    return bandit.strategy, rewards.rewards
 
 
 def test_reproducible_mode_gives_identical_runs_and_exact_resume(tmp_path):
@@ -108,18 +108,18 @@ def test_reproducible_mode_gives_identical_runs_and_exact_resume(tmp_path):
 def test_resuming_a_wall_time_bandit_in_reproducible_mode_is_refused(tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
     make_trainer(1, callbacks=[BanditCallback(), ckpt], enable_checkpointing=True).fit(make_module(drafter_kind="eagle1"))
-    with pytest.raises(ValueError, match="learned with wall time but this chooser uses modelled cost"):
+    with pytest.raises(ValueError, match="learned with wall time but this strategy uses modelled cost"):
         reproducible_fit(2, ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
 
 
-def test_other_choosers_and_no_speculation(tmp_path):
-    fixed = BanditCallback(FixedStrategy(SDStrategy(2)))
+def test_other_strategies_and_no_speculation(tmp_path):
+    fixed = BanditCallback(FixedStrategy(DraftSpec(2)))
     module = make_module(drafter_kind="eagle1")
     make_trainer(1, callbacks=[fixed], default_root_dir=tmp_path).fit(module)
-    assert {arm_key(d.arm) for d in fixed.chooser.history} == {"chain2"}
+    assert {arm_key(d.arm) for d in fixed.strategy.history} == {"chain2"}
     ucb = BanditCallback(UCBStrategy())
     make_trainer(1, callbacks=[ucb], default_root_dir=tmp_path).fit(make_module())  # no drafter: no decisions
-    assert ucb.chooser.history == [] and (ucb.run_dir / "bandit" / "heatmap.png").is_file()
+    assert ucb.strategy.history == [] and (ucb.run_dir / "bandit" / "heatmap.png").is_file()
 
 
 def test_begmab_is_not_a_lightning_strategy():
@@ -130,7 +130,7 @@ def test_begmab_is_not_a_lightning_strategy():
 
 
 def test_bad_arguments():
-    with pytest.raises(TypeError, match="chooser must be a BucketedChooser .* got object"):
+    with pytest.raises(TypeError, match="strategy must be a BucketedStrategy .* got object"):
         BanditCallback(object())
     with pytest.raises(ValueError, match="heatmap_bins must be an int >= 1, got 0"):
         BanditCallback(heatmap_bins=0)
@@ -138,10 +138,10 @@ def test_bad_arguments():
         BanditCallback(cost_model=StepCostModel())
     with pytest.raises(TypeError, match="reproducible must be a bool, got 'yes'"):
         BanditCallback(reproducible="yes")
-    # UCB (or any chooser) can be made reproducible; a chooser's own cost model is kept.
-    assert BanditCallback(UCBStrategy(), reproducible=True).chooser.cost_model == StepCostModel()
+    # UCB (or any strategy) can be made reproducible; a strategy's own cost model is kept.
+    assert BanditCallback(UCBStrategy(), reproducible=True).strategy.cost_model == StepCostModel()
     own = StepCostModel(base_time=0.2)
-    assert BanditCallback(BEGMABStrategy(cost_model=own), reproducible=True).chooser.cost_model is own
+    assert BanditCallback(BEGMABStrategy(cost_model=own), reproducible=True).strategy.cost_model is own
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed")

@@ -10,12 +10,12 @@ import torch
 from tests.rl.test_module import make_module, make_trainer
 from tlt_lightning.callbacks import DrafterDriftProbe, SpotDrafterCallback
 from tlt_lightning.drafter import load_drafter
-from tlt_lightning.speculative import SDStrategy
+from tlt_lightning.speculative import DraftSpec
 
 
 def test_probe_compares_spot_and_frozen_drafters(tmp_path):
     spot, probe = SpotDrafterCallback(max_steps_per_rollout=2), DrafterDriftProbe(num_prompts=2, max_new_tokens=8,
-                                                                                  strategy=SDStrategy(2))
+                                                                                  arm=DraftSpec(2))
     trainer = make_trainer(3, callbacks=[spot, probe], default_root_dir=tmp_path)
     module = make_module(lr=1e-2)
     trainer.fit(module)
@@ -30,7 +30,7 @@ def test_probe_compares_spot_and_frozen_drafters(tmp_path):
                                                      probe._frozen.state_dict().values()))
     assert {"drift/accept_length_spot", "drift/accept_length_frozen"} <= set(trainer.callback_metrics)
     saved = json.loads((probe.run_dir / "drift" / "drift.json").read_text())
-    assert saved["history"] == probe.history and saved["strategy"] == "chain2"
+    assert saved["history"] == probe.history and saved["arm"] == "chain2"
     assert (probe.run_dir / "drift" / "drift.png").stat().st_size > 5_000
 
 

@@ -16,7 +16,14 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from tests.rl.test_module import PROMPTS, make_module, make_trainer
 from tlt_lightning.callbacks import SpotDrafterCallback
-from tlt_lightning.drafter import Drafter, DrafterConfig, SpotTrainer, load_drafter, save_drafter, spot_trainer
+from tlt_lightning.drafter import (
+    Drafter,
+    DrafterConfig,
+    SpotTrainer,
+    load_drafter,
+    save_drafter,
+    spot_trainer,
+)
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rl.module import GRPOModule
 

@@ -14,8 +14,8 @@ from tlt_lightning.drafter import Drafter, DrafterConfig
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.models.registry import _TINY
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
-from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-from tlt_lightning.speculative import SDStrategy
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.speculative import DraftSpec
 
 pytest.importorskip("torchtune")
 from tlt_lightning.models import torchtune_target as tt
@@ -98,7 +98,7 @@ def test_tied_head_follows_in_place_updates_of_the_embedding():
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("arm", [SDStrategy(3), SDStrategy(3, 3, 6)], ids=str)
+@pytest.mark.parametrize("arm", [DraftSpec(3), DraftSpec(3, 3, 6)], ids=str)
 def test_speculative_greedy_on_the_torchtune_target_equals_plain_greedy(pair, kind, arm):
     """Lossless: a (random, mostly wrong) drafter on the torchtune target changes no greedy token."""
     _, tune = pair
@@ -107,7 +107,7 @@ def test_speculative_greedy_on_the_torchtune_target_equals_plain_greedy(pair, ki
     prompts = random_prompts(16, seed=5)
     config = RolloutConfig(max_new_tokens=48, temperature=0.0)
     plain = RolloutEngine(tune, config).generate(prompts)
-    spec = SpeculativeRolloutLoop(tune, drafter, config, FixedChooser(arm), threshold=1000).generate(prompts)
+    spec = SpeculativeRolloutLoop(tune, drafter, config, arm, threshold=1000).generate(prompts)
     assert [r.token_ids.tolist() for r in spec.rollouts] == [r.token_ids.tolist() for r in plain.rollouts]
     assert sum(r.length for r in plain.rollouts) > 16 * 8  # real responses, not an immediate EOS
     assert all(spec.stats.step_speculative) and spec.stats.accept_lengths.numel() > 0

@@ -6,8 +6,8 @@ import lightning as L
 import pytest
 import torch
 
-from tlt_lightning.efficiency.callbacks import DynamicCheckpointingCallback, LayerwisePrecisionCallback
-from tlt_lightning.efficiency.checkpoint import is_checkpointed
+from tlt_lightning.efficiency.activation_checkpointing import is_activation_checkpointed
+from tlt_lightning.efficiency.callbacks import ActivationCheckpointingCallback, LayerwisePrecisionCallback
 from tlt_lightning.efficiency.memory import measure_step
 from tlt_lightning.efficiency.precision import PrecisionConfig
 from tlt_lightning.models import load_model
@@ -20,7 +20,7 @@ class TinyLM(L.LightningModule):
         self.seen_checkpointed: list[list[bool]] = []
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        self.seen_checkpointed.append([is_checkpointed(b) for b in self.model.model.layers])
+        self.seen_checkpointed.append([is_activation_checkpointed(b) for b in self.model.model.layers])
         loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
         self.log("loss", loss)
         return loss
@@ -41,16 +41,16 @@ def _fit(module: L.LightningModule, callback: L.Callback, steps: int = 3) -> L.T
 
 def test_dynamic_checkpointing_callback_profiles_applies_and_removes():
     module = TinyLM()
-    callback = DynamicCheckpointingCallback(budget_fraction=0.6, blocks="model.model.layers.*", repeats=1)
+    callback = ActivationCheckpointingCallback(budget_fraction=0.6, blocks="model.model.layers.*", repeats=1)
     trainer = _fit(module, callback)
     plan = callback.plan
     assert plan is not None and any(plan.checkpointed)
     # Profiling calls training_step without checkpointing; the real steps run with the plan.
     assert module.seen_checkpointed[-1] == list(plan.checkpointed)
     assert trainer.callback_metrics["checkpoint/blocks"] == len(plan.indices)
-    assert not any(is_checkpointed(b) for b in module.model.model.layers)  # undone at teardown
+    assert not any(is_activation_checkpointed(b) for b in module.model.model.layers)  # undone at teardown
     state = callback.state_dict()
-    resumed = DynamicCheckpointingCallback(budget_fraction=0.6, blocks="model.model.layers.*")
+    resumed = ActivationCheckpointingCallback(budget_fraction=0.6, blocks="model.model.layers.*")
     resumed.load_state_dict(state)
     resumed.load_state_dict({})  # missing keys are tolerated
     module2 = TinyLM()
@@ -60,24 +60,24 @@ def test_dynamic_checkpointing_callback_profiles_applies_and_removes():
 
 def test_dynamic_checkpointing_callback_budget_holds():
     module = TinyLM()
-    callback = DynamicCheckpointingCallback(budget_fraction=0.5, repeats=1)  # blocks: the longest ModuleList
+    callback = ActivationCheckpointingCallback(budget_fraction=0.5, repeats=1)  # blocks: the longest ModuleList
     _fit(module, callback, steps=1)
-    from tlt_lightning.efficiency.checkpoint import apply_checkpointing
+    from tlt_lightning.efficiency.activation_checkpointing import apply_activation_checkpointing
 
     ids = torch.randint(3, 128, (4, 32))
-    with apply_checkpointing(list(module.model.model.layers), callback.plan):
+    with apply_activation_checkpointing(list(module.model.model.layers), callback.plan):
         measured = measure_step(lambda: module.model(input_ids=ids, labels=ids, use_cache=False).loss)
     assert measured.peak_bytes <= callback.plan.peak_bytes
 
 
 def test_dynamic_checkpointing_callback_rejects_bad_budget():
     with pytest.raises(ValueError, match="exactly one of memory_budget and budget_fraction"):
-        DynamicCheckpointingCallback()
+        ActivationCheckpointingCallback()
     with pytest.raises(ValueError, match=r"budget_fraction must be a number in \(0, 1\]"):
-        DynamicCheckpointingCallback(budget_fraction=2.0)
+        ActivationCheckpointingCallback(budget_fraction=2.0)
     module = TinyLM()
     with pytest.raises(ValueError, match="budget_fraction=0.01 gives memory_budget="):
-        _fit(module, DynamicCheckpointingCallback(budget_fraction=0.01, repeats=1), steps=1)
+        _fit(module, ActivationCheckpointingCallback(budget_fraction=0.01, repeats=1), steps=1)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.rl.test_module import initial_params, make_module, make_trainer, params
-from tlt_lightning.efficiency.callbacks import DynamicCheckpointingCallback, LayerwisePrecisionCallback
-from tlt_lightning.efficiency.checkpoint import is_checkpointed
+from tlt_lightning.efficiency.activation_checkpointing import is_activation_checkpointed
+from tlt_lightning.efficiency.callbacks import ActivationCheckpointingCallback, LayerwisePrecisionCallback
 from tlt_lightning.efficiency.grpo import grpo_policy_loss, grpo_profile_batch
 from tlt_lightning.efficiency.precision import PrecisionConfig
 
@@ -62,11 +62,11 @@ class TrainingCalls(L.Callback):
         self.training = False
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.flags.append([is_checkpointed(b) for b in pl_module.policy.model.layers])
+        self.flags.append([is_activation_checkpointed(b) for b in pl_module.policy.model.layers])
 
 
 def test_dynamic_checkpointing_wraps_policy_blocks_and_keeps_the_gradients():
-    callback = DynamicCheckpointingCallback(
+    callback = ActivationCheckpointingCallback(
         budget_fraction=0.6, blocks="policy.model.layers.*", repeats=1,
         forward_fn=grpo_policy_loss, profile_batch_fn=grpo_profile_batch,
     )
@@ -80,7 +80,7 @@ def test_dynamic_checkpointing_wraps_policy_blocks_and_keeps_the_gradients():
     # Really recomputed: a checkpointed block runs twice per step (forward, backward), the others once.
     assert calls.calls == [[2 if c else 1 for c in plan.checkpointed]] * 2
     assert trainer.callback_metrics["checkpoint/blocks"] == len(plan.indices)
-    assert not any(is_checkpointed(b) for b in module.policy.model.layers)  # undone at teardown
+    assert not any(is_activation_checkpointed(b) for b in module.policy.model.layers)  # undone at teardown
 
     baseline, base_record = make_module(max_grad_norm=None), StepRecord()
     make_trainer(2, callbacks=[base_record]).fit(baseline)
@@ -103,8 +103,8 @@ def test_grpo_profile_batch_is_the_largest_micro_batch():
 
 def test_dynamic_checkpointing_errors_name_the_argument():
     with pytest.raises(TypeError, match="profile_batch_fn must be callable"):
-        DynamicCheckpointingCallback(budget_fraction=0.5, profile_batch_fn="first rollout")
-    callback = DynamicCheckpointingCallback(budget_fraction=0.5, blocks="policy.model.layers.*")
+        ActivationCheckpointingCallback(budget_fraction=0.5, profile_batch_fn="first rollout")
+    callback = ActivationCheckpointingCallback(budget_fraction=0.5, blocks="policy.model.layers.*")
     with pytest.raises(ValueError, match="forward_fn=None profiles training_step, but GRPOModule uses manual"):
         make_trainer(1, callbacks=[callback]).fit(make_module())
 

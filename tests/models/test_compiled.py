@@ -19,8 +19,8 @@ from tlt_lightning.models import CompileConfig, HFTarget, load_model
 from tlt_lightning.models.compiled import Bucket, CompiledDecode
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.engine import causal_decode_mask
-from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-from tlt_lightning.speculative import SDStrategy
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.speculative import DraftSpec
 
 SHARED = CompileConfig(batch_buckets=(16,), query_buckets=(8,), kv_step=256)
 
@@ -55,7 +55,7 @@ def test_plain_greedy_decode_equals_transformers(compiled_pair, caplog):
     no_warnings(caplog)
 
 
-@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 3, 6), SDStrategy(3, 2, sampled=True)], ids=str)
+@pytest.mark.parametrize("arm", [DraftSpec(4), DraftSpec(3, 3, 6), DraftSpec(3, 2, sampled=True)], ids=str)
 def test_chain_and_tree_verification_equal_plain_greedy(compiled_pair, arm, caplog):
     """Speculative greedy verifying through the graphs (chains of 5, trees of 7 tokens) equals plain greedy."""
     hf, compiled = compiled_pair
@@ -64,7 +64,7 @@ def test_chain_and_tree_verification_equal_plain_greedy(compiled_pair, arm, capl
     config = RolloutConfig(max_new_tokens=60, temperature=0.0)
     plain = RolloutEngine(hf, config).generate(prompts)
     with caplog.at_level(logging.WARNING):
-        result = SpeculativeRolloutLoop(compiled, drafter, config, FixedChooser(arm), threshold=1000).generate(prompts)
+        result = SpeculativeRolloutLoop(compiled, drafter, config, arm, threshold=1000).generate(prompts)
     assert all(s.token_ids.tolist() == p.token_ids.tolist() for s, p in zip(result.rollouts, plain.rollouts))
     assert all(result.stats.step_speculative)
     assert list(compiled._compiled.compile_times) == [Bucket(16, 8, 256, features_of(hf))]  # reused, not recompiled
@@ -211,7 +211,7 @@ def test_compiled_drafter_steps_change_no_emitted_token(compiled_pair, kind, cap
     prompts = random_prompts(10, seed=13)
     config = RolloutConfig(max_new_tokens=40, temperature=0.0)
     plain = RolloutEngine(hf, config).generate(prompts)
-    arm = FixedChooser(SDStrategy(3, 2, 6))
+    arm = DraftSpec(3, 2, 6)
     with caplog.at_level(logging.WARNING):
         result = SpeculativeRolloutLoop(compiled, drafter, config, arm, threshold=1000).generate(prompts)
     reference = SpeculativeRolloutLoop(hf, eager_drafts, config, arm, threshold=1000).generate(prompts)
@@ -219,7 +219,7 @@ def test_compiled_drafter_steps_change_no_emitted_token(compiled_pair, kind, cap
     assert drafter.compile_seconds > 0 and not drafter._compiled._warned
     no_warnings(caplog)
     # Same drafts up to rounding: acceptance within a few percent of the eager drafter's.
-    mean = lambda r: float(r.stats.accept_lengths.float().mean())  # noqa: E731
+    mean = lambda r: float(r.stats.accept_lengths.float().mean())
     assert mean(result) == pytest.approx(mean(reference), rel=0.1)
 
 

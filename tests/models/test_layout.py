@@ -9,8 +9,8 @@ from tlt_lightning.drafter import Drafter, DrafterConfig
 from tlt_lightning.models import HFTarget, PackedLinear, load_model, set_weight_layout
 from tlt_lightning.models.layout import _PACKABLE, _packable_dtypes
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
-from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-from tlt_lightning.speculative import SDStrategy
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.speculative import DraftSpec
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
@@ -203,7 +203,7 @@ def test_packed_copy_follows_optimizer_steps_and_is_not_copied():
 
 
 @needs_packing
-@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 2, 6)], ids=["chain", "tree"])
+@pytest.mark.parametrize("arm", [DraftSpec(4), DraftSpec(3, 2, 6)], ids=["chain", "tree"])
 def test_speculative_greedy_output_is_the_same_packed(arm):
     target = HFTarget(load_model("tiny-llama", seed=0).model.eval())
     drafter = Drafter(DrafterConfig.from_target(target, draft_vocab_size=64), target).eval()
@@ -211,7 +211,7 @@ def test_speculative_greedy_output_is_the_same_packed(arm):
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21]]
     plain = [r.token_ids.tolist() for r in RolloutEngine(target, config).generate(prompts).rollouts]
     target.set_weight_layout("packed")
-    loop = SpeculativeRolloutLoop(target, drafter, config, chooser=FixedChooser(arm), threshold=8)
+    loop = SpeculativeRolloutLoop(target, drafter, config, strategy=arm, threshold=8)
     result = loop.generate(prompts)
     assert [r.token_ids.tolist() for r in result.rollouts] == plain
     assert drafter.weight_layout == "packed"  # it follows the target: fc and the layer's 7 projections

@@ -1,8 +1,7 @@
 import pytest
 import torch
 
-from tlt_lightning.models import ModelNotFoundError, available_models, load_model, model_dir
-from tlt_lightning.models import registry
+from tlt_lightning.models import ModelNotFoundError, available_models, load_model, model_dir, registry
 
 
 def test_tiny_models_are_seeded_and_sized():

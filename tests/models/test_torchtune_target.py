@@ -170,7 +170,7 @@ def test_mismatches_and_unsupported_models_are_refused(tt):
 
 
 def test_missing_extra_names_it(monkeypatch):
-    import tlt_lightning.models as models
+    from tlt_lightning import models
 
     for name in [n for n in sys.modules if n == "torchtune" or n.startswith("torchtune.")] or ["torchtune"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed

@@ -18,10 +18,10 @@ from tlt_lightning.rl import GRPOModule, SyntheticPromptSource
 
 pytest.importorskip("torchtune")
 
-from torchtune.modules import TransformerDecoder  # noqa: E402
+from torchtune.modules import TransformerDecoder
 
-from tlt_lightning.recipes.grpo_torchtune import build_module, load_config, run  # noqa: E402
-from tlt_lightning.rl.torchtune_module import TorchtuneGRPOModule  # noqa: E402
+from tlt_lightning.recipes.grpo_torchtune import build_module, load_config, run
+from tlt_lightning.rl.torchtune_module import TorchtuneGRPOModule
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "grpo_torchtune.yaml")

@@ -16,8 +16,7 @@ from tlt_lightning.models import load_model
 from tlt_lightning.rl import TaskConfig
 from tlt_lightning.rl.module import GRPOModule, NonFiniteLossError, RewardError
 from tlt_lightning.rl.sources import PromptIndexLoader, TaskPromptSource, TokenPromptSource
-from tlt_lightning.rollout.speculative import FixedChooser
-from tlt_lightning.speculative import SDStrategy
+from tlt_lightning.speculative import DraftSpec
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [3, 4]]
 
@@ -339,7 +338,7 @@ class SpecRecord(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         stats = pl_module.last_rollout.stats
         self.speculative.append(any(stats.step_speculative))
-        self.strategies.extend(s for s in stats.step_strategies if s is not None)
+        self.strategies.extend(s for s in stats.step_arms if s is not None)
 
 
 def test_speculative_rollouts_in_the_module():
@@ -347,17 +346,17 @@ def test_speculative_rollouts_in_the_module():
     trainer = make_trainer(2, callbacks=[record])
     trainer.fit(module)
     assert record.speculative == [True, True]
-    assert set(record.strategies) == {SDStrategy(4)}
+    assert set(record.strategies) == {DraftSpec(4)}
     assert float(trainer.logged_metrics["rollout/accept_length"]) >= 1.0
     # Speculative rollouts are lossless: their log-probs agree with the training forward's.
     assert float(trainer.logged_metrics["train/logprob_drift"]) < 1e-4
 
 
-def test_injected_chooser_and_speculative_off():
+def test_injected_strategy_and_speculative_off():
     module, record = make_module(drafter_kind="eagle1"), SpecRecord()
-    module.strategy_chooser = FixedChooser(SDStrategy(2))
+    module.draft_strategy = DraftSpec(2)
     make_trainer(1, callbacks=[record]).fit(module)
-    assert set(record.strategies) == {SDStrategy(2)}
+    assert set(record.strategies) == {DraftSpec(2)}
 
     module, record = make_module(drafter_kind="eagle1", speculative=False), SpecRecord()
     make_trainer(1, callbacks=[record]).fit(module)

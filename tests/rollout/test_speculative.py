@@ -9,19 +9,18 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.rollout.test_engine import random_prompts
 from tlt_lightning.drafter import Drafter, DrafterConfig, DrafterLoss, warmup_drafter
 from tlt_lightning.models import CompileConfig, HFTarget
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
-from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-from tlt_lightning.speculative import SamplingParams, SDStrategy, sampling_probs
-
-from tests.rollout.test_engine import random_prompts
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.speculative import DraftSpec, SamplingParams, sampling_probs
 
 BOS = 1
-SAMPLED = SDStrategy(3, 2, sampled=True)  # two sampled chains of 3 forking at the root
-FORKED = SDStrategy(3, 2, sampled=True, fork_depth=2)  # forks at its first two levels: four chains of 3
-EARLY = SDStrategy(6, min_confidence=0.3)  # a chain of up to 6 that stops once the drafter doubts it
+SAMPLED = DraftSpec(3, 2, sampled=True)  # two sampled chains of 3 forking at the root
+FORKED = DraftSpec(3, 2, sampled=True, fork_depth=2)  # forks at its first two levels: four chains of 3
+EARLY = DraftSpec(6, min_confidence=0.3)  # a chain of up to 6 that stops once the drafter doubts it
 
 
 class _ShiftedCache(KVCache):
@@ -93,21 +92,21 @@ def with_eos(target: HFTarget, eos_token_ids: tuple[int, ...] = ()) -> HFTarget:
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("arm", [SDStrategy(1), SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED, FORKED, EARLY], ids=str)
+@pytest.mark.parametrize("arm", [DraftSpec(1), DraftSpec(4), DraftSpec(3, 3, 6), SAMPLED, FORKED, EARLY], ids=str)
 def test_greedy_equals_plain_with_a_random_drafter(tiny_target, kind, arm):
     """64 requests x 200 tokens: a drafter that is almost always wrong changes nothing."""
     drafter = Drafter(DrafterConfig.from_target(tiny_target, kind=kind, draft_vocab_size=96), tiny_target)
     prompts = random_prompts(64, seed=11)
     config = RolloutConfig(max_new_tokens=200, temperature=0)
     plain = RolloutEngine(tiny_target, config).generate(prompts)
-    spec = SpeculativeRolloutLoop(tiny_target, drafter, config, FixedChooser(arm), threshold=1000)
+    spec = SpeculativeRolloutLoop(tiny_target, drafter, config, arm, threshold=1000)
     result = spec.generate(prompts)
     assert all(s.token_ids.tolist() == p.token_ids.tolist() for s, p in zip(result.rollouts, plain.rollouts))
     assert all(result.stats.step_speculative)
     assert result.stats.accept_lengths.numel() > 0
 
 
-@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED, FORKED, EARLY], ids=str)
+@pytest.mark.parametrize("arm", [DraftSpec(4), DraftSpec(3, 3, 6), SAMPLED, FORKED, EARLY], ids=str)
 def test_greedy_equals_plain_with_a_trained_drafter(tiny_llama, arm):
     """64 requests x 200 tokens with a drafter trained on the target's own greedy rollouts: many
     drafts are accepted, and the output is still the plain greedy output token for token."""
@@ -120,14 +119,14 @@ def test_greedy_equals_plain_with_a_trained_drafter(tiny_llama, arm):
     warmup_drafter(drafter, tiny_llama, plain.rollouts, steps=300, lr=1e-2, batch_size=16, progress=False,
                    max_len=200, loss_cfg=DrafterLoss(1.0, 1.0))  # teacher-forced top-1 ~0.35 here
     drafter.eval()
-    result = SpeculativeRolloutLoop(tiny_llama, drafter, config, FixedChooser(arm), threshold=1000).generate(prompts)
+    result = SpeculativeRolloutLoop(tiny_llama, drafter, config, arm, threshold=1000).generate(prompts)
     assert all(s.token_ids.tolist() == p.token_ids.tolist() for s, p in zip(result.rollouts, plain.rollouts))
     assert result.stats.mean_accept_length > 1.25, "the trained drafter should get drafts accepted"
 
 
 @pytest.mark.parametrize(
     ("arm", "temperature"),
-    [(SDStrategy(2), 1.0), (SDStrategy(5), 1.0), (SDStrategy(3), 0.0), (SAMPLED, 1.0), (SAMPLED, 0.0),
+    [(DraftSpec(2), 1.0), (DraftSpec(5), 1.0), (DraftSpec(3), 0.0), (SAMPLED, 1.0), (SAMPLED, 0.0),
      (FORKED, 1.0), (FORKED, 0.0)],
 )
 def test_oracle_drafter_accepts_everything(tiny_llama, arm, temperature):
@@ -137,7 +136,7 @@ def test_oracle_drafter_accepts_everything(tiny_llama, arm, temperature):
     prompts = [[BOS, *p] for p in random_prompts(6, seed=12)]
     depth = arm.num_steps
     config = RolloutConfig(max_new_tokens=1 + 4 * (depth + 1), temperature=temperature)
-    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(arm), threshold=100,
+    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, arm, threshold=100,
                                   drafter_context="prompt")
     result = loop.generate(prompts, generator=torch.Generator().manual_seed(0))
     assert (result.stats.accept_lengths == depth + 1).all()
@@ -153,9 +152,9 @@ def test_oracle_drafter_accepts_every_draft_of_a_chain_that_stops_early(tiny_lla
     each step emits its drafts plus one, and the depths vary from step to step."""
     target = with_eos(tiny_llama)
     prompts = [[BOS, *p] for p in random_prompts(1, seed=12)]
-    arm = SDStrategy(8, min_confidence=0.2)
+    arm = DraftSpec(8, min_confidence=0.2)
     config = RolloutConfig(max_new_tokens=60, temperature=temperature)
-    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(arm), threshold=100,
+    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, arm, threshold=100,
                                   drafter_context="prompt")
     result = loop.generate(prompts, generator=torch.Generator().manual_seed(1))
     depths = torch.tensor(result.stats.step_draft_depths)
@@ -172,9 +171,9 @@ def test_oracle_drafter_keeps_accepting_after_rows_finish(tiny_llama):
     request's last (cut at its end-of-sequence token) accepts the whole chain."""
     target = with_eos(tiny_llama, eos_token_ids=tuple(range(10, 22)))
     prompts = [[BOS, *p] for p in random_prompts(16, seed=13)]
-    arm = SDStrategy(3)
+    arm = DraftSpec(3)
     config = RolloutConfig(max_new_tokens=1 + 12 * (arm.num_steps + 1), temperature=1.0)
-    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(arm), threshold=100,
+    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, arm, threshold=100,
                                   drafter_context="prompt")
     result = loop.generate(prompts, generator=torch.Generator().manual_seed(3))
     sizes = result.stats.step_batch_sizes
@@ -185,14 +184,14 @@ def test_oracle_drafter_keeps_accepting_after_rows_finish(tiny_llama):
         assert short <= size - size_after, f"step {step}: {short} rows accepted less, {size - size_after} finished"
 
 
-@pytest.mark.parametrize("arm", [SDStrategy(3, 2, 4), SDStrategy(4, 3, 12)], ids=str)
+@pytest.mark.parametrize("arm", [DraftSpec(3, 2, 4), DraftSpec(4, 3, 12)], ids=str)
 def test_oracle_drafter_trees_accept_their_argmax_path(tiny_llama, arm):
     """Under greedy, a tree from the target's own distribution is accepted along its argmax path:
     fully whenever the pruned tree kept that path, which a wide tree nearly always does."""
     target = with_eos(tiny_llama)
     prompts = [[BOS, *p] for p in random_prompts(6, seed=12)]
     config = RolloutConfig(max_new_tokens=40, temperature=0)
-    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, FixedChooser(arm), threshold=100,
+    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, arm, threshold=100,
                                   drafter_context="prompt")
     result = loop.generate(prompts)
     plain = RolloutEngine(target, config).generate(prompts)
@@ -205,7 +204,7 @@ def test_threshold_switches_speculation_on_in_the_tail(tiny_llama):
     # Long prompts in a 512-token context: each request's own limit makes the batch shrink step by step.
     prompts = [[5] * (470 + 3 * i) for i in range(12)]
     config = RolloutConfig(max_new_tokens=40, temperature=1.0)
-    loop = SpeculativeRolloutLoop(tiny_llama, drafter, config, FixedChooser(SDStrategy(3)), threshold=6)
+    loop = SpeculativeRolloutLoop(tiny_llama, drafter, config, DraftSpec(3), threshold=6)
     stats = loop.generate(prompts, generator=torch.Generator().manual_seed(1)).stats
     for size, spec in zip(stats.step_batch_sizes, stats.step_speculative):
         assert spec == (size < 6)
@@ -238,7 +237,7 @@ def exact_joint(target: HFTarget, prompt: list[int], params: SamplingParams, len
     return joint.reshape([V] * length)
 
 
-def assert_sampling_exact(temperature: float, top_p: float, arm: SDStrategy, drafter_vocab: int | None = None,
+def assert_sampling_exact(temperature: float, top_p: float, arm: DraftSpec, drafter_vocab: int | None = None,
                           batch: int = 20_000, calls: int = 1, decode: str = "hf",
                           compile_config: CompileConfig | None = None) -> list[int]:
     """Chi-square: the joint law of tokens 2-3 (produced by speculative steps) equals the target's,
@@ -252,7 +251,7 @@ def assert_sampling_exact(temperature: float, top_p: float, arm: SDStrategy, dra
     params = SamplingParams(temperature, top_p)
     prompt, n = [1, 4, 2], batch * calls
     config = RolloutConfig(max_new_tokens=3, temperature=temperature, top_p=top_p, prefill_chunk=batch)
-    loop = SpeculativeRolloutLoop(target, drafter, config, FixedChooser(arm), threshold=batch + 1)
+    loop = SpeculativeRolloutLoop(target, drafter, config, arm, threshold=batch + 1)
     generator, rollouts, depths = torch.Generator().manual_seed(3), [], []
     for _ in range(calls):
         result = loop.generate([prompt] * batch, generator=generator)
@@ -276,20 +275,20 @@ def assert_sampling_exact(temperature: float, top_p: float, arm: SDStrategy, dra
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (1.0, 0.9), (0.7, 1.0)])
 @pytest.mark.parametrize(
     "arm",
-    [SDStrategy(2), SDStrategy(2, 2, 3), SDStrategy(2, 3, sampled=True), SDStrategy(2, 2, sampled=True, fork_depth=2)],
+    [DraftSpec(2), DraftSpec(2, 2, 3), DraftSpec(2, 3, sampled=True), DraftSpec(2, 2, sampled=True, fork_depth=2)],
     ids=str,
 )
 def test_sampling_is_exact_end_to_end(temperature, top_p, arm):
     assert_sampling_exact(temperature, top_p, arm)
 
 
-@pytest.mark.parametrize("arm", [SDStrategy(2), SDStrategy(2, 2, 3)], ids=str)
+@pytest.mark.parametrize("arm", [DraftSpec(2), DraftSpec(2, 2, 3)], ids=str)
 def test_sampling_is_exact_through_the_lean_forward(arm):
     """The lean decode path (``HFTarget(decode="lean")``) verifies chains and trees: still the target's law."""
     assert_sampling_exact(1.0, 0.9, arm, decode="lean")
 
 
-@pytest.mark.parametrize("arm", [SDStrategy(2), SDStrategy(2, 2, 3)], ids=str)
+@pytest.mark.parametrize("arm", [DraftSpec(2), DraftSpec(2, 2, 3)], ids=str)
 def test_sampling_is_exact_through_the_compiled_forward(arm):
     """Chains and trees drafted and verified in compiled graphs (every step padded to 20k rows x 4 tokens):
     the target's law."""
@@ -297,7 +296,7 @@ def test_sampling_is_exact_through_the_compiled_forward(arm):
     assert_sampling_exact(1.0, 0.9, arm, decode="compiled", compile_config=config)
 
 
-@pytest.mark.parametrize("arm", [SDStrategy(4), SDStrategy(3, 3, 6), SAMPLED], ids=str)
+@pytest.mark.parametrize("arm", [DraftSpec(4), DraftSpec(3, 3, 6), SAMPLED], ids=str)
 def test_greedy_equals_plain_through_the_lean_forward(tiny_target, arm):
     """Speculative greedy on the lean path equals plain greedy on transformers' path, token for token."""
     lean = HFTarget(tiny_target.model, decode="lean")
@@ -305,12 +304,12 @@ def test_greedy_equals_plain_through_the_lean_forward(tiny_target, arm):
     prompts = random_prompts(32, seed=13)
     config = RolloutConfig(max_new_tokens=120, temperature=0)
     plain = RolloutEngine(tiny_target, config).generate(prompts)
-    result = SpeculativeRolloutLoop(lean, drafter, config, FixedChooser(arm), threshold=1000).generate(prompts)
+    result = SpeculativeRolloutLoop(lean, drafter, config, arm, threshold=1000).generate(prompts)
     assert all(s.token_ids.tolist() == p.token_ids.tolist() for s, p in zip(result.rollouts, plain.rollouts))
     assert all(result.stats.step_speculative)
 
 
-@pytest.mark.parametrize("arm", [SDStrategy(2), SDStrategy(2, 2, sampled=True)], ids=str)
+@pytest.mark.parametrize("arm", [DraftSpec(2), DraftSpec(2, 2, sampled=True)], ids=str)
 def test_sampling_is_exact_with_a_reduced_draft_vocabulary(arm):
     """Drafts sampled on a 3-token draft vocabulary (its distribution scattered into the target's
     6 tokens for verification): the target's other tokens still come out at their own rates."""
@@ -322,7 +321,7 @@ def test_sampling_is_exact_when_chains_stop_on_their_own_drafts(top_p):
     """Whether a chain goes on depends on the tokens it drafted (their probabilities): with few
     requests per rollout the stop varies from step to step, and the law of the output is still the
     target's (2000 rollouts of 4 requests)."""
-    depths = assert_sampling_exact(1.0, top_p, SDStrategy(2, min_confidence=0.25), batch=4, calls=2000)
+    depths = assert_sampling_exact(1.0, top_p, DraftSpec(2, min_confidence=0.25), batch=4, calls=2000)
     share = torch.bincount(torch.tensor(depths), minlength=3)[1:] / len(depths)
     assert (share > 0.1).all(), f"depth 1 / 2 shares {share.tolist()}: the stop should vary"
 
@@ -334,11 +333,11 @@ def test_bad_loop_arguments_are_rejected(tiny_llama):
     with pytest.raises(ValueError, match="threshold must be >= 1, got 0"):
         SpeculativeRolloutLoop(tiny_llama, drafter, threshold=0).generate([[5]])
     loop = SpeculativeRolloutLoop(tiny_llama, drafter, RolloutConfig(max_new_tokens=8),
-                                  FixedChooser(SDStrategy(20)), max_depth=16)
+                                  DraftSpec(20), max_depth=16)
     with pytest.raises(ValueError, match="drafts deeper or verifies more tokens than max_depth=16"):
         loop.generate([[5]])
     loop = SpeculativeRolloutLoop(tiny_llama, drafter, RolloutConfig(max_new_tokens=8),
-                                  FixedChooser(SDStrategy(6, 3, sampled=True)), max_depth=16)
+                                  DraftSpec(6, 3, sampled=True), max_depth=16)
     with pytest.raises(ValueError, match="strategy chain6x3 drafts deeper or verifies more tokens"):
         loop.generate([[5]])
 
@@ -350,15 +349,15 @@ SHIPPED_DRAFTER = Path(__file__).parents[2] / "examples" / "drafters" / "smollm2
 def test_the_shipped_drafter_is_lossless_and_accepted_on_smollm2(smollm2):
     """The drafter shipped in ``examples/`` loads for the real SmolLM2 and, greedy and in fp32,
     reproduces plain decoding token for token while several drafts per step are accepted."""
-    from tlt_lightning.rl.tasks import task_prompts
     from tlt_lightning.drafter import load_drafter
+    from tlt_lightning.rl.tasks import task_prompts
 
     target = HFTarget(smollm2.model)
     drafter = load_drafter(SHIPPED_DRAFTER, target).eval()
     prompts = task_prompts(smollm2.tokenizer, "countdown", 6, seed=1000)
     config = RolloutConfig(max_new_tokens=64, temperature=0)
     plain = RolloutEngine(target, config).generate(prompts)
-    spec = SpeculativeRolloutLoop(target, drafter, config, FixedChooser(SDStrategy(6)), threshold=100)
+    spec = SpeculativeRolloutLoop(target, drafter, config, DraftSpec(6), threshold=100)
     result = spec.generate(prompts)
     assert all(s.token_ids.tolist() == p.token_ids.tolist() for s, p in zip(result.rollouts, plain.rollouts))
     assert result.stats.mean_accept_length > 2.5

@@ -15,38 +15,38 @@ from tlt_lightning.scheduling import (
     UCBStrategy,
     default_arms,
 )
-from tlt_lightning.scheduling.simulate import main, run_bandit_benchmark, run_chooser
-from tlt_lightning.speculative import SDStrategy, StrategyChooser, arm_key
+from tlt_lightning.scheduling.simulate import main, run_bandit_benchmark, run_strategy
+from tlt_lightning.speculative import DraftSpec, DraftStrategy, arm_key
 
-CHAIN2, CHAIN4 = SDStrategy(2), SDStrategy(4)
+CHAIN2, CHAIN4 = DraftSpec(2), DraftSpec(4)
 # Epsilon-greedy needs several explored samples of every arm before the window medians rank arms
 # whose rewards differ by 5-10% under ~11% noise; decisions before this step are not judged.
 BURN_IN = 1000
 
 
-def exploit_fractions(chooser, trace, start: int, stop: int) -> dict[str, float]:
+def exploit_fractions(strategy, trace, start: int, stop: int) -> dict[str, float]:
     """Per bucket, the fraction of exploit decisions in ``[start, stop)`` that picked the best arm."""
     out = {}
-    for b, label in enumerate(chooser.bucket_labels):
+    for b, label in enumerate(strategy.bucket_labels):
         rows = [
             r
             for r in trace
             if start <= r["step"] < stop
             and r["mode"] == "exploit"
-            and chooser.bucket_of(r["batch_size"]) == b
+            and strategy.bucket_of(r["batch_size"]) == b
         ]
         assert len(rows) > 100, label
         out[label] = sum(r["arm"] == r["best"] for r in rows) / len(rows)
     return out
 
 
-def drive(chooser, batch_sizes, rewards=lambda step, bs, arm: (2.0, 0.1)):
-    """Feed ``chooser`` one update per batch size; returns the arms it chose."""
+def drive(strategy, batch_sizes, rewards=lambda step, bs, arm: (2.0, 0.1)):
+    """Feed ``strategy`` one update per batch size; returns the arms it chose."""
     chosen = []
     for step, bs in enumerate(batch_sizes):
-        arm = chooser.select(bs)
+        arm = strategy.select(bs)
         chosen.append(arm)
-        chooser.update(bs, arm, *rewards(step, bs, arm))
+        strategy.update(bs, arm, *rewards(step, bs, arm))
     return chosen
 
 
@@ -56,8 +56,8 @@ def test_defaults_give_every_bucket_several_arms_and_the_protocol():
     assert bandit.bucket_labels == ("1", "2-4", "5-20", "21+")
     assert all(len(arms) >= 2 for arms in bandit.arms)
     assert None in default_arms() and any(a is not None and not a.is_chain for a in default_arms())
-    for chooser in (bandit, UCBStrategy(), FixedStrategy(CHAIN4)):
-        assert isinstance(chooser, StrategyChooser)
+    for strategy in (bandit, UCBStrategy(), FixedStrategy(CHAIN4)):
+        assert isinstance(strategy, DraftStrategy)
 
 
 def test_not_a_lightning_strategy():
@@ -132,7 +132,7 @@ def test_begmab_converges_to_each_buckets_best_arm():
     env = SimulatedSDEnvironment(change_at=None, seed=0)
     assert len({arm_key(env.best_arm(bs, 0)) for bs in env.batch_sizes}) == 4  # a different best per bucket
     bandit = BEGMABStrategy(seed=0)
-    trace = run_chooser(bandit, env, 3000)
+    trace = run_strategy(bandit, env, 3000)
     fractions = exploit_fractions(bandit, trace, BURN_IN, 3000)
     assert min(fractions.values()) >= 0.85, fractions
     assert {label: arm_key(arm) for label, arm in bandit.best_arms().items()} == {
@@ -142,7 +142,7 @@ def test_begmab_converges_to_each_buckets_best_arm():
 
 def test_ucb_converges_on_the_simulated_env():
     ucb = UCBStrategy()
-    trace = run_chooser(ucb, SimulatedSDEnvironment(change_at=None, seed=0), 3000)
+    trace = run_strategy(ucb, SimulatedSDEnvironment(change_at=None, seed=0), 3000)
     fractions = exploit_fractions(ucb, trace, BURN_IN, 3000)
     assert min(fractions.values()) >= 0.8, fractions
 
@@ -154,7 +154,7 @@ def test_window_follows_a_change_of_the_best_arm(window):
     changed = [bs for bs in env.batch_sizes if env.best_arm(bs, 0) != env.best_arm(bs, change)]
     assert changed  # the drafter degrades: some buckets get a new best arm
     bandit = BEGMABStrategy(window=window, seed=1)
-    trace = run_chooser(bandit, env, steps)
+    trace = run_strategy(bandit, env, steps)
     for bs in changed:
         rows = [r for r in trace if r["batch_size"] == bs and r["step"] >= change]
         exploit = [(k, r["arm"] == r["best"]) for k, r in enumerate(rows, 1) if r["mode"] == "exploit"]
@@ -174,7 +174,7 @@ def test_unbounded_statistics_do_not_follow_the_change():
     """Control: with a window longer than the run the old best arm keeps its median."""
     env = SimulatedSDEnvironment(change_at=2000, seed=1)
     bandit = BEGMABStrategy(window=10_000, seed=1)
-    trace = run_chooser(bandit, env, 4000)
+    trace = run_strategy(bandit, env, 4000)
     bs = 12  # chain2 -> off
     late = [r for r in trace if r["batch_size"] == bs and r["mode"] == "exploit" and r["step"] >= 2250]
     assert sum(r["arm"] == r["best"] for r in late) / len(late) < 0.5
@@ -200,13 +200,13 @@ def test_state_dict_round_trip_resumes_the_same_decisions(make):
     n, m = 400, 400
     original = make()
     env = SimulatedSDEnvironment(change_at=None, seed=2)
-    run_chooser(original, env, n)
+    run_strategy(original, env, n)
     state = json.loads(json.dumps(original.state_dict()))  # plain Python only: survives JSON
     sizes = [env.sample_batch_size() for _ in range(m)]
     noise = [env.observe(1, CHAIN2, 0) for _ in range(m)]
 
-    def cont(chooser):
-        return drive(chooser, sizes, rewards=lambda step, bs, arm: noise[step])
+    def cont(strategy):
+        return drive(strategy, sizes, rewards=lambda step, bs, arm: noise[step])
 
     restored = make()
     restored.load_state_dict(state)
@@ -236,13 +236,13 @@ def test_load_state_dict_tolerates_missing_keys_and_rejects_other_arms():
         BEGMABStrategy().load_state_dict({"windows": {"1": {"chain9": [1.0]}}})
     with pytest.raises(ValueError, match="unknown bucket '3-7'"):
         BEGMABStrategy().load_state_dict({"counts": {"3-7": {"off": 1}}})
-    with pytest.raises(ValueError, match="not a valid SDStrategy"):
+    with pytest.raises(ValueError, match="not a valid DraftSpec"):
         BEGMABStrategy().load_state_dict({"arms": [[{"depth": 3}]]})
 
 
 def test_heatmap_png_is_written(tmp_path):
     bandit = BEGMABStrategy(seed=0)
-    run_chooser(bandit, SimulatedSDEnvironment(change_at=None), 300)
+    run_strategy(bandit, SimulatedSDEnvironment(change_at=None), 300)
     edges, rows = bandit.heatmap_data(num_bins=10)
     assert len(edges) == 11 and [label for label, _, _ in rows] == list(bandit.bucket_labels)
     for _, keys, matrix in rows:
@@ -259,7 +259,7 @@ def test_heatmap_png_is_written(tmp_path):
         ({"arms": []}, ValueError, "arms must not be empty"),
         ({"arms": [[None], []], "bucket_thresholds": (1, 4)}, ValueError, "arms for bucket 1 is empty"),
         ({"arms": [[None], [CHAIN2]]}, ValueError, "2 per-bucket lists but bucket_thresholds defines 4"),
-        ({"arms": [None, "chain4"]}, TypeError, "arms must hold SDStrategy"),
+        ({"arms": [None, "chain4"]}, TypeError, "arms must hold DraftSpec"),
         ({"arms": [None, [CHAIN2]]}, TypeError, "not a mix"),
         ({"arms": [CHAIN2, CHAIN2]}, ValueError, "duplicates"),
         (
@@ -294,31 +294,31 @@ def test_bad_ucb_configuration(kwargs, match):
 
 
 def test_bad_fixed_arm():
-    with pytest.raises(TypeError, match="SDStrategy"):
+    with pytest.raises(TypeError, match="DraftSpec"):
         FixedStrategy("chain4")
 
 
 @pytest.mark.parametrize(
-    "chooser", [BEGMABStrategy(), UCBStrategy(), FixedStrategy(None)], ids=["begmab", "ucb", "fixed"]
+    "strategy", [BEGMABStrategy(), UCBStrategy(), FixedStrategy(None)], ids=["begmab", "ucb", "fixed"]
 )
-def test_bad_select_and_update(chooser):
+def test_bad_select_and_update(strategy):
     for bad in (0, -3, 1.5, True):
         with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
-            chooser.select(bad)
+            strategy.select(bad)
         with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
-            chooser.update(bad, None, 1.0, 0.1)
+            strategy.update(bad, None, 1.0, 0.1)
     with pytest.raises(ValueError, match="unknown arm"):
-        chooser.update(2, SDStrategy(7, 3, 9), 1.0, 0.1)
+        strategy.update(2, DraftSpec(7, 3, 9), 1.0, 0.1)
     with pytest.raises(ValueError, match="unknown arm"):
-        chooser.update(2, "off", 1.0, 0.1)
+        strategy.update(2, "off", 1.0, 0.1)
     for bad_time in (0.0, -0.1, math.inf, math.nan):
         with pytest.raises(ValueError, match="step_time must be"):
-            chooser.update(2, None, 1.0, bad_time)
+            strategy.update(2, None, 1.0, bad_time)
     with pytest.raises(ValueError, match="accepted_tokens must be >= 0"):
-        chooser.update(2, None, -1.0, 0.1)
+        strategy.update(2, None, -1.0, 0.1)
     with pytest.raises(TypeError, match="accepted_tokens must be a real number"):
-        chooser.update(2, None, "many", 0.1)
-    assert chooser.history == []  # nothing was recorded by the rejected calls
+        strategy.update(2, None, "many", 0.1)
+    assert strategy.history == []  # nothing was recorded by the rejected calls
 
 
 def test_bad_benchmark_and_environment():
@@ -335,7 +335,7 @@ def test_decaying_epsilon_explores_less_and_still_converges():
     constant, decaying = BEGMABStrategy(seed=2), BEGMABStrategy(seed=2, epsilon_half_life=200, epsilon_floor=0.01)
     explored = {}
     for name, bandit in (("constant", constant), ("decaying", decaying)):
-        trace = run_chooser(bandit, env, 4000)
+        trace = run_strategy(bandit, env, 4000)
         explored[name] = sum(r["mode"] == "explore" for r in trace[2000:])
         exploit = [r["arm"] == r["best"] for r in trace[2000:] if r["mode"] == "exploit"]
         assert sum(exploit) / len(exploit) >= 0.85, name
@@ -355,11 +355,11 @@ def test_decaying_epsilon_arguments_are_checked():
 def test_parse_arm_inverts_arm_key():
     from tlt_lightning.speculative import parse_arm
 
-    arms = (SDStrategy(8), SDStrategy(3, 2, 5), SDStrategy(6, 2, sampled=True), SDStrategy(10, min_confidence=0.25),
-            SDStrategy(6, 2, sampled=True, fork_depth=3))
+    arms = (DraftSpec(8), DraftSpec(3, 2, 5), DraftSpec(6, 2, sampled=True), DraftSpec(10, min_confidence=0.25),
+            DraftSpec(6, 2, sampled=True, fork_depth=3))
     for arm in (*default_arms(), *arms):
         assert parse_arm(arm_key(arm)) == arm
-    assert parse_arm("chain10@.5") == SDStrategy(10, min_confidence=0.5)
+    assert parse_arm("chain10@.5") == DraftSpec(10, min_confidence=0.5)
     for bad in ("", "chain", "tree4x2", "chain0", "on", "chain6x", "chain6x1", "chain6@", "chain6@1.2.3", "chain6@1",
                 "chain6f2", "chain6x2f", "chain6x2f7", "chain6x2f2@0.1"):
         with pytest.raises(ValueError):
@@ -401,7 +401,7 @@ def test_per_request_rewards_are_not_fooled_by_a_shrinking_batch():
 
 
 # --------------------------------------------------------------------------- reproducible mode
-from tlt_lightning.scheduling import StepCostModel  # noqa: E402
+from tlt_lightning.scheduling import StepCostModel
 
 
 def test_cost_model_makes_decisions_independent_of_wall_time():
@@ -429,7 +429,7 @@ def test_cost_model_makes_decisions_independent_of_wall_time():
 
 def test_cost_model_ranks_deep_drafts_first_at_batch_1_and_off_at_large_batch():
     model = StepCostModel()
-    deep, off = SDStrategy(6), None
+    deep, off = DraftSpec(6), None
     # Expected tokens 3 for the deep chain vs 1 off: it pays at batch 1 ...
     assert 3 * 1 / model.step_time(1, deep) > 1 * 1 / model.step_time(1, off)
     # ... and loses at batch 64, where verifying 6 tokens per request is real compute.
@@ -445,7 +445,7 @@ def test_cost_model_state_and_errors():
     same = BEGMABStrategy(cost_model=StepCostModel(base_time=0.1))
     same.load_state_dict(state)
     assert same.state_dict() == state
-    with pytest.raises(ValueError, match=r"learned with modelled cost .* but this chooser uses wall time.*same reproducible"):
+    with pytest.raises(ValueError, match=r"learned with modelled cost .* but this strategy uses wall time.*same reproducible"):
         BEGMABStrategy().load_state_dict(state)
     with pytest.raises(ValueError, match="cannot change cost_model after 3 updates"):
         bandit.use_cost_model(None)

@@ -3,22 +3,22 @@ import torch
 
 from tlt_lightning.drafter import Drafter, DrafterConfig
 from tlt_lightning.rollout import RolloutConfig, RolloutStats
-from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-from tlt_lightning.speculative import SDStrategy
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.speculative import DraftSpec
 from tlt_lightning.tracking import AcceptanceRate, MeanAcceptLength, RolloutTokensPerSecond
 
 
 def stats(accept, strategies, sizes, depths, tokens=10, seconds=2.0):
     return RolloutStats(
-        step_batch_sizes=sizes, step_strategies=strategies, step_draft_depths=depths, step_tokens=[tokens],
+        step_batch_sizes=sizes, step_arms=strategies, step_draft_depths=depths, step_tokens=[tokens],
         accept_lengths=torch.tensor(accept), total_time=seconds,
     )
 
 
 def test_metrics_against_hand_computed_values():
-    a = stats([3, 1], [SDStrategy(4)], [2], [4])  # one chain step of depth 4 on 2 requests
-    b = stats([2, 2, 5], [None, SDStrategy(4, 2, 8)], [5, 3], [0, 4])  # plain step, then a tree step on 3
-    early = SDStrategy(6, min_confidence=0.5)
+    a = stats([3, 1], [DraftSpec(4)], [2], [4])  # one chain step of depth 4 on 2 requests
+    b = stats([2, 2, 5], [None, DraftSpec(4, 2, 8)], [5, 3], [0, 4])  # plain step, then a tree step on 3
+    early = DraftSpec(6, min_confidence=0.5)
     c = stats([2, 3, 1], [early, early], [2, 1], [2, 1])  # stopped after 2 drafts, then after 1
     mal, rate, tps = MeanAcceptLength(), AcceptanceRate(), RolloutTokensPerSecond()
     for s in (a, b, c):
@@ -34,7 +34,7 @@ def test_metrics_against_hand_computed_values():
 
 def test_metrics_follow_a_real_speculative_rollout(tiny_llama):
     drafter = Drafter(DrafterConfig.from_target(tiny_llama), tiny_llama)
-    loop = SpeculativeRolloutLoop(tiny_llama, drafter, RolloutConfig(max_new_tokens=12), FixedChooser(SDStrategy(3)),
+    loop = SpeculativeRolloutLoop(tiny_llama, drafter, RolloutConfig(max_new_tokens=12), DraftSpec(3),
                                   threshold=100)
     result = loop.generate([[5, 6], [7, 8, 9]], generator=torch.Generator().manual_seed(0))
     mal = MeanAcceptLength()

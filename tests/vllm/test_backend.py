@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.vllm.fake_vllm import FakeLLM, fake_vllm_module, vllm_python
 from tests.rollout.test_engine import eos_candidate, random_prompts
+from tests.vllm.fake_vllm import FakeLLM, fake_vllm_module, vllm_python
 from tlt_lightning.drafter import Drafter, DrafterConfig, eagle_state_dict, export_drafter_model
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine

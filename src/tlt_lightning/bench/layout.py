@@ -27,7 +27,7 @@ from tlt_lightning.bench.common import (
 from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import WEIGHT_LAYOUTS, HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
-from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
 from tlt_lightning.speculative import parse_arm
 
 __all__ = ["add_arguments", "run"]
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     drafter = None
     if args.drafter:
         drafter = load_drafter(args.drafter, target).eval()
-        workloads += [(f"{arm}, batch 1", 1, SpeculativeRolloutLoop(target, drafter, cfg, FixedChooser(arm),
+        workloads += [(f"{arm}, batch 1", 1, SpeculativeRolloutLoop(target, drafter, cfg, arm,
                                                                       threshold=2)) for arm in arms]
     prompts = task_prompts(loaded.tokenizer, args.task, max(bs for _, bs, _ in workloads) * args.repeats, args.seed)
     rows = []

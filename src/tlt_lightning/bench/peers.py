@@ -320,8 +320,8 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
     ``target_dir`` / ``drafter_dir`` are what the worker serves (the same weights, written for vLLM).
     """
     from tlt_lightning.rollout import RolloutConfig, RolloutEngine
-    from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-    from tlt_lightning.speculative import SDStrategy
+    from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+    from tlt_lightning.speculative import DraftSpec
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -373,7 +373,7 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
                               if e["mean_accept_length"]), flush=True)
 
     def speculative_loop(cfg: RolloutConfig, threshold: int) -> SpeculativeRolloutLoop:
-        return SpeculativeRolloutLoop(target, drafter, cfg, FixedChooser(SDStrategy(args.k)), threshold=threshold)
+        return SpeculativeRolloutLoop(target, drafter, cfg, DraftSpec(args.k), threshold=threshold)
 
     with phase("plain", None) as client:
         engines = {"ours": ours(RolloutEngine(target, greedy), args.seed),

@@ -163,7 +163,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="tree nodes verified per step (default: 2 x depth for trees)")
     sd.add_argument("--sampled", action="store_true",
                     help="with --topk K >= 2: K sampled chains forking at the root "
-                         "(SDStrategy(sampled=True))")
+                         "(DraftSpec(sampled=True))")
     sd.add_argument("--arms", nargs="+", default=None, metavar="ARM",
                     help="strategies to compare side by side instead of --depth/--topk/...: chain6, "
                          "chain10@0.3 (stops below that confidence), chain6x2, tree4x2/8; the long tail "

@@ -38,8 +38,8 @@ from tlt_lightning.bench.common import (
 from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
-from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-from tlt_lightning.speculative import SDStrategy, parse_arm
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.speculative import DraftSpec, parse_arm
 
 __all__ = ["run"]
 
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.drafter:
         raise ValueError("--speculative needs --drafter DIR (train one with `tlt-lightning drafter warmup`)")
     arms = [parse_arm(name) for name in args.arms] if args.arms else [
-        SDStrategy(args.depth, args.topk, args.draft_tokens, sampled=args.sampled)]
+        DraftSpec(args.depth, args.topk, args.draft_tokens, sampled=args.sampled)]
     if None in arms:
         raise ValueError("--arms: every arm is compared with plain decoding already; leave 'off' out")
     if len({str(a) for a in arms}) < len(arms):
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for temperature, bs in itertools.product(temperatures, args.batch_sizes):
         print(f"[bench speculative] batch {bs}, T={temperature}, {args.max_new_tokens} new tokens ...", flush=True)
         cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=temperature)
-        specs = {label: SpeculativeRolloutLoop(target, drafter, cfg, FixedChooser(arm), threshold=bs + 1)
+        specs = {label: SpeculativeRolloutLoop(target, drafter, cfg, arm, threshold=bs + 1)
                  for label, drafter, arm in runs}
         for out in _compare(RolloutEngine(target, cfg), specs, prompts, bs, args.repeats, args.seed):
             out.pop("_last")
@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[bench speculative] long tail: {n} requests, up to {args.long_tail_max_new} tokens, "
               f"SD below {args.threshold} active ...", flush=True)
         label, drafter, arm = runs[0]
-        spec = SpeculativeRolloutLoop(target, drafter, lt_cfg, FixedChooser(arm), threshold=args.threshold)
+        spec = SpeculativeRolloutLoop(target, drafter, lt_cfg, arm, threshold=args.threshold)
         [out] = _compare(RolloutEngine(target, lt_cfg), {label: spec}, prompts[:n], n, args.repeats, args.seed)
         long_tail = out.pop("_last")
         out["speedup_rollout_time"] = out["plain_seconds"] / out["sd_seconds"]

@@ -1,6 +1,6 @@
 """``tlt-lightning bench strategies``: BEG-MAB vs every fixed SD arm vs no SD on a real long-tail rollout.
 
-The same prompts, seeds, model and drafter for every run; only the strategy chooser differs. Each
+The same prompts, seeds, model and drafter for every run; only the strategy differs. Each
 fixed arm is applied at every step below ``--threshold`` active requests (above it every run
 decodes plainly), and each BEG-MAB variant (``--bandits``) chooses among the same arms. The bandits
 keep their state across rollouts, as they do across RL steps: they first learn on
@@ -209,8 +209,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     measured, warm = [prompts[i * n : (i + 1) * n] for i in range(g)], prompts[g * n :]
     cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
 
-    def rollout(chooser, prompts: list[list[int]], seed: int):
-        loop = SpeculativeRolloutLoop(target, drafter, cfg, chooser, threshold=args.threshold)
+    def rollout(strategy, prompts: list[list[int]], seed: int):
+        loop = SpeculativeRolloutLoop(target, drafter, cfg, strategy, threshold=args.threshold)
         return timed(functools.partial(loop.generate, prompts, generator=torch.Generator().manual_seed(seed)))
 
     for name, bandit in bandits.items():  # the bandits keep learning across rollouts, as across RL steps
@@ -218,15 +218,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"[bench strategies] {name}: warm-up rollout {i + 1}/{args.warm_rollouts} ...", flush=True)
             rollout(bandit, warm[i * n : (i + 1) * n], args.seed + 1 + i)
     warm_counts = {name: bandit.counts for name, bandit in bandits.items()}
-    choosers = {arm_key(a): FixedStrategy(a) for a in arms if a is not None} | bandits
-    acc = {name: {"by_batch_size": {}, "groups": []} for name in ("off", *choosers, "off (again)")}
+    strategies = {arm_key(a): FixedStrategy(a) for a in arms if a is not None} | bandits
+    acc = {name: {"by_batch_size": {}, "groups": []} for name in ("off", *strategies, "off (again)")}
     for k, group in enumerate(tqdm(measured, desc="bench strategies: prompt groups", unit="group")):
         # Every run rolls out this group before the next one starts, so a drift of the machine's
         # speed hits all runs alike; "SD off" brackets the group, the others alternate their order.
-        middle = list(choosers) if k % 2 == 0 else list(reversed(choosers))
+        middle = list(strategies) if k % 2 == 0 else list(reversed(strategies))
         for name in ("off", *middle, "off (again)"):
-            chooser = FixedStrategy(None) if name.startswith("off") else choosers[name]
-            _add_rollout(acc[name], *rollout(chooser, group, args.seed + 1000 * k))
+            strategy = FixedStrategy(None) if name.startswith("off") else strategies[name]
+            _add_rollout(acc[name], *rollout(strategy, group, args.seed + 1000 * k))
     runs = {name: _summarize(a) for name, a in acc.items()}
     for name, r in runs.items():
         print(f"  {name}: {r['seconds']:.1f} s, {r['cpu_ms_per_token']:.2f} CPU ms/token raw, "

@@ -1,18 +1,18 @@
 """BanditCallback: the speculative-decoding strategy of every decode step, learned by a bandit.
 
-The chooser (default :class:`~tlt_lightning.scheduling.BEGMABStrategy`) becomes the module's
-``strategy_chooser`` at fit start. :class:`~tlt_lightning.rollout.SpeculativeRolloutLoop` then
+The strategy (default :class:`~tlt_lightning.scheduling.BEGMABStrategy`) becomes the module's
+``draft_strategy`` at fit start. :class:`~tlt_lightning.rollout.SpeculativeRolloutLoop` then
 consults it at every decode step below the module's ``threshold`` with the active batch size and
 reports the reward (tokens/s) back; this callback only logs what it decided after each rollout,
 checkpoints its state with the Lightning checkpoint and draws the heat map at the end of fit.
 
-DDP: every rank has its own chooser, fed by its own rollouts (decisions need no communication).
+DDP: every rank has its own strategy, fed by its own rollouts (decisions need no communication).
 Lightning checkpoints hold rank 0's state, which every rank resumes from.
 
-``reproducible=True`` makes the chooser learn from a modelled step cost
+``reproducible=True`` makes the strategy learn from a modelled step cost
 (:class:`~tlt_lightning.scheduling.StepCostModel`) instead of wall time: its decisions, and with
 them the rollouts, are then the same in every run with the same seed, and a resumed run continues
-exactly where the checkpointed one was (the chooser's statistics and its own seeded RNG are in the
+exactly where the checkpointed one was (the strategy's statistics and its own seeded RNG are in the
 checkpoint). In a config: ``init_args: {reproducible: true}``.
 """
 
@@ -27,7 +27,7 @@ import lightning as L
 from typing_extensions import override
 
 from tlt_lightning.rl.module import GRPOModule
-from tlt_lightning.scheduling import BEGMABStrategy, BucketedChooser, StepCostModel
+from tlt_lightning.scheduling import BEGMABStrategy, BucketedStrategy, StepCostModel
 from tlt_lightning.speculative import arm_key
 from tlt_lightning.tracking import log_artifact, run_dir
 
@@ -42,7 +42,7 @@ def _metric_key(arm: Any) -> str:
 
 
 class BanditCallback(L.Callback):
-    """Plugs a bucketed strategy chooser into a :class:`~tlt_lightning.rl.GRPOModule`; logs and saves it.
+    """Plugs a bucketed strategy into a :class:`~tlt_lightning.rl.GRPOModule`; logs and saves it.
 
     Logged after each rollout, per batch-size bucket ``b`` that had decisions in it:
     ``bandit/{b}/decisions``, ``bandit/{b}/reward`` (mean tokens/s of those steps; modelled with
@@ -54,7 +54,7 @@ class BanditCallback(L.Callback):
     also as MLflow artifacts with an :class:`~lightning.pytorch.loggers.MLFlowLogger`).
 
     Args:
-        chooser: a :class:`~tlt_lightning.scheduling.BucketedChooser` (``BEGMABStrategy``,
+        strategy: a :class:`~tlt_lightning.scheduling.BucketedStrategy` (``BEGMABStrategy``,
             ``UCBStrategy``, ``FixedStrategy``); default ``BEGMABStrategy()``. ``BEGMABStrategy``
             is a bandit strategy, not a Lightning ``Strategy``: pass it here, never as
             ``Trainer(strategy=...)``.
@@ -72,17 +72,17 @@ class BanditCallback(L.Callback):
 
     def __init__(
         self,
-        chooser: BucketedChooser | None = None,
+        strategy: BucketedStrategy | None = None,
         heatmap_bins: int = 20,
         log_arm_counts: bool = True,
         reproducible: bool = False,
         cost_model: StepCostModel | None = None,
     ) -> None:
         super().__init__()
-        if chooser is not None and not isinstance(chooser, BucketedChooser):
+        if strategy is not None and not isinstance(strategy, BucketedStrategy):
             raise TypeError(
-                "chooser must be a BucketedChooser (BEGMABStrategy, UCBStrategy, FixedStrategy), "
-                f"got {type(chooser).__name__}"
+                "strategy must be a BucketedStrategy (BEGMABStrategy, UCBStrategy, FixedStrategy), "
+                f"got {type(strategy).__name__}"
             )
         if isinstance(heatmap_bins, bool) or not isinstance(heatmap_bins, int) or heatmap_bins < 1:
             raise ValueError(f"heatmap_bins must be an int >= 1, got {heatmap_bins!r}")
@@ -95,10 +95,10 @@ class BanditCallback(L.Callback):
                 f"cost_model={cost_model} is only used with reproducible=True: set reproducible=True "
                 "(or drop cost_model to learn from wall time)"
             )
-        self.chooser: BucketedChooser = chooser if chooser is not None else BEGMABStrategy()
+        self.strategy: BucketedStrategy = strategy if strategy is not None else BEGMABStrategy()
         if reproducible:
-            self.chooser.use_cost_model(cost_model or self.chooser.cost_model or StepCostModel())
-        self.reproducible = self.chooser.reproducible
+            self.strategy.use_cost_model(cost_model or self.strategy.cost_model or StepCostModel())
+        self.reproducible = self.strategy.reproducible
         self.heatmap_bins, self.log_arm_counts = heatmap_bins, bool(log_arm_counts)
         self._last = -1  # index of the last decision already logged
         self.run_dir: Path | None = None  # the run's own directory, set at setup
@@ -107,22 +107,22 @@ class BanditCallback(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not isinstance(pl_module, GRPOModule):
             raise TypeError(f"BanditCallback needs a GRPOModule, got {type(pl_module).__name__}")
-        pl_module.strategy_chooser = self.chooser
+        pl_module.draft_strategy = self.strategy
         self.run_dir = run_dir(trainer)  # on every rank: rank 0's directory, broadcast
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pl_module.strategy_chooser = self.chooser  # again: a subclass' configure_model may have set one
+        pl_module.draft_strategy = self.strategy  # again: a subclass' configure_model may have set one
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        new = [d for d in self.chooser.history if d.step > self._last]
+        new = [d for d in self.strategy.history if d.step > self._last]
         if not new:
             return
         self._last = new[-1].step
         best = self._best_per_bucket()
-        for b, label in enumerate(self.chooser.bucket_labels):
+        for b, label in enumerate(self.strategy.bucket_labels):
             mine = [d for d in new if d.bucket == label]
             if not mine:
                 continue
@@ -131,40 +131,40 @@ class BanditCallback(L.Callback):
                 f"bandit/{label}/reward": sum(d.reward for d in mine) / len(mine),
             }
             if best[b] is not _NONE:
-                values[f"bandit/{label}/best_arm"] = float(self.chooser.arms[b].index(best[b]))
+                values[f"bandit/{label}/best_arm"] = float(self.strategy.arms[b].index(best[b]))
             if self.log_arm_counts:
                 counts = Counter(arm_key(d.arm) for d in mine)
-                for arm in self.chooser.arms[b]:
+                for arm in self.strategy.arms[b]:
                     values[f"bandit/{label}/count/{_metric_key(arm)}"] = float(counts[arm_key(arm)])
             for name, value in values.items():  # rank-local: each rank has its own bandit
                 pl_module.log(name, value, on_step=True, on_epoch=False)
 
     def _best_per_bucket(self) -> list[Any]:
-        best = self.chooser.best_arms()
-        return [best.get(label, _NONE) for label in self.chooser.bucket_labels]
+        best = self.strategy.best_arms()
+        return [best.get(label, _NONE) for label in self.strategy.bucket_labels]
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         rank = trainer.global_rank
         suffix = "" if rank == 0 else f"-rank{rank}"
         directory = self.run_dir / "bandit"
-        heatmap = self.chooser.plot_heatmap(directory / f"heatmap{suffix}.png", self.heatmap_bins)
+        heatmap = self.strategy.plot_heatmap(directory / f"heatmap{suffix}.png", self.heatmap_bins)
         best = {}
-        for b, (label, arm) in enumerate(zip(self.chooser.bucket_labels, self._best_per_bucket())):
+        for b, (label, arm) in enumerate(zip(self.strategy.bucket_labels, self._best_per_bucket())):
             if arm is not _NONE:
-                best[label] = {"arm": arm_key(arm), "index": self.chooser.arms[b].index(arm)}
+                best[label] = {"arm": arm_key(arm), "index": self.strategy.arms[b].index(arm)}
         summary = directory / f"best_arms{suffix}.json"
-        summary.write_text(json.dumps({"best_arms": best, "counts": self.chooser.counts}, indent=2) + "\n")
+        summary.write_text(json.dumps({"best_arms": best, "counts": self.strategy.counts}, indent=2) + "\n")
         for path in (heatmap, summary):
             log_artifact(trainer, path, "bandit")
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.chooser.state_dict()
+        return self.strategy.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Delegates to the chooser's (missing keys keep theirs); decisions made before are not re-logged."""
-        self.chooser.load_state_dict(state_dict)
-        last = self.chooser.last_decision
+        """Delegates to the strategy's (missing keys keep theirs); decisions made before are not re-logged."""
+        self.strategy.load_state_dict(state_dict)
+        last = self.strategy.last_decision
         self._last = last.step if last is not None else -1

@@ -9,7 +9,7 @@ rollout of fixed probe prompts on the *current* policy with
 * ``spot``: the newest published drafter of the ``SpotDrafterCallback``, and
 * ``frozen``: a copy of that callback's drafter as it was at fit start, never trained,
 
-with the same chain strategy, the same random seed and speculation at every step, and logs their
+with the same chain arm, the same random seed and speculation at every step, and logs their
 mean accept lengths (``drift/accept_length_spot``, ``drift/accept_length_frozen``) and the probe's
 cost (``drift/probe_seconds``: measurement time, not part of the method's overhead). At the end of
 fit it writes ``drift/drift.json`` and ``drift/drift.png`` under the run's own directory
@@ -33,8 +33,8 @@ from tlt_lightning.callbacks.spot_drafter import SpotDrafterCallback
 from tlt_lightning.drafter import Drafter
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.rollout import RolloutConfig
-from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-from tlt_lightning.speculative import SDStrategy
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.speculative import DraftSpec
 from tlt_lightning.tracking import log_artifact, run_dir
 
 __all__ = ["DrafterDriftProbe"]
@@ -50,7 +50,7 @@ class DrafterDriftProbe(L.Callback):
         num_prompts: probe prompts (the last ones of the module's prompt source).
         max_new_tokens: response length cap of the probe rollouts.
         every_n_steps: probe after every this many RL steps (and once before the first).
-        strategy: the speculative strategy of both probes (default a 4-token chain).
+        arm: the :class:`~tlt_lightning.speculative.DraftSpec` of both probes (default a 4-token chain).
         seed: the probes' sampling seed (the same for both drafters and every probe).
 
     Attributes:
@@ -63,7 +63,7 @@ class DrafterDriftProbe(L.Callback):
         num_prompts: int = 8,
         max_new_tokens: int = 128,
         every_n_steps: int = 1,
-        strategy: SDStrategy | None = None,
+        arm: DraftSpec | None = None,
         seed: int = 0,
     ) -> None:
         for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens),
@@ -71,7 +71,7 @@ class DrafterDriftProbe(L.Callback):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.num_prompts, self.max_new_tokens, self.every_n_steps = num_prompts, max_new_tokens, every_n_steps
-        self.strategy, self.seed = strategy or SDStrategy(4), seed
+        self.arm, self.seed = arm or DraftSpec(4), seed
         self.history: list[dict[str, float]] = []
         self._spot: SpotDrafterCallback | None = None
         self._frozen: Drafter | None = None
@@ -102,7 +102,7 @@ class DrafterDriftProbe(L.Callback):
         hp = module.hparams
         config = RolloutConfig(max_new_tokens=self.max_new_tokens, temperature=hp.temperature, top_p=hp.top_p,
                                top_k=hp.top_k)
-        loop = SpeculativeRolloutLoop(module.rollout_target, drafter, config, FixedChooser(self.strategy),
+        loop = SpeculativeRolloutLoop(module.rollout_target, drafter, config, self.arm,
                                       threshold=len(prompts) + 1)
         generator = torch.Generator(device=module.device).manual_seed(self.seed)
         return loop.generate(prompts, generator=generator).stats.mean_accept_length
@@ -134,13 +134,13 @@ class DrafterDriftProbe(L.Callback):
         from tlt_lightning.reports import write_json
 
         directory = self.run_dir / "drift"
-        path = write_json(directory / "drift.json", {"strategy": str(self.strategy), "history": self.history})
-        figure = plot_drift(self.history, directory / "drift.png", str(self.strategy))
+        path = write_json(directory / "drift.json", {"arm": str(self.arm), "history": self.history})
+        figure = plot_drift(self.history, directory / "drift.png", str(self.arm))
         log_artifact(trainer, path, "drift")
         log_artifact(trainer, figure, "drift")
 
 
-def plot_drift(history: list[dict[str, float]], path: str | Path, strategy: str = "") -> Path:
+def plot_drift(history: list[dict[str, float]], path: str | Path, arm: str = "") -> Path:
     """Accept length over RL steps, spot-trained vs frozen drafter."""
     from tlt_lightning.reports import new_figure, save_figure
 
@@ -148,7 +148,7 @@ def plot_drift(history: list[dict[str, float]], path: str | Path, strategy: str 
     steps = [h["step"] for h in history]
     ax.plot(steps, [h["spot"] for h in history], marker="o", label="spot-trained drafter")
     ax.plot(steps, [h["frozen"] for h in history], marker="s", label="frozen drafter")
-    ax.set(xlabel="RL step (policy updates)", ylabel=f"mean accept length ({strategy})",
+    ax.set(xlabel="RL step (policy updates)", ylabel=f"mean accept length ({arm})",
            title="Drafter drift as the policy trains")
     ax.legend()
     return save_figure(fig, path)

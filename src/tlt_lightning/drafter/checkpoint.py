@@ -350,9 +350,7 @@ class AsyncCheckpointer:
             found = _TEMP.match(stale.name)
             if found is None:
                 continue
-            if found["writer"] == self.writer_id and int(found["pid"]) == pid:
-                shutil.rmtree(stale, ignore_errors=True)
-            elif (found["host"] in (None, host) and int(found["pid"]) != pid
+            if found["writer"] == self.writer_id and int(found["pid"]) == pid or (found["host"] in (None, host) and int(found["pid"]) != pid
                   and not _process_alive(int(found["pid"]))):
                 shutil.rmtree(stale, ignore_errors=True)
 

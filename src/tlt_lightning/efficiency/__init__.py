@@ -10,28 +10,28 @@
   replacement), a ``batch_sampler`` for any DataLoader;
 * :mod:`.distill`: hierarchical distillation (mapped hidden states + ``T^2``-scaled KD on logits);
 * :mod:`.qat`: INT4 quantization-aware training through torchao (needs ``torchao``);
-* :mod:`.callbacks`: :class:`DynamicCheckpointingCallback`, :class:`LayerwisePrecisionCallback`;
+* :mod:`.callbacks`: :class:`ActivationCheckpointingCallback`, :class:`LayerwisePrecisionCallback`;
 * :mod:`.training`: :class:`ImportanceSamplingCallback`, :class:`DistillationModule`, :class:`QATCallback`;
-* :mod:`.grpo`: the profiling batch and forward :class:`DynamicCheckpointingCallback` needs on a
+* :mod:`.grpo`: the profiling batch and forward :class:`ActivationCheckpointingCallback` needs on a
   :class:`~tlt_lightning.rl.GRPOModule` (no ``forward``); the other helpers apply to its ``policy`` as is.
 """
 
-from tlt_lightning.efficiency.callbacks import DynamicCheckpointingCallback, LayerwisePrecisionCallback
-from tlt_lightning.efficiency.checkpoint import (
+from tlt_lightning.efficiency.activation_checkpointing import (
+    ActivationCheckpointHandle,
+    ActivationCheckpointPlan,
+    ActivationCheckpointProfile,
     BlockCost,
-    CheckpointHandle,
-    CheckpointPlan,
-    CheckpointProfile,
-    DynamicCheckpointing,
+    DynamicActivationCheckpointing,
     Gap,
-    apply_checkpointing,
+    apply_activation_checkpointing,
     find_blocks,
-    is_checkpointed,
+    is_activation_checkpointed,
     plan_greedy,
     plan_optimal,
     plan_static,
     profile_blocks,
 )
+from tlt_lightning.efficiency.callbacks import ActivationCheckpointingCallback, LayerwisePrecisionCallback
 from tlt_lightning.efficiency.distill import (
     DistillConfig,
     DistillLoss,
@@ -72,17 +72,17 @@ from tlt_lightning.efficiency.sampler import (
 from tlt_lightning.efficiency.training import DistillationModule, ImportanceSamplingCallback, QATCallback
 
 __all__ = [
+    "ActivationCheckpointHandle",
+    "ActivationCheckpointPlan",
+    "ActivationCheckpointProfile",
+    "ActivationCheckpointingCallback",
     "ActivationMemoryMeter",
     "BlockCost",
-    "CheckpointHandle",
-    "CheckpointPlan",
-    "CheckpointProfile",
     "DistillConfig",
     "DistillLoss",
     "DistillationModule",
     "DoraConfig",
-    "DynamicCheckpointing",
-    "DynamicCheckpointingCallback",
+    "DynamicActivationCheckpointing",
     "Gap",
     "GroupLossScaler",
     "HierarchicalDistillation",
@@ -100,7 +100,7 @@ __all__ = [
     "RhoLossScorer",
     "Scorer",
     "SelectionStats",
-    "apply_checkpointing",
+    "apply_activation_checkpointing",
     "apply_dora",
     "convert_qat",
     "distill_step",
@@ -109,7 +109,7 @@ __all__ = [
     "grpo_policy_loss",
     "grpo_profile_batch",
     "hidden_state_loss",
-    "is_checkpointed",
+    "is_activation_checkpointed",
     "kd_kl_loss",
     "measure_step",
     "merge_dora",

@@ -5,7 +5,7 @@ path such as ``"policy"`` or module-name patterns), so the same callback serves 
 drafter or a plain model. Both transform at ``on_fit_start`` or later, so modules built in
 ``configure_model`` (the :class:`~tlt_lightning.rl.GRPOModule` policy) are there. A module without
 a ``forward`` of its own (GRPO, whose step generates before it trains) gives
-:class:`DynamicCheckpointingCallback` a profiling forward: see :mod:`~tlt_lightning.efficiency.grpo`.
+:class:`ActivationCheckpointingCallback` a profiling forward: see :mod:`~tlt_lightning.efficiency.grpo`.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from tlt_lightning.efficiency.checkpoint import (
-    CheckpointHandle,
-    CheckpointPlan,
-    DynamicCheckpointing,
-    apply_checkpointing,
+from tlt_lightning.efficiency.activation_checkpointing import (
+    ActivationCheckpointHandle,
+    ActivationCheckpointPlan,
+    DynamicActivationCheckpointing,
+    apply_activation_checkpointing,
     find_blocks,
     profile_blocks,
 )
 from tlt_lightning.efficiency.precision import LayerwisePrecision, PrecisionConfig, PrecisionHandle
 
-__all__ = ["DynamicCheckpointingCallback", "LayerwisePrecisionCallback"]
+__all__ = ["ActivationCheckpointingCallback", "LayerwisePrecisionCallback"]
 
 
 def _training_step_loss(pl_module: L.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -50,14 +50,14 @@ def _submodule(pl_module: nn.Module, path: str | None, field: str) -> nn.Module:
         raise ValueError(f"{field}={path!r} is not a submodule of {type(pl_module).__name__}: {err}") from err
 
 
-class DynamicCheckpointingCallback(L.Callback):
+class ActivationCheckpointingCallback(L.Callback):
     """Profile the blocks on the first training batch, plan under the budget, checkpoint, undo at the end.
 
     At the first ``on_train_batch_start`` the callback builds the profiling batch
     ``data = profile_batch_fn(pl_module, batch)`` once, outside the measurement, then runs
     ``forward_fn(pl_module, data)`` ``repeats + 1`` times (forward only, no optimizer step) to
     profile the blocks, plans with
-    :class:`~tlt_lightning.efficiency.checkpoint.DynamicCheckpointing` and checkpoints the chosen
+    :class:`~tlt_lightning.efficiency.activation_checkpointing.DynamicActivationCheckpointing` and checkpoints the chosen
     blocks for the rest of the fit (removed at ``teardown``). Logs ``checkpoint/blocks``,
     ``checkpoint/predicted_peak_mib`` and ``checkpoint/budget_mib``. The plan is saved with Lightning
     checkpoints and reused on resume without profiling again. Models must be called with
@@ -68,7 +68,7 @@ class DynamicCheckpointingCallback(L.Callback):
             with ``budget_fraction``.
         budget_fraction: the budget as a fraction in (0, 1] of the peak without checkpointing.
         blocks: module-name patterns of the candidate blocks (see
-            :func:`~tlt_lightning.efficiency.checkpoint.find_blocks`), relative to the LightningModule;
+            :func:`~tlt_lightning.efficiency.activation_checkpointing.find_blocks`), relative to the LightningModule;
             ``None``: the children of its longest ``nn.ModuleList``.
         forward_fn: ``(pl_module, data) -> scalar loss``, one training forward on the profiling
             batch, calling each block exactly once; default: the module's ``training_step``, which
@@ -82,9 +82,9 @@ class DynamicCheckpointingCallback(L.Callback):
         repeats: timed profiling runs.
 
     Example:
-        >>> # L.Trainer(callbacks=[DynamicCheckpointingCallback(budget_fraction=0.6, blocks="model.model.layers.*")])
+        >>> # L.Trainer(callbacks=[ActivationCheckpointingCallback(budget_fraction=0.6, blocks="model.model.layers.*")])
         >>> # on a GRPOModule (no forward): profile its policy's training forward on the worst-case micro-batch
-        >>> # DynamicCheckpointingCallback(budget_fraction=0.6, blocks="policy.model.layers.*",
+        >>> # ActivationCheckpointingCallback(budget_fraction=0.6, blocks="policy.model.layers.*",
         >>> #                              forward_fn=grpo_policy_loss, profile_batch_fn=grpo_profile_batch)
     """
 
@@ -98,16 +98,16 @@ class DynamicCheckpointingCallback(L.Callback):
         profile_batch_fn: Callable[[L.LightningModule, Any], Any] | None = None,
     ) -> None:
         super().__init__()
-        self.policy = DynamicCheckpointing(memory_budget, budget_fraction, repeats=repeats)
+        self.policy = DynamicActivationCheckpointing(memory_budget, budget_fraction, repeats=repeats)
         for name, fn in (("forward_fn", forward_fn), ("profile_batch_fn", profile_batch_fn)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be callable (pl_module, batch) -> ..., got {type(fn).__name__}")
         self.blocks = blocks
         self.forward_fn = forward_fn
         self.profile_batch_fn = profile_batch_fn or _training_batch
-        self.plan: CheckpointPlan | None = None
+        self.plan: ActivationCheckpointPlan | None = None
         self._loaded: tuple[bool, ...] | None = None
-        self._handle: CheckpointHandle | None = None
+        self._handle: ActivationCheckpointHandle | None = None
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -115,7 +115,7 @@ class DynamicCheckpointingCallback(L.Callback):
             return
         blocks = find_blocks(pl_module, self.blocks)
         if self._loaded is not None and len(self._loaded) == len(blocks):
-            self._handle = apply_checkpointing(blocks, self._loaded)
+            self._handle = apply_activation_checkpointing(blocks, self._loaded)
             return
         if self.forward_fn is None and not pl_module.automatic_optimization:
             raise ValueError(
@@ -131,7 +131,7 @@ class DynamicCheckpointingCallback(L.Callback):
             forward = functools.partial(self.forward_fn, pl_module, data)
         profile = profile_blocks(blocks, forward, self.policy.repeats)
         self.plan = self.policy.plan(profile)
-        self._handle = apply_checkpointing(blocks, self.plan)
+        self._handle = apply_activation_checkpointing(blocks, self.plan)
         pl_module.log_dict(
             {
                 "checkpoint/blocks": float(len(self.plan.indices)),

@@ -1,6 +1,6 @@
 """A profiling forward for :class:`~tlt_lightning.rl.GRPOModule`, which has no ``forward`` of its own.
 
-:class:`~tlt_lightning.efficiency.DynamicCheckpointingCallback` profiles the blocks' memory and time
+:class:`~tlt_lightning.efficiency.ActivationCheckpointingCallback` profiles the blocks' memory and time
 on one training forward, at the start of the first step. A GRPO step's batch is prompt indices: the
 sequences it trains on come from rollouts generated inside the step, and the step then runs its own
 optimizer step, so neither the batch nor ``training_step`` can be profiled. These two functions are
@@ -19,8 +19,8 @@ The other efficiency helpers need nothing extra on a GRPOModule: ``LayerwisePrec
 and DoRA on ``module.policy`` (see :mod:`~tlt_lightning.efficiency.dora`).
 
 Example:
-    >>> from tlt_lightning.efficiency import DynamicCheckpointingCallback
-    >>> callback = DynamicCheckpointingCallback(
+    >>> from tlt_lightning.efficiency import ActivationCheckpointingCallback
+    >>> callback = ActivationCheckpointingCallback(
     ...     budget_fraction=0.6, blocks="policy.model.layers.*",
     ...     forward_fn=grpo_policy_loss, profile_batch_fn=grpo_profile_batch)
     >>> # L.Trainer(callbacks=[callback]).fit(grpo_module)

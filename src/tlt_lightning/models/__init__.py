@@ -32,6 +32,7 @@ from tlt_lightning.models.target import (
 
 __all__ = [
     "DECODE_PATHS",
+    "WEIGHT_LAYOUTS",
     "CompileConfig",
     "CompiledDecode",
     "HFTarget",
@@ -43,7 +44,6 @@ __all__ = [
     "TargetInfo",
     "TargetModel",
     "TargetOutput",
-    "WEIGHT_LAYOUTS",
     "available_models",
     "cache_dir",
     "default_feature_layers",

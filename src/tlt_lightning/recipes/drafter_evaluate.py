@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from tlt_lightning.reports import machine_info, write_json
 from tlt_lightning.drafter import DrafterLoss, evaluate_drafter, load_drafter, make_batches, target_features
 from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.reports import machine_info, write_json
 from tlt_lightning.rollout import Rollout, load_rollouts
 
 __all__ = ["add_arguments", "run"]

@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-from tlt_lightning.reports import machine_info, write_json
-from tlt_lightning.rl.tasks import task_prompts
 from tlt_lightning.drafter import (
     Drafter,
     DrafterConfig,
@@ -31,6 +29,8 @@ from tlt_lightning.drafter import (
     warmup_drafter,
 )
 from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.reports import machine_info, write_json
+from tlt_lightning.rl.tasks import task_prompts
 from tlt_lightning.rollout import Rollout, RolloutConfig, RolloutEngine, load_rollouts, save_rollouts
 
 __all__ = ["add_arguments", "collect_rollouts", "run"]

@@ -215,11 +215,11 @@ def grpo_loss(
 
     if aggregation == "token":
         count = m.sum()
-        reduce = lambda x: (x * m).sum()  # noqa: E731
+        reduce = lambda x: (x * m).sum()
     else:
         count = torch.tensor(float(shape[0]), device=m.device)
         per_seq = m.sum(1).clamp(min=1)
-        reduce = lambda x: ((x * m).sum(1) / per_seq).sum()  # noqa: E731
+        reduce = lambda x: ((x * m).sum(1) / per_seq).sum()
     denom = count if num_items is None else torch.as_tensor(num_items, dtype=m.dtype, device=m.device)
     denom = denom.clamp(min=1)
     pg_loss, kl_loss = reduce(pg) / denom, reduce(kl) / denom

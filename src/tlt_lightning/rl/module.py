@@ -92,10 +92,10 @@ from tlt_lightning.rl.sources import IndexDataset, PromptIndexLoader, PromptSour
 from tlt_lightning.rl.tasks import TaskConfig, TaskDataset
 from tlt_lightning.rl.vllm_rollouts import VLLMRollouts
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
-from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop
-from tlt_lightning.vllm.backend import VLLMRolloutStats
-from tlt_lightning.speculative import SDStrategy, StrategyChooser
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.speculative import DraftSpec, DraftStrategy
 from tlt_lightning.tracking import MeanAcceptLength, RolloutTokensPerSecond
+from tlt_lightning.vllm.backend import VLLMRolloutStats
 
 __all__ = ["ROLLOUT_BACKENDS", "GRPOModule", "NonFiniteLossError", "RewardBatch", "RewardError"]
 
@@ -252,7 +252,7 @@ class GRPOModule(L.LightningModule):
         drafter_path: load the drafter from this :func:`~tlt_lightning.drafter.save_drafter`
             directory instead (e.g. a warmed-up one), or from a ``models:/`` or ``runs:/`` MLflow URI
             of one (:func:`~tlt_lightning.drafter.load_drafter`).
-        sd_steps: draft depth of the default strategy (a chain, :class:`FixedChooser`).
+        sd_steps: draft depth of the default strategy (always a chain).
         threshold: speculate only while fewer requests than this are active.
         check_logprobs: check that the rollout's log-probabilities agree with the training
             forward's (when ``top_p == 1`` and ``top_k == 0``, where they describe the same
@@ -279,7 +279,7 @@ class GRPOModule(L.LightningModule):
         :meth:`configure_policy` and :meth:`make_target` (which model is trained, and its adapter),
         :meth:`configure_reference` and :meth:`reference_logprobs` (the KL reference),
         :meth:`rollout`, :meth:`compute_rewards`, :meth:`policy_logprobs`, :meth:`policy_loss`;
-        ``strategy_chooser`` (any :class:`~tlt_lightning.speculative.StrategyChooser`, e.g. the
+        ``draft_strategy`` (any :class:`~tlt_lightning.speculative.DraftStrategy`, e.g. the
         bandit), ``drafter`` (``None`` or a :class:`~tlt_lightning.drafter.Drafter` on
         ``rollout_target``; not a submodule: it has its own trainer and checkpoints),
         ``rollout_target`` (the adapter rollouts run on: the policy or its ``rollout_dtype``
@@ -383,7 +383,7 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
 
         self.prompt_source: PromptSource | None = prompt_source
-        self.strategy_chooser: StrategyChooser = FixedChooser(SDStrategy(sd_steps))
+        self.draft_strategy: DraftStrategy = DraftSpec(sd_steps)
         self.drafter: Drafter | None = None
         self.rollout_feature_layers: tuple[int, ...] = ()
         self.last_rollout: RolloutResult | None = None
@@ -546,7 +546,7 @@ class GRPOModule(L.LightningModule):
                 )
             if self.drafter is not None and hp.speculative:
                 backend = SpeculativeRolloutLoop(
-                    self.rollout_target, self.drafter, config, self.strategy_chooser, threshold=hp.threshold
+                    self.rollout_target, self.drafter, config, self.draft_strategy, threshold=hp.threshold
                 )
             else:
                 backend = RolloutEngine(self.rollout_target, config)
@@ -766,7 +766,7 @@ class GRPOModule(L.LightningModule):
         self.log("rollout/tokens_per_s", self.rollout_tokens_per_s.compute(), prog_bar=True)
         self.accept_length.reset()
         self.rollout_tokens_per_s.reset()
-        log = lambda name, value, **kw: self.log(name, value, sync_dist=True, **kw)  # noqa: E731
+        log = lambda name, value, **kw: self.log(name, value, sync_dist=True, **kw)
         log("reward/mean", rewards.total.mean(), prog_bar=True)
         log("reward/std", rewards.total.std() if rewards.total.numel() > 1 else torch.tensor(0.0))
         log("reward/accuracy", (rewards.correctness >= 1).float().mean())

@@ -12,14 +12,13 @@ from tlt_lightning.rollout.engine import (
     RolloutEngine,
 )
 from tlt_lightning.rollout.io import load_rollouts, save_rollouts
-from tlt_lightning.rollout.speculative import FixedChooser, SpeculativeRolloutLoop, SpeculativeStep
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop, SpeculativeStep
 from tlt_lightning.rollout.types import Rollout, RolloutConfig, RolloutResult, RolloutStats
 
 __all__ = [
     "ActiveBatch",
     "DecodeStep",
     "Emission",
-    "FixedChooser",
     "PlainStep",
     "Rollout",
     "RolloutBackend",

@@ -50,7 +50,7 @@ class Emission(NamedTuple):
         counts: ``[n]`` int64 in ``1..m``.
         logprobs: ``[n, m]`` float32 log-probabilities under the sampling distribution.
         features: ``[n, m, C, H]`` target features at the positions that predicted them, or None.
-        strategy: the speculative strategy of the step, ``None`` for plain decoding.
+        arm: the step's :class:`~tlt_lightning.speculative.DraftSpec`, ``None`` for plain decoding.
         draft_depth: draft levels the step verified (a chain's drafts, a tree's depth); 0 if plain.
     """
 
@@ -58,7 +58,7 @@ class Emission(NamedTuple):
     counts: torch.Tensor
     logprobs: torch.Tensor
     features: torch.Tensor | None
-    strategy: object | None = None
+    arm: object | None = None
     draft_depth: int = 0
 
 
@@ -235,7 +235,7 @@ class RolloutEngine:
             batch.generated[:n] += counts
             if from_step:
                 stats.step_tokens.append(int(counts.sum()))
-                if emission.strategy is not None:
+                if emission.arm is not None:
                     stats.accept_lengths = torch.cat([stats.accept_lengths, counts.cpu()])
             batch.last_token[:n] = emission.tokens.gather(1, (counts - 1)[:, None]).squeeze(1)
             finished = hit_eos | (batch.generated[:n] >= batch.limit[:n])
@@ -256,8 +256,8 @@ class RolloutEngine:
             stats.step_times.append(time.perf_counter() - t0)
             stats.step_cpu_times.append(time.thread_time() - cpu0)
             stats.step_batch_sizes.append(n)
-            stats.step_speculative.append(emission.strategy is not None)
-            stats.step_strategies.append(emission.strategy)
+            stats.step_speculative.append(emission.arm is not None)
+            stats.step_arms.append(emission.arm)
             stats.step_draft_depths.append(emission.draft_depth)
             from_step = True
         bar.close()
@@ -286,7 +286,7 @@ class RolloutEngine:
         if cfg.feature_layers:
             shape = (B, width, len(cfg.feature_layers), info.hidden_size)
             features = torch.zeros(shape, dtype=self.target.dtype, device=device)
-        zeros = lambda: torch.zeros(B, dtype=torch.long, device=device)  # noqa: E731
+        zeros = lambda: torch.zeros(B, dtype=torch.long, device=device)
         return ActiveBatch(
             cache=self.target.new_cache(B, width + self.cache_margin),
             request=torch.arange(B, device=device), last_token=zeros(), generated=zeros(), limit=limit, n=B,

@@ -1,7 +1,7 @@
 """Lossless speculative decoding of rollouts: a drafter proposes, the target verifies in one forward.
 
 :class:`SpeculativeStep` is a decode step for :class:`~tlt_lightning.rollout.engine.RolloutEngine`.
-At every step it asks a :class:`~tlt_lightning.speculative.StrategyChooser` what to do for the
+At every step it asks a :class:`~tlt_lightning.speculative.DraftStrategy` what to do for the
 current number of active requests: plain decoding, or draft ``K`` tokens with the drafter and
 verify them with :func:`~tlt_lightning.speculative.verify_chain` (or a tree of drafts, EAGLE-2's
 deterministic one or sampled chains forking at the root, with
@@ -32,8 +32,9 @@ from tlt_lightning.models.target import TargetModel
 from tlt_lightning.rollout.engine import ActiveBatch, Emission, PlainStep, RolloutEngine, causal_decode_mask
 from tlt_lightning.rollout.types import RolloutConfig, RolloutResult
 from tlt_lightning.speculative import (
-    SDStrategy,
-    StrategyChooser,
+    DraftSpec,
+    DraftStrategy,
+    as_strategy,
     sample,
     sampling_probs,
     tree_attention_mask,
@@ -42,7 +43,7 @@ from tlt_lightning.speculative import (
     verify_tree,
 )
 
-__all__ = ["FixedChooser", "SpeculativeRolloutLoop", "SpeculativeStep"]
+__all__ = ["SpeculativeRolloutLoop", "SpeculativeStep"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -65,19 +66,6 @@ def _level_tree(widths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, to
     return parents, tree_depths(parents), tree_attention_mask(parents)
 
 
-class FixedChooser:
-    """Always the same strategy (``None`` = never speculate); learns nothing."""
-
-    def __init__(self, arm: SDStrategy | None) -> None:
-        self.arm = arm
-
-    def select(self, batch_size: int) -> SDStrategy | None:
-        return self.arm
-
-    def update(self, batch_size: int, arm: SDStrategy | None, accepted_tokens: float, step_time: float) -> None:
-        pass
-
-
 def _mask_from_positions(positions: torch.Tensor, kv_len: int, first: torch.Tensor) -> torch.Tensor:
     """``[n, 1, q, kv_len]``: query at position ``p`` of row ``i`` sees slots ``first[i] .. p``."""
     slots = torch.arange(kv_len, device=positions.device)
@@ -85,7 +73,7 @@ def _mask_from_positions(positions: torch.Tensor, kv_len: int, first: torch.Tens
 
 
 class SpeculativeStep:
-    """Decode step that speculates with ``drafter`` when the chooser says so.
+    """Decode step that speculates with ``drafter`` when its strategy says so.
 
     Args:
         target: the model being sampled.
@@ -93,7 +81,9 @@ class SpeculativeStep:
             it takes the ``"packed"`` weight layout of a packed target (values unchanged).
         config: the rollout's sampling settings; ``config.feature_layers`` must start with the
             drafter's ``feature_layers``.
-        chooser: picks the strategy per step (e.g. :class:`FixedChooser`, ``BEGMABStrategy``).
+        strategy: picks the arm per step: a :class:`~tlt_lightning.speculative.DraftStrategy` (e.g.
+            ``BEGMABStrategy``), or a :class:`~tlt_lightning.speculative.DraftSpec` to always use,
+            or ``None`` to never speculate.
         threshold: speculate only while fewer than this many requests are active.
         max_depth: deepest draft a strategy may ask for (the target cache keeps that much room).
         drafter_context: where the drafter's context starts: ``"response"`` (the last prompt
@@ -105,7 +95,7 @@ class SpeculativeStep:
         target: TargetModel,
         drafter,
         config: RolloutConfig,
-        chooser: StrategyChooser,
+        strategy: DraftStrategy | DraftSpec | None,
         threshold: int = 32,
         max_depth: int = 32,
         drafter_context: str = "response",
@@ -122,7 +112,7 @@ class SpeculativeStep:
         if getattr(target, "weight_layout", None) == "packed" and getattr(drafter, "weight_layout", None) == "out_in":
             drafter.set_weight_layout("packed")  # same values; its drafts on a CPU get cheaper too
         self.target, self.drafter, self.config = target, drafter, config
-        self.chooser, self.threshold, self.max_depth = chooser, threshold, max_depth
+        self.strategy, self.threshold, self.max_depth = as_strategy(strategy), threshold, max_depth
         self.drafter_context = drafter_context
         self.num_features = len(layers)
         self.plain = PlainStep(target, config)
@@ -146,7 +136,7 @@ class SpeculativeStep:
 
     def __call__(self, batch: ActiveBatch, generator: torch.Generator | None) -> Emission:
         n = batch.n
-        arm = self.chooser.select(n) if n < self.threshold else None
+        arm = self.strategy.select(n) if n < self.threshold else None
         start = time.perf_counter()
         if arm is not None and max(arm.num_steps, arm.num_draft_tokens) > self.max_depth:
             raise ValueError(
@@ -163,7 +153,7 @@ class SpeculativeStep:
             emission = self._tree(batch, arm, generator)
         if n < self.threshold:
             elapsed = time.perf_counter() - start
-            self.chooser.update(n, arm, float(emission.counts.float().mean()), elapsed)
+            self.strategy.update(n, arm, float(emission.counts.float().mean()), elapsed)
         return emission
 
     # ------------------------------------------------------------------------------------------
@@ -200,7 +190,7 @@ class SpeculativeStep:
         dc.lengths[:n] = L
         return out[torch.arange(n, device=L.device), count - 1]
 
-    def _chain(self, batch: ActiveBatch, arm: SDStrategy, generator: torch.Generator | None) -> Emission:
+    def _chain(self, batch: ActiveBatch, arm: DraftSpec, generator: torch.Generator | None) -> Emission:
         """Draft up to ``arm.num_steps`` tokens one after another, verify them in one target forward.
 
         With ``arm.min_confidence`` the chain stops once no row's confidence (the product of its
@@ -248,10 +238,10 @@ class SpeculativeStep:
         logprobs = target_probs.gather(-1, emitted[..., None]).squeeze(-1).log()
         if self.config.sampling.greedy:
             logprobs = torch.zeros_like(logprobs)
-        return Emission(emitted, counts, logprobs, out.features, strategy=arm, draft_depth=K)
+        return Emission(emitted, counts, logprobs, out.features, arm=arm, draft_depth=K)
 
 
-    def _tree(self, batch: ActiveBatch, arm: SDStrategy, generator: torch.Generator | None) -> Emission:
+    def _tree(self, batch: ActiveBatch, arm: DraftSpec, generator: torch.Generator | None) -> Emission:
         """Grow a draft tree (EAGLE-2 style), verify its best nodes in one target forward.
 
         Each of ``arm.num_steps`` levels expands the ``topk`` best nodes of the previous level into
@@ -317,9 +307,9 @@ class SpeculativeStep:
                                  "deterministic", arm, generator)
 
     def _sampled_tree(
-        self, batch: ActiveBatch, arm: SDStrategy, generator: torch.Generator | None
+        self, batch: ActiveBatch, arm: DraftSpec, generator: torch.Generator | None
     ) -> Emission:
-        """A sampled tree (see :class:`~tlt_lightning.speculative.SDStrategy`), verified in one forward.
+        """A sampled tree (see :class:`~tlt_lightning.speculative.DraftSpec`), verified in one forward.
 
         At its first ``arm.fork_depth`` levels every node's ``arm.topk`` children are drawn without
         replacement from the distribution a chain's draft is sampled from, in draw order
@@ -388,7 +378,7 @@ class SpeculativeStep:
         anc: torch.Tensor,
         draft_probs: torch.Tensor | None,
         siblings: str,
-        arm: SDStrategy,
+        arm: DraftSpec,
         generator: torch.Generator | None,
     ) -> Emission:
         """Verify a draft tree in one target forward and commit what is accepted.
@@ -438,7 +428,7 @@ class SpeculativeStep:
         src = torch.where(offs[None] < a[:, None], L[:, None] + 1 + acc.clamp(min=0), L[:, None] + 1 + offs[None])
         batch.cache.gather_positions(rows, src, L + 1)
         batch.cache.lengths[:n] += a + 1
-        return Emission(emitted, a + 1, logprobs, features, strategy=arm, draft_depth=arm.num_steps)
+        return Emission(emitted, a + 1, logprobs, features, arm=arm, draft_depth=arm.num_steps)
 
 
 class SpeculativeRolloutLoop:
@@ -448,7 +438,8 @@ class SpeculativeRolloutLoop:
         target: the policy being sampled.
         drafter: an EAGLE-style drafter for it.
         config: sampling and length settings (``feature_layers`` are extended with the drafter's).
-        chooser: the strategy per step; default: a 4-token chain whenever speculation is on.
+        strategy: picks the arm per step (see :class:`SpeculativeStep`); default: a 4-token chain
+            whenever speculation is on.
         threshold: speculate only while fewer than this many requests are active.
         max_depth: deepest draft a strategy may ask for.
         drafter_context: ``"response"`` or ``"prompt"``, see :class:`SpeculativeStep`.
@@ -468,7 +459,7 @@ class SpeculativeRolloutLoop:
         target: TargetModel,
         drafter,
         config: RolloutConfig | None = None,
-        chooser: StrategyChooser | None = None,
+        strategy: DraftStrategy | DraftSpec | None = DraftSpec(4),
         threshold: int = 32,
         max_depth: int = 32,
         drafter_context: str = "response",
@@ -478,7 +469,7 @@ class SpeculativeRolloutLoop:
         extra = tuple(i for i in config.feature_layers if i not in layers)
         self.config = replace(config, feature_layers=layers + extra)
         self.drafter = drafter
-        self.chooser = chooser or FixedChooser(SDStrategy(4))
+        self.strategy = as_strategy(strategy)
         self.threshold, self.max_depth, self.drafter_context = threshold, max_depth, drafter_context
         self.engine = RolloutEngine(target, self.config, cache_margin=max_depth + 1)
 
@@ -487,7 +478,7 @@ class SpeculativeRolloutLoop:
     ) -> RolloutResult:
         """Sample one response per prompt; same distribution as plain decoding, fewer target passes."""
         step = SpeculativeStep(
-            self.engine.target, self.drafter, self.config, self.chooser, self.threshold, self.max_depth,
+            self.engine.target, self.drafter, self.config, self.strategy, self.threshold, self.max_depth,
             self.drafter_context,
         )
         return self.engine.generate(prompts, generator=generator, step=step, progress=progress)

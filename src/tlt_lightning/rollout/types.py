@@ -87,7 +87,7 @@ class RolloutStats:
             thread, all of the step's work; unlike ``step_times``, not inflated by a busy machine).
         step_tokens: tokens emitted by each step (all requests together).
         step_speculative: whether each step used speculative decoding.
-        step_strategies: the strategy of each step (``None`` = plain decoding).
+        step_arms: the arm of each step (a ``DraftSpec``; ``None`` = plain decoding).
         step_draft_depths: draft levels each step verified (0 = plain; a chain with
             ``min_confidence`` may stop short of its ``num_steps``).
         accept_lengths: per request and speculative step, the tokens it emitted (``[N]`` int64).
@@ -101,7 +101,7 @@ class RolloutStats:
     step_cpu_times: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
     step_speculative: list[bool] = field(default_factory=list)
-    step_strategies: list[object] = field(default_factory=list)
+    step_arms: list[object] = field(default_factory=list)
     step_draft_depths: list[int] = field(default_factory=list)
     accept_lengths: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     prefill_tokens: int = 0

@@ -4,7 +4,7 @@ coordinating spot drafter training on idle rollout workers."""
 from tlt_lightning.scheduling.bandit import (
     DEFAULT_BUCKET_THRESHOLDS,
     BEGMABStrategy,
-    BucketedChooser,
+    BucketedStrategy,
     Decision,
     StepCostModel,
     default_arms,
@@ -24,7 +24,7 @@ from tlt_lightning.scheduling.simulate import SimulatedSDEnvironment, run_bandit
 __all__ = [
     "DEFAULT_BUCKET_THRESHOLDS",
     "BEGMABStrategy",
-    "BucketedChooser",
+    "BucketedStrategy",
     "CoordinatorConfig",
     "Decision",
     "FixedStrategy",

@@ -1,19 +1,19 @@
-"""BEGMABStrategy: a bucketed epsilon-greedy bandit that picks the speculative-decoding strategy.
+"""BEGMABStrategy: a bucketed epsilon-greedy bandit that picks the speculative-decoding arm.
 
 Speculative decoding pays when few requests are still running (the long tail) and can lose at
-large batch, where verifying drafted tokens costs real compute. Which strategy wins depends on the
+large batch, where verifying drafted tokens costs real compute. Which arm wins depends on the
 batch size and on how good the drafter currently is, so it is learned online: one bandit per
 batch-size bucket, reward = tokens per second, statistics over a sliding window so that it follows
 the drafter (and the policy) as they change.
 
-:class:`BucketedChooser` holds what every chooser shares (bucketing, validation, the decision log,
+:class:`BucketedStrategy` holds what every strategy shares (bucketing, validation, the decision log,
 state, heat map); :class:`BEGMABStrategy` adds the epsilon-greedy rule. Baselines with the same
 interface live in :mod:`tlt_lightning.scheduling.baselines`.
 
 Reproducible mode. The reward divides by the step's *wall time*, so two runs with the same seed
 on the same machine choose differently (timing noise moves the medians), and different arms
 consume the sampling generator differently: the rollouts, and then the training, diverge. With a
-``cost_model`` (:class:`StepCostModel`) a chooser ignores the measured time and divides by the
+``cost_model`` (:class:`StepCostModel`) a strategy ignores the measured time and divides by the
 modelled cost of the step instead; its decisions are then a function of the seed, the step counts
 and the accepted tokens alone, so a run is bit-identical to its repetition and to its resumption.
 """
@@ -31,12 +31,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tlt_lightning.speculative import Arm, SDStrategy, arm_key
+from tlt_lightning.speculative import Arm, DraftSpec, arm_key
 
 __all__ = [
     "DEFAULT_BUCKET_THRESHOLDS",
     "BEGMABStrategy",
-    "BucketedChooser",
+    "BucketedStrategy",
     "Decision",
     "StepCostModel",
     "default_arms",
@@ -51,7 +51,7 @@ def default_arms() -> tuple[Arm, ...]:
     Off and the short chain win at large batch, deep trees at batch 1; every bucket gets all six
     so that each one really explores (one arm per bucket would make the bandit a lookup table).
     """
-    return (None, SDStrategy(2), SDStrategy(4), SDStrategy(6), SDStrategy(4, 2, 8), SDStrategy(5, 4, 16))
+    return (None, DraftSpec(2), DraftSpec(4), DraftSpec(6), DraftSpec(4, 2, 8), DraftSpec(5, 4, 16))
 
 
 def _arm_to_dict(arm: Arm) -> dict[str, Any] | None:
@@ -62,16 +62,16 @@ def _arm_from_dict(data: Any) -> Arm:
     if data is None:
         return None
     if not isinstance(data, Mapping):
-        raise TypeError(f"state_dict arms must be dicts of SDStrategy fields or None, got {data!r}")
+        raise TypeError(f"state_dict arms must be dicts of DraftSpec fields or None, got {data!r}")
     try:
-        return SDStrategy(**data)
+        return DraftSpec(**data)
     except TypeError as err:  # unknown or missing fields
-        raise ValueError(f"state_dict arm {dict(data)!r} is not a valid SDStrategy: {err}") from err
+        raise ValueError(f"state_dict arm {dict(data)!r} is not a valid DraftSpec: {err}") from err
 
 
 @dataclasses.dataclass(frozen=True)
 class StepCostModel:
-    """A modelled cost of one decode step, in seconds: what a reproducible chooser divides by.
+    """A modelled cost of one decode step, in seconds: what a reproducible strategy divides by.
 
     ``base_time + token_time * batch_size * (1 + verified)`` for the target's forward (``verified``:
     the arm's drafted tokens, 0 with SD off), plus ``num_steps * (draft_time + draft_token_time *
@@ -89,7 +89,7 @@ class StepCostModel:
 
     Example:
         >>> model = StepCostModel()
-        >>> round(model.step_time(1, None), 4), round(model.step_time(1, SDStrategy(4)), 4)
+        >>> round(model.step_time(1, None), 4), round(model.step_time(1, DraftSpec(4)), 4)
         (0.0415, 0.0717)
     """
 
@@ -150,15 +150,15 @@ def _finite(name: str, value: Any) -> float:
     return out
 
 
-class BucketedChooser:
-    """Base of the bucketed strategy choosers: buckets, arms, validation, log, state, heat map.
+class BucketedStrategy:
+    """Base of the bucketed strategies: buckets, arms, validation, log, state, heat map.
 
     Subclasses implement ``_choose`` (which arm, and why), ``_observe`` (learn a reward) and
     ``_value`` (the statistic ``best_arms`` ranks by), plus ``_extra_state``/``_load_extra_state``.
 
     Args:
         arms: one sequence of arms for every bucket, or one sequence per bucket; ``None`` uses
-            :func:`default_arms` everywhere. An arm is a :class:`SDStrategy` or ``None`` (SD off).
+            :func:`default_arms` everywhere. An arm is a :class:`DraftSpec` or ``None`` (SD off).
         bucket_thresholds: strictly increasing ints starting at 1; bucket ``i`` holds batch sizes
             from ``bucket_thresholds[i]`` up to the next threshold, the last one is open-ended.
         max_history: how many decisions ``history`` keeps (oldest dropped first).
@@ -215,13 +215,13 @@ class BucketedChooser:
         """Switch reproducible mode on (a :class:`StepCostModel`) or off (``None``) before any update.
 
         Raises:
-            ValueError: the chooser already learned from rewards of the other kind.
+            ValueError: the strategy already learned from rewards of the other kind.
         """
         cost_model = self._check_cost_model(cost_model)
         if self._num_updates and cost_model != self.cost_model:
             raise ValueError(
                 f"cannot change cost_model after {self._num_updates} updates (its statistics are rewards "
-                "of the other kind): set it when the chooser is built"
+                "of the other kind): set it when the strategy is built"
             )
         self.cost_model = cost_model
 
@@ -246,9 +246,9 @@ class BucketedChooser:
         if arms is None:
             return (default_arms(),) * num_buckets
         if isinstance(arms, (str, bytes)) or not isinstance(arms, Sequence):
-            raise TypeError(f"arms must be a sequence of SDStrategy/None or of such sequences, got {arms!r}")
+            raise TypeError(f"arms must be a sequence of DraftSpec/None or of such sequences, got {arms!r}")
         if len(arms) == 0:
-            raise ValueError("arms must not be empty: give at least one SDStrategy or None")
+            raise ValueError("arms must not be empty: give at least one DraftSpec or None")
         nested = [isinstance(a, (list, tuple)) for a in arms]
         if all(nested):
             if len(arms) != num_buckets:
@@ -264,15 +264,15 @@ class BucketedChooser:
             if not bucket:
                 raise ValueError(f"arms for bucket {i} is empty: every bucket needs at least one arm")
             for arm in bucket:
-                if arm is not None and not isinstance(arm, SDStrategy):
-                    raise TypeError(f"arms must hold SDStrategy instances or None, got {arm!r}")
+                if arm is not None and not isinstance(arm, DraftSpec):
+                    raise TypeError(f"arms must hold DraftSpec instances or None, got {arm!r}")
             if len(set(bucket)) != len(bucket):
                 raise ValueError(f"arms for bucket {i} has duplicates: {[arm_key(a) for a in bucket]}")
         return tuple(per_bucket)
 
     def _check_update(self, batch_size: int, arm: Arm, accepted_tokens: float, step_time: float):
         b = self.bucket_of(batch_size)
-        i = self._index[b].get(arm) if (arm is None or isinstance(arm, SDStrategy)) else None
+        i = self._index[b].get(arm) if (arm is None or isinstance(arm, DraftSpec)) else None
         if i is None:
             raise ValueError(
                 f"unknown arm {arm!r} for bucket {self.bucket_labels[b]!r}; "
@@ -407,7 +407,7 @@ class BucketedChooser:
                     return "wall time" if cost is None else f"modelled cost {cost}"
 
                 raise ValueError(
-                    f"state_dict was learned with {describe(saved)} but this chooser uses "
+                    f"state_dict was learned with {describe(saved)} but this strategy uses "
                     f"{describe(mine)}: its statistics are in other units; resume with the same "
                     "reproducible / cost_model setting"
                 )
@@ -508,7 +508,7 @@ class BucketedChooser:
 def draw_heatmaps(
     axes: Sequence[Any], edges: list[float], rows: list[tuple[str, list[str], list[list[float]]]]
 ):
-    """Draw :meth:`BucketedChooser.heatmap_data` on matplotlib ``axes`` (one per bucket)."""
+    """Draw :meth:`BucketedStrategy.heatmap_data` on matplotlib ``axes`` (one per bucket)."""
     for ax, (label, keys, matrix) in zip(axes, rows):
         image = ax.imshow(
             matrix,
@@ -526,7 +526,7 @@ def draw_heatmaps(
         axes[-1].figure.colorbar(image, ax=list(axes), label="fraction of choices")
 
 
-class BEGMABStrategy(BucketedChooser):
+class BEGMABStrategy(BucketedStrategy):
     """Bucketed Epsilon-Greedy Multi-Armed Bandit (TLT's BEG-MAB) over speculative-decoding strategies.
 
     This is a *bandit* strategy that picks how to decode; it is **not** a Lightning ``Strategy``
@@ -556,8 +556,8 @@ class BEGMABStrategy(BucketedChooser):
             (used only with ``epsilon_half_life``).
         seed: seed of the bandit's own RNG.
         max_history: decisions kept in ``history``.
-        per_request: compare arms on tokens per second per request (see :class:`BucketedChooser`).
-        cost_model: reproducible mode (see :class:`BucketedChooser`): rewards from a
+        per_request: compare arms on tokens per second per request (see :class:`BucketedStrategy`).
+        cost_model: reproducible mode (see :class:`BucketedStrategy`): rewards from a
             :class:`StepCostModel` instead of wall time.
 
     Example:

@@ -7,22 +7,22 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tlt_lightning.scheduling.bandit import DEFAULT_BUCKET_THRESHOLDS, BucketedChooser
+from tlt_lightning.scheduling.bandit import DEFAULT_BUCKET_THRESHOLDS, BucketedStrategy
 from tlt_lightning.speculative import Arm, arm_key
 
 __all__ = ["FixedStrategy", "UCBStrategy"]
 
 
-class FixedStrategy(BucketedChooser):
+class FixedStrategy(BucketedStrategy):
     """Always the same arm, at every batch size (e.g. "always chain4" or, with ``None``, "SD off").
 
-    It logs and reports like the bandits, so benchmarks treat every chooser alike; every decision
+    It logs and reports like the bandits, so benchmarks treat every strategy alike; every decision
     after the first is an ``"exploit"`` one.
 
     Example:
-        >>> from tlt_lightning.speculative import SDStrategy
-        >>> FixedStrategy(SDStrategy(4)).select(32)
-        SDStrategy(num_steps=4, topk=1, num_draft_tokens=4, sampled=False, min_confidence=0.0, fork_depth=1)
+        >>> from tlt_lightning.speculative import DraftSpec
+        >>> FixedStrategy(DraftSpec(4)).select(32)
+        DraftSpec(num_steps=4, topk=1, num_draft_tokens=4, sampled=False, min_confidence=0.0, fork_depth=1)
     """
 
     def __init__(self, arm: Arm, *, max_history: int = 20_000) -> None:
@@ -46,7 +46,7 @@ class FixedStrategy(BucketedChooser):
         self._sums[0] = float(state.get("reward_sum", self._sums[0]))
 
 
-class UCBStrategy(BucketedChooser):
+class UCBStrategy(BucketedStrategy):
     """Sliding-window UCB1 per batch-size bucket (Garivier & Moulines' SW-UCB).
 
     Each bucket keeps its last ``window`` plays (arm, reward), whatever the arm. Untried arms go

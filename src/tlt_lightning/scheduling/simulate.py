@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tlt_lightning.scheduling.bandit import BEGMABStrategy, BucketedChooser, default_arms, draw_heatmaps
+from tlt_lightning.scheduling.bandit import BEGMABStrategy, BucketedStrategy, default_arms, draw_heatmaps
 from tlt_lightning.scheduling.baselines import FixedStrategy, UCBStrategy
 from tlt_lightning.speculative import Arm, arm_key
 
-__all__ = ["SimulatedSDEnvironment", "main", "run_bandit_benchmark", "run_chooser"]
+__all__ = ["SimulatedSDEnvironment", "main", "run_bandit_benchmark", "run_strategy"]
 
 
 @dataclass
@@ -48,7 +48,7 @@ class SimulatedSDEnvironment:
         base_time, token_time, draft_time, draft_token_time: cost model, seconds (``>= 0``).
         tree_width_exponent: how much a tree's width helps acceptance, in ``(0, 1]``.
         seed: seeds the environment's own RNGs (batch sizes and noise are separate streams, so
-            every chooser sees the same batch sizes and noise draws).
+            every strategy sees the same batch sizes and noise draws).
 
     Example:
         >>> env = SimulatedSDEnvironment(change_at=None)
@@ -132,21 +132,21 @@ class SimulatedSDEnvironment:
         return tokens, seconds
 
 
-def run_chooser(chooser: BucketedChooser, env: SimulatedSDEnvironment, steps: int) -> list[dict[str, Any]]:
-    """Run ``chooser`` for ``steps`` steps; per step: batch size, arm, mode, reward, oracle reward."""
+def run_strategy(strategy: BucketedStrategy, env: SimulatedSDEnvironment, steps: int) -> list[dict[str, Any]]:
+    """Run ``strategy`` for ``steps`` steps; per step: batch size, arm, mode, reward, oracle reward."""
     trace = []
     for t in range(steps):
         batch_size = env.sample_batch_size()
-        arm = chooser.select(batch_size)
+        arm = strategy.select(batch_size)
         tokens, seconds = env.observe(batch_size, arm, t)
-        chooser.update(batch_size, arm, tokens, seconds)
+        strategy.update(batch_size, arm, tokens, seconds)
         best = env.best_arm(batch_size, t)
         trace.append(
             {
                 "step": t,
                 "batch_size": batch_size,
                 "arm": arm,
-                "mode": chooser.last_decision.mode,
+                "mode": strategy.last_decision.mode,
                 "reward": tokens * batch_size / seconds,
                 "best": best,
                 "oracle": env.expected_reward(batch_size, best, t),
@@ -156,15 +156,15 @@ def run_chooser(chooser: BucketedChooser, env: SimulatedSDEnvironment, steps: in
 
 
 def _summarise(
-    trace: list[dict[str, Any]], chooser: BucketedChooser, change_at: int | None, majority: int, burn_in: int
+    trace: list[dict[str, Any]], strategy: BucketedStrategy, change_at: int | None, majority: int, burn_in: int
 ):
     """Best-arm fractions per bucket and phase, and steps to follow the change (see the benchmark)."""
     end = len(trace) if change_at is None else change_at
     settle = None if change_at is None else change_at + (len(trace) - change_at) // 2
     fractions: dict[str, dict[str, float | None]] = {}
     follow: dict[str, dict[str, int | None]] = {}
-    for b, label in enumerate(chooser.bucket_labels):
-        rows = [r for r in trace if chooser.bucket_of(r["batch_size"]) == b and r["mode"] == "exploit"]
+    for b, label in enumerate(strategy.bucket_labels):
+        rows = [r for r in trace if strategy.bucket_of(r["batch_size"]) == b and r["mode"] == "exploit"]
         if not rows:
             continue
 
@@ -178,8 +178,8 @@ def _summarise(
         if change_at is None:
             continue
         fractions[label]["after_change_settled"] = frac([r for r in rows if r["step"] >= settle])
-        before = [r for r in trace if r["step"] < change_at and chooser.bucket_of(r["batch_size"]) == b]
-        after = [r for r in trace if r["step"] >= change_at and chooser.bucket_of(r["batch_size"]) == b]
+        before = [r for r in trace if r["step"] < change_at and strategy.bucket_of(r["batch_size"]) == b]
+        after = [r for r in trace if r["step"] >= change_at and strategy.bucket_of(r["batch_size"]) == b]
         if not before or not after or before[-1]["best"] == after[0]["best"]:
             continue
         # First step at which a majority of the last `majority` exploit decisions pick the new best.
@@ -223,14 +223,15 @@ def run_bandit_benchmark(
     Args:
         steps: simulated decode steps; ``change_at`` defaults to ``steps // 2``.
         burn_in: first step of the converged before-change phase; defaults to ``change_at // 4``.
-        return_traces: also return the per-step traces and the choosers (not JSON-serialisable).
+        return_traces: also return the per-step traces (``traces``) and the strategy objects
+            (``strategy_objects``; neither is JSON-serialisable).
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     change_at = steps // 2 if change_at is None else change_at
     burn_in = change_at // 4 if burn_in is None else burn_in
     env_args = {"change_at": change_at, "seed": seed}
-    choosers: dict[str, BucketedChooser] = {
+    strategies: dict[str, BucketedStrategy] = {
         "begmab": BEGMABStrategy(epsilon=epsilon, window=window, seed=seed),
         # Exploration decaying per bucket to a 1% floor: cheaper once known, slower to follow a change.
         "begmab-decay": BEGMABStrategy(epsilon=epsilon, window=window, seed=seed, epsilon_half_life=window,
@@ -239,7 +240,7 @@ def run_bandit_benchmark(
         **{f"fixed:{arm_key(arm)}": FixedStrategy(arm) for arm in default_arms()},
     }
     env = SimulatedSDEnvironment(**env_args)
-    probe = choosers["begmab"]
+    probe = strategies["begmab"]
     best = {
         phase: {
             probe.bucket_labels[probe.bucket_of(bs)]: arm_key(env.best_arm(bs, t)) for bs in env.batch_sizes
@@ -248,11 +249,11 @@ def run_bandit_benchmark(
     }
     results: dict[str, Any] = {}
     traces: dict[str, list[dict[str, Any]]] = {}
-    for name, chooser in choosers.items():
-        trace = traces[name] = run_chooser(chooser, SimulatedSDEnvironment(**env_args), steps)
-        # Fixed arms have one bucket; judge every chooser on the bandit's buckets.
+    for name, strategy in strategies.items():
+        trace = traces[name] = run_strategy(strategy, SimulatedSDEnvironment(**env_args), steps)
+        # Fixed arms have one bucket; judge every strategy on the bandit's buckets.
         fractions, follow = _summarise(
-            trace, choosers["begmab"] if name.startswith("fixed") else chooser, change_at, majority, burn_in
+            trace, strategies["begmab"] if name.startswith("fixed") else strategy, change_at, majority, burn_in
         )
         results[name] = {
             "total_reward": sum(r["reward"] for r in trace),
@@ -281,7 +282,7 @@ def run_bandit_benchmark(
         "strategies": results,
     }
     if return_traces:
-        out["traces"], out["choosers"] = traces, choosers
+        out["traces"], out["strategy_objects"] = traces, strategies
     return out
 
 
@@ -301,7 +302,7 @@ def plot_benchmark(result: dict[str, Any], path: str | Path, smooth: int = 200) 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    traces, bandit = result["traces"], result["choosers"]["begmab"]
+    traces, bandit = result["traces"], result["strategy_objects"]["begmab"]
     edges, rows = bandit.heatmap_data(num_bins=40)
     fig = Figure(figsize=(4 * len(rows), 8), layout="constrained")
     FigureCanvasAgg(fig)
@@ -330,7 +331,7 @@ def main(
     result = run_bandit_benchmark(steps=steps, seed=seed, return_traces=plot_path is not None)
     if plot_path is not None:
         plot_benchmark(result, plot_path)
-        result.pop("traces"), result.pop("choosers")
+        result.pop("traces"), result.pop("strategy_objects")
         result["plot"] = str(plot_path)
     json_path = Path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Pure speculative-decoding math: sampling distributions, lossless draft verification, strategies."""
 
+from tlt_lightning.speculative.arms import Arm, DraftSpec, DraftStrategy, arm_key, as_strategy, parse_arm
 from tlt_lightning.speculative.sampling import SamplingParams, sample, sampling_probs
-from tlt_lightning.speculative.strategy import Arm, SDStrategy, StrategyChooser, arm_key, parse_arm
 from tlt_lightning.speculative.verify import (
     SiblingRule,
     VerifyResult,
@@ -13,12 +13,13 @@ from tlt_lightning.speculative.verify import (
 
 __all__ = [
     "Arm",
-    "SDStrategy",
+    "DraftSpec",
+    "DraftStrategy",
     "SamplingParams",
     "SiblingRule",
-    "StrategyChooser",
     "VerifyResult",
     "arm_key",
+    "as_strategy",
     "parse_arm",
     "sample",
     "sampling_probs",

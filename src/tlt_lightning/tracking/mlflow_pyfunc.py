@@ -222,8 +222,8 @@ class DrafterPyfunc:
         """
         import pandas as pd
 
-        from tlt_lightning.rollout import FixedChooser, RolloutConfig, SpeculativeRolloutLoop
-        from tlt_lightning.speculative import SDStrategy
+        from tlt_lightning.rollout import RolloutConfig, SpeculativeRolloutLoop
+        from tlt_lightning.speculative import DraftSpec
 
         params = {**PREDICT_PARAMS, **(params or {})}
         depth = int(params["num_draft_tokens"])
@@ -234,7 +234,7 @@ class DrafterPyfunc:
             raise ValueError(f"model_input needs a column 'input_ids' (token-id lists), got columns {list(frame.columns)}")
         loop = SpeculativeRolloutLoop(
             self.target, self.drafter, RolloutConfig(max_new_tokens=int(params["max_new_tokens"]), temperature=0.0),
-            chooser=FixedChooser(SDStrategy(depth)),
+            strategy=DraftSpec(depth),
         )
         tokens, accept = [], []
         with torch.inference_mode():

@@ -98,7 +98,7 @@ def prepare_store(
             if experiment is not None:
                 return experiment.experiment_id
             return client.create_experiment(experiment_name, artifact_location=artifact_location)
-    except Exception as err:  # noqa: BLE001 -- any failure here is a store failure: say so, keep the cause
+    except Exception as err:
         raise TrackingStoreError(
             f"MLflow tracking store {tracking_uri!r} could not be opened ({step}): {type(err).__name__}: {err}"
         ) from err

@@ -13,14 +13,14 @@ from __future__ import annotations
 import logging
 import math
 
-from tlt_lightning.efficiency.checkpoint_profile import CheckpointPlan, CheckpointProfile
+from tlt_lightning.efficiency.activation_profile import ActivationCheckpointPlan, ActivationCheckpointProfile
 
 __all__ = ["plan_greedy", "plan_optimal", "plan_static"]
 
 log = logging.getLogger(__name__)
 
 
-def _check_budget(profile: CheckpointProfile, memory_budget: int) -> None:
+def _check_budget(profile: ActivationCheckpointProfile, memory_budget: int) -> None:
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
     if memory_budget < profile.min_peak_bytes:
@@ -30,7 +30,7 @@ def _check_budget(profile: CheckpointProfile, memory_budget: int) -> None:
         )
 
 
-def plan_static(profile: CheckpointProfile | int, every: int = 2, offset: int = 0) -> CheckpointPlan:
+def plan_static(profile: ActivationCheckpointProfile | int, every: int = 2, offset: int = 0) -> ActivationCheckpointPlan:
     """Checkpoint blocks ``offset, offset + every, ...``: the static baseline (every other block).
 
     Args:
@@ -43,7 +43,7 @@ def plan_static(profile: CheckpointProfile | int, every: int = 2, offset: int = 
     n = profile if isinstance(profile, int) else len(profile)
     flags = [i % every == offset for i in range(n)]
     if isinstance(profile, int):
-        return CheckpointPlan(tuple(flags), 0, 0.0, f"static/{every}")
+        return ActivationCheckpointPlan(tuple(flags), 0, 0.0, f"static/{every}")
     return profile.plan(flags, f"static/{every}")
 
 
@@ -51,7 +51,7 @@ class _TooManyStates(Exception):
     pass
 
 
-def _knapsack(profile: CheckpointProfile, memory_budget: int, unit: int, max_states: int | None) -> int | None:
+def _knapsack(profile: ActivationCheckpointProfile, memory_budget: int, unit: int, max_states: int | None) -> int | None:
     """The cheapest feasible checkpoint bitmask with sizes in ``unit``-byte units (rounded up), or None.
 
     State after each block: (held units, transient inputs kept alive as a bitmask) -> (recompute
@@ -101,25 +101,25 @@ def _knapsack(profile: CheckpointProfile, memory_budget: int, unit: int, max_sta
 
 
 def plan_optimal(
-    profile: CheckpointProfile, memory_budget: int, resolution: int = 4096, max_states: int = 100_000
-) -> CheckpointPlan:
+    profile: ActivationCheckpointProfile, memory_budget: int, resolution: int = 4096, max_states: int = 100_000
+) -> ActivationCheckpointPlan:
     """The plan with the least recompute time whose predicted peak fits ``memory_budget`` bytes.
 
     A DP over the blocks in execution order: a 0/1 knapsack whose capacity is checked at every
-    block, not only at the end (see :meth:`CheckpointProfile.peak_bytes`). Exact in bytes: states
+    block, not only at the end (see :meth:`ActivationCheckpointProfile.peak_bytes`). Exact in bytes: states
     are (bytes held so far, transient inputs kept) with the dominated ones pruned, which stays small
     for real models (blocks of one kind have the same sizes). Should it pass ``max_states`` (sizes
     all different), the bytes are counted in units of ``ceil(memory_budget / resolution)``, each size
     rounded up: the plan still fits, and is optimal up to that rounding.
 
     Raises:
-        ValueError: ``memory_budget`` below :attr:`CheckpointProfile.min_peak_bytes`, or not a
+        ValueError: ``memory_budget`` below :attr:`ActivationCheckpointProfile.min_peak_bytes`, or not a
             positive int; ``resolution`` or ``max_states`` below 1.
 
     Example:
-        >>> from tlt_lightning.efficiency.checkpoint_profile import BlockCost, Gap
+        >>> from tlt_lightning.efficiency.activation_profile import BlockCost, Gap
         >>> blocks = (BlockCost(10, 1, 10, 1.0), BlockCost(10, 1, 10, 1.0), BlockCost(10, 1, 10, 1.0))
-        >>> profile = CheckpointProfile(blocks, (Gap(0, 0),) * 4)
+        >>> profile = ActivationCheckpointProfile(blocks, (Gap(0, 0),) * 4)
         >>> plan_optimal(profile, 21).checkpointed  # the last block's recomputation comes first
         (True, False, False)
     """
@@ -139,7 +139,7 @@ def plan_optimal(
     return plan
 
 
-def plan_greedy(profile: CheckpointProfile, memory_budget: int) -> CheckpointPlan:
+def plan_greedy(profile: ActivationCheckpointProfile, memory_budget: int) -> ActivationCheckpointPlan:
     """Cost-benefit heuristic: checkpoint the block that lowers the peak most per second, until it fits.
 
     The per-layer "cost-benefit ratio" a learned policy would be fed; shown to compare with the DP.

@@ -4,17 +4,17 @@ Checkpointing a block keeps only its output in the forward pass and recomputes t
 backward. Which blocks to checkpoint is a 0/1 knapsack: each block has a recompute cost (its
 forward time) and a memory saving, and the peak activation memory must stay under a budget.
 
-1. **profile** (:func:`~tlt_lightning.efficiency.checkpoint_profile.profile_blocks`): per block the
+1. **profile** (:func:`~tlt_lightning.efficiency.activation_profile.profile_blocks`): per block the
    bytes it holds for backward, its output, its transient peak and its forward time, measured on a
    real forward pass, and the memory of the code between blocks;
-2. **plan** (:mod:`~tlt_lightning.efficiency.checkpoint_plan`): the exact optimum by dynamic
+2. **plan** (:mod:`~tlt_lightning.efficiency.activation_plan`): the exact optimum by dynamic
    programming, the static every-other-block baseline and a cost-benefit greedy. There is no learned
    (RL) policy: the DP is exact and takes milliseconds, so a learned policy could only match it
-   (the reasons are in :mod:`~tlt_lightning.efficiency.checkpoint_plan`);
-3. **apply** (:func:`apply_checkpointing`): the chosen blocks' ``forward`` goes through non-reentrant
+   (the reasons are in :mod:`~tlt_lightning.efficiency.activation_plan`);
+3. **apply** (:func:`apply_activation_checkpointing`): the chosen blocks' ``forward`` goes through non-reentrant
    ``torch.utils.checkpoint``; the returned handle removes it again.
 
-:class:`DynamicCheckpointing` does all three; :class:`~tlt_lightning.efficiency.callbacks.DynamicCheckpointingCallback`
+:class:`DynamicActivationCheckpointing` does all three; :class:`~tlt_lightning.efficiency.callbacks.ActivationCheckpointingCallback`
 does it inside a Lightning fit.
 
 Example:
@@ -25,7 +25,7 @@ Example:
     >>> layers = list(model.model.layers)
     >>> profile = profile_blocks(layers, step)
     >>> plan = plan_optimal(profile, plan_static(profile).peak_bytes)  # static's memory, less recompute
-    >>> handle = apply_checkpointing(layers, plan)  # train as usual; handle.remove() undoes it
+    >>> handle = apply_activation_checkpointing(layers, plan)  # train as usual; handle.remove() undoes it
     >>> handle.remove()
 """
 
@@ -41,25 +41,25 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import Self
 
-from tlt_lightning.efficiency.checkpoint_plan import plan_greedy, plan_optimal, plan_static
-from tlt_lightning.efficiency.checkpoint_profile import (
+from tlt_lightning.efficiency.activation_plan import plan_greedy, plan_optimal, plan_static
+from tlt_lightning.efficiency.activation_profile import (
+    ActivationCheckpointPlan,
+    ActivationCheckpointProfile,
     BlockCost,
-    CheckpointPlan,
-    CheckpointProfile,
     Gap,
     profile_blocks,
 )
 
 __all__ = [
+    "ActivationCheckpointHandle",
+    "ActivationCheckpointPlan",
+    "ActivationCheckpointProfile",
     "BlockCost",
-    "CheckpointHandle",
-    "CheckpointPlan",
-    "CheckpointProfile",
-    "DynamicCheckpointing",
+    "DynamicActivationCheckpointing",
     "Gap",
-    "apply_checkpointing",
+    "apply_activation_checkpointing",
     "find_blocks",
-    "is_checkpointed",
+    "is_activation_checkpointed",
     "plan_greedy",
     "plan_optimal",
     "plan_static",
@@ -110,8 +110,8 @@ def find_blocks(module: nn.Module, patterns: str | Sequence[str] | None = None) 
     return found
 
 
-def is_checkpointed(block: nn.Module) -> bool:
-    """Whether :func:`apply_checkpointing` wrapped this block's ``forward``."""
+def is_activation_checkpointed(block: nn.Module) -> bool:
+    """Whether :func:`apply_activation_checkpointing` wrapped this block's ``forward``."""
     return isinstance(block.__dict__.get("forward"), _CheckpointedForward)
 
 
@@ -127,15 +127,15 @@ class _CheckpointedForward:
         return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
 
 
-class CheckpointHandle:
-    """Undoes :func:`apply_checkpointing`: ``handle.remove()``, or use it as a context manager."""
+class ActivationCheckpointHandle:
+    """Undoes :func:`apply_activation_checkpointing`: ``handle.remove()``, or use it as a context manager."""
 
     def __init__(self, blocks: list[nn.Module]) -> None:
         self.blocks = blocks
 
     def remove(self) -> None:
         for block in self.blocks:
-            if is_checkpointed(block):
+            if is_activation_checkpointed(block):
                 del block.forward  # the class's forward shows through again
         self.blocks = []
 
@@ -146,7 +146,7 @@ class CheckpointHandle:
         self.remove()
 
 
-def apply_checkpointing(blocks: Sequence[nn.Module], plan: CheckpointPlan | Sequence[bool]) -> CheckpointHandle:
+def apply_activation_checkpointing(blocks: Sequence[nn.Module], plan: ActivationCheckpointPlan | Sequence[bool]) -> ActivationCheckpointHandle:
     """Checkpoint ``blocks[i]`` where the plan says so (module, parameters and state_dict unchanged).
 
     Call models with ``use_cache=False`` while training (as with any activation checkpointing: a
@@ -156,20 +156,20 @@ def apply_checkpointing(blocks: Sequence[nn.Module], plan: CheckpointPlan | Sequ
     Raises:
         ValueError: the plan's length differs from ``len(blocks)``, or a block is already checkpointed.
     """
-    flags = plan.checkpointed if isinstance(plan, CheckpointPlan) else tuple(bool(c) for c in plan)
+    flags = plan.checkpointed if isinstance(plan, ActivationCheckpointPlan) else tuple(bool(c) for c in plan)
     if len(flags) != len(blocks):
         raise ValueError(f"plan must have one entry per block ({len(blocks)}), got {len(flags)}")
     chosen = [b for b, c in zip(blocks, flags) if c]
-    if any(is_checkpointed(b) for b in chosen):
-        raise ValueError("blocks are already checkpointed: remove the previous CheckpointHandle first")
+    if any(is_activation_checkpointed(b) for b in chosen):
+        raise ValueError("blocks are already checkpointed: remove the previous ActivationCheckpointHandle first")
     for block in chosen:
         block.forward = _CheckpointedForward(block.forward)
-    return CheckpointHandle(chosen)
+    return ActivationCheckpointHandle(chosen)
 
 
 # ------------------------------------------------------------------------------------ the policy
 @dataclass(frozen=True)
-class DynamicCheckpointing:
+class DynamicActivationCheckpointing:
     """Profile, plan (exact DP) and apply checkpointing under an activation-memory budget.
 
     Args:
@@ -180,7 +180,7 @@ class DynamicCheckpointing:
         repeats: timed profiling runs.
 
     Example:
-        >>> policy = DynamicCheckpointing(budget_fraction=0.6)
+        >>> policy = DynamicActivationCheckpointing(budget_fraction=0.6)
         >>> # plan, handle = policy.apply(list(model.model.layers), step)
     """
 
@@ -206,12 +206,12 @@ class DynamicCheckpointing:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
-    def budget_bytes(self, profile: CheckpointProfile) -> int:
+    def budget_bytes(self, profile: ActivationCheckpointProfile) -> int:
         if self.memory_budget is not None:
             return self.memory_budget
         return int(self.budget_fraction * profile.max_peak_bytes)
 
-    def plan(self, profile: CheckpointProfile) -> CheckpointPlan:
+    def plan(self, profile: ActivationCheckpointProfile) -> ActivationCheckpointPlan:
         """The optimal plan for this budget (``ValueError`` naming ``memory_budget`` if none fits)."""
         budget = self.budget_bytes(profile)
         if self.budget_fraction is not None and budget < profile.min_peak_bytes:
@@ -224,7 +224,7 @@ class DynamicCheckpointing:
 
     def apply(
         self, blocks: Sequence[nn.Module], forward: Callable[[], Any]
-    ) -> tuple[CheckpointPlan, CheckpointHandle]:
+    ) -> tuple[ActivationCheckpointPlan, ActivationCheckpointHandle]:
         """Profile ``blocks`` on ``forward()``, plan, and checkpoint the chosen blocks."""
         plan = self.plan(profile_blocks(blocks, forward, self.repeats))
-        return plan, apply_checkpointing(blocks, plan)
+        return plan, apply_activation_checkpointing(blocks, plan)

@@ -3,9 +3,9 @@ import json
 from tlt_lightning.cli import main
 
 
-def test_bench_checkpoint_cli_writes_json_and_plot(tmp_path, capsys):
+def test_bench_activation_checkpointing_cli_writes_json_and_plot(tmp_path, capsys):
     path = tmp_path / "checkpoint.json"
-    main(["--threads", "1", "bench", "checkpoint", "--layers", "4", "--hidden", "64", "--vocab", "256",
+    main(["--threads", "1", "bench", "activation-checkpointing", "--layers", "4", "--hidden", "64", "--vocab", "256",
           "--seq-len", "64", "--repeats", "1", "--steps", "1", "--json", str(path)])
     data = json.loads(path.read_text())
     variants = data["variants"]

@@ -1,13 +1,13 @@
 import pytest
 
-from tlt_lightning.speculative import SDStrategy, StrategyChooser
+from tlt_lightning.speculative import DraftSpec, DraftStrategy
 
 
 def test_chain_and_tree_defaults():
-    chain, tree = SDStrategy(4), SDStrategy(3, 2)
+    chain, tree = DraftSpec(4), DraftSpec(3, 2)
     assert chain.is_chain and chain.num_draft_tokens == 4 and str(chain) == "chain4"
     assert not tree.is_chain and tree.num_draft_tokens == 6 and str(tree) == "tree3x2/6"
-    assert len({SDStrategy(4), SDStrategy(4, 1, 4), SDStrategy(3, 2)}) == 2  # hashable, by value
+    assert len({DraftSpec(4), DraftSpec(4, 1, 4), DraftSpec(3, 2)}) == 2  # hashable, by value
 
 
 @pytest.mark.parametrize(
@@ -21,51 +21,51 @@ def test_chain_and_tree_defaults():
 )
 def test_invalid_strategies_name_the_field(args, match):
     with pytest.raises(ValueError, match=match):
-        SDStrategy(*args)
+        DraftSpec(*args)
 
 
 def test_sampled_trees_fork_into_chains():
-    arm = SDStrategy(6, 2, sampled=True)
+    arm = DraftSpec(6, 2, sampled=True)
     assert str(arm) == "chain6x2" and arm.num_draft_tokens == 12 and not arm.is_chain
-    assert arm != SDStrategy(6, 2, 12)  # the deterministic EAGLE-2 tree of the same size
+    assert arm != DraftSpec(6, 2, 12)  # the deterministic EAGLE-2 tree of the same size
     with pytest.raises(ValueError, match=r"forks into topk >= 2 chains, got topk=1 \(use a chain\)"):
-        SDStrategy(4, sampled=True)
+        DraftSpec(4, sampled=True)
     with pytest.raises(ValueError, match=r"verifies all its 8 nodes, got num_draft_tokens=6"):
-        SDStrategy(4, 2, 6, sampled=True)
+        DraftSpec(4, 2, 6, sampled=True)
     with pytest.raises(TypeError, match="sampled must be a bool"):
-        SDStrategy(4, 2, sampled=1)
+        DraftSpec(4, 2, sampled=1)
 
 
 def test_sampled_trees_fork_at_their_first_levels():
-    arm = SDStrategy(4, 3, sampled=True, fork_depth=2)
+    arm = DraftSpec(4, 3, sampled=True, fork_depth=2)
     assert arm.level_widths == (3, 9, 9, 9) and arm.num_draft_tokens == 30 and str(arm) == "chain4x3f2"
-    assert SDStrategy(4, 2, sampled=True).level_widths == (2, 2, 2, 2)
-    assert SDStrategy(3, 2, sampled=True, fork_depth=3).level_widths == (2, 4, 8)
-    assert arm != SDStrategy(4, 3, sampled=True)
+    assert DraftSpec(4, 2, sampled=True).level_widths == (2, 2, 2, 2)
+    assert DraftSpec(3, 2, sampled=True, fork_depth=3).level_widths == (2, 4, 8)
+    assert arm != DraftSpec(4, 3, sampled=True)
     for bad in (0, 5, True, 1.5):
         with pytest.raises(ValueError, match=r"fork_depth must be an int in \[1, num_steps\] = \[1, 4\], got"):
-            SDStrategy(4, 3, sampled=True, fork_depth=bad)
+            DraftSpec(4, 3, sampled=True, fork_depth=bad)
     with pytest.raises(ValueError, match="fork_depth=2 describes sampled trees; pass sampled=True"):
-        SDStrategy(4, 2, fork_depth=2)
+        DraftSpec(4, 2, fork_depth=2)
 
 
 def test_confidence_stopped_chains():
-    arm = SDStrategy(10, min_confidence=0.3)
+    arm = DraftSpec(10, min_confidence=0.3)
     assert str(arm) == "chain10@0.3" and arm.is_chain and arm.num_draft_tokens == 10
-    assert arm != SDStrategy(10) and str(SDStrategy(10, min_confidence=0)) == "chain10"
+    assert arm != DraftSpec(10) and str(DraftSpec(10, min_confidence=0)) == "chain10"
     for bad in (1.0, -0.1, float("nan"), True, "0.3"):
         with pytest.raises(ValueError, match=r"min_confidence must be a number in \[0, 1\), got"):
-            SDStrategy(10, min_confidence=bad)
+            DraftSpec(10, min_confidence=bad)
     with pytest.raises(ValueError, match=r"stops chains early; a tree \(topk=2\) needs min_confidence=0"):
-        SDStrategy(4, 2, min_confidence=0.3)
+        DraftSpec(4, 2, min_confidence=0.3)
 
 
 def test_protocol_is_structural():
     class Always:
         def select(self, batch_size):
-            return SDStrategy(2)
+            return DraftSpec(2)
 
         def update(self, batch_size, arm, accepted_tokens, step_time):
             pass
 
-    assert isinstance(Always(), StrategyChooser)
+    assert isinstance(Always(), DraftStrategy)

@@ -1,6 +1,10 @@
-"""SDStrategy: one speculative-decoding configuration, its name, and the protocol of whatever chooses it.
+"""Arms and strategies: what one decode step runs, its name, and what picks it.
 
-An *arm* is an :class:`SDStrategy` or ``None`` (plain decoding, named ``"off"``). Its name is the
+An *arm* is a :class:`DraftSpec` (one speculative-decoding configuration) or ``None`` (plain
+decoding); a *strategy* (:class:`DraftStrategy`) picks the arm of each decode step. A Lightning
+``Strategy`` (ddp, fsdp) is something else.
+
+An arm's name (``"off"`` for plain decoding) is the
 one format everything writes and reads (bandit state, benchmark JSON, ``--arms`` flags):
 :func:`arm_key` writes it, :func:`parse_arm` reads it back.
 """
@@ -11,11 +15,11 @@ import re
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
 
-__all__ = ["Arm", "SDStrategy", "StrategyChooser", "arm_key", "parse_arm"]
+__all__ = ["Arm", "DraftSpec", "DraftStrategy", "arm_key", "as_strategy", "parse_arm"]
 
 
 @dataclass(frozen=True, order=True)
-class SDStrategy:
+class DraftSpec:
     """How one speculative step drafts and verifies.
 
     A chain is the special case ``topk == 1``: ``num_steps`` drafted tokens, all verified
@@ -46,14 +50,14 @@ class SDStrategy:
             ``[1, num_steps]``.
 
     Example:
-        >>> SDStrategy(4, 1, 4).is_chain
+        >>> DraftSpec(4, 1, 4).is_chain
         True
-        >>> str(SDStrategy(6, 2, sampled=True))
+        >>> str(DraftSpec(6, 2, sampled=True))
         'chain6x2'
-        >>> arm = SDStrategy(6, 2, sampled=True, fork_depth=2)
+        >>> arm = DraftSpec(6, 2, sampled=True, fork_depth=2)
         >>> str(arm), arm.level_widths, arm.num_draft_tokens
         ('chain6x2f2', (2, 4, 4, 4, 4, 4), 22)
-        >>> str(SDStrategy(10, min_confidence=0.25))
+        >>> str(DraftSpec(10, min_confidence=0.25))
         'chain10@0.25'
     """
 
@@ -116,14 +120,14 @@ class SDStrategy:
         return f"chain{self.num_steps}" if self.is_chain else f"tree{self.num_steps}x{self.topk}/{self.num_draft_tokens}"
 
 
-Arm: TypeAlias = SDStrategy | None  # noqa: UP040 (3.10)
-"""What a chooser picks for one decode step: a speculative configuration, or ``None`` for plain decoding."""
+Arm: TypeAlias = DraftSpec | None
+"""What a strategy picks for one decode step: a speculative configuration, or ``None`` for plain decoding."""
 
 _ARM_NAME = re.compile(r"off|chain(\d+)(?:x(\d+)(?:f(\d+))?|@(\d*\.?\d+))?|tree(\d+)x(\d+)/(\d+)")
 
 
 def arm_key(arm: Arm) -> str:
-    """A short unique name for an arm: ``"off"``, ``"chain4"``, ``"tree5x4/16"`` (see :meth:`SDStrategy.__str__`)."""
+    """A short unique name for an arm: ``"off"``, ``"chain4"``, ``"tree5x4/16"`` (see :meth:`DraftSpec.__str__`)."""
     return "off" if arm is None else str(arm)
 
 
@@ -135,7 +139,7 @@ def parse_arm(key: str) -> Arm:
 
     Example:
         >>> parse_arm("tree4x2/8")
-        SDStrategy(num_steps=4, topk=2, num_draft_tokens=8, sampled=False, min_confidence=0.0, fork_depth=1)
+        DraftSpec(num_steps=4, topk=2, num_draft_tokens=8, sampled=False, min_confidence=0.0, fork_depth=1)
         >>> parse_arm(arm_key(None)) is None
         True
     """
@@ -148,20 +152,56 @@ def parse_arm(key: str) -> Arm:
     chain, chains, forks, confidence, depth, topk, tokens = match.groups()
     if chain is not None:
         if chains is not None:
-            return SDStrategy(int(chain), int(chains), sampled=True, fork_depth=int(forks or 1))
-        return SDStrategy(int(chain), min_confidence=float(confidence or 0))
-    return None if depth is None else SDStrategy(int(depth), int(topk), int(tokens))
+            return DraftSpec(int(chain), int(chains), sampled=True, fork_depth=int(forks or 1))
+        return DraftSpec(int(chain), min_confidence=float(confidence or 0))
+    return None if depth is None else DraftSpec(int(depth), int(topk), int(tokens))
 
 
 @runtime_checkable
-class StrategyChooser(Protocol):
-    """Picks the strategy for each decode step from the active batch size; learns from the outcome.
+class DraftStrategy(Protocol):
+    """Picks the arm of each decode step from the active batch size; learns from the outcome.
 
-    ``select`` returns an :class:`SDStrategy` or ``None`` (plain decoding for this step). ``update``
+    ``select`` returns a :class:`DraftSpec` or ``None`` (plain decoding for this step). ``update``
     reports what the step achieved: ``accepted_tokens`` is the mean number of tokens each request
     emitted, ``step_time`` the step's seconds.
     """
 
-    def select(self, batch_size: int) -> SDStrategy | None: ...
+    def select(self, batch_size: int) -> DraftSpec | None: ...
 
-    def update(self, batch_size: int, arm: SDStrategy | None, accepted_tokens: float, step_time: float) -> None: ...
+    def update(self, batch_size: int, arm: DraftSpec | None, accepted_tokens: float, step_time: float) -> None: ...
+
+
+class _Always:
+    """The :class:`DraftStrategy` that always picks ``arm`` and learns nothing."""
+
+    def __init__(self, arm: Arm) -> None:
+        self.arm = arm
+
+    def select(self, batch_size: int) -> Arm:
+        return self.arm
+
+    def update(self, batch_size: int, arm: Arm, accepted_tokens: float, step_time: float) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"always {arm_key(self.arm)}"
+
+
+def as_strategy(strategy: DraftStrategy | DraftSpec | None) -> DraftStrategy:
+    """``strategy`` itself, or for an arm (a :class:`DraftSpec`, or ``None`` = plain decoding) the
+    strategy that always picks it.
+
+    Example:
+        >>> as_strategy(DraftSpec(4)).select(batch_size=8)
+        DraftSpec(num_steps=4, topk=1, num_draft_tokens=4, sampled=False, min_confidence=0.0, fork_depth=1)
+        >>> as_strategy(None).select(batch_size=1) is None
+        True
+    """
+    if strategy is None or isinstance(strategy, DraftSpec):
+        return _Always(strategy)
+    if not isinstance(strategy, DraftStrategy):
+        raise TypeError(
+            f"strategy must be a DraftSpec, None (plain decoding) or a DraftStrategy (with select and update), "
+            f"got {type(strategy).__name__}"
+        )
+    return strategy

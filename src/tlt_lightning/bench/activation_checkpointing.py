@@ -1,4 +1,4 @@
-"""``tlt-lightning bench checkpoint``: budgeted checkpointing against static every-other-block.
+"""``tlt-lightning bench activation-checkpointing``: budgeted checkpointing against static every-other-block.
 
 A randomly initialised Llama (transformers ``LlamaConfig``, real layer structure, CPU) trains with
 AdamW on random tokens at a sequence length where activations dominate memory. Variants:
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from tlt_lightning.bench.common import machine_info, new_figure, save_figure, timed, write_json
-from tlt_lightning.efficiency.checkpoint import (
-    apply_checkpointing,
+from tlt_lightning.efficiency.activation_checkpointing import (
+    apply_activation_checkpointing,
     find_blocks,
     plan_greedy,
     plan_optimal,
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds")
     parser.add_argument("--steps", type=int, default=2, help="train steps per variant and round")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default="runs/bench/checkpoint.json")
+    parser.add_argument("--json", default="runs/bench/activation_checkpointing.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 
 
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sub_profile = profile_blocks(subs, forward, repeats=3)
 
     static = plan_static(layer_profile)
-    with apply_checkpointing(layers, static):
+    with apply_activation_checkpointing(layers, static):
         budget = measure_step(forward).peak_bytes  # static's measured peak: the budget of the others
     opt.zero_grad(set_to_none=True)
     variants = {
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "predicted_recompute_ms": p.recompute_seconds * 1e3})
     results: dict[str, dict[str, Any]] = {}
     for name, (blocks, plan) in variants.items():
-        with apply_checkpointing(blocks, plan):
+        with apply_activation_checkpointing(blocks, plan):
             report = measure_step(forward)
         opt.zero_grad(set_to_none=True)
         results[name] = {
@@ -126,13 +126,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": [],
             "cpu_s": [],
         }
-        print(f"[bench checkpoint] {name}: checkpointed {plan.indices}, peak {report.peak_bytes / 2**20:.1f} MiB")
+        print(f"[bench activation-checkpointing] {name}: checkpointed {plan.indices}, peak {report.peak_bytes / 2**20:.1f} MiB")
     for name, (blocks, plan) in variants.items():  # warm-up: allocator and AdamW state
-        with apply_checkpointing(blocks, plan):
+        with apply_activation_checkpointing(blocks, plan):
             train_step()
     for _ in range(args.repeats):
         for name, (blocks, plan) in variants.items():
-            with apply_checkpointing(blocks, plan):
+            with apply_activation_checkpointing(blocks, plan):
                 _, wall, cpu = timed(lambda: [train_step() for _ in range(args.steps)])
             results[name]["wall_s"].append(wall / args.steps)
             results[name]["cpu_s"].append(cpu / args.steps)
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         r["peak_vs_static"] = r["measured_peak_mb"] / base["measured_peak_mb"]
     none = results["none"]
     payload = {
-        "benchmark": "checkpoint",
+        "benchmark": "activation_checkpointing",
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
         "machine": machine_info(),
         "model": {
@@ -170,11 +170,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plot_path = plot(results, sweep, Path(args.plot or Path(args.json).with_suffix(".png")), budget / 2**20)
     for name, r in results.items():
         print(
-            f"[bench checkpoint] {name:18s} peak {r['measured_peak_mb']:7.1f} MiB ({r['peak_vs_static']:.3f}x static)"
+            f"[bench activation-checkpointing] {name:18s} peak {r['measured_peak_mb']:7.1f} MiB ({r['peak_vs_static']:.3f}x static)"
             f"  {r['steps_per_s']:.3f} steps/s  vs static: wall {r['throughput_vs_static']:.3f}"
             f" cpu {r['throughput_vs_static_cpu']:.3f}  recompute {r['predicted_recompute_ms']:.0f} ms"
         )
-    print(f"[bench checkpoint] wrote {path} and {plot_path}")
+    print(f"[bench activation-checkpointing] wrote {path} and {plot_path}")
     return payload
 
 

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from tlt_lightning.efficiency.memory import ActivationMemoryMeter
 
-__all__ = ["BlockCost", "CheckpointPlan", "CheckpointProfile", "Gap", "profile_blocks"]
+__all__ = ["ActivationCheckpointPlan", "ActivationCheckpointProfile", "BlockCost", "Gap", "profile_blocks"]
 
 class BlockCost(NamedTuple):
     """One block's profile. ``held >= output``; ``peak >= held``."""
@@ -37,7 +37,7 @@ class BlockCost(NamedTuple):
     output_bytes: int  # the part of ``held_bytes`` that is its output (all a checkpointed block keeps)
     peak_bytes: int  # the most bytes created in the block alive at once while it runs
     seconds: float  # forward time: what checkpointing costs in recomputation
-    # Indices into ``CheckpointProfile.transient_bytes``: inputs that would be freed before the end of
+    # Indices into ``ActivationCheckpointProfile.transient_bytes``: inputs that would be freed before the end of
     # the forward but that a checkpoint keeps alive (position ids, masks: often shared by all blocks).
     transient: tuple[int, ...] = ()
 
@@ -50,7 +50,7 @@ class Gap(NamedTuple):
 
 
 @dataclass(frozen=True)
-class CheckpointProfile:
+class ActivationCheckpointProfile:
     """Costs of ``n`` blocks and of the ``n + 1`` gaps around them, in execution order.
 
     ``gaps[i]`` runs before ``blocks[i]``; ``gaps[n]`` is everything after the last block.
@@ -104,12 +104,12 @@ class CheckpointProfile:
         """The peak without checkpointing."""
         return self.peak_bytes([False] * len(self.blocks))
 
-    def plan(self, checkpointed: Sequence[bool], method: str) -> CheckpointPlan:
+    def plan(self, checkpointed: Sequence[bool], method: str) -> ActivationCheckpointPlan:
         flags = tuple(bool(c) for c in checkpointed)
-        return CheckpointPlan(flags, self.peak_bytes(flags), self.recompute_seconds(flags), method)
+        return ActivationCheckpointPlan(flags, self.peak_bytes(flags), self.recompute_seconds(flags), method)
 
 
-class CheckpointPlan(NamedTuple):
+class ActivationCheckpointPlan(NamedTuple):
     """Which blocks to checkpoint, with the profile's predictions for it."""
 
     checkpointed: tuple[bool, ...]
@@ -124,7 +124,7 @@ class CheckpointPlan(NamedTuple):
 
 def profile_blocks(
     blocks: Sequence[nn.Module], forward: Callable[[], Any], repeats: int = 3
-) -> CheckpointProfile:
+) -> ActivationCheckpointProfile:
     """Measure each block's activation memory and forward time on ``forward()``.
 
     One run under an :class:`~tlt_lightning.efficiency.memory.ActivationMemoryMeter` gives the
@@ -138,7 +138,7 @@ def profile_blocks(
         repeats: timed runs (>= 1).
 
     Returns:
-        A :class:`CheckpointProfile` with ``len(blocks)`` entries.
+        A :class:`ActivationCheckpointProfile` with ``len(blocks)`` entries.
 
     Raises:
         ValueError: no blocks, ``repeats < 1``, a block whose ``forward`` is patched (already
@@ -238,4 +238,4 @@ def profile_blocks(
         transient_ids = tuple(sorted(index[x] for x in ins if x in index))
         costs.append(BlockCost(held, min(out, held), max(peak, held), sec, transient_ids))
     gaps = tuple(Gap(g.delta_bytes, max(g.peak_bytes, g.delta_bytes, 0)) for g in measured["gaps"])
-    return CheckpointProfile(tuple(costs), gaps, tuple(ident[2] for ident in transient))
+    return ActivationCheckpointProfile(tuple(costs), gaps, tuple(ident[2] for ident in transient))

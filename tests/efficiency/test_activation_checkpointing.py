@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from tlt_lightning.efficiency.checkpoint import (
+from tlt_lightning.efficiency.activation_checkpointing import (
+    ActivationCheckpointProfile,
     BlockCost,
-    CheckpointProfile,
-    DynamicCheckpointing,
+    DynamicActivationCheckpointing,
     Gap,
-    apply_checkpointing,
+    apply_activation_checkpointing,
     find_blocks,
-    is_checkpointed,
+    is_activation_checkpointed,
     plan_greedy,
     plan_optimal,
     plan_static,
@@ -51,7 +51,7 @@ def test_checkpointing_changes_no_gradient(llama, patterns):
     blocks = find_blocks(model, patterns)
     reference = _grads(model, forward)
     for flags in ([True] * len(blocks), plan_static(len(blocks)).checkpointed):
-        with apply_checkpointing(blocks, flags):
+        with apply_activation_checkpointing(blocks, flags):
             grads = _grads(model, forward)
         assert grads.keys() == reference.keys()
         for name in reference:  # same ops on the same inputs on CPU: bit for bit
@@ -70,7 +70,7 @@ def test_checkpointing_replays_dropout():
         return h.square().sum()
 
     reference = _grads(blocks, forward)
-    with apply_checkpointing(list(blocks), [True, True, True]):
+    with apply_activation_checkpointing(list(blocks), [True, True, True]):
         grads = _grads(blocks, forward)
     for name in reference:
         torch.testing.assert_close(grads[name], reference[name], rtol=0, atol=0)
@@ -80,13 +80,13 @@ def test_handle_removes_and_keeps_state_dict():
     model = load_model("tiny-llama").model
     keys = list(model.state_dict())
     blocks = find_blocks(model)
-    handle = apply_checkpointing(blocks, [True, False, True, False])
-    assert [is_checkpointed(b) for b in blocks] == [True, False, True, False]
+    handle = apply_activation_checkpointing(blocks, [True, False, True, False])
+    assert [is_activation_checkpointed(b) for b in blocks] == [True, False, True, False]
     assert list(model.state_dict()) == keys
     copied = copy.deepcopy(model)  # the wrapper follows the copy, not the original
     assert copied.model.layers[0].forward.forward.__self__ is copied.model.layers[0]
     handle.remove()
-    assert not any(is_checkpointed(b) for b in blocks)
+    assert not any(is_activation_checkpointed(b) for b in blocks)
     with torch.no_grad():  # inference through a checkpointed block is a plain call
         ids = torch.tensor([[5, 6, 7]])
         torch.testing.assert_close(copied(ids).logits, model(ids).logits)
@@ -99,7 +99,7 @@ def test_profile_predicts_the_measured_peak(llama, patterns):
     blocks = find_blocks(model, patterns)
     profile = profile_blocks(blocks, forward, repeats=1)
     assert measure_step(forward).peak_bytes == profile.max_peak_bytes  # exact without checkpointing
-    with apply_checkpointing(blocks, [True] * len(blocks)):
+    with apply_activation_checkpointing(blocks, [True] * len(blocks)):
         assert measure_step(forward).peak_bytes <= profile.min_peak_bytes  # recomputation stops early
 
 
@@ -112,7 +112,7 @@ def test_optimal_plan_respects_the_budget_measured(llama, patterns):
     for fraction in (0.0, 0.25, 0.5, 0.75, 0.99):
         budget = int(lo + fraction * (hi - lo))
         plan = plan_optimal(profile, budget)
-        with apply_checkpointing(blocks, plan):
+        with apply_activation_checkpointing(blocks, plan):
             measured = measure_step(forward).peak_bytes
         assert measured <= plan.peak_bytes <= budget, (fraction, plan)
 
@@ -120,16 +120,16 @@ def test_optimal_plan_respects_the_budget_measured(llama, patterns):
 def test_dynamic_checkpointing_applies_a_plan_within_budget(llama):
     model, forward = llama
     blocks = find_blocks(model)
-    plan, handle = DynamicCheckpointing(budget_fraction=0.6, repeats=1).apply(blocks, forward)
+    plan, handle = DynamicActivationCheckpointing(budget_fraction=0.6, repeats=1).apply(blocks, forward)
     with handle:
-        assert [is_checkpointed(b) for b in blocks] == list(plan.checkpointed)
+        assert [is_activation_checkpointed(b) for b in blocks] == list(plan.checkpointed)
         measured = measure_step(forward).peak_bytes
     assert any(plan.checkpointed) and measured <= plan.peak_bytes
-    assert not any(is_checkpointed(b) for b in blocks)
+    assert not any(is_activation_checkpointed(b) for b in blocks)
 
 
 # ------------------------------------------------------------------------------- the DP
-def _random_profile(rng: random.Random, n: int, transients: int) -> CheckpointProfile:
+def _random_profile(rng: random.Random, n: int, transients: int) -> ActivationCheckpointProfile:
     blocks = []
     for _ in range(n):
         out = rng.randint(0, 4)
@@ -142,10 +142,10 @@ def _random_profile(rng: random.Random, n: int, transients: int) -> CheckpointPr
     for _ in range(n + 1):
         delta = rng.randint(-3, 4)
         gaps.append(Gap(delta, max(delta, 0) + rng.randint(0, 3)))
-    return CheckpointProfile(tuple(blocks), tuple(gaps), tuple(rng.randint(1, 3) for _ in range(transients)))
+    return ActivationCheckpointProfile(tuple(blocks), tuple(gaps), tuple(rng.randint(1, 3) for _ in range(transients)))
 
 
-def _brute_force(profile: CheckpointProfile, budget: int) -> float:
+def _brute_force(profile: ActivationCheckpointProfile, budget: int) -> float:
     costs = [
         profile.recompute_seconds(flags)
         for flags in itertools.product([False, True], repeat=len(profile))
@@ -173,7 +173,7 @@ def test_dp_matches_brute_force(seed):
 def test_dp_beats_static_on_a_hand_made_instance():
     # Block 1 is cheap to recompute and big; static (0, 2) pays for two expensive blocks.
     blocks = (BlockCost(10, 1, 10, 2.0), BlockCost(30, 1, 30, 0.5), BlockCost(10, 1, 10, 2.0), BlockCost(10, 1, 10, 2.0))
-    profile = CheckpointProfile(blocks, (Gap(0, 0),) * 5)
+    profile = ActivationCheckpointProfile(blocks, (Gap(0, 0),) * 5)
     static = plan_static(profile)
     assert static.checkpointed == (True, False, True, False) and static.peak_bytes == 42
     best = plan_optimal(profile, static.peak_bytes)
@@ -183,14 +183,14 @@ def test_dp_beats_static_on_a_hand_made_instance():
 
 def test_shared_transient_input_is_paid_once():
     blocks = (BlockCost(10, 1, 10, 1.0, (0,)),) * 3
-    profile = CheckpointProfile(blocks, (Gap(0, 0),) * 4, transient_bytes=(5,))
+    profile = ActivationCheckpointProfile(blocks, (Gap(0, 0),) * 4, transient_bytes=(5,))
     assert profile.peak_bytes([True, True, False]) == 1 + 1 + 5 + 10
     assert profile.peak_bytes([False, False, False]) == 30
 
 
 # ------------------------------------------------------------------------------- errors
 def test_budget_below_minimum_names_memory_budget_and_minimum():
-    profile = CheckpointProfile((BlockCost(10, 2, 12, 1.0),) * 3, (Gap(0, 0),) * 4)
+    profile = ActivationCheckpointProfile((BlockCost(10, 2, 12, 1.0),) * 3, (Gap(0, 0),) * 4)
     with pytest.raises(ValueError, match=r"memory_budget=10 bytes is below the minimum possible peak 16 bytes"):
         plan_optimal(profile, 10)
     with pytest.raises(ValueError, match="memory_budget"):
@@ -198,7 +198,7 @@ def test_budget_below_minimum_names_memory_budget_and_minimum():
     with pytest.raises(ValueError, match="memory_budget must be a positive int"):
         plan_optimal(profile, 0)
     with pytest.raises(ValueError, match=r"budget_fraction=0.1 gives memory_budget=3 bytes, below the minimum"):
-        DynamicCheckpointing(budget_fraction=0.1).plan(profile)
+        DynamicActivationCheckpointing(budget_fraction=0.1).plan(profile)
 
 
 @pytest.mark.parametrize(
@@ -216,15 +216,15 @@ def test_budget_below_minimum_names_memory_budget_and_minimum():
 )
 def test_dynamic_checkpointing_validates(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        DynamicCheckpointing(**kwargs)
+        DynamicActivationCheckpointing(**kwargs)
 
 
 def test_bad_arguments_name_the_argument():
-    profile = CheckpointProfile((BlockCost(10, 2, 12, 1.0),) * 2, (Gap(0, 0),) * 3)
+    profile = ActivationCheckpointProfile((BlockCost(10, 2, 12, 1.0),) * 2, (Gap(0, 0),) * 3)
     with pytest.raises(ValueError, match="gaps must have len"):
-        CheckpointProfile((BlockCost(1, 1, 1, 1.0),), (Gap(0, 0),))
+        ActivationCheckpointProfile((BlockCost(1, 1, 1, 1.0),), (Gap(0, 0),))
     with pytest.raises(ValueError, match=r"blocks\[0\].transient must index transient_bytes"):
-        CheckpointProfile((BlockCost(1, 1, 1, 1.0, (0,)),), (Gap(0, 0),) * 2)
+        ActivationCheckpointProfile((BlockCost(1, 1, 1, 1.0, (0,)),), (Gap(0, 0),) * 2)
     with pytest.raises(ValueError, match="checkpointed must have 2 entries"):
         profile.peak_bytes([True])
     with pytest.raises(ValueError, match="resolution must be an int >= 1"):
@@ -250,10 +250,10 @@ def test_profile_and_apply_reject_bad_blocks():
     with pytest.raises(ValueError, match="blocks must not be nested"):
         profile_blocks([outer, lin[0]], lambda: outer(x).sum())
     with pytest.raises(ValueError, match="plan must have one entry per block"):
-        apply_checkpointing(lin, [True])
-    with apply_checkpointing(lin, [True, False, False]):
+        apply_activation_checkpointing(lin, [True])
+    with apply_activation_checkpointing(lin, [True, False, False]):
         with pytest.raises(ValueError, match="already checkpointed"):
-            apply_checkpointing(lin, [True, True, True])
+            apply_activation_checkpointing(lin, [True, True, True])
         with pytest.raises(ValueError, match="patched forward"):
             profile_blocks(lin, lambda: lin[2](lin[1](lin[0](x))).sum())
 
