@@ -18,7 +18,7 @@ FLOORS = (
     ("models", "reports"),
     ("rollout",),
     ("drafter", "scheduling"),
-    ("vllm", "tracking"),
+    ("vllm", "tracking", "spot"),
     ("rl",),
     ("efficiency", "callbacks", "resume"),
     ("bench", "recipes", "cli", "fit"),

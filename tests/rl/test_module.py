@@ -520,3 +520,27 @@ def test_a_policy_changed_after_setup_no_longer_fits_its_mirror():
     module.policy.extra = torch.nn.Linear(2, 2)  # e.g. an adapter added after configure_model
     with pytest.raises(ValueError, match=r"no longer match its rollout_dtype mirror \(e.g. \['extra.bias'"):
         module.sync_rollout_policy()
+
+
+def test_rollout_listeners_hear_each_training_rollout_until_removed():
+    class Listener:
+        def __init__(self, name: str, calls: list) -> None:
+            self.name, self.calls = name, calls
+
+        def before_rollout(self) -> None:
+            self.calls.append((self.name, "before"))
+
+        def after_rollout(self, result) -> None:
+            self.calls.append((self.name, "after", len(result.rollouts)))
+
+    calls: list = []
+    module, first, second = make_module(), Listener("a", calls), Listener("b", calls)
+    module.add_rollout_listener(first)
+    module.add_rollout_listener(second)
+    make_trainer(1).fit(module)
+    assert calls == [("a", "before"), ("b", "before"), ("a", "after", 8), ("b", "after", 8)]
+    module.remove_rollout_listener(first)
+    module.remove_rollout_listener(first)  # not added (any more): ignored
+    module.rollout([PROMPTS[0]], torch.Generator().manual_seed(0))  # outside a training step: not heard
+    make_trainer(1).fit(module)
+    assert calls[4:] == [("b", "before"), ("b", "after", 8)]

@@ -70,7 +70,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import lightning as L
 import torch
@@ -97,7 +97,7 @@ from tlt_lightning.speculative import DraftSpec, DraftStrategy
 from tlt_lightning.tracking import MeanAcceptLength, RolloutTokensPerSecond
 from tlt_lightning.vllm.backend import VLLMRolloutStats
 
-__all__ = ["ROLLOUT_BACKENDS", "GRPOModule", "NonFiniteLossError", "RewardBatch", "RewardError"]
+__all__ = ["ROLLOUT_BACKENDS", "GRPOModule", "NonFiniteLossError", "RewardBatch", "RewardError", "RolloutListener"]
 
 ROLLOUT_BACKENDS = ("engine", "vllm")
 
@@ -207,6 +207,14 @@ class _StepCheck(NamedTuple):
     tolerance: float | None  # None: the log-probability check is off
     loss: torch.Tensor
     grad_norm: torch.Tensor | None = None  # set by the hook: the norm before clipping
+
+
+class RolloutListener(Protocol):
+    """Told about the rollout of each training step (:meth:`GRPOModule.add_rollout_listener`)."""
+
+    def before_rollout(self) -> None: ...
+
+    def after_rollout(self, result: RolloutResult) -> None: ...
 
 
 class GRPOModule(L.LightningModule):
@@ -387,6 +395,7 @@ class GRPOModule(L.LightningModule):
         self.drafter: Drafter | None = None
         self.rollout_feature_layers: tuple[int, ...] = ()
         self.last_rollout: RolloutResult | None = None
+        self._rollout_listeners: list[RolloutListener] = []
         self.policy: nn.Module | None = None  # built in configure_model (no I/O here)
         self.reference: nn.Module | None = None
         self.rollout_dtype: str | None = rollout_dtype  # "auto" resolves in configure_model
@@ -524,6 +533,15 @@ class GRPOModule(L.LightningModule):
         return RolloutConfig(max_new_tokens=hp.max_new_tokens, temperature=hp.temperature, top_p=hp.top_p,
                              top_k=hp.top_k, feature_layers=tuple(self.rollout_feature_layers))
 
+    def add_rollout_listener(self, listener: RolloutListener) -> None:
+        """Call ``listener.before_rollout()`` / ``listener.after_rollout(result)`` around the rollout of
+        every training step (not around other :meth:`rollout` calls), in the order added."""
+        self._rollout_listeners.append(listener)
+
+    def remove_rollout_listener(self, listener: RolloutListener) -> None:
+        """Stop calling ``listener``; one that was not added is ignored."""
+        self._rollout_listeners = [x for x in self._rollout_listeners if x is not listener]
+
     def rollout_generator(self) -> torch.Generator:
         """The random source of this step's rollouts: a function of (seed, global_step, rank)."""
         seed = _rollout_seed(self.hparams.seed, self.global_step, self.global_rank)
@@ -605,8 +623,12 @@ class GRPOModule(L.LightningModule):
         hp, G = self.hparams, self.hparams.group_size
         indices = torch.as_tensor(batch).cpu().long().repeat_interleave(G)  # [N], groups contiguous
         prompts = [self.prompt_source.prompt_ids(int(i)) for i in indices]
+        for listener in self._rollout_listeners:
+            listener.before_rollout()
         result = self.rollout(prompts, self.rollout_generator())
         self.last_rollout = result
+        for listener in self._rollout_listeners:
+            listener.after_rollout(result)
 
         start = time.perf_counter()
         rewards = self._rewards(indices, result)
