@@ -202,6 +202,7 @@ def test_compare_with_a_fake_worker_writes_json_plot_and_equal_greedy_tokens(tmp
     lt = data["long_tail"]
     assert set(lt["engines"]) == {"ours", "ours-sd", "vllm"} and set(lt["ratios"]) == {"ours/vllm", "ours-sd/vllm"}
     assert all(v[2] <= 12 for v in lt["lengths_p50_p90_max"].values())
+    assert set(lt["warmup_s"]) == set(lt["engines"]) and lt["compile_seconds_in_timed_runs"] == 0
     assert target.info.eos_token_ids == eos  # restored after the EOS-ignoring workloads
 
 
