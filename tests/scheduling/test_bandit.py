@@ -8,13 +8,8 @@ import random
 
 import pytest
 
-from tlt_lightning.scheduling import (
-    BEGMABStrategy,
-    FixedStrategy,
-    SimulatedSDEnvironment,
-    UCBStrategy,
-    default_arms,
-)
+from tlt_lightning.scheduling import BEGMABStrategy, FixedStrategy, SimulatedSDEnvironment, UCBStrategy
+from tlt_lightning.scheduling.bandit import default_arms
 from tlt_lightning.scheduling.simulate import main, run_bandit_benchmark, run_strategy
 from tlt_lightning.speculative import DraftSpec, DraftStrategy, arm_key
 

@@ -17,7 +17,8 @@ import torch
 
 from tests.rollout.test_engine import eos_candidate, random_prompts
 from tests.vllm.fake_vllm import FakeLLM, fake_vllm_module, vllm_python
-from tlt_lightning.drafter import Drafter, DrafterConfig, eagle_state_dict, export_drafter_model
+from tlt_lightning.drafter import Drafter, DrafterConfig, export_drafter_model
+from tlt_lightning.drafter.export import eagle_state_dict
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.vllm import backend as vb

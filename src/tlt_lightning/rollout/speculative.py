@@ -37,11 +37,10 @@ from tlt_lightning.speculative import (
     as_strategy,
     sample,
     sampling_probs,
-    tree_attention_mask,
-    tree_depths,
     verify_chain,
     verify_tree,
 )
+from tlt_lightning.speculative.verify import tree_attention_mask, tree_depths
 
 __all__ = ["SpeculativeRolloutLoop", "SpeculativeStep"]
 
