@@ -1,8 +1,9 @@
 """Choosing the speculative-decoding strategy per step (BEG-MAB bandit, baselines, a simulator) and
 coordinating spot drafter training on idle rollout workers."""
 
-from tlt_lightning.scheduling.bandit import BEGMABStrategy, BucketedStrategy, StepCostModel
+from tlt_lightning.scheduling.bandit import BEGMABStrategy
 from tlt_lightning.scheduling.baselines import FixedStrategy, UCBStrategy
+from tlt_lightning.scheduling.bucketed import BucketedStrategy
 from tlt_lightning.scheduling.coordinator import (
     CoordinatorConfig,
     Segment,
@@ -12,6 +13,7 @@ from tlt_lightning.scheduling.coordinator import (
     plot_timeline,
 )
 from tlt_lightning.scheduling.simulate import SimulatedSDEnvironment
+from tlt_lightning.scheduling.step_cost import StepCostModel
 
 __all__ = [
     "BEGMABStrategy",
