@@ -5,7 +5,8 @@ vLLM as a rollout backend with the same ``generate`` is :mod:`tlt_lightning.vllm
 
 from tlt_lightning.rollout.engine import RolloutBackend, RolloutEngine
 from tlt_lightning.rollout.io import load_rollouts, save_rollouts
-from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop, SpeculativeStep
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.rollout.speculative_step import SpeculativeStep
 from tlt_lightning.rollout.types import Rollout, RolloutConfig, RolloutResult, RolloutStats
 
 __all__ = [
