@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from tlt_lightning.drafter import DrafterConfig, DrafterLoss, make_batches, pack_batches
+from tlt_lightning.drafter.batches import unroll_mask
 from tlt_lightning.drafter.packing import fill_ratio, pack_bins
-from tlt_lightning.drafter.train import drafter_losses, unroll_mask
+from tlt_lightning.drafter.train import drafter_losses
 
 from .conftest import make_drafter
 from .test_train import fake_rollout

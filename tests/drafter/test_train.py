@@ -13,7 +13,8 @@ from tlt_lightning.drafter import (
     make_batches,
     warmup_drafter,
 )
-from tlt_lightning.drafter.train import ConcatCache, drafter_losses, unroll_mask
+from tlt_lightning.drafter.batches import unroll_mask
+from tlt_lightning.drafter.train import ConcatCache, drafter_losses
 from tlt_lightning.rollout.engine import causal_decode_mask
 from tlt_lightning.rollout.types import Rollout
 

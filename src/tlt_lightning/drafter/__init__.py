@@ -1,6 +1,7 @@
 """EAGLE-style drafter: config, model, losses, training on rollouts (offline and spot), checkpoint I/O,
 EAGLE export (no Lightning)."""
 
+from tlt_lightning.drafter.batches import make_batches
 from tlt_lightning.drafter.buffer import BufferConfig, DrafterSample, RolloutBuffer
 from tlt_lightning.drafter.checkpoint import AsyncCheckpointer, CheckpointInfo
 from tlt_lightning.drafter.config import DRAFTER_KINDS, DrafterConfig
@@ -13,7 +14,7 @@ from tlt_lightning.drafter.model import Drafter
 from tlt_lightning.drafter.packing import pack_batches
 from tlt_lightning.drafter.publish import DrafterLease, DrafterPublisher
 from tlt_lightning.drafter.spot_trainer import SpotTrainer, SpotTrainerConfig
-from tlt_lightning.drafter.train import drafter_train_step, evaluate_drafter, make_batches, warmup_drafter
+from tlt_lightning.drafter.train import drafter_train_step, evaluate_drafter, warmup_drafter
 
 __all__ = [
     "DRAFTER_KINDS",
