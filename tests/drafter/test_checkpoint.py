@@ -16,7 +16,6 @@ import torch
 
 from tests.helpers import run_at_once
 from tlt_lightning.drafter import AsyncCheckpointer, load_drafter
-from tlt_lightning.drafter.checkpoint import snapshot_state
 from tlt_lightning.models import HFTarget, load_model
 
 from .conftest import make_drafter
@@ -185,17 +184,6 @@ def test_errors(llama, tmp_path):
     (ckpt.latest() / "meta.json").write_text("{not json")
     with pytest.raises(ValueError, match="meta.json is not valid JSON"):
         AsyncCheckpointer.load(ckpt.latest(), d)
-
-
-def test_snapshot_state_clones_nested():
-    t = torch.ones(2)
-    snap = snapshot_state({"a": [t, (t, 3)], "b": "x"})
-    t.add_(1)
-    assert snap["a"][0].tolist() == [1.0, 1.0] and snap["a"][1][1] == 3 and snap["b"] == "x"
-    again = snapshot_state({"a": [t, (t, 3)], "b": "x", "c": torch.zeros(3)}, reuse=snap)
-    assert again["a"][0] is snap["a"][0] and again["a"][0].tolist() == [2.0, 2.0]
-    shaped = snapshot_state({"a": [torch.ones(5), (t, 3)]}, reuse=snap)  # a new shape: a new buffer
-    assert shaped["a"][0] is not snap["a"][0] and shaped["a"][0].shape == (5,)
 
 
 _KILL_SCRIPT = textwrap.dedent(
