@@ -539,7 +539,7 @@ def test_check_fails_when_vllm_disagrees_with_our_engine(monkeypatch, tmp_path, 
 
 
 def test_greedy_agreement_accepts_only_near_ties(served):
-    from tlt_lightning.recipes.vllm_check import greedy_agreement
+    from tlt_lightning.recipes.vllm_stages import greedy_agreement
 
     result = RolloutEngine(served.target, RolloutConfig(max_new_tokens=6, temperature=0)).generate(served.prompts)
     ref = SimpleNamespace(rollouts=[r for r in result.rollouts if r.length >= 5][:2])
