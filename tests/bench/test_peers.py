@@ -217,7 +217,7 @@ def test_cli_lists_bench_peers():
 @pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON} (make setup-vllm, or set TLT_VLLM_PYTHON)")
 def test_real_vllm_worker_greedy_equals_ours(tmp_path):
-    from tlt_lightning.recipes.vllm_check import greedy_agreement
+    from tlt_lightning.recipes.vllm_stages import greedy_agreement
 
     loaded = load_model("smollm2-135m", dtype="float32")
     loaded.model.save_pretrained(tmp_path / "target")
