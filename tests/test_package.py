@@ -160,8 +160,6 @@ PUBLIC_API = {
     "callbacks": {"BanditCallback", "DrafterDriftProbe", "SpotDrafterCallback"},
     "vllm": {"VLLMBackendConfig", "VLLMRolloutBackend", "VLLMRolloutStats"},
 }
-# Public, but undocumented in a module being rewritten under issue 27 (the spot package): drop when documented.
-UNDOCUMENTED = {("scheduling", "WorkerState")}
 
 
 @pytest.mark.parametrize("package", sorted(PUBLIC_API))
@@ -203,4 +201,4 @@ def test_every_public_name_is_documented(package):
             doc = _attribute_docstring(defined_in[name], name)
         if not (doc or "").strip():
             undocumented.add((package, name))
-    assert undocumented == {u for u in UNDOCUMENTED if u[0] == package}
+    assert not undocumented
