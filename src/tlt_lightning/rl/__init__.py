@@ -8,6 +8,7 @@ never needs torchtune, and accessing it without torchtune raises an ``ImportErro
 from typing import Any
 
 from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs, policy_batch
+from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig
 from tlt_lightning.rl.grpo import AGGREGATIONS, GRPOLossOutput, group_advantages, grpo_loss, token_logprobs
 from tlt_lightning.rl.module import GRPOModule, NonFiniteLossError, RewardBatch, RewardError
 from tlt_lightning.rl.rewards import (
@@ -56,6 +57,7 @@ __all__ = [
     "GRPOModule",
     "IndexDataset",
     "NonFiniteLossError",
+    "OptimConfig",
     "PolicyBatch",
     "Prompt",
     "PromptIndexLoader",
@@ -64,6 +66,7 @@ __all__ = [
     "RewardBatch",
     "RewardError",
     "RewardFn",
+    "SpeculativeConfig",
     "SyntheticPromptSource",
     "TaskConfig",
     "TaskDataset",
