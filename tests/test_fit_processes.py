@@ -24,6 +24,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from tests.helpers import assert_same, callback_state
 from tlt_lightning.fit import mlflow_available
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,26 +124,6 @@ def drafter_versions(store: Path) -> list:
 def the_one(pattern: str, where: Path) -> Path:
     (found,) = where.glob(pattern)
     return found
-
-
-def callback_state(checkpoint: dict, name: str) -> dict:
-    (key,) = [k for k in checkpoint["callbacks"] if k.startswith(name)]
-    return checkpoint["callbacks"][key]
-
-
-def assert_same(a, b, where="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def stray_files(root: Path) -> list[str]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers import assert_same, callback_state
 from tlt_lightning import cli
 from tlt_lightning.resume import check_resume, read_checkpoint, resume_conflicts
 from tlt_lightning.rl import OptimConfig
@@ -93,26 +94,6 @@ def fit(tmp_path: Path, config: Path, name: str, *extra: str) -> tuple[list[floa
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("reward/mean")]
     (last,) = (tmp_path / name).rglob("last.ckpt")
     return [float(r["reward/mean"]) for r in rows], torch.load(last, weights_only=False)
-
-
-def callback_state(checkpoint: dict, name: str) -> dict:
-    (key,) = [k for k in checkpoint["callbacks"] if k.startswith(name)]
-    return checkpoint["callbacks"][key]
-
-
-def assert_same(a, b, where="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def test_fit_resumed_from_a_checkpoint_is_the_uninterrupted_run(tmp_path, monkeypatch):

@@ -202,6 +202,7 @@ def test_compare_with_a_fake_worker_writes_json_plot_and_equal_greedy_tokens(tmp
     lt = data["long_tail"]
     assert set(lt["engines"]) == {"ours", "ours-sd", "vllm"} and set(lt["ratios"]) == {"ours/vllm", "ours-sd/vllm"}
     assert all(v[2] <= 12 for v in lt["lengths_p50_p90_max"].values())
+    assert set(lt["warmup_s"]) == set(lt["engines"]) and lt["compile_seconds_in_timed_runs"] == 0
     assert target.info.eos_token_ids == eos  # restored after the EOS-ignoring workloads
 
 
@@ -216,7 +217,7 @@ def test_cli_lists_bench_peers():
 @pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON} (make setup-vllm, or set TLT_VLLM_PYTHON)")
 def test_real_vllm_worker_greedy_equals_ours(tmp_path):
-    from tlt_lightning.recipes.vllm_check import greedy_agreement
+    from tlt_lightning.recipes.vllm_stages import greedy_agreement
 
     loaded = load_model("smollm2-135m", dtype="float32")
     loaded.model.save_pretrained(tmp_path / "target")

@@ -15,7 +15,7 @@ import torch
 
 from tests.rl.test_module import MirrorRecord, Record, SpecRecord, make_module, make_trainer
 from tlt_lightning.models import load_model
-from tlt_lightning.rl import PolicyBatch, completion_logprobs
+from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs
 from tlt_lightning.rl.module import GRPOModule
 
 

@@ -390,10 +390,15 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
             engines["vllm"] = client.engine(args.long_tail_max_new, 1.0, ignore_eos=False)
             print(f"[bench peers] long tail: {n} requests, T=1, up to {args.long_tail_max_new} tokens, EOS respected",
                   flush=True)
+            # Untimed warm-up as for fixed batches: with decode="compiled" it compiles the buckets the
+            # long tail reaches (every repeat runs the same prompts with the same seed, so the same ones).
+            warm = {name: timed(lambda e=e: e(prompts[:n]))[1] for name, e in engines.items()}
+            compiled_before = getattr(target, "compile_seconds", 0.0)
             runs = alternate(engines, prompts[:n], n, args.repeats)
             lengths = {name: torch.tensor([len(t) for t in ts[-1].tokens]).float() for name, ts in runs.items()}
             payload["long_tail"] = {
                 "requests": n, "max_new_tokens": args.long_tail_max_new, "threshold": args.threshold,
+                "warmup_s": warm, "compile_seconds_in_timed_runs": getattr(target, "compile_seconds", 0.0) - compiled_before,
                 **summarise(runs, [(e, "vllm") for e in engines if e != "vllm"], greedy=False),
                 "lengths_p50_p90_max": {k: [float(v.quantile(q)) for q in (0.5, 0.9, 1.0)] for k, v in lengths.items()},
             }

@@ -45,8 +45,9 @@ from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import WEIGHT_LAYOUTS, HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig
 from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
-from tlt_lightning.scheduling.bandit import BEGMABStrategy, default_arms
+from tlt_lightning.scheduling.bandit import BEGMABStrategy
 from tlt_lightning.scheduling.baselines import FixedStrategy
+from tlt_lightning.scheduling.bucketed import default_arms
 from tlt_lightning.speculative import arm_key, parse_arm
 
 __all__ = ["add_arguments", "run"]
@@ -159,7 +160,7 @@ def _summarize(acc: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(payload: dict[str, Any], bandit: BEGMABStrategy, path: Path) -> Path:
-    from tlt_lightning.scheduling.bandit import draw_heatmaps
+    from tlt_lightning.scheduling.heatmap import draw_heatmaps
 
     runs = payload["runs"]
     names = list(runs)

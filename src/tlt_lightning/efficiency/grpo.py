@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from tlt_lightning.rl import GRPOModule, PolicyBatch
+    from tlt_lightning.rl import GRPOModule
+    from tlt_lightning.rl.batch import PolicyBatch
 
 __all__ = ["grpo_policy_loss", "grpo_profile_batch"]
 
