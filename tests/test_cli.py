@@ -88,7 +88,8 @@ def test_default_config_is_the_real_model_on_the_default_task(capsys):
     assert trainer["default_root_dir"] == "runs/fit"
     assert trainer["logger"]["init_args"]["tracking_uri"] == "sqlite:///runs/mlflow.db"
     callbacks = {c["class_path"] for c in trainer["callbacks"]}
-    assert {"tlt_lightning.fit.GRPOProgressBar", "lightning.pytorch.callbacks.ModelCheckpoint"} <= callbacks
+    assert "lightning.pytorch.callbacks.ModelCheckpoint" in callbacks
+    assert "tlt_lightning.fit.GRPOProgressBar" not in callbacks  # the CLI's default bar (enable_progress_bar)
     assert model["rollout_dtype"] == "auto"
     (bandit,) = [c for c in trainer["callbacks"] if c["class_path"] == "tlt_lightning.callbacks.BanditCallback"]
     assert bandit["init_args"]["reproducible"] is False  # the switch is there, off: wall-time rewards
@@ -376,6 +377,18 @@ def test_cli_builds_the_module_progress_bar_and_trainer_from_the_tiny_config(tmp
     assert float(shown["accept"]) >= 1.0  # the config attaches a fresh drafter: speculative rollouts
 
 
+@pytest.mark.parametrize(("flags", "bar"), [
+    (["--trainer.enable_progress_bar=false"], None),
+    (["--trainer.callbacks+=lightning.pytorch.callbacks.RichProgressBar"], "RichProgressBar"),
+])
+def test_the_grpo_bar_is_the_default_bar_only(tmp_path, monkeypatch, flags, bar):
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
+    args = ["--config", TINY, "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", *flags]
+    fit = GRPOCLI(args=args, run=False)  # a listed bar beside the default one, or any with the bar off, would raise
+    assert type(fit.trainer.progress_bar_callback).__name__ == (bar or "NoneType")
+    assert not any(isinstance(c, GRPOProgressBar) for c in fit.trainer.callbacks)
+
+
 def test_threads_inside_fit_sets_torch_threads(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
     calls = []
@@ -481,4 +494,5 @@ def test_a_command_line_error_is_one_line_without_third_party_warnings(tmp_path)
 def test_flags_are_never_abbreviated(capsys):
     with pytest.raises(SystemExit):
         cli.main(["export-drafter", "ckpt", "out", "--engin", "sglang"])
-    assert "unrecognized arguments: --engin sglang" in capsys.readouterr().err
+    assert "unrecognized arguments: --engin sglang\n  unknown option --engin: did you mean --engine?" in (
+        capsys.readouterr().err)

@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 from typing_extensions import override
@@ -377,6 +377,7 @@ class GRPOCLI(LightningCLI):
                 raise ValueError(f"threads must be an int >= 1, got {threads}")
             torch.set_num_threads(threads)
         _default_mlflow_store(config)
+        self._default_progress_bar(config.get("trainer") or {})
         logger = _tracking_logger_args(config)
         if logger is not None and mlflow_available(logger.tracking_uri):
             # Here, not inside the logger factory: jsonargparse would report a failure while it
@@ -385,6 +386,18 @@ class GRPOCLI(LightningCLI):
                           _artifact_location(logger.tracking_uri, logger.artifact_location))
             if config.get("ckpt_path") and logger.get("run_id") is None:
                 logger.run_id = resumable_run_id(str(config.ckpt_path), logger.tracking_uri)
+
+
+    def _default_progress_bar(self, trainer: Any) -> None:
+        """:class:`GRPOProgressBar` is the trainer's default bar: none with
+        ``--trainer.enable_progress_bar=false``, nor beside a progress bar the config lists."""
+        paths = [c.class_path.rpartition(".") for c in trainer.get("callbacks") or [] if c.get("class_path")]
+        listed = [getattr(importlib.import_module(module), name) for module, _, name in paths]
+        bar = trainer.get("enable_progress_bar") is not False and not any(
+            isinstance(c, type) and issubclass(c, ProgressBar) for c in listed
+        )
+        defaults = [c for c in self.trainer_defaults["callbacks"] if not isinstance(c, GRPOProgressBar)]
+        self.trainer_defaults["callbacks"] = [*defaults, *([GRPOProgressBar()] if bar else [])]
 
 
 def main(args: Sequence[str]) -> None:
