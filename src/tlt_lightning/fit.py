@@ -308,7 +308,7 @@ class GRPOCLI(LightningCLI):
     Adds ``--threads`` (torch intra-op threads, set before anything is built), and defaults
     ``--trainer.precision`` to the one that pays here (:func:`~tlt_lightning.models.training_precision`:
     ``bf16-mixed`` where bf16 products are native, else ``32-true``). The optimizer is the
-    module's own (AdamW with ``model.lr``), so no ``--optimizer`` section is added.
+    module's own (AdamW with ``model.optim.lr``), so no ``--optimizer`` section is added.
 
     Example:
         >>> GRPOCLI(args=["fit", "--config", "configs/grpo_tiny.yaml"])  # doctest: +SKIP

@@ -119,7 +119,7 @@ class TorchtuneGRPOModule(GRPOModule):
 
     Example:
         >>> source = TokenPromptSource([[5, 6, 7], [8, 9], [3], [4, 2]], reward_fn)  # doctest: +SKIP
-        >>> module = TorchtuneGRPOModule(model="tiny-llama", drafter_kind="eagle1", prompt_source=source)  # doctest: +SKIP
+        >>> module = TorchtuneGRPOModule(model="tiny-llama", speculative={"drafter_kind": "eagle1"}, prompt_source=source)  # doctest: +SKIP
         >>> Trainer(max_steps=2, accelerator="cpu").fit(module)  # doctest: +SKIP
     """
 
