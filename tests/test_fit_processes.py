@@ -40,7 +40,7 @@ def tlt_config(tmp_path: Path) -> Path:
     reproducible bandit, Lightning checkpoints every 2 steps (all kept, ``step=N.ckpt``) and ``last.ckpt``."""
     config = yaml.safe_load(TINY.read_text())
     config["model"]["rollout_progress"] = False
-    config["model"]["drafter_kind"] = None  # the callback builds and trains the drafter
+    config["model"]["speculative"]["drafter_kind"] = None  # the callback builds and trains the drafter
     config["trainer"]["enable_progress_bar"] = False
     config["trainer"]["callbacks"] = [
         {"class_path": "tlt_lightning.callbacks.SpotDrafterCallback",

@@ -1,7 +1,7 @@
 """``tlt-lightning fit``: GRPO training from a YAML config, through Lightning's ``LightningCLI``.
 
     tlt-lightning --threads 1 fit --config configs/grpo_smollm2.yaml
-    tlt-lightning fit --config configs/grpo_smollm2.yaml --model.lr=3e-5 --trainer.max_steps=30
+    tlt-lightning fit --config configs/grpo_smollm2.yaml --model.optim.lr=3e-5 --trainer.max_steps=30
     tlt-lightning fit --config configs/grpo_smollm2.yaml --print_config     # the resolved config
 
 The module is :class:`~tlt_lightning.rl.GRPOModule`: its constructor arguments are the ``model:``
@@ -239,22 +239,19 @@ class TrackingSaveConfig(SaveConfigCallback):
             trainer.logger.log_hyperparams(self.extra_hyperparams(pl_module))
 
     def extra_hyperparams(self, pl_module: LightningModule) -> dict[str, Any]:
-        """What the Trainer's own hyper-parameter logging misses: the task, the prompt source, the trainer.
+        """What the Trainer's own hyper-parameter logging misses: the prompt source, the trainer.
 
-        Lightning logs the module's initial hyper-parameters; the task and the prompt source are
-        not among them (the module keeps the task as a dataclass, a source may not serialise).
+        Lightning logs the module's initial hyper-parameters (its groups as ``optim/lr``, ``task/name``,
+        ...); the prompt source is not among them (a source may not serialise).
         """
         config = self.config.as_dict()
         trainer = {k: v for k, v in config.get("trainer", {}).items()
                    if k not in self._UNLOGGED_TRAINER_KEYS and v is not None}
         params: dict[str, Any] = {"trainer": trainer, "seed_everything": config.get("seed_everything"),
                                   "threads": config.get("threads")}
-        task = getattr(pl_module, "hparams", {}).get("task")
         source = config.get("model", {}).get("prompt_source")
         if source is not None:
             params["prompt_source"] = source
-        elif task is not None:
-            params["task"] = task
         return params
 
 
@@ -311,7 +308,7 @@ class GRPOCLI(LightningCLI):
     Adds ``--threads`` (torch intra-op threads, set before anything is built), and defaults
     ``--trainer.precision`` to the one that pays here (:func:`~tlt_lightning.models.training_precision`:
     ``bf16-mixed`` where bf16 products are native, else ``32-true``). The optimizer is the
-    module's own (AdamW with ``model.lr``), so no ``--optimizer`` section is added.
+    module's own (AdamW with ``model.optim.lr``), so no ``--optimizer`` section is added.
 
     Example:
         >>> GRPOCLI(args=["fit", "--config", "configs/grpo_tiny.yaml"])  # doctest: +SKIP

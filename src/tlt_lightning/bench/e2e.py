@@ -34,8 +34,10 @@ from typing import Any
 import lightning as L
 
 from tlt_lightning.bench.common import machine_info, median, new_figure, save_figure, write_json
+from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.rl.tasks import TaskConfig
+from tlt_lightning.rollout import RolloutConfig
 
 __all__ = ["StepRecorder", "run"]
 
@@ -85,9 +87,11 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     tlt = name == "tlt"
     module = GRPOModule(
         model=args.model, rollout_dtype=args.rollout_dtype, task=TaskConfig(name=args.task),
-        group_size=args.group_size, prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
-        lr=args.lr, micro_batch_size=args.micro_batch_size, speculative=tlt, threshold=args.threshold,
-        sd_steps=args.depth, seed=args.seed,  # without --bandit: a fixed chain of this depth
+        rollout=RolloutConfig(max_new_tokens=args.max_new_tokens),
+        optim=OptimConfig(group_size=args.group_size, prompts_per_step=args.prompts_per_step, lr=args.lr,
+                          micro_batch_size=args.micro_batch_size),
+        # without --bandit: a fixed chain of this depth
+        speculative=SpeculativeConfig(enabled=tlt, threshold=args.threshold, sd_steps=args.depth), seed=args.seed,
     )
     recorder = StepRecorder(name, verbose=True)
     callbacks: list[L.Callback] = []

@@ -131,18 +131,24 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     from lightning.pytorch.strategies import DDPStrategy
 
     from tlt_lightning.callbacks import SpotDrafterCallback
-    from tlt_lightning.rl import GRPOModule, TaskConfig
+    from tlt_lightning.rl import GRPOModule, OptimConfig, SpeculativeConfig, TaskConfig
+    from tlt_lightning.rollout import RolloutConfig
 
     spot_on = name == "spot"
     root = Path(args.out) / name
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     module = GRPOModule(
-        model=args.model, rollout_dtype="bfloat16", task=TaskConfig(name=args.task), group_size=args.group_size,
-        prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens, lr=2e-5, micro_batch_size=4,
-        threshold=args.threshold, sd_steps=args.depth, seed=args.seed,
+        model=args.model, rollout_dtype="bfloat16", task=TaskConfig(name=args.task),
+        rollout=RolloutConfig(max_new_tokens=args.max_new_tokens),
+        optim=OptimConfig(group_size=args.group_size, prompts_per_step=args.prompts_per_step, lr=2e-5,
+                          micro_batch_size=4),
         # Off: the same drafter, frozen. On: the callback loads it and trains it.
-        drafter_path=None if spot_on else args.drafter, drafter_kind=None if spot_on or args.drafter else "eagle1",
+        speculative=SpeculativeConfig(
+            threshold=args.threshold, sd_steps=args.depth, drafter_path=None if spot_on else args.drafter,
+            drafter_kind=None if spot_on or args.drafter else "eagle1",
+        ),
+        seed=args.seed,
     )
     spot = SpotDrafterCallback(drafter_path=args.drafter, seed=args.seed) if spot_on else None
     trainer = L.Trainer(

@@ -369,7 +369,7 @@ class SpotDrafterCallback(L.Callback):
             if self.drafter_path is not None:
                 raise ValueError(
                     f"drafter_path={str(self.drafter_path)!r} given to SpotDrafterCallback, but the module "
-                    "already has a drafter (GRPOModule drafter_kind / drafter_path): pass only one"
+                    "already has a drafter (GRPOModule speculative.drafter_kind / drafter_path): pass only one"
                 )
             if module.drafter.dtype == torch.float32 and module.rollout_target is target:
                 return module.drafter

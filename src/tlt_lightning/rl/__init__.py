@@ -7,6 +7,7 @@ never needs torchtune, and accessing it without torchtune raises an ``ImportErro
 
 from typing import Any
 
+from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig
 from tlt_lightning.rl.grpo import group_advantages, grpo_loss
 from tlt_lightning.rl.module import GRPOModule, NonFiniteLossError, RewardError
 from tlt_lightning.rl.sources import (
@@ -30,11 +31,13 @@ __all__ = [
     "SUPPORTED_TASKS",
     "GRPOModule",
     "NonFiniteLossError",
+    "OptimConfig",
     "Prompt",
     "PromptSource",
     "Reward",
     "RewardError",
     "RewardFn",
+    "SpeculativeConfig",
     "SyntheticPromptSource",
     "TaskConfig",
     "TaskDataset",
