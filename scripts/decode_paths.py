@@ -2,7 +2,8 @@
 (``HFTarget(decode="hf")``), the lean forward (``HFTarget(decode="lean")``) and, with ``--compile``,
 the compiled lean forward (``HFTarget(decode="compiled")``: Inductor, static shape buckets, the key
 length rounded up to ``--bucket`` so one graph serves many steps, gpt-fast style; oneDNN-packed
-weights as graph inputs unless ``--compile-unpacked``).
+weights as graph inputs unless ``--compile-unpacked``; with ``--compile-onednn`` also the compiled path
+without ``row_gemv``, one-row graphs multiplying with oneDNN).
 
 Each timed call is one target forward over ``q`` new tokens per row plus the LM head, at
 ``--context`` cached positions; the paths alternate round by round (A B C A B C) and medians are
@@ -22,6 +23,7 @@ the median decode step, decode tokens/s and whether the outputs are identical to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -47,6 +49,9 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also time the compiled path (HFTarget(decode='compiled'))")
     p.add_argument("--compile-unpacked", action="store_true",
                    help="the compiled path multiplies by the parameters (F.linear) instead of oneDNN-packed copies")
+    p.add_argument("--compile-onednn", action="store_true",
+                   help="also time the compiled path without row_gemv (one-row graphs multiply with oneDNN)")
+    p.add_argument("--no-lean", action="store_true", help="leave out the eager lean path")
     p.add_argument("--engine", type=int, default=0, metavar="N",
                    help="time greedy RolloutEngine rollouts of N new tokens instead of single forwards")
     p.add_argument("--repeats", type=int, default=3, help="--engine: alternating runs per path")
@@ -54,12 +59,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=args.dtype)
     model = loaded.model
-    targets = {"hf": HFTarget(model), "lean": HFTarget(model, decode="lean")}
+    targets = {"hf": HFTarget(model)} if args.no_lean else {"hf": HFTarget(model), "lean": HFTarget(model, decode="lean")}
     if args.compile:
         # One bucket per measured shape: batch and query buckets are the measured sizes themselves.
         config = CompileConfig(batch_buckets=tuple(sorted(set(args.batch))), query_buckets=tuple(sorted(set(args.queries))),
                                kv_step=args.bucket, packed_weights=not args.compile_unpacked)
         targets["compiled"] = HFTarget(model, decode="compiled", compile_config=config)
+        if args.compile_onednn:
+            targets["compiled-onednn"] = HFTarget(model, decode="compiled",
+                                                  compile_config=dataclasses.replace(config, row_gemv=False))
     targets["hf"].set_weight_layout(args.weight_layout)  # one model: every path sees the layout
     if args.engine:
         engine_rollouts(args, loaded.tokenizer, targets)

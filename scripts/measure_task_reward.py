@@ -27,7 +27,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tlt_lightning.rl import EXPLICIT_SOURCES, TaskConfig, TaskDataset, find_answer
+from tlt_lightning.rl import TaskConfig, TaskDataset
+from tlt_lightning.rl.rewards import EXPLICIT_SOURCES, find_answer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -67,11 +67,11 @@ def test_fit_rejects_a_bad_key_in_the_config_file(tmp_path, capsys):
 
 def test_print_config_resolves_the_config_and_overrides(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["fit", "--config", TINY, "--model.lr=0.5", "--print_config"])
+        cli.main(["fit", "--config", TINY, "--model.optim.lr=0.5", "--print_config"])
     assert exit_info.value.code in (0, None)
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["model"]["model"] == "tiny-llama"
-    assert config["model"]["lr"] == 0.5
+    assert config["model"]["optim"]["lr"] == 0.5
     assert config["model"]["prompt_source"]["class_path"] == "tlt_lightning.rl.SyntheticPromptSource"
     assert config["trainer"]["logger"]["class_path"] == "tlt_lightning.fit.tracking_logger"
 
@@ -83,12 +83,13 @@ def test_default_config_is_the_real_model_on_the_default_task(capsys):
     model, trainer = config["model"], config["trainer"]
     assert model["model"] == "smollm2-135m"
     assert model["task"]["name"] == "chain_sum" and model["task"]["easy"] is True
-    assert model["speculative"] is True and model["rollout_progress"] is True
+    assert model["speculative"]["enabled"] is True and model["rollout_progress"] is True
     assert trainer["log_every_n_steps"] == 1 and trainer["max_steps"] > 0
     assert trainer["default_root_dir"] == "runs/fit"
     assert trainer["logger"]["init_args"]["tracking_uri"] == "sqlite:///runs/mlflow.db"
     callbacks = {c["class_path"] for c in trainer["callbacks"]}
-    assert {"tlt_lightning.fit.GRPOProgressBar", "lightning.pytorch.callbacks.ModelCheckpoint"} <= callbacks
+    assert "lightning.pytorch.callbacks.ModelCheckpoint" in callbacks
+    assert "tlt_lightning.fit.GRPOProgressBar" not in callbacks  # the CLI's default bar (enable_progress_bar)
     assert model["rollout_dtype"] == "auto"
     (bandit,) = [c for c in trainer["callbacks"] if c["class_path"] == "tlt_lightning.callbacks.BanditCallback"]
     assert bandit["init_args"]["reproducible"] is False  # the switch is there, off: wall-time rewards
@@ -184,7 +185,7 @@ def test_fit_tiny_config_logs_metrics_and_params_to_mlflow(tmp_path, monkeypatch
                 "rollout/tokens_per_s", "train/loss", "train/grad_norm", "time/rollout_s"}
     assert expected <= set(run.data.metrics)
     params = run.data.params
-    assert params["model"] == "tiny-llama" and params["lr"] == "0.01" and params["group_size"] == "4"
+    assert params["model"] == "tiny-llama" and params["optim/lr"] == "0.01" and params["optim/group_size"] == "4"
     assert params["prompt_source/init_args/reward"] == "even"
     assert params["trainer/max_steps"] == "2" and params["threads"] == "None"
     # The resolved config, as an MLflow artifact and beside the run's checkpoints.
@@ -376,6 +377,18 @@ def test_cli_builds_the_module_progress_bar_and_trainer_from_the_tiny_config(tmp
     assert float(shown["accept"]) >= 1.0  # the config attaches a fresh drafter: speculative rollouts
 
 
+@pytest.mark.parametrize(("flags", "bar"), [
+    (["--trainer.enable_progress_bar=false"], None),
+    (["--trainer.callbacks+=lightning.pytorch.callbacks.RichProgressBar"], "RichProgressBar"),
+])
+def test_the_grpo_bar_is_the_default_bar_only(tmp_path, monkeypatch, flags, bar):
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
+    args = ["--config", TINY, "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", *flags]
+    fit = GRPOCLI(args=args, run=False)  # a listed bar beside the default one, or any with the bar off, would raise
+    assert type(fit.trainer.progress_bar_callback).__name__ == (bar or "NoneType")
+    assert not any(isinstance(c, GRPOProgressBar) for c in fit.trainer.callbacks)
+
+
 def test_threads_inside_fit_sets_torch_threads(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
     calls = []
@@ -392,8 +405,8 @@ def test_threads_inside_fit_sets_torch_threads(tmp_path, monkeypatch):
 @needs_mlflow
 def test_fit_default_config_one_small_step_on_smollm2(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    small = ["--trainer.max_steps=1", "--model.prompts_per_step=2", "--model.group_size=2",
-             "--model.max_new_tokens=16"]
+    small = ["--trainer.max_steps=1", "--model.optim.prompts_per_step=2", "--model.optim.group_size=2",
+             "--model.rollout.max_new_tokens=16"]
     assert cli.main(["--threads", "1", "fit", "--config", SMOLLM2, *small, *tmp_args(tmp_path)]) == 0
     client, (run,) = mlflow_runs(tmp_path, "tlt-lightning")
     assert run.info.status == "FINISHED"
@@ -406,7 +419,7 @@ def test_fit_default_config_one_small_step_on_smollm2(tmp_path, monkeypatch):
     assert metrics["drafter/paid_steps"] == 4 and metrics["drafter/version"] == 1
     assert params["rollout_dtype"] == "auto"
     assert params["model"] == "smollm2-135m" and params["task/name"] == "chain_sum"
-    assert params["task/easy"] == "True" and params["max_new_tokens"] == "16"
+    assert params["task/easy"] == "True" and params["rollout/max_new_tokens"] == "16"
     (checkpoint,) = (tmp_path / "fit").glob(f"*/{run.info.run_id}/checkpoints/*.ckpt")
     assert checkpoint.name == "last.ckpt"
     assert torch.load(checkpoint, weights_only=False, mmap=True)["global_step"] == 1
@@ -417,26 +430,26 @@ def test_fit_default_config_one_small_step_on_smollm2(tmp_path, monkeypatch):
 
 def test_user_input_errors_print_one_short_screen_on_the_command_line(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
-    argv = ["fit", "--config", TINY, "--model.group_size=1", "--trainer.logger=false",
+    argv = ["fit", "--config", TINY, "--model.optim.group_size=1", "--trainer.logger=false",
             f"--trainer.default_root_dir={tmp_path}"]
     assert cli.main(argv, short_errors=True) == 1
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
-    assert lines[0].startswith("tlt-lightning: error: ValueError: group_size must be an int >= 2")
+    assert lines[0].startswith("tlt-lightning: error: ValueError: optim.group_size must be an int >= 2")
     assert "got 1" in lines[0] and "Traceback" not in err and len(lines) <= 4
-    assert lines[1] == "  (raised in " + str(Path("tlt_lightning", "rl", "module.py")) + f":{lines[1].rsplit(':', 1)[1]}"
+    assert lines[1] == "  (raised in " + str(Path("tlt_lightning", "rl", "config.py")) + f":{lines[1].rsplit(':', 1)[1]}"
     assert cli.TRACEBACK_ENV in lines[-1] and "--traceback" in lines[-1]
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_traceback_flag_or_env_var_gives_the_exception(tmp_path, monkeypatch, how):
-    argv = ["fit", "--config", TINY, "--model.group_size=1", "--trainer.logger=false",
+    argv = ["fit", "--config", TINY, "--model.optim.group_size=1", "--trainer.logger=false",
             f"--trainer.default_root_dir={tmp_path}"]
     if how == "flag":
         argv = ["--traceback", "--threads", "1", *argv]
     else:
         monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
-    with pytest.raises(ValueError, match="group_size must be an int >= 2"):
+    with pytest.raises(ValueError, match="optim.group_size must be an int >= 2"):
         cli.main(argv, short_errors=True)
 
 
@@ -481,4 +494,5 @@ def test_a_command_line_error_is_one_line_without_third_party_warnings(tmp_path)
 def test_flags_are_never_abbreviated(capsys):
     with pytest.raises(SystemExit):
         cli.main(["export-drafter", "ckpt", "out", "--engin", "sglang"])
-    assert "unrecognized arguments: --engin sglang" in capsys.readouterr().err
+    assert "unrecognized arguments: --engin sglang\n  unknown option --engin: did you mean --engine?" in (
+        capsys.readouterr().err)

@@ -24,6 +24,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from tests.helpers import assert_same, callback_state
 from tlt_lightning.fit import mlflow_available
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +40,7 @@ def tlt_config(tmp_path: Path) -> Path:
     reproducible bandit, Lightning checkpoints every 2 steps (all kept, ``step=N.ckpt``) and ``last.ckpt``."""
     config = yaml.safe_load(TINY.read_text())
     config["model"]["rollout_progress"] = False
-    config["model"]["drafter_kind"] = None  # the callback builds and trains the drafter
+    config["model"]["speculative"]["drafter_kind"] = None  # the callback builds and trains the drafter
     config["trainer"]["enable_progress_bar"] = False
     config["trainer"]["callbacks"] = [
         {"class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
@@ -123,26 +124,6 @@ def drafter_versions(store: Path) -> list:
 def the_one(pattern: str, where: Path) -> Path:
     (found,) = where.glob(pattern)
     return found
-
-
-def callback_state(checkpoint: dict, name: str) -> dict:
-    (key,) = [k for k in checkpoint["callbacks"] if k.startswith(name)]
-    return checkpoint["callbacks"][key]
-
-
-def assert_same(a, b, where="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def stray_files(root: Path) -> list[str]:

@@ -21,7 +21,7 @@ FLOORS = (
     ("vllm", "tracking", "spot"),
     ("rl",),
     ("efficiency", "callbacks", "resume"),
-    ("bench", "recipes", "cli", "fit"),
+    ("bench", "recipes", "cli", "cli_options", "fit"),
 )
 FLOOR = {name: level for level, names in enumerate(FLOORS) for name in names}
 

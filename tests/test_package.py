@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.metadata
+import inspect
+import itertools
 import re
 import subprocess
 import sys
@@ -115,3 +118,89 @@ def test_version_is_pyproject_s():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert tlt_lightning.__version__ == pyproject["project"]["version"]
+
+
+# ---------------------------------------------------------------------------------- public API
+# Each subpackage's ``__all__``, pinned: a new export (or a dropped one) is a conscious change here.
+# Internals are imported from their defining module (``from tlt_lightning.drafter.train import drafter_losses``).
+PUBLIC_API = {
+    "speculative": {"Arm", "DraftSpec", "DraftStrategy", "SamplingParams", "VerifyResult", "arm_key",
+        "as_strategy", "parse_arm", "sample", "sampling_probs", "verify_chain", "verify_tree"},
+    "models": {"DECODE_PATHS", "WEIGHT_LAYOUTS", "CompileConfig", "HFTarget", "KVCache", "LoadedModel",
+        "ModelNotFoundError", "TargetInfo", "TargetModel", "TargetOutput", "available_models",
+        "load_model", "load_tokenizer", "model_dir", "models_with_signature", "resolve_dtype",
+        "set_weight_layout", "training_precision", "TorchtuneTarget", "torchtune_from_hf"},
+    "rollout": {"Rollout", "RolloutBackend", "RolloutConfig", "RolloutEngine", "RolloutResult",
+        "RolloutStats", "SpeculativeRolloutLoop", "SpeculativeStep", "load_rollouts", "save_rollouts"},
+    "drafter": {"DRAFTER_KINDS", "AsyncCheckpointer", "BufferConfig", "CheckpointInfo", "Drafter",
+        "DrafterConfig", "DrafterLease", "DrafterLoss", "DrafterPublisher", "DrafterSample",
+        "RolloutBuffer", "SpotTrainer", "SpotTrainerConfig", "download_drafter", "drafter_train_step",
+        "evaluate_drafter", "export_drafter", "export_drafter_model", "import_drafter", "load_drafter",
+        "make_batches", "pack_batches", "read_drafter_config", "save_drafter", "target_features",
+        "warmup_drafter"},
+    "scheduling": {"BEGMABStrategy", "BucketedStrategy", "CoordinatorConfig", "FixedStrategy", "Segment",
+        "SimulatedSDEnvironment", "StepCostModel", "UCBStrategy", "WorkerCoordinator", "WorkerState",
+        "idle_fraction_recovered", "plot_timeline"},
+    "tracking": {"AcceptanceRate", "CheckpointRegistrar", "MLflowRunCheckpoint", "MeanAcceptLength",
+        "ResumableMLFlowLogger", "RolloutTokensPerSecond", "TrackingStoreError", "drafter_model_name",
+        "load_drafter_from_mlflow", "log_artifact", "log_drafter_version", "mlflow_loggers",
+        "plot_accept_lengths", "run_dir", "save_run_config"},
+    "rl": {"DEFAULT_SYSTEM_PROMPT", "SUPPORTED_TASKS", "GRPOModule", "NonFiniteLossError", "OptimConfig", "Prompt",
+        "PromptSource", "Reward", "RewardError", "RewardFn", "RolloutListener", "SpeculativeConfig",
+        "SyntheticPromptSource", "TaskConfig",
+        "TaskDataset", "TaskPromptSource", "TokenPromptSource", "TorchtuneGRPOModule", "group_advantages",
+        "grpo_loss"},
+    "efficiency": {"ActivationCheckpointPlan", "ActivationCheckpointProfile",
+        "ActivationCheckpointingCallback", "ActivationMemoryMeter", "DistillConfig", "DistillationModule",
+        "DoraConfig", "DynamicActivationCheckpointing", "HierarchicalDistillation", "ImportanceSampler",
+        "ImportanceSamplerConfig", "ImportanceSamplingCallback", "Int4QATConfig", "LayerwisePrecision",
+        "LayerwisePrecisionCallback", "LossScorer", "MemoryReport", "PrecisionConfig", "QATCallback",
+        "RhoLossScorer", "Scorer", "apply_activation_checkpointing", "apply_dora", "convert_qat",
+        "distill_step", "find_blocks", "grpo_policy_loss", "grpo_profile_batch", "measure_step",
+        "merge_dora", "prepare_qat", "profile_blocks", "quantize_ptq"},
+    "callbacks": {"BanditCallback", "DrafterDriftProbe", "SpotDrafterCallback"},
+    "spot": {"STEP_STATS", "SpotConfig", "SpotDrafter", "initial_drafter", "step_metrics", "timeline_view"},
+    "vllm": {"VLLMBackendConfig", "VLLMRolloutBackend", "VLLMRolloutStats"},
+}
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC_API))
+def test_subpackage_exports_its_public_api_only(package):
+    module = importlib.import_module(f"tlt_lightning.{package}")
+    # The torchtune extra's names are loaded on first access, so they stay out of ``__all__`` (``import *``).
+    assert set(module.__all__) | set(getattr(module, "_TORCHTUNE", ())) == PUBLIC_API[package]
+    assert len(module.__all__) == len(set(module.__all__)), "a name listed twice"
+    assert all(hasattr(module, name) for name in module.__all__)
+
+
+def _defined_in(package: str) -> dict[str, str]:
+    """Name -> the module its ``__init__`` imports it from."""
+    init = ROOT / "src" / "tlt_lightning" / package / "__init__.py"
+    return {alias.name: node.module for node in ast.parse(init.read_text()).body
+            if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+
+
+def _attribute_docstring(module: str, name: str) -> str | None:
+    """The string literal right after ``name = ...`` at the top level of ``module`` (Sphinx's attribute docs)."""
+    body = ast.parse(Path(importlib.import_module(module).__file__).read_text()).body
+    for node, following in itertools.pairwise(body):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        named = any(isinstance(t, ast.Name) and t.id == name for t in targets)
+        if named and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+            return following.value.value
+    return None
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC_API))
+def test_every_public_name_is_documented(package):
+    module, defined_in = importlib.import_module(f"tlt_lightning.{package}"), _defined_in(package)
+    undocumented = set()
+    for name in module.__all__:
+        value = getattr(module, name)
+        if inspect.isclass(value) or inspect.isfunction(value):
+            doc = value.__dict__.get("__doc__") if inspect.isclass(value) else value.__doc__
+        else:  # a constant or type alias: documented by a docstring after its assignment
+            doc = _attribute_docstring(defined_in[name], name)
+        if not (doc or "").strip():
+            undocumented.add((package, name))
+    assert not undocumented

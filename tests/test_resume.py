@@ -10,8 +10,10 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers import assert_same, callback_state
 from tlt_lightning import cli
 from tlt_lightning.resume import check_resume, read_checkpoint, resume_conflicts
+from tlt_lightning.rl import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "grpo_tiny.yaml"
@@ -25,8 +27,11 @@ def test_conflicts_compare_saved_settings_with_the_config():
     current = {"lr": 0.01, "seed": 1, "task": None, "new": 2}
     # task None is the default TaskConfig; keys only one side has are not conflicts.
     conflicts = resume_conflicts(saved, current)
-    assert set(conflicts) == {"seed", "task"} and conflicts["seed"] == (0, 1)
+    assert set(conflicts) == {"seed", "task.size"} and conflicts["seed"] == (0, 1)
     assert resume_conflicts({"task": {"name": "chain_sum", "size": 256}}, {"task": None}) == {}
+    # Groups compare field by field, defaults filled in, as saved dicts or as configs.
+    assert resume_conflicts({"optim": {"lr": 0.01, "kl_coef": 0.0}}, {"optim": OptimConfig(lr=0.5)}) == {
+        "optim.lr": (0.01, 0.5)}
 
 
 def test_check_resume_refuses_listing_every_key_and_the_ways_on():
@@ -74,7 +79,7 @@ def tlt_config(tmp_path: Path) -> Path:
          "init_args": {"reproducible": True, "strategy": {"class_path": "tlt_lightning.scheduling.BEGMABStrategy",
                                                          "init_args": {"epsilon": 0.3, "seed": 1}}}},
     ]
-    config["model"]["drafter_kind"] = None  # the callback builds and trains the drafter
+    config["model"]["speculative"]["drafter_kind"] = None  # the callback builds and trains the drafter
     path = tmp_path / "tlt.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -89,26 +94,6 @@ def fit(tmp_path: Path, config: Path, name: str, *extra: str) -> tuple[list[floa
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("reward/mean")]
     (last,) = (tmp_path / name).rglob("last.ckpt")
     return [float(r["reward/mean"]) for r in rows], torch.load(last, weights_only=False)
-
-
-def callback_state(checkpoint: dict, name: str) -> dict:
-    (key,) = [k for k in checkpoint["callbacks"] if k.startswith(name)]
-    return checkpoint["callbacks"][key]
-
-
-def assert_same(a, b, where="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def test_fit_resumed_from_a_checkpoint_is_the_uninterrupted_run(tmp_path, monkeypatch):
@@ -142,23 +127,23 @@ def test_resume_with_other_settings_is_refused_listing_the_keys(tmp_path, monkey
     assert cli.main([*base, "--trainer.max_steps=1"]) == 0
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     resume = [*base, "--trainer.max_steps=2", f"--ckpt_path={ckpt}"]
-    with pytest.raises(ValueError, match=r"(?s)model.lr: 0.01 -> 0.5\n  model.seed: 0 -> 3\n.*--resume_overrides=apply"):
-        cli.main([*resume, "--model.lr=0.5", "--model.seed=3"])
+    with pytest.raises(ValueError, match=r"(?s)model.optim.lr: 0.01 -> 0.5\n  model.seed: 0 -> 3\n.*--resume_overrides=apply"):
+        cli.main([*resume, "--model.optim.lr=0.5", "--model.seed=3"])
     # On the command line: a short error with the keys, exit status 1, nothing trained.
-    assert cli.main([*resume, "--model.lr=0.5"], short_errors=True) == 1
+    assert cli.main([*resume, "--model.optim.lr=0.5"], short_errors=True) == 1
     err = capsys.readouterr().err
-    assert "model.lr: 0.01 -> 0.5" in err and "Traceback" not in err
+    assert "model.optim.lr: 0.01 -> 0.5" in err and "Traceback" not in err
     assert torch.load(ckpt, weights_only=False)["global_step"] == 1
     # Applied on request: the new lr reaches the optimizer, the module warns about the seed.
     with pytest.warns(UserWarning, match="resuming with seed=3 from a checkpoint trained with seed=0"):
-        assert cli.main([*resume, "--model.lr=0.5", "--model.seed=3", "--resume_overrides=apply"]) == 0
+        assert cli.main([*resume, "--model.optim.lr=0.5", "--model.seed=3", "--resume_overrides=apply"]) == 0
     after = torch.load(ckpt, weights_only=False)
-    assert after["global_step"] == 2 and after["hyper_parameters"]["lr"] == 0.5
+    assert after["global_step"] == 2 and after["hyper_parameters"]["optim"]["lr"] == 0.5
     assert after["optimizer_states"][0]["param_groups"][0]["lr"] == 0.5
     # Or the checkpoint's values (Lightning's behaviour), now said out loud.
-    assert cli.main([*base, "--trainer.max_steps=3", f"--ckpt_path={ckpt}", "--model.lr=0.1",
+    assert cli.main([*base, "--trainer.max_steps=3", f"--ckpt_path={ckpt}", "--model.optim.lr=0.1",
                      "--resume_overrides=checkpoint"]) == 0
-    assert torch.load(ckpt, weights_only=False)["hyper_parameters"]["lr"] == 0.5
+    assert torch.load(ckpt, weights_only=False)["hyper_parameters"]["optim"]["lr"] == 0.5
 
 
 def test_resume_overrides_takes_only_its_three_values(capsys):

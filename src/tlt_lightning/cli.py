@@ -21,12 +21,14 @@
 Every subcommand takes ``--threads`` (torch intra-op threads; on shared 2-core machines one
 thread is often faster than two) before the subcommand name.
 
-On the command line a ``ValueError`` or ``TypeError`` (a bad setting, a file that is not what it
-should be) ends the command with a short message and exit status 1 instead of a long traceback;
-``--traceback`` before the subcommand, or ``TLT_LIGHTNING_TRACEBACK=1`` in the environment, shows
-the whole traceback. ``fit`` is handed to
-:mod:`tlt_lightning.fit` (jsonargparse) before argparse sees it: ``tlt-lightning fit --help``
-lists its options, and ``fit`` also takes ``--threads`` after its name.
+Options are parsed by jsonargparse (:mod:`tlt_lightning.cli_options`, which imports nothing heavy, so
+``--help`` is quick at every level); options are never abbreviated, and a misspelt one ends the command
+with a two-line error naming the closest valid option (exit status 2). On the command line a
+``ValueError`` or ``TypeError`` (a bad setting, a file that is not what it should be) ends the command
+with a short message and exit status 1 instead of a long traceback; ``--traceback`` before the
+subcommand, or ``TLT_LIGHTNING_TRACEBACK=1`` in the environment, shows the whole traceback. ``fit`` is
+handed to :mod:`tlt_lightning.fit` (LightningCLI, also jsonargparse) before the parser sees it:
+``tlt-lightning fit --help`` lists its options, and ``fit`` also takes ``--threads`` after its name.
 """
 
 from __future__ import annotations
@@ -37,118 +39,17 @@ import logging
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Sequence
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TRACEBACK_ENV", "main", "short_error"]
+from tlt_lightning.cli_options import GROUPS, build_parser
+
+__all__ = ["TRACEBACK_ENV", "command_args", "main", "short_error"]
 
 TRACEBACK_ENV = "TLT_LIGHTNING_TRACEBACK"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse without prefix abbreviations (``--thread`` is an error, not ``--threads``); the
-    subcommands' parsers are of this class too."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-
-def _parser() -> argparse.ArgumentParser:
-    from tlt_lightning.bench import activation_checkpointing as bench_checkpoint
-    from tlt_lightning.bench import e2e as bench_e2e
-    from tlt_lightning.bench import efficiency as bench_efficiency
-    from tlt_lightning.bench import layout as bench_layout
-    from tlt_lightning.bench import peers as bench_peers
-    from tlt_lightning.bench import rollout as bench_rollout
-    from tlt_lightning.bench import spot as bench_spot
-    from tlt_lightning.bench import strategies as bench_strategies
-    from tlt_lightning.recipes import drafter_evaluate, drafter_warmup
-
-    parser = _Parser(prog="tlt-lightning", description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--traceback", action="store_true",
-                        help=f"show the full traceback of a ValueError/TypeError (or set {TRACEBACK_ENV}=1)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    # Listed for --help only: main() hands `fit` to LightningCLI before this parser runs.
-    sub.add_parser("fit", add_help=False,
-                   help="GRPO training from a YAML config (LightningCLI; tlt-lightning fit --help)")
-
-    bench = sub.add_parser("bench", help="benchmarks (JSON + PNG)").add_subparsers(dest="bench", required=True)
-    bench_rollout.add_arguments(bench.add_parser("rollout", help="RolloutEngine vs HF generate"))
-    bandit = bench.add_parser("bandit", help="strategy bandits on a simulated environment with a known optimum")
-    bandit.add_argument("--steps", type=int, default=8000)
-    bandit.add_argument("--seed", type=int, default=0)
-    bandit.add_argument("--json", default="runs/bench/bandit.json")
-    bandit.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
-
-    bench_checkpoint.add_arguments(
-        bench.add_parser("activation-checkpointing", help="budgeted (DP) vs static every-other-layer activation checkpointing")
-    )
-
-    bench_strategies.add_arguments(
-        bench.add_parser("strategies", help="BEG-MAB vs every fixed SD arm vs no SD on a real long-tail rollout")
-    )
-
-    bench_e2e.add_arguments(bench.add_parser("e2e", help="GRPO steps with TLT vs the identical run without it"))
-
-    bench_spot.add_arguments(bench.add_parser(
-        "spot", help="spot drafter training: packing vs padding, preemption latency, 2-rank DDP overhead"))
-
-    bench_efficiency.add_arguments(
-        bench.add_parser("efficiency", help="importance sampling / hierarchical distillation / INT4 QAT vs baselines")
-    )
-
-    bench_layout.add_arguments(
-        bench.add_parser("layout", help="weight layouts ([out, in], [in, out], packed) side by side: plain and speculative decoding")
-    )
-
-    bench_peers.add_arguments(bench.add_parser(
-        "peers", help="our engine (plain, speculative) vs vLLM in its own venv, side by side"))
-
-    drafter = sub.add_parser("drafter", help="drafter tools").add_subparsers(dest="drafter_command", required=True)
-    drafter_warmup.add_arguments(drafter.add_parser("warmup", help="train a drafter on the target's rollouts"))
-    drafter_evaluate.add_arguments(
-        drafter.add_parser("evaluate", help="compare drafters' acceptance on the same stored rollouts")
-    )
-
-    export = sub.add_parser(
-        "export-drafter", help="write a drafter checkpoint in the EAGLE format of vLLM / SGLang; with --from-fit, "
-        "a fit's policy and drafter together",
-        usage="tlt-lightning export-drafter [options] CHECKPOINT OUT\n"
-              "       tlt-lightning export-drafter [options] --from-fit RUN_DIR_OR_CKPT OUT")
-    export.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
-                        help="drafter checkpoint directory (from `drafter warmup` or save_drafter), or an MLflow URI "
-                        "of one: models:/NAME/VERSION, models:/NAME@ALIAS, runs:/RUN_ID/PATH; not with --from-fit")
-    export.add_argument("out", nargs="?", metavar="OUT",
-                        help="output directory (config.json, model.safetensors, README.md; with --from-fit: "
-                        "target/ (the policy, save_pretrained), drafter/, README.md, export.json)")
-    export.add_argument("--from-fit", default=None, metavar="RUN_DIR_OR_CKPT",
-                        help="export the RL policy of a fit (its run directory or a .ckpt) and the drafter trained "
-                        "with it, together, as vLLM loads them (OUT/target, OUT/drafter)")
-    export.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
-                        help="the serving engine that loads the export as it is (default: vllm)")
-    export.add_argument("--kind", default=None, choices=["eagle1", "eagle3"],
-                        help="require this drafter kind (default: the checkpoint's; a checkpoint is never converted)")
-    export.add_argument("--model", default=None,
-                        help="the target the drafter drafts for: registry name or local HF directory "
-                        "(default: the checkpoint's warmup.json, else the registry model of its target's shape; "
-                        "with --from-fit: the policy's architecture and tokenizer, default the run's model)")
-    export.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="weight dtype of the export (default: the target's; with --from-fit, the run's)")
-    export.add_argument("--seed", type=int, default=0, help="seed of a tiny registry model's random weights")
-    export.add_argument("--tracking-uri", default=None,
-                        help="MLflow store of a models:/ or runs:/ CHECKPOINT (default: $MLFLOW_TRACKING_URI, "
-                        "else sqlite:///runs/mlflow.db, the store of `tlt-lightning fit`)")
-
-    tune = sub.add_parser("torchtune", help="GRPO from a torchtune recipe config, as `tune run "
-                                            "tlt_lightning.recipes.grpo_torchtune` (needs the torchtune extra)")
-    tune.add_argument("--config", required=True, help="recipe YAML with _component_ nodes")
-    tune.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (torchtune syntax)")
-
-    sub.add_parser("models", help="list registry model names")
-    return parser
 
 
 def _split_fit(argv: list[str]) -> tuple[list[str], list[str]] | None:
@@ -231,16 +132,19 @@ def main(argv: Sequence[str] | None = None, short_errors: bool | None = None) ->
         return 1
 
 
-# Loggers of dependencies that warn on every command about what this project documents instead:
-# torchao 0.15's C++ kernels do not load beside torch 2.13 (transformers imports torchao whenever it is
-# installed; only INT4 QAT uses it), and there is no Triton on a CPU.
+# Dependencies that warn on every command about what this project documents instead: torchao 0.15's
+# C++ kernels do not load beside torch 2.13 (transformers imports torchao whenever it is installed; only
+# INT4 QAT uses it), its deprecated import paths, and no Triton on a CPU. Quieted here, at the command
+# line only: a library user keeps every warning.
 QUIET_LOGGERS = ("torchao",)
+QUIET_WARNING_MODULES = r"(torchao|triton)(\..*)?$"
 
 
 def _main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may wait on a hub download
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=QUIET_WARNING_MODULES)
     fit = _split_fit(argv)
     if fit is not None:
         global_args, fit_args = fit
@@ -254,61 +158,15 @@ def _main(argv: list[str]) -> int:
         return 0
     # Not for fit: Lightning and MLflow configure their own loggers, a root handler would repeat them.
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    args = _parser().parse_args(argv)
-    args.argv = argv
+    args = command_args(argv)
     _set_threads(args.threads)
     if args.command == "models":
         from tlt_lightning.models import available_models
 
         print("\n".join(available_models()))
-    elif args.command == "bench" and args.bench == "rollout":
-        from tlt_lightning.bench import rollout
-
-        rollout.run(args)
-    elif args.command == "bench" and args.bench == "bandit":
-        from tlt_lightning.scheduling.simulate import main as bandit_main
-
-        plot = args.plot or str(Path(args.json).with_suffix(".png"))
-        result = bandit_main(args.json, plot, steps=args.steps, seed=args.seed)
-        ratios = {name: round(v["reward_vs_oracle"], 3) for name, v in result["strategies"].items()}
-        print(f"[bench bandit] reward / per-bucket oracle: {json.dumps(ratios)}")
-        print(f"[bench bandit] wrote {args.json} and {plot}")
-    elif args.command == "bench" and args.bench == "activation-checkpointing":
-        from tlt_lightning.bench import activation_checkpointing
-
-        activation_checkpointing.run(args)
-    elif args.command == "bench" and args.bench == "strategies":
-        from tlt_lightning.bench import strategies
-
-        strategies.run(args)
-    elif args.command == "bench" and args.bench == "e2e":
-        from tlt_lightning.bench import e2e
-
-        e2e.run(args)
-    elif args.command == "bench" and args.bench == "spot":
-        from tlt_lightning.bench import spot
-
-        spot.run(args)
-    elif args.command == "bench" and args.bench == "efficiency":
-        from tlt_lightning.bench import efficiency
-
-        efficiency.run(args)
-    elif args.command == "bench" and args.bench == "layout":
-        from tlt_lightning.bench import layout
-
-        layout.run(args)
-    elif args.command == "bench" and args.bench == "peers":
-        from tlt_lightning.bench import peers
-
-        peers.run(args)
-    elif args.command == "drafter" and args.drafter_command == "warmup":
-        from tlt_lightning.recipes import drafter_warmup
-
-        drafter_warmup.run(args)
-    elif args.command == "drafter" and args.drafter_command == "evaluate":
-        from tlt_lightning.recipes import drafter_evaluate
-
-        drafter_evaluate.run(args)
+    elif (args.command, args.name) in _RUNS:
+        module, function = _RUNS[args.command, args.name].split(":")
+        getattr(import_module(module), function)(args)
     elif args.command == "export-drafter":
         _export_drafter(args)
     elif args.command == "torchtune":
@@ -320,6 +178,52 @@ def _main(argv: list[str]) -> int:
             raise SystemExit(f"torchtune: {err}") from err
         grpo_torchtune.run(config)
     return 0
+
+
+# Grouped commands, each run by one function of ``args``.
+_RUNS = {
+    ("bench", "rollout"): "tlt_lightning.bench.rollout:run",
+    ("bench", "bandit"): "tlt_lightning.cli:_bench_bandit",
+    ("bench", "activation-checkpointing"): "tlt_lightning.bench.activation_checkpointing:run",
+    ("bench", "strategies"): "tlt_lightning.bench.strategies:run",
+    ("bench", "e2e"): "tlt_lightning.bench.e2e:run",
+    ("bench", "spot"): "tlt_lightning.bench.spot:run",
+    ("bench", "efficiency"): "tlt_lightning.bench.efficiency:run",
+    ("bench", "layout"): "tlt_lightning.bench.layout:run",
+    ("bench", "peers"): "tlt_lightning.bench.peers:run",
+    ("drafter", "warmup"): "tlt_lightning.recipes.drafter_warmup:run",
+    ("drafter", "evaluate"): "tlt_lightning.recipes.drafter_evaluate:run",
+}
+
+
+def command_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``argv`` (not ``fit``): the command's own options, flat, with ``command``, ``name`` (a grouped
+    command's own name, else the command's), ``threads``, ``traceback`` and ``argv`` beside them, as the
+    commands' ``run(args)`` read them.
+
+    Example:
+        >>> args = command_args(["--threads", "1", "bench", "bandit", "--steps", "10"])
+        >>> args.command, args.name, args.steps, args.threads
+        ('bench', 'bandit', 10, 1)
+    """
+    parsed = build_parser(description=__doc__.split("\n")[0]).parse_args(list(argv))
+    command = name = parsed.command
+    options = parsed[command]
+    if command in GROUPS:  # bench rollout: parsed.bench.rollout
+        name = options[command]
+        options = options[name]
+    return argparse.Namespace(**options.as_dict(), command=command, name=name, threads=parsed.threads,
+                              traceback=parsed.traceback, argv=list(argv))
+
+
+def _bench_bandit(args: argparse.Namespace) -> None:
+    from tlt_lightning.scheduling.simulate import main as bandit_main
+
+    plot = args.plot or str(Path(args.json).with_suffix(".png"))
+    result = bandit_main(args.json, plot, steps=args.steps, seed=args.seed)
+    ratios = {name: round(v["reward_vs_oracle"], 3) for name, v in result["strategies"].items()}
+    print(f"[bench bandit] reward / per-bucket oracle: {json.dumps(ratios)}")
+    print(f"[bench bandit] wrote {args.json} and {plot}")
 
 
 def _export_drafter(args: argparse.Namespace) -> None:

@@ -1,7 +1,7 @@
 """``tlt-lightning fit``: GRPO training from a YAML config, through Lightning's ``LightningCLI``.
 
     tlt-lightning --threads 1 fit --config configs/grpo_smollm2.yaml
-    tlt-lightning fit --config configs/grpo_smollm2.yaml --model.lr=3e-5 --trainer.max_steps=30
+    tlt-lightning fit --config configs/grpo_smollm2.yaml --model.optim.lr=3e-5 --trainer.max_steps=30
     tlt-lightning fit --config configs/grpo_smollm2.yaml --print_config     # the resolved config
 
 The module is :class:`~tlt_lightning.rl.GRPOModule`: its constructor arguments are the ``model:``
@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 from typing_extensions import override
@@ -239,22 +239,19 @@ class TrackingSaveConfig(SaveConfigCallback):
             trainer.logger.log_hyperparams(self.extra_hyperparams(pl_module))
 
     def extra_hyperparams(self, pl_module: LightningModule) -> dict[str, Any]:
-        """What the Trainer's own hyper-parameter logging misses: the task, the prompt source, the trainer.
+        """What the Trainer's own hyper-parameter logging misses: the prompt source, the trainer.
 
-        Lightning logs the module's initial hyper-parameters; the task and the prompt source are
-        not among them (the module keeps the task as a dataclass, a source may not serialise).
+        Lightning logs the module's initial hyper-parameters (its groups as ``optim/lr``, ``task/name``,
+        ...); the prompt source is not among them (a source may not serialise).
         """
         config = self.config.as_dict()
         trainer = {k: v for k, v in config.get("trainer", {}).items()
                    if k not in self._UNLOGGED_TRAINER_KEYS and v is not None}
         params: dict[str, Any] = {"trainer": trainer, "seed_everything": config.get("seed_everything"),
                                   "threads": config.get("threads")}
-        task = getattr(pl_module, "hparams", {}).get("task")
         source = config.get("model", {}).get("prompt_source")
         if source is not None:
             params["prompt_source"] = source
-        elif task is not None:
-            params["task"] = task
         return params
 
 
@@ -311,7 +308,7 @@ class GRPOCLI(LightningCLI):
     Adds ``--threads`` (torch intra-op threads, set before anything is built), and defaults
     ``--trainer.precision`` to the one that pays here (:func:`~tlt_lightning.models.training_precision`:
     ``bf16-mixed`` where bf16 products are native, else ``32-true``). The optimizer is the
-    module's own (AdamW with ``model.lr``), so no ``--optimizer`` section is added.
+    module's own (AdamW with ``model.optim.lr``), so no ``--optimizer`` section is added.
 
     Example:
         >>> GRPOCLI(args=["fit", "--config", "configs/grpo_tiny.yaml"])  # doctest: +SKIP
@@ -380,6 +377,7 @@ class GRPOCLI(LightningCLI):
                 raise ValueError(f"threads must be an int >= 1, got {threads}")
             torch.set_num_threads(threads)
         _default_mlflow_store(config)
+        self._default_progress_bar(config.get("trainer") or {})
         logger = _tracking_logger_args(config)
         if logger is not None and mlflow_available(logger.tracking_uri):
             # Here, not inside the logger factory: jsonargparse would report a failure while it
@@ -388,6 +386,18 @@ class GRPOCLI(LightningCLI):
                           _artifact_location(logger.tracking_uri, logger.artifact_location))
             if config.get("ckpt_path") and logger.get("run_id") is None:
                 logger.run_id = resumable_run_id(str(config.ckpt_path), logger.tracking_uri)
+
+
+    def _default_progress_bar(self, trainer: Any) -> None:
+        """:class:`GRPOProgressBar` is the trainer's default bar: none with
+        ``--trainer.enable_progress_bar=false``, nor beside a progress bar the config lists."""
+        paths = [c.class_path.rpartition(".") for c in trainer.get("callbacks") or [] if c.get("class_path")]
+        listed = [getattr(importlib.import_module(module), name) for module, _, name in paths]
+        bar = trainer.get("enable_progress_bar") is not False and not any(
+            isinstance(c, type) and issubclass(c, ProgressBar) for c in listed
+        )
+        defaults = [c for c in self.trainer_defaults["callbacks"] if not isinstance(c, GRPOProgressBar)]
+        self.trainer_defaults["callbacks"] = [*defaults, *([GRPOProgressBar()] if bar else [])]
 
 
 def main(args: Sequence[str]) -> None:

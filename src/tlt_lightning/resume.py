@@ -8,8 +8,8 @@ settings that differ from the checkpoint's, listing each one as ``old -> new`` a
 uninterrupted one), ``--resume_overrides=checkpoint`` keeps the checkpoint's (Lightning's behaviour).
 
 Example:
-    >>> resume_conflicts({"lr": 0.01, "seed": 0}, {"lr": 0.5, "seed": 0})
-    {'lr': (0.01, 0.5)}
+    >>> resume_conflicts({"optim": {"lr": 0.01}, "seed": 0}, {"optim": {"lr": 0.5}, "seed": 0})
+    {'optim.lr': (0.01, 0.5)}
 """
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ import os
 import pickle
 import zipfile
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig
 from tlt_lightning.rl.tasks import TaskConfig
+from tlt_lightning.rollout import RolloutConfig
 
 __all__ = [
     "HARMLESS_ON_RESUME",
@@ -83,30 +85,44 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return dict(checkpoint)
 
 
-def _normalise(key: str, value: Any) -> Any:
+_GROUPS = {"task": TaskConfig, "rollout": RolloutConfig, "optim": OptimConfig, "speculative": SpeculativeConfig}
+"""GRPOModule's grouped settings: compared field by field (``optim.lr``), their defaults filled in."""
+
+
+def _plain(value: Any) -> Any:
     if hasattr(value, "as_dict"):  # a jsonargparse Namespace
         value = value.as_dict()
-    if key == "task":  # the module saves asdict(TaskConfig); a config may leave it None or partial
-        try:
-            return asdict(value if isinstance(value, TaskConfig) else TaskConfig(**(value or {})))
-        except (TypeError, ValueError):
-            return value
-    return value
+    elif is_dataclass(value) and not isinstance(value, type):  # a group given as its config
+        value = asdict(value)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _settings(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """``hparams`` with every group flattened to ``group.field`` keys (a group that does not parse stays whole)."""
+    out = {}
+    for key, value in hparams.items():
+        value = _plain(value)
+        if key in _GROUPS and (value is None or isinstance(value, Mapping)):
+            try:
+                fields = asdict(_GROUPS[key](**(value or {})))
+            except (TypeError, ValueError):
+                out[key] = value
+                continue
+            out.update({f"{key}.{name}": _plain(v) for name, v in fields.items()})
+        else:
+            out[key] = value
+    return out
 
 
 def resume_conflicts(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``{key: (checkpoint value, configured value)}`` for every saved module setting the config changes.
 
-    Keys only one side has (a setting added in a later version, the prompt source) are not conflicts.
+    Grouped settings are compared field by field (``{"optim.lr": (0.01, 0.5)}``). Keys only one side
+    has (a setting added in a later version, the prompt source) are not conflicts.
     """
-    out = {}
-    for key, old in saved.items():
-        if key in _KEYS_NOT_SETTINGS or key not in current:
-            continue
-        old, new = _normalise(key, old), _normalise(key, current[key])
-        if old != new:
-            out[key] = (old, new)
-    return out
+    saved, current = _settings(saved), _settings(current)
+    return {key: (old, current[key]) for key, old in saved.items()
+            if key not in _KEYS_NOT_SETTINGS and key in current and old != current[key]}
 
 
 def check_resume(

@@ -11,7 +11,6 @@ import torch
 from tlt_lightning.bench.peers import (
     PeerClient,
     RunTiming,
-    add_arguments,
     agreement,
     alternate,
     compare,
@@ -164,11 +163,9 @@ def test_peer_client_reports_a_failed_start(tmp_path):
 
 # ------------------------------------------------------------------------- the whole comparison, fake vLLM
 def _args(tmp_path, **kw) -> Namespace:
-    import argparse
+    from tlt_lightning.cli import command_args
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    args = p.parse_args(["--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "peers.json"),
+    args = command_args(["bench", "peers", "--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "peers.json"),
                          "--dtype", "float32", "--model", "tiny-llama", "--batch-sizes", "1", "3",
                          "--max-new-tokens", "8", "--long-tail-requests", "4", "--long-tail-max-new", "12",
                          "--repeats", "2", "--k", "2", "--worker-command", *_fake_command()])
@@ -202,21 +199,22 @@ def test_compare_with_a_fake_worker_writes_json_plot_and_equal_greedy_tokens(tmp
     lt = data["long_tail"]
     assert set(lt["engines"]) == {"ours", "ours-sd", "vllm"} and set(lt["ratios"]) == {"ours/vllm", "ours-sd/vllm"}
     assert all(v[2] <= 12 for v in lt["lengths_p50_p90_max"].values())
+    assert set(lt["warmup_s"]) == set(lt["engines"]) and lt["compile_seconds_in_timed_runs"] == 0
     assert target.info.eos_token_ids == eos  # restored after the EOS-ignoring workloads
 
 
 def test_cli_lists_bench_peers():
-    from tlt_lightning.cli import _parser
+    from tlt_lightning.cli import command_args
 
-    args = _parser().parse_args(["bench", "peers", "--batch-sizes", "1", "--long-tail-requests", "0"])
-    assert args.bench == "peers" and args.vllm_python == ".venv-vllm/bin/python" and args.long_tail_requests == 0
+    args = command_args(["bench", "peers", "--batch-sizes", "1", "--long-tail-requests", "0"])
+    assert args.name == "peers" and args.vllm_python == ".venv-vllm/bin/python" and args.long_tail_requests == 0
 
 
 # -------------------------------------------------------------------------------------------- real vLLM
 @pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON} (make setup-vllm, or set TLT_VLLM_PYTHON)")
 def test_real_vllm_worker_greedy_equals_ours(tmp_path):
-    from tlt_lightning.recipes.vllm_check import greedy_agreement
+    from tlt_lightning.recipes.vllm_stages import greedy_agreement
 
     loaded = load_model("smollm2-135m", dtype="float32")
     loaded.model.save_pretrained(tmp_path / "target")

@@ -10,10 +10,10 @@ from tlt_lightning.drafter import (
     DrafterConfig,
     DrafterSample,
     RolloutBuffer,
-    drafter_losses,
     make_batches,
     pack_batches,
 )
+from tlt_lightning.drafter.train import drafter_losses
 
 from .conftest import make_drafter
 from .test_train import H, fake_rollout

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tlt_lightning.drafter import AsyncCheckpointer, load_drafter, snapshot_state
+from tests.helpers import run_at_once
+from tlt_lightning.drafter import AsyncCheckpointer, load_drafter
 from tlt_lightning.models import HFTarget, load_model
 
 from .conftest import make_drafter
@@ -185,17 +186,6 @@ def test_errors(llama, tmp_path):
         AsyncCheckpointer.load(ckpt.latest(), d)
 
 
-def test_snapshot_state_clones_nested():
-    t = torch.ones(2)
-    snap = snapshot_state({"a": [t, (t, 3)], "b": "x"})
-    t.add_(1)
-    assert snap["a"][0].tolist() == [1.0, 1.0] and snap["a"][1][1] == 3 and snap["b"] == "x"
-    again = snapshot_state({"a": [t, (t, 3)], "b": "x", "c": torch.zeros(3)}, reuse=snap)
-    assert again["a"][0] is snap["a"][0] and again["a"][0].tolist() == [2.0, 2.0]
-    shaped = snapshot_state({"a": [torch.ones(5), (t, 3)]}, reuse=snap)  # a new shape: a new buffer
-    assert shaped["a"][0] is not snap["a"][0] and shaped["a"][0].shape == (5,)
-
-
 _KILL_SCRIPT = textwrap.dedent(
     """
     import sys, time, torch
@@ -362,18 +352,7 @@ def _process_writer(directory: str, first: int, start, results) -> None:
 def test_two_processes_in_one_folder_lose_no_save(tmp_path):
     """Two processes write 30 checkpoints each into one folder at once (the reported 183/300 failures)."""
     context = multiprocessing.get_context("spawn")
-    start, results = context.Barrier(2), context.Queue()
-    procs = [context.Process(target=_process_writer, args=(str(tmp_path), first, start, results))
-             for first in (1, 2)]
-    for proc in procs:
-        proc.start()
-    try:
-        outcome = sorted(results.get(timeout=300) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
+    outcome = run_at_once(context, _process_writer, [(str(tmp_path), first) for first in (1, 2)])
     assert outcome == [(1, 30, []), (2, 30, [])]
     assert entries(tmp_path) == [f"step-{s:08d}" for s in range(55, 61)]
 

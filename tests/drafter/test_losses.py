@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from tlt_lightning.drafter import (
-    DrafterLoss,
+from tlt_lightning.drafter import DrafterLoss
+from tlt_lightning.drafter.losses import (
     acceptance_rate,
     draft_vocab_mass,
     feature_loss,

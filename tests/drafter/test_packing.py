@@ -3,16 +3,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tlt_lightning.drafter import (
-    DrafterConfig,
-    DrafterLoss,
-    drafter_losses,
-    fill_ratio,
-    make_batches,
-    pack_batches,
-    pack_bins,
-    unroll_mask,
-)
+from tlt_lightning.drafter import DrafterConfig, DrafterLoss, make_batches, pack_batches
+from tlt_lightning.drafter.batches import unroll_mask
+from tlt_lightning.drafter.packing import fill_ratio, pack_bins
+from tlt_lightning.drafter.train import drafter_losses
 
 from .conftest import make_drafter
 from .test_train import fake_rollout
@@ -114,7 +108,7 @@ def test_no_attention_across_documents(llama, unroll):
             if unroll == 1:
                 return h
             shifted = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
-            from tlt_lightning.drafter import ConcatCache
+            from tlt_lightning.drafter.train import ConcatCache
 
             cache = ConcatCache()
             d(b.tokens, d.lift(b.features), b.positions, unroll_mask(b.mask, 1, b.doc_ids), cache)

@@ -10,15 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tlt_lightning.drafter import (
-    BufferConfig,
-    DrafterSample,
-    PaidTraining,
-    RolloutBuffer,
-    SpotTrainer,
-    SpotTrainerConfig,
-)
+from tlt_lightning.drafter import BufferConfig, DrafterSample, RolloutBuffer, SpotTrainer, SpotTrainerConfig
 from tlt_lightning.drafter import spot_trainer as spot_trainer_module
+from tlt_lightning.drafter.spot_trainer import PaidTraining
 
 from .conftest import generate_rollouts, make_drafter
 

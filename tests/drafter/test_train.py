@@ -6,16 +6,15 @@ import pytest
 import torch
 
 from tlt_lightning.drafter import (
-    ConcatCache,
     DrafterConfig,
     DrafterLoss,
-    drafter_losses,
     drafter_train_step,
     evaluate_drafter,
     make_batches,
-    unroll_mask,
     warmup_drafter,
 )
+from tlt_lightning.drafter.batches import unroll_mask
+from tlt_lightning.drafter.train import ConcatCache, drafter_losses
 from tlt_lightning.rollout.engine import causal_decode_mask
 from tlt_lightning.rollout.types import Rollout
 

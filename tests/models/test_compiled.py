@@ -16,6 +16,7 @@ from transformers import MistralConfig, MistralForCausalLM
 from tests.rollout.test_engine import random_prompts
 from tlt_lightning.drafter import Drafter, DrafterConfig
 from tlt_lightning.models import CompileConfig, HFTarget, load_model
+from tlt_lightning.models import compiled
 from tlt_lightning.models.compiled import Bucket, CompiledDecode
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.engine import causal_decode_mask
@@ -233,3 +234,29 @@ def test_hidden_states_within_the_documented_tolerance(name, dtype, tolerance):
     expected, got = decode_once(hf, lens).float(), decode_once(compiled, lens).float()
     assert compiled.compile_seconds > 0
     assert (got - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+def test_row_gemv_is_f_linear():
+    g = torch.Generator().manual_seed(0)
+    x, weight, bias = (torch.randn(*s, generator=g, dtype=torch.bfloat16) for s in ((1, 1, 64), (48, 64), (48,)))
+    expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    for b, extra in ((bias, 0), (None, bias.float())):
+        got = compiled.row_gemv(x, weight, b)
+        assert got.shape == (1, 1, 48) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float() + extra, expected, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("row_gemv", [True, False])
+def test_one_row_bf16_decode_takes_row_gemv_within_the_tolerance(row_gemv, monkeypatch):
+    """A graph of one row of one token multiplies by row_gemv in bf16 (unless turned off); same tolerance."""
+    calls = []
+    real = compiled.row_gemv
+    monkeypatch.setattr(compiled, "row_gemv", lambda *a: calls.append(1) or real(*a))
+    model = load_model("tiny-qwen2", dtype="bfloat16", seed=0).model
+    config = CompileConfig(batch_buckets=(1,), query_buckets=(1,), row_gemv=row_gemv)
+    hf, target = HFTarget(model), HFTarget(model, decode="compiled", compile_config=config)
+    lens = torch.tensor([7])
+    expected, got = decode_once(hf, lens, q=1).float(), decode_once(target, lens, q=1).float()
+    assert target.compile_seconds > 0
+    assert bool(calls) == row_gemv  # traced once per linear when on, never when off
+    assert (got - expected).abs().max() <= 5e-2 * expected.abs().max()

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from tlt_lightning.models import hardware, has_fast_bf16, resolve_dtype, training_precision
+from tlt_lightning.models import hardware, resolve_dtype, training_precision
+from tlt_lightning.models.hardware import has_fast_bf16
 
 
 @pytest.mark.parametrize(

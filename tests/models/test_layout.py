@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from tlt_lightning.drafter import Drafter, DrafterConfig
-from tlt_lightning.models import HFTarget, PackedLinear, load_model, set_weight_layout
-from tlt_lightning.models.layout import _PACKABLE, _packable_dtypes
+from tlt_lightning.models import HFTarget, load_model, set_weight_layout
+from tlt_lightning.models.layout import _PACKABLE, PackedLinear, _packable_dtypes
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
 from tlt_lightning.speculative import DraftSpec

@@ -3,7 +3,8 @@ import copy
 import pytest
 import torch
 
-from tlt_lightning.models import HFTarget, KVCache, default_feature_layers
+from tlt_lightning.models import HFTarget, KVCache
+from tlt_lightning.models.target import default_feature_layers
 from tlt_lightning.rollout.engine import causal_decode_mask
 
 

@@ -28,7 +28,8 @@ TINY = ROOT / "configs" / "grpo_tiny.yaml"
 def tiny_fit(root: Path, kind: str = "eagle1", spot: bool = True, steps: int = 2) -> Path:
     """A 2-step GRPO fit of the tiny config (CSV logger, a SpotDrafterCallback); returns its run directory."""
     config = yaml.safe_load(TINY.read_text())
-    config["model"].update(rollout_progress=False, drafter_kind=None if spot else kind)
+    config["model"]["rollout_progress"] = False
+    config["model"]["speculative"]["drafter_kind"] = None if spot else kind
     config["trainer"]["logger"]["init_args"].update(tracking_uri=f"sqlite:///{root}/mlflow.db",
                                                    fallback_dir=str(root / "csv"))
     config["trainer"]["default_root_dir"] = str(root / "fit")
@@ -151,8 +152,8 @@ def smollm2_export(tmp_path_factory) -> Path:
     """One small step of the default job (with its SpotDrafterCallback), exported with ``--from-fit``."""
     root = tmp_path_factory.mktemp("smollm2")
     config = Path(__file__).resolve().parents[2] / "configs" / "grpo_smollm2.yaml"
-    small = ["--trainer.max_steps=1", "--model.prompts_per_step=2", "--model.group_size=2",
-             "--model.max_new_tokens=16", "--trainer.logger=false", f"--trainer.default_root_dir={root}/fit"]
+    small = ["--trainer.max_steps=1", "--model.optim.prompts_per_step=2", "--model.optim.group_size=2",
+             "--model.rollout.max_new_tokens=16", "--trainer.logger=false", f"--trainer.default_root_dir={root}/fit"]
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
         assert cli.main(["--threads", "1", "fit", "--config", str(config), *small]) == 0

@@ -99,12 +99,12 @@ def test_recipe_runs_the_same_training_as_fit(tmp_path, monkeypatch, base_run):
 
 
 def test_overrides_follow_torchtune_syntax():
-    cfg = load_config(CONFIG, ["module.lr=0.5", "seed=3", "~module.rollout_progress", "logger=null", "callbacks=[]",
-                               "module=tlt_lightning.rl.torchtune_module.TorchtuneGRPOModule", "module.kl_coef=0.1",
+    cfg = load_config(CONFIG, ["module.optim.lr=0.5", "seed=3", "~module.rollout_progress", "logger=null", "callbacks=[]",
+                               "module=tlt_lightning.rl.torchtune_module.TorchtuneGRPOModule", "module.optim.kl_coef=0.1",
                                "trainer.max_steps=2", "model.num_layers=2"])
-    assert cfg.module.lr == 0.5 and cfg.module.kl_coef == 0.1  # a new keyword of the component
+    assert cfg.module.optim.lr == 0.5 and cfg.module.optim.kl_coef == 0.1  # a new keyword of the group
     assert cfg.module._component_ == "tlt_lightning.rl.torchtune_module.TorchtuneGRPOModule"  # node=path swaps it
-    assert cfg.module.group_size == 4  # ... and keeps its arguments
+    assert cfg.module.optim.group_size == 4  # ... and keeps its arguments
     assert "rollout_progress" not in cfg.module
     assert cfg.module.seed == cfg.prompt_source.seed == 3  # ${seed} sees the override
     assert cfg.logger._component_ is None  # torchtune's node=null: the node is off
@@ -135,15 +135,15 @@ def test_bad_overrides_are_named_before_anything_is_built(override, match):
 def test_an_override_changes_the_run(tmp_path, base_run):
     base_trainer, base_module, base_weights = base_run
     assert max(r.length for r in base_module.last_rollout.rollouts) > 4
-    overrides = [*quiet(tmp_path, "run"), "trainer.max_steps=2", "module.max_new_tokens=4", "module.lr=0.5"]
+    overrides = [*quiet(tmp_path, "run"), "trainer.max_steps=2", "module.rollout.max_new_tokens=4", "module.optim.lr=0.5"]
     trainer, module = run(load_config(CONFIG, overrides))
     assert trainer.global_step == 2 and base_trainer.global_step == 1
     assert max(r.length for r in module.last_rollout.rollouts) <= 4
-    assert module.hparams.lr == 0.5
+    assert module.optim_config.lr == 0.5
     assert not same_weights(module.policy.state_dict(), base_weights)
     (saved,) = (tmp_path / "run").glob("version_*/config.yaml")  # no logger: the run's own directory
     saved = yaml.safe_load(saved.read_text())
-    assert saved["module"]["max_new_tokens"] == 4 and saved["trainer"]["max_steps"] == 2
+    assert saved["module"]["rollout"]["max_new_tokens"] == 4 and saved["trainer"]["max_steps"] == 2
 
 
 def test_cli_subcommand_runs_the_recipe(tmp_path):
@@ -177,7 +177,7 @@ def test_tune_run_launches_the_recipe_by_dotted_path_and_tracks_it_as_fit_does(t
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 1
     params = found.data.params
     # The whole config: the module's hyper-parameters (defaults too), torchtune's sections, trainer, callbacks.
-    assert params["lr"] == "0.01" and params["kl_coef"] == "0.0" and params["builder/num_layers"] == "4"
+    assert params["optim/lr"] == "0.01" and params["optim/kl_coef"] == "0.0" and params["builder/num_layers"] == "4"
     assert params["checkpointer/model_type"] == "LLAMA3_2" and params["trainer/max_steps"] == "1"
     assert params["callbacks/1/_component_"] == "lightning.pytorch.callbacks.ModelCheckpoint"
     assert params["seed"] == "0" and params["threads"] == "1" and params["module/_component_"].endswith("TorchtuneGRPOModule")

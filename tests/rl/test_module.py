@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 from pathlib import Path
 
 import lightning as L
@@ -13,9 +14,10 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
 from tlt_lightning.models import load_model
-from tlt_lightning.rl import TaskConfig
+from tlt_lightning.rl import OptimConfig, SpeculativeConfig, TaskConfig
 from tlt_lightning.rl.module import GRPOModule, NonFiniteLossError, RewardError
 from tlt_lightning.rl.sources import PromptIndexLoader, TaskPromptSource, TokenPromptSource
+from tlt_lightning.rollout import RolloutConfig
 from tlt_lightning.speculative import DraftSpec
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [3, 4]]
@@ -34,10 +36,28 @@ def raising_reward(prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> fl
     raise ValueError("boom")
 
 
+GROUPS = {"rollout": RolloutConfig, "optim": OptimConfig, "speculative": SpeculativeConfig}
+
+
+def grouped(**kwargs) -> dict:
+    """Flat settings (``lr=``, ``max_new_tokens=``, ``speculative=False``) as GRPOModule's groups, as
+    dicts of fields (so that the module itself builds and checks them)."""
+    out, groups = {}, {name: {} for name in GROUPS}
+    for key, value in kwargs.items():
+        if key == "speculative" and isinstance(value, bool):
+            key = "enabled"
+        group = next((g for g, cls in GROUPS.items() if key in {f.name for f in fields(cls)}), None)
+        if group is None:
+            out[key] = value
+        else:
+            groups[group][key] = value
+    return {**out, **{name: values for name, values in groups.items() if values}}
+
+
 def make_module(reward=even_reward, cls=GRPOModule, **kwargs) -> GRPOModule:
     args = dict(model="tiny-llama", group_size=4, prompts_per_step=2, max_new_tokens=8, lr=1e-2,
                 prompt_source=TokenPromptSource(PROMPTS, reward))
-    return cls(**{**args, **kwargs})
+    return cls(**grouped(**{**args, **kwargs}))
 
 
 def make_trainer(max_steps: int, **kwargs) -> L.Trainer:
@@ -490,8 +510,8 @@ def test_ddp_two_processes_on_gloo(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_smollm2_one_step_on_the_default_task():
-    module = GRPOModule(model="smollm2-135m", task=TaskConfig(name="chain_sum", size=8), group_size=2,
-                        prompts_per_step=2, max_new_tokens=32, lr=1e-6)
+    module = GRPOModule(model="smollm2-135m", task=TaskConfig(name="chain_sum", size=8),
+                        rollout=RolloutConfig(max_new_tokens=32), optim=OptimConfig(group_size=2, prompts_per_step=2))
     record = Record()
     trainer = make_trainer(1, callbacks=[record])
     trainer.fit(module)

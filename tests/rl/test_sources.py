@@ -7,8 +7,8 @@ import pickle
 import pytest
 import torch
 
-from tlt_lightning.rl import SYNTHETIC_REWARDS, PromptSource, SyntheticPromptSource
-from tlt_lightning.rl.sources import copy_reward, even_reward
+from tlt_lightning.rl import PromptSource, SyntheticPromptSource
+from tlt_lightning.rl.sources import SYNTHETIC_REWARDS, copy_reward, even_reward
 
 
 def test_synthetic_source_is_a_seeded_prompt_source():

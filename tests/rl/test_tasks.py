@@ -12,18 +12,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerFast
 
-from tlt_lightning.rl import (
-    DEFAULT_SYSTEM_PROMPT,
-    SUPPORTED_TASKS,
-    Extraction,
-    Prompt,
-    TaskConfig,
-    TaskDataset,
-    collate_prompts,
-    extract_answer,
-    find_answer,
-    follows_format,
-)
+from tlt_lightning.rl import DEFAULT_SYSTEM_PROMPT, SUPPORTED_TASKS, Prompt, TaskConfig, TaskDataset
+from tlt_lightning.rl.rewards import Extraction, extract_answer, find_answer, follows_format
+from tlt_lightning.rl.tasks import collate_prompts
 
 # SmolLM2's template, default system message included, so prompts render as they will in training.
 CHAT_TEMPLATE = (

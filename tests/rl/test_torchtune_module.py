@@ -15,7 +15,7 @@ import torch
 
 from tests.rl.test_module import MirrorRecord, Record, SpecRecord, make_module, make_trainer
 from tlt_lightning.models import load_model
-from tlt_lightning.rl import PolicyBatch, completion_logprobs
+from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs
 from tlt_lightning.rl.module import GRPOModule
 
 
@@ -76,7 +76,7 @@ def test_kl_reference_is_the_same_function_as_the_initial_torchtune_policy(tt):
     module = configured(tt[0].TorchtuneGRPOModule, "tiny-llama", kl_coef=0.1)
     batch = padded_batch()
     logprobs = module.policy_logprobs(batch)
-    ref = completion_logprobs(module.reference, batch, module.hparams.temperature)
+    ref = completion_logprobs(module.reference, batch, module.rollout_settings.temperature)
     torch.testing.assert_close(ref[batch.mask], logprobs.detach()[batch.mask], rtol=1e-5, atol=1e-5)
     out = module.policy_loss(batch._replace(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])), logprobs,
                              batch.mask.sum().float())

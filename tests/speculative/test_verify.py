@@ -21,11 +21,10 @@ from tlt_lightning.speculative import (
     VerifyResult,
     sample,
     sampling_probs,
-    tree_attention_mask,
-    tree_depths,
     verify_chain,
     verify_tree,
 )
+from tlt_lightning.speculative.verify import tree_attention_mask, tree_depths
 
 ALPHA = 1e-3
 START = 0

@@ -8,8 +8,12 @@ import pytest
 import torch
 
 from tests.rl.test_module import make_module, make_trainer
-from tlt_lightning.tracking import MLflowRunCheckpoint, ResumableMLFlowLogger, mlflow_run_in_checkpoint
-from tlt_lightning.tracking.mlflow_resume import MLFLOW_RUN_KEY, canonical_tracking_uri
+from tlt_lightning.tracking import MLflowRunCheckpoint, ResumableMLFlowLogger
+from tlt_lightning.tracking.mlflow_resume import (
+    MLFLOW_RUN_KEY,
+    canonical_tracking_uri,
+    mlflow_run_in_checkpoint,
+)
 
 mlflow = pytest.importorskip("mlflow")
 

@@ -6,6 +6,7 @@ import multiprocessing
 
 import pytest
 
+from tests.helpers import run_at_once
 from tlt_lightning.fit import tracking_logger
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store, sqlite_path
 
@@ -29,17 +30,7 @@ def test_two_fits_creating_one_fresh_sqlite_store_at_once_both_succeed(tmp_path)
     uri = f"sqlite:///{tmp_path}/db/mlflow.db"
     # fork: the children start with mlflow already imported, and reach the store within milliseconds
     context = multiprocessing.get_context("fork")
-    start, results = context.Barrier(2), context.Queue()
-    procs = [context.Process(target=_first_use, args=(uri, name, start, results)) for name in ("a", "b")]
-    for proc in procs:
-        proc.start()
-    try:
-        outcome = sorted(results.get(timeout=300) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
+    outcome = run_at_once(context, _first_use, [(uri, name) for name in ("a", "b")])
     assert [error for _, _, error in outcome] == [None, None]
     client = mlflow.MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("race")

@@ -17,7 +17,8 @@ import torch
 
 from tests.rollout.test_engine import eos_candidate, random_prompts
 from tests.vllm.fake_vllm import FakeLLM, fake_vllm_module, vllm_python
-from tlt_lightning.drafter import Drafter, DrafterConfig, eagle_state_dict, export_drafter_model
+from tlt_lightning.drafter import Drafter, DrafterConfig, export_drafter_model
+from tlt_lightning.drafter.export import eagle_state_dict
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.vllm import backend as vb
@@ -538,7 +539,7 @@ def test_check_fails_when_vllm_disagrees_with_our_engine(monkeypatch, tmp_path, 
 
 
 def test_greedy_agreement_accepts_only_near_ties(served):
-    from tlt_lightning.recipes.vllm_check import greedy_agreement
+    from tlt_lightning.recipes.vllm_stages import greedy_agreement
 
     result = RolloutEngine(served.target, RolloutConfig(max_new_tokens=6, temperature=0)).generate(served.prompts)
     ref = SimpleNamespace(rollouts=[r for r in result.rollouts if r.length >= 5][:2])

@@ -37,21 +37,7 @@ from tlt_lightning.efficiency.activation_checkpointing import (
 )
 from tlt_lightning.efficiency.memory import measure_step
 
-__all__ = ["add_arguments", "build_model", "run"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64)")
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds")
-    parser.add_argument("--steps", type=int, default=2, help="train steps per variant and round")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default="runs/bench/activation_checkpointing.json")
-    parser.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+__all__ = ["build_model", "run"]
 
 
 def build_model(layers: int, hidden: int, vocab: int, attn: str, seed: int = 0) -> torch.nn.Module:

@@ -34,43 +34,14 @@ from typing import Any
 import lightning as L
 
 from tlt_lightning.bench.common import machine_info, median, new_figure, save_figure, write_json
+from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.rl.tasks import TaskConfig
+from tlt_lightning.rollout import RolloutConfig
 
-__all__ = ["StepRecorder", "add_arguments", "run"]
+__all__ = ["StepRecorder", "run"]
 
 PARTS = ("rollout_s", "reward_s", "train_s", "drafter_s")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
-    p.add_argument("--task", default="countdown", help="reasoning-gym task (easy settings)")
-    p.add_argument("--steps", type=int, default=6, help="GRPO optimizer steps per run")
-    p.add_argument("--prompts-per-step", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=384)
-    p.add_argument("--lr", type=float, default=2e-5)
-    p.add_argument("--micro-batch-size", type=int, default=4,
-                   help="sequences per training forward/backward (bounds the [B, T, vocab] logits in memory)")
-    p.add_argument("--rollout-dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                   help="precision of the rollouts in both runs (the policy keeps float32 weights)")
-    p.add_argument("--precision", default="bf16-mixed", choices=["32-true", "bf16-mixed"],
-                   help="Lightning precision of both runs' training step (bf16-mixed: autocast, fast on AMX CPUs)")
-    p.add_argument("--drafter", default=None, help="warmed-up drafter directory (default: a fresh drafter)")
-    p.add_argument("--threshold", type=int, default=8, help="speculate below this many active requests")
-    p.add_argument("--depth", type=int, default=4, help="chain depth of the fixed strategy (without --bandit)")
-    p.add_argument("--bandit", action="store_true", help="choose the strategy with BEG-MAB (BanditCallback)")
-    p.add_argument("--drafter-steps", type=int, default=4,
-                   help="drafter steps per RL step (single worker: paid for, no idle time to hide them)")
-    p.add_argument("--drift-every", type=int, default=0,
-                   help="probe the spot-trained vs a frozen drafter every N RL steps (DrafterDriftProbe; 0 = off)")
-    p.add_argument("--drift-tokens", type=int, default=128, help="response cap of the drift probe rollouts")
-    p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer as a peer")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--progress", action="store_true", help="Lightning progress bars")
-    p.add_argument("--out", default="runs/bench/e2e", help="working directory of the runs")
-    p.add_argument("--json", default="runs/bench/e2e.json")
-    p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 
 
 class StepRecorder(L.Callback):
@@ -116,9 +87,11 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     tlt = name == "tlt"
     module = GRPOModule(
         model=args.model, rollout_dtype=args.rollout_dtype, task=TaskConfig(name=args.task),
-        group_size=args.group_size, prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
-        lr=args.lr, micro_batch_size=args.micro_batch_size, speculative=tlt, threshold=args.threshold,
-        sd_steps=args.depth, seed=args.seed,  # without --bandit: a fixed chain of this depth
+        rollout=RolloutConfig(max_new_tokens=args.max_new_tokens),
+        optim=OptimConfig(group_size=args.group_size, prompts_per_step=args.prompts_per_step, lr=args.lr,
+                          micro_batch_size=args.micro_batch_size),
+        # without --bandit: a fixed chain of this depth
+        speculative=SpeculativeConfig(enabled=tlt, threshold=args.threshold, sd_steps=args.depth), seed=args.seed,
     )
     recorder = StepRecorder(name, verbose=True)
     callbacks: list[L.Callback] = []

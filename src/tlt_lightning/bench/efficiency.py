@@ -22,7 +22,7 @@ from typing import Any
 
 from tlt_lightning.bench.common import machine_info, new_figure, save_figure, write_json
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["run"]
 
 PARTS = ("sampler", "distill", "qat")
 COLORS = {"uniform": "tab:gray", "importance": "tab:blue", "rho": "tab:green", "ce": "tab:gray",
@@ -30,48 +30,6 @@ COLORS = {"uniform": "tab:gray", "importance": "tab:blue", "rho": "tab:green", "
           "hierarchical-mse-raw": "tab:red",
           "fp32": "tab:gray", "ptq": "tab:red", "qat": "tab:blue", "scratch-fp32": "silver",
           "scratch-ptq": "salmon", "scratch-qat": "tab:purple"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--part", required=True, choices=PARTS, help="which comparison to run")
-    parser.add_argument("--task", default="basic_arithmetic", help="reasoning-gym task (TaskConfig names)")
-    parser.add_argument("--task-kwargs", default=None,
-                        help='JSON reasoning-gym settings (default: {"min_terms": 2, "max_terms": 3, "max_digits": 1})')
-    parser.add_argument("--train-size", type=int, default=4096)
-    parser.add_argument("--eval-size", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=None,
-                        help="learner / student steps (sampler: the token budget is steps x batch x mean length; "
-                             "default 400 sampler, 300 distill and qat)")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--hidden", type=int, default=None, help="learner / student width (default 128 sampler, 64 else)")
-    parser.add_argument("--layers", type=int, default=None, help="learner / student layers (default 4 sampler, 3 else)")
-    parser.add_argument("--evals", type=int, default=5, help="evaluations along each run")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", type=int, default=1, help="sampler: repeat every variant with this many seeds")
-    sampler = parser.add_argument_group("sampler")
-    sampler.add_argument("--candidate-factor", type=float, default=10)
-    sampler.add_argument("--temperature", type=float, default=1.0)
-    sampler.add_argument("--proxy-hidden", type=int, default=64)
-    sampler.add_argument("--proxy-layers", type=int, default=2)
-    sampler.add_argument("--holdout-steps", type=int, default=300, help="training steps of the RHO-LOSS holdout proxy")
-    sampler.add_argument("--rho-learner", action="store_true",
-                         help="RHO-LOSS scores with the learner's own loss (the paper's form; ~4x slower here) "
-                              "instead of the online proxy's")
-    teacher = parser.add_argument_group("distill / qat")
-    teacher.add_argument("--teacher-hidden", type=int, default=128)
-    teacher.add_argument("--teacher-layers", type=int, default=6)
-    teacher.add_argument("--teacher-steps", type=int, default=500)
-    teacher.add_argument("--kd-temperature", type=float, default=2.0)
-    teacher.add_argument("--hidden-weight", type=float, default=1.0)
-    teacher.add_argument("--ce-weight", type=float, default=1.0)
-    teacher.add_argument("--qat-steps", type=int, default=150, help="qat: steps after the fp32 phase")
-    teacher.add_argument("--qat-lr", type=float, default=1e-3)
-    teacher.add_argument("--group-size", type=int, default=32, help="qat: INT4 group size (0: one scale per output channel)")
-    teacher.add_argument("--scratch", action="store_true",
-                         help="qat: also fp32 / PTQ / QAT with one schedule, QAT under fake quantization from the start")
-    parser.add_argument("--json", default=None, help="default: runs/bench/efficiency_<part>.json")
-    parser.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 
 
 def _defaults(args: argparse.Namespace) -> None:

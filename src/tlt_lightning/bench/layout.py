@@ -25,30 +25,12 @@ from tlt_lightning.bench.common import (
     write_json,
 )
 from tlt_lightning.drafter import load_drafter
-from tlt_lightning.models import WEIGHT_LAYOUTS, HFTarget, load_model
+from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
 from tlt_lightning.speculative import parse_arm
 
-__all__ = ["add_arguments", "run"]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 32, 128], help="plain decoding")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="per request")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--drafter", default=None, metavar="DIR", help="also time speculative decoding at batch 1")
-    p.add_argument("--arms", nargs="+", default=["chain2", "chain6"], metavar="ARM",
-                   help="speculative strategies at batch 1 (with --drafter)")
-    p.add_argument("--layouts", nargs="+", default=["out_in", "packed"], choices=WEIGHT_LAYOUTS,
-                   help="layouts to compare; speedups are against the first")
-    p.add_argument("--repeats", type=int, default=3, help="prompt groups; the layouts' order rotates on each")
-    p.add_argument("--seed", type=int, default=1000)
-    p.add_argument("--json", default="runs/bench/layout.json", help="where to write the results")
-    p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+__all__ = ["run"]
 
 
 def plot(payload: dict[str, Any], path: Path) -> Path:

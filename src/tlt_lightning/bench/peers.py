@@ -50,7 +50,7 @@ from tlt_lightning.bench.common import (
     write_json,
 )
 
-__all__ = ["PeerClient", "RunTiming", "add_arguments", "agreement", "alternate", "compare", "plot", "run", "summarise"]
+__all__ = ["PeerClient", "RunTiming", "agreement", "alternate", "compare", "plot", "run", "summarise"]
 
 WORKER_MODULE = "tlt_lightning.bench.peers_worker"
 
@@ -251,39 +251,6 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tlt_lightning.models import DECODE_PATHS
-
-    p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="both engines")
-    p.add_argument("--weight-layout", default="packed", help="our engine's weight layout (see `bench layout`)")
-    p.add_argument("--decode", default="hf", choices=DECODE_PATHS,
-                   help="our engine's decode path (see `bench rollout --decode`); compile time reported apart")
-    p.add_argument("--drafter", default="examples/drafters/smollm2-countdown", help="drafter checkpoint directory")
-    p.add_argument("--k", type=int, default=3, help="drafted tokens per step: our chain{k}, vLLM num_speculative_tokens")
-    p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
-    p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32])
-    p.add_argument("--max-new-tokens", type=int, default=128, help="fixed-batch workload, EOS ignored")
-    p.add_argument("--long-tail-requests", type=int, default=128, help="0 skips the long tail")
-    p.add_argument("--long-tail-max-new", type=int, default=512)
-    p.add_argument("--threshold", type=int, default=32, help="ours-sd in the long tail: speculate below this many active")
-    p.add_argument("--repeats", type=int, default=3, help="alternating runs per workload (medians reported)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-speculative", dest="speculative", action="store_false", help="skip the speculative phase")
-    v = p.add_argument_group("vLLM worker")
-    v.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="Python of vLLM's environment")
-    v.add_argument("--vllm-eager", action="store_true", help="enforce_eager (faster start, slower decoding)")
-    v.add_argument("--gpu-memory-utilization", type=float, default=0.2,
-                   help="on a CPU: share of the NUMA node's memory for vLLM's KV cache")
-    v.add_argument("--max-model-len", type=int, default=2048)
-    v.add_argument("--vllm-threads-bind", default="nobind",
-                   help="VLLM_CPU_OMP_THREADS_BIND for the worker ('nobind': OMP_NUM_THREADS threads, unpinned)")
-    v.add_argument("--worker-command", nargs="+", default=None, help=argparse.SUPPRESS)  # tests: a fake worker
-    p.add_argument("--workdir", default="runs/bench/peers", help="served copies, drafter export, worker logs")
-    p.add_argument("--json", default="runs/bench/peers.json", help="where to write the results")
-    p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
-
-
 def _worker_env(args: argparse.Namespace, threads: int) -> dict[str, str]:
     src = str(Path(__file__).resolve().parents[2])  # this checkout's sources, ahead of any installed copy
     path = os.environ.get("PYTHONPATH")
@@ -390,10 +357,15 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
             engines["vllm"] = client.engine(args.long_tail_max_new, 1.0, ignore_eos=False)
             print(f"[bench peers] long tail: {n} requests, T=1, up to {args.long_tail_max_new} tokens, EOS respected",
                   flush=True)
+            # Untimed warm-up as for fixed batches: with decode="compiled" it compiles the buckets the
+            # long tail reaches (every repeat runs the same prompts with the same seed, so the same ones).
+            warm = {name: timed(lambda e=e: e(prompts[:n]))[1] for name, e in engines.items()}
+            compiled_before = getattr(target, "compile_seconds", 0.0)
             runs = alternate(engines, prompts[:n], n, args.repeats)
             lengths = {name: torch.tensor([len(t) for t in ts[-1].tokens]).float() for name, ts in runs.items()}
             payload["long_tail"] = {
                 "requests": n, "max_new_tokens": args.long_tail_max_new, "threshold": args.threshold,
+                "warmup_s": warm, "compile_seconds_in_timed_runs": getattr(target, "compile_seconds", 0.0) - compiled_before,
                 **summarise(runs, [(e, "vllm") for e in engines if e != "vllm"], greedy=False),
                 "lengths_p50_p90_max": {k: [float(v.quantile(q)) for q in (0.5, 0.9, 1.0)] for k, v in lengths.items()},
             }

@@ -29,10 +29,10 @@ from tlt_lightning.bench.common import (
     timed,
     write_json,
 )
-from tlt_lightning.models import DECODE_PATHS, WEIGHT_LAYOUTS, HFTarget, load_model
+from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
 
-__all__ = ["add_arguments", "hf_generate", "length_summary", "run"]
+__all__ = ["hf_generate", "length_summary", "run"]
 
 
 def hf_generate(model, tokenizer, prompts: list[list[int]], config: RolloutConfig, seed: int) -> list[list[int]]:
@@ -134,48 +134,6 @@ def plot(long_tail: RolloutResult | None, batches: list[dict[str, Any]], path: P
             b.barh(y, r.finish_time - r.first_token_time, left=r.first_token_time, height=1.0, color="tab:orange")
         b.set(xlabel="seconds", ylabel="request (by finish time)", title="Per-request timeline")
     return save_figure(fig, path)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--weight-layout", default="packed", choices=WEIGHT_LAYOUTS,
-                   help="layout of the linear weights (see `bench layout`)")
-    p.add_argument("--decode", default="hf", choices=DECODE_PATHS,
-                   help="target decode path: transformers' modules, the lean forward (same outputs) or the lean "
-                        "forward compiled per shape bucket (fp32 greedy: same tokens; compile time reported apart)")
-    p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
-    p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 128])
-    p.add_argument("--max-new-tokens", type=int, default=128, help="per request, fixed-batch workload")
-    p.add_argument("--long-tail-requests", type=int, default=128, help="0 skips the long-tail workload")
-    p.add_argument("--long-tail-max-new", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=2, help="alternating runs per workload (medians reported)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="runs/bench/rollout.json", help="where to write the results")
-    sd = p.add_argument_group("speculative decoding (--speculative)")
-    sd.add_argument("--speculative", action="store_true", help="compare plain decoding with speculative decoding")
-    sd.add_argument("--drafter", nargs="+", default=None, metavar="DIR",
-                    help="drafter checkpoint directory (from `drafter warmup`); several: compared side by side "
-                         "(every arm of each, labelled DIRNAME/ARM), the long tail uses the first")
-    sd.add_argument("--depth", type=int, default=4, help="draft steps per speculation (chain length, tree depth)")
-    sd.add_argument("--topk", type=int, default=1, help="children per tree node (1 = chain)")
-    sd.add_argument("--draft-tokens", type=int, default=None,
-                    help="tree nodes verified per step (default: 2 x depth for trees)")
-    sd.add_argument("--sampled", action="store_true",
-                    help="with --topk K >= 2: K sampled chains forking at the root "
-                         "(DraftSpec(sampled=True))")
-    sd.add_argument("--arms", nargs="+", default=None, metavar="ARM",
-                    help="strategies to compare side by side instead of --depth/--topk/...: chain6, "
-                         "chain10@0.3 (stops below that confidence), chain6x2, tree4x2/8; the long tail "
-                         "uses the first")
-    sd.add_argument("--threshold", type=int, default=32, help="speculate below this many active requests")
-    sd.add_argument("--temperature", type=float, nargs="+", default=[1.0],
-                    help="sampling temperature of the comparison; several: the fixed batches run at each "
-                         "and the plot shows the speedup against temperature (HF peers and the long tail: the first)")
-    sd.add_argument("--assistant-layers", type=int, default=6,
-                    help="batch-1 peer: HF assisted generation with the target's first N layers as the "
-                         "assistant (0 skips it)")
-    p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -33,37 +33,9 @@ import torch
 from tlt_lightning.bench.common import machine_info, median, new_figure, save_figure, write_json
 from tlt_lightning.bench.e2e import StepRecorder, per_token
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["run"]
 
 PARTS = ("packing", "preemption", "checkpoint", "ddp")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
-    p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
-    p.add_argument("--task", default="countdown", help="reasoning-gym task (easy settings)")
-    p.add_argument("--drafter", default=None, help="warmed-up drafter directory (default: a fresh drafter)")
-    p.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("packing")
-    g.add_argument("--rollouts-cache", default=None,
-                   help="a `drafter warmup --rollouts-cache` file to take rollouts from (eagle1 features recomputed)")
-    g.add_argument("--packing-rollouts", type=int, default=64, help="rollouts per epoch")
-    g.add_argument("--packing-budget", type=int, default=1024, help="samples per packed row")
-    g.add_argument("--packing-repeats", type=int, default=3)
-    g = p.add_argument_group("preemption")
-    g.add_argument("--windows", type=int, default=60, help="rollouts (training windows) to time")
-    g = p.add_argument_group("checkpoint")
-    g.add_argument("--checkpoint-repeats", type=int, default=5, help="sync / async saves to time (alternating)")
-    g = p.add_argument_group("ddp")
-    g.add_argument("--steps", type=int, default=5, help="GRPO steps per fit")
-    g.add_argument("--prompts-per-step", type=int, default=4, help="over both ranks")
-    g.add_argument("--group-size", type=int, default=8)
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--threshold", type=int, default=8, help="speculate below this many active requests")
-    g.add_argument("--depth", type=int, default=6, help="chain depth")
-    g.add_argument("--out", default="runs/bench/spot", help="working directory of the fits")
-    p.add_argument("--json", default="runs/bench/spot.json")
-    p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 
 
 # ---------------------------------------------------------------------------------- packing
@@ -159,18 +131,24 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     from lightning.pytorch.strategies import DDPStrategy
 
     from tlt_lightning.callbacks import SpotDrafterCallback
-    from tlt_lightning.rl import GRPOModule, TaskConfig
+    from tlt_lightning.rl import GRPOModule, OptimConfig, SpeculativeConfig, TaskConfig
+    from tlt_lightning.rollout import RolloutConfig
 
     spot_on = name == "spot"
     root = Path(args.out) / name
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     module = GRPOModule(
-        model=args.model, rollout_dtype="bfloat16", task=TaskConfig(name=args.task), group_size=args.group_size,
-        prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens, lr=2e-5, micro_batch_size=4,
-        threshold=args.threshold, sd_steps=args.depth, seed=args.seed,
+        model=args.model, rollout_dtype="bfloat16", task=TaskConfig(name=args.task),
+        rollout=RolloutConfig(max_new_tokens=args.max_new_tokens),
+        optim=OptimConfig(group_size=args.group_size, prompts_per_step=args.prompts_per_step, lr=2e-5,
+                          micro_batch_size=4),
         # Off: the same drafter, frozen. On: the callback loads it and trains it.
-        drafter_path=None if spot_on else args.drafter, drafter_kind=None if spot_on or args.drafter else "eagle1",
+        speculative=SpeculativeConfig(
+            threshold=args.threshold, sd_steps=args.depth, drafter_path=None if spot_on else args.drafter,
+            drafter_kind=None if spot_on or args.drafter else "eagle1",
+        ),
+        seed=args.seed,
     )
     spot = SpotDrafterCallback(drafter_path=args.drafter, seed=args.seed) if spot_on else None
     trainer = L.Trainer(

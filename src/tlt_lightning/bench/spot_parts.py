@@ -30,10 +30,10 @@ from tlt_lightning.drafter import (
     DrafterConfig,
     DrafterLoss,
     drafter_train_step,
-    fill_ratio,
     make_batches,
     pack_batches,
 )
+from tlt_lightning.drafter.packing import fill_ratio
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.reports import machine_info, median
 from tlt_lightning.rollout.types import Rollout

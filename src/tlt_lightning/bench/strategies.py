@@ -42,45 +42,15 @@ from tlt_lightning.bench.common import (
     write_json,
 )
 from tlt_lightning.drafter import load_drafter
-from tlt_lightning.models import WEIGHT_LAYOUTS, HFTarget, load_model
+from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig
 from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
-from tlt_lightning.scheduling.bandit import BEGMABStrategy, default_arms
+from tlt_lightning.scheduling.bandit import BEGMABStrategy
 from tlt_lightning.scheduling.baselines import FixedStrategy
+from tlt_lightning.scheduling.bucketed import default_arms
 from tlt_lightning.speculative import arm_key, parse_arm
 
-__all__ = ["add_arguments", "run"]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", required=True, help="drafter checkpoint directory (from `drafter warmup`)")
-    p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--weight-layout", default="packed", choices=WEIGHT_LAYOUTS,
-                   help="layout of the linear weights (see `bench layout`)")
-    p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
-    p.add_argument("--requests", type=int, default=128, help="prompts in the long-tail rollout")
-    p.add_argument("--groups", type=int, default=1,
-                   help="prompt groups of --requests each: every run rolls out all of them (totals reported)")
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--threshold", type=int, default=32,
-                   help="strategies apply below this many active requests")
-    p.add_argument("--warm-rollouts", type=int, default=1,
-                   help="bandit rollouts on other prompts before the measured ones")
-    p.add_argument("--epsilon", type=float, default=0.1, help="BEG-MAB exploration probability")
-    p.add_argument("--epsilon-half-life", type=int, default=None,
-                   help="decay each bucket's epsilon with this half-life in decisions (default: constant)")
-    p.add_argument("--bandits", nargs="+", default=["batch/1,2,5,21"], metavar="SPEC",
-                   help="BEG-MAB variants to run, as REWARD/THRESHOLDS: REWARD 'batch' (tokens/s of the "
-                        "step, the issue's) or 'request' (tokens/s per request, BEGMABStrategy(per_request="
-                        "True)), THRESHOLDS the bucket_thresholds, e.g. batch/1,2,5,21 request/1,2,3,5,8,12")
-    p.add_argument("--arms", nargs="+", default=None, metavar="ARM",
-                   help="candidate arms of every bucket and the fixed runs, e.g. off chain2 chain4 chain6 "
-                        "(default: default_arms(): off, chains of 2/4/6, trees 4x2/8 and 5x4/16)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="runs/bench/strategies.json")
-    p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+__all__ = ["run"]
 
 
 def standardized_ms_per_token(by_batch: dict[int, tuple[float, int]], weights: dict[int, int]) -> float:
@@ -159,7 +129,7 @@ def _summarize(acc: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(payload: dict[str, Any], bandit: BEGMABStrategy, path: Path) -> Path:
-    from tlt_lightning.scheduling.bandit import draw_heatmaps
+    from tlt_lightning.scheduling.heatmap import draw_heatmaps
 
     runs = payload["runs"]
     names = list(runs)

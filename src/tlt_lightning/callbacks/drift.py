@@ -22,6 +22,7 @@ does not train on.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,6 @@ from typing_extensions import override
 from tlt_lightning.callbacks.spot_drafter import SpotDrafterCallback
 from tlt_lightning.drafter import Drafter
 from tlt_lightning.rl.module import GRPOModule
-from tlt_lightning.rollout import RolloutConfig
 from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
 from tlt_lightning.speculative import DraftSpec
 from tlt_lightning.tracking import log_artifact, run_dir
@@ -99,9 +99,7 @@ class DrafterDriftProbe(L.Callback):
             self._probe(trainer, pl_module)
 
     def _accept_length(self, module: GRPOModule, drafter: Drafter, prompts: list[list[int]]) -> float:
-        hp = module.hparams
-        config = RolloutConfig(max_new_tokens=self.max_new_tokens, temperature=hp.temperature, top_p=hp.top_p,
-                               top_k=hp.top_k)
+        config = replace(module.rollout_settings, max_new_tokens=self.max_new_tokens, feature_layers=())
         loop = SpeculativeRolloutLoop(module.rollout_target, drafter, config, self.arm,
                                       threshold=len(prompts) + 1)
         generator = torch.Generator(device=module.device).manual_seed(self.seed)

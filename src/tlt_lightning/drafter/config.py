@@ -12,6 +12,7 @@ from tlt_lightning.models.target import TargetModel, default_feature_layers
 __all__ = ["DRAFTER_KINDS", "SUPPORTED_MODEL_TYPES", "DrafterConfig"]
 
 DRAFTER_KINDS = ("eagle1", "eagle3")
+"""The designs :attr:`DrafterConfig.kind` accepts: EAGLE-1 (the target's final state) or EAGLE-3."""
 # Target architectures whose decoder layer (and rotary embedding) the drafter reproduces.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 _HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")

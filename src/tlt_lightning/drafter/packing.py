@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from tlt_lightning.drafter.batches import DrafterBatch, LazyBatches, _split
 from tlt_lightning.drafter.config import DrafterConfig
-from tlt_lightning.drafter.train import DrafterBatch, LazyBatches, _split
 from tlt_lightning.rollout.types import Rollout
 
 __all__ = ["fill_ratio", "pack_batches", "pack_bins"]

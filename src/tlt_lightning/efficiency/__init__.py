@@ -17,74 +17,38 @@
 """
 
 from tlt_lightning.efficiency.activation_checkpointing import (
-    ActivationCheckpointHandle,
     ActivationCheckpointPlan,
     ActivationCheckpointProfile,
-    BlockCost,
     DynamicActivationCheckpointing,
-    Gap,
     apply_activation_checkpointing,
     find_blocks,
-    is_activation_checkpointed,
-    plan_greedy,
-    plan_optimal,
-    plan_static,
     profile_blocks,
 )
 from tlt_lightning.efficiency.callbacks import ActivationCheckpointingCallback, LayerwisePrecisionCallback
-from tlt_lightning.efficiency.distill import (
-    DistillConfig,
-    DistillLoss,
-    HierarchicalDistillation,
-    distill_step,
-    hidden_state_loss,
-    kd_kl_loss,
-    proportional_layer_map,
-)
+from tlt_lightning.efficiency.distill import DistillConfig, HierarchicalDistillation, distill_step
 from tlt_lightning.efficiency.dora import DoraConfig, apply_dora, merge_dora
 from tlt_lightning.efficiency.grpo import grpo_policy_loss, grpo_profile_batch
 from tlt_lightning.efficiency.memory import ActivationMemoryMeter, MemoryReport, measure_step
-from tlt_lightning.efficiency.precision import (
-    GroupLossScaler,
-    LayerwisePrecision,
-    PrecisionConfig,
-    PrecisionHandle,
-)
-from tlt_lightning.efficiency.qat import (
-    Int4QATConfig,
-    convert_qat,
-    fake_quantized_modules,
-    prepare_qat,
-    quantize_ptq,
-    quantized_modules,
-)
+from tlt_lightning.efficiency.precision import LayerwisePrecision, PrecisionConfig
+from tlt_lightning.efficiency.qat import Int4QATConfig, convert_qat, prepare_qat, quantize_ptq
 from tlt_lightning.efficiency.sampler import (
     ImportanceSampler,
     ImportanceSamplerConfig,
     LossScorer,
     RhoLossScorer,
     Scorer,
-    SelectionStats,
-    per_example_loss,
-    sample_without_replacement,
-    selection_probabilities,
 )
 from tlt_lightning.efficiency.training import DistillationModule, ImportanceSamplingCallback, QATCallback
 
 __all__ = [
-    "ActivationCheckpointHandle",
     "ActivationCheckpointPlan",
     "ActivationCheckpointProfile",
     "ActivationCheckpointingCallback",
     "ActivationMemoryMeter",
-    "BlockCost",
     "DistillConfig",
-    "DistillLoss",
     "DistillationModule",
     "DoraConfig",
     "DynamicActivationCheckpointing",
-    "Gap",
-    "GroupLossScaler",
     "HierarchicalDistillation",
     "ImportanceSampler",
     "ImportanceSamplerConfig",
@@ -95,33 +59,19 @@ __all__ = [
     "LossScorer",
     "MemoryReport",
     "PrecisionConfig",
-    "PrecisionHandle",
     "QATCallback",
     "RhoLossScorer",
     "Scorer",
-    "SelectionStats",
     "apply_activation_checkpointing",
     "apply_dora",
     "convert_qat",
     "distill_step",
-    "fake_quantized_modules",
     "find_blocks",
     "grpo_policy_loss",
     "grpo_profile_batch",
-    "hidden_state_loss",
-    "is_activation_checkpointed",
-    "kd_kl_loss",
     "measure_step",
     "merge_dora",
-    "per_example_loss",
-    "plan_greedy",
-    "plan_optimal",
-    "plan_static",
     "prepare_qat",
     "profile_blocks",
-    "proportional_layer_map",
     "quantize_ptq",
-    "quantized_modules",
-    "sample_without_replacement",
-    "selection_probabilities",
 ]

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from tlt_lightning.rl import GRPOModule, PolicyBatch
+    from tlt_lightning.rl import GRPOModule
+    from tlt_lightning.rl.batch import PolicyBatch
 
 __all__ = ["grpo_policy_loss", "grpo_profile_batch"]
 
@@ -53,11 +54,11 @@ def grpo_profile_batch(module: GRPOModule, batch: Any) -> PolicyBatch:
     """
     from tlt_lightning.rl.batch import PolicyBatch  # here: importing efficiency must not import rl
 
-    hp, device = module.hparams, module.device
-    indices = torch.as_tensor(batch).cpu().long().repeat_interleave(hp.group_size)
+    optim, device = module.optim_config, module.device
+    indices = torch.as_tensor(batch).cpu().long().repeat_interleave(optim.group_size)
     prompts = [torch.as_tensor(module.prompt_source.prompt_ids(int(i)), dtype=torch.long).flatten() for i in indices]
-    prompts = sorted(prompts, key=len, reverse=True)[: hp.micro_batch_size or len(prompts)]
-    B, T = len(prompts), hp.max_new_tokens
+    prompts = sorted(prompts, key=len, reverse=True)[: optim.micro_batch_size or len(prompts)]
+    B, T = len(prompts), module.rollout_settings.max_new_tokens
     prompt_lens = torch.tensor([p.numel() for p in prompts])
     S = int(prompt_lens.max()) + T
     input_ids = torch.zeros(B, S, dtype=torch.long)

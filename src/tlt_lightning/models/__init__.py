@@ -7,47 +7,33 @@ needs torchtune, and accessing them without it raises an ``ImportError`` naming 
 
 from typing import Any
 
-from tlt_lightning.models.compiled import CompileConfig, CompiledDecode
-from tlt_lightning.models.hardware import has_fast_bf16, resolve_dtype, training_precision
+from tlt_lightning.models.compiled import CompileConfig
+from tlt_lightning.models.hardware import resolve_dtype, training_precision
 from tlt_lightning.models.kv_cache import KVCache
-from tlt_lightning.models.layout import WEIGHT_LAYOUTS, PackedLinear, PackedWeight, set_weight_layout
+from tlt_lightning.models.layout import WEIGHT_LAYOUTS, set_weight_layout
 from tlt_lightning.models.registry import (
     LoadedModel,
     ModelNotFoundError,
     available_models,
-    cache_dir,
     load_model,
     load_tokenizer,
     model_dir,
     models_with_signature,
 )
-from tlt_lightning.models.target import (
-    DECODE_PATHS,
-    HFTarget,
-    TargetInfo,
-    TargetModel,
-    TargetOutput,
-    default_feature_layers,
-)
+from tlt_lightning.models.target import DECODE_PATHS, HFTarget, TargetInfo, TargetModel, TargetOutput
 
 __all__ = [
     "DECODE_PATHS",
     "WEIGHT_LAYOUTS",
     "CompileConfig",
-    "CompiledDecode",
     "HFTarget",
     "KVCache",
     "LoadedModel",
     "ModelNotFoundError",
-    "PackedLinear",
-    "PackedWeight",
     "TargetInfo",
     "TargetModel",
     "TargetOutput",
     "available_models",
-    "cache_dir",
-    "default_feature_layers",
-    "has_fast_bf16",
     "load_model",
     "load_tokenizer",
     "model_dir",

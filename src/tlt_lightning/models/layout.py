@@ -31,6 +31,7 @@ from torch import nn
 __all__ = ["WEIGHT_LAYOUTS", "PackedLinear", "PackedWeight", "column_major", "packable_dtypes", "set_weight_layout"]
 
 WEIGHT_LAYOUTS = ("out_in", "in_out", "packed")
+"""How :func:`set_weight_layout` can store linear weights: PyTorch's ``[out, in]``, transposed, or packed."""
 PACK_ROWS = 8  # the row count oneDNN's blocked format is chosen for (1-128 rows measured within ~10% of the best)
 
 

@@ -25,28 +25,9 @@ from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.reports import machine_info, write_json
 from tlt_lightning.rollout import Rollout, load_rollouts
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["run"]
 
 COLUMNS = ("accept", "accept_step2", "accept_step3", "top1", "top1_step2", "top1_step3", "vocab_mass", "ce_loss")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", nargs="+", required=True, metavar="DIR",
-                   help="drafter checkpoint directories (from `drafter warmup`), evaluated on the same positions")
-    p.add_argument("--rollouts", required=True, metavar="FILE",
-                   help="a rollout file (`drafter warmup --rollouts-cache`); tokens-only files get their "
-                        "target features recomputed")
-    p.add_argument("--first", type=int, default=0, metavar="N",
-                   help="evaluate on the file's first N rollouts (0 = its first tenth: the held-out set of a "
-                        "warm-up that sampled this file)")
-    p.add_argument("--model", default=None, help="the target (default: the model the file was sampled with)")
-    p.add_argument("--unroll", type=int, default=3, help="draft steps evaluated per position")
-    p.add_argument("--max-len", type=int, default=256, help="positions per rollout (the warm-up's default)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--renormalise", action="store_true",
-                   help="acceptance against the target renormalised on the draft vocabulary (the warm-up's "
-                        "metric, an upper bound) instead of what speculative sampling accepts")
-    p.add_argument("--json", default=None, help="where to write the results")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

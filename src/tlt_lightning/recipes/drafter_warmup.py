@@ -33,52 +33,7 @@ from tlt_lightning.reports import machine_info, write_json
 from tlt_lightning.rl.tasks import task_prompts
 from tlt_lightning.rollout import Rollout, RolloutConfig, RolloutEngine, load_rollouts, save_rollouts
 
-__all__ = ["add_arguments", "collect_rollouts", "run"]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="target dtype while sampling the rollouts (bfloat16 is much faster on CPUs with AMX)")
-    p.add_argument("--task", default="basic_arithmetic", help="reasoning-gym task for the prompts")
-    p.add_argument("--prompts", type=int, default=256, help="task prompts to sample")
-    p.add_argument("--samples", type=int, default=1, help="responses per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--kind", default="eagle1", choices=["eagle1", "eagle3"])
-    p.add_argument("--draft-vocab", type=int, default=8192, help="0 = the full vocabulary")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences (with --pack: packed rows) per step")
-    p.add_argument("--max-len", type=int, default=256, help="samples per sequence (longer ones are cut)")
-    p.add_argument("--pack", type=int, default=0, metavar="BUDGET",
-                   help="pack the training sequences into rows of BUDGET samples (no padding; 0 = pad)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--train-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="bfloat16: autocast the training steps (the drafter keeps fp32 weights; ~2x faster "
-                        "on CPUs with bf16 matrix instructions)")
-    p.add_argument("--lr-warmup", type=int, default=0,
-                   help="steps of linear learning-rate warm-up (use ~50 with --init-from)")
-    p.add_argument("--unroll", type=int, default=1, help="multi-step unroll during training")
-    p.add_argument("--accept-weight", type=float, default=0.0,
-                   help="weight of the total-variation term 1 - sum(min(p, q)), which trains for the "
-                        "acceptance of sampled drafts (0 = EAGLE's objective only)")
-    p.add_argument("--save-every", type=int, default=0, metavar="N",
-                   help="also save the drafter to --out every N steps (a crash keeps the last save; 0 = at the end only)")
-    p.add_argument("--rollout-batch", type=int, default=64, help="requests per rollout call")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/drafter/warmup", help="output directory")
-    p.add_argument("--init-from", default=None,
-                   help="drafter checkpoint directory to continue training (its kind and draft vocabulary win)")
-    p.add_argument("--rollouts-cache", default=None,
-                   help="file to reuse rollouts from (and save them to, after every --rollout-batch): retrain "
-                        "without resampling, or resume an interrupted sampling where it stopped (a safetensors "
-                        "rollout file, with the target features unless --cache-tokens-only)")
-    p.add_argument("--cache-tokens-only", action="store_true",
-                   help="keep only tokens in --rollouts-cache (1.1 MB instead of 197 MB for 640 countdown "
-                        "rollouts; the features are recomputed when it is read, at ~2x the sampling rate)")
-    p.add_argument("--more-rollouts", nargs="+", default=[], metavar="CACHE",
-                   help="rollout caches of other warm-ups (same model, dtype, task, sampling; other prompts or "
-                        "--seed) added to the training set; the held-out tenth stays this run's own")
+__all__ = ["collect_rollouts", "run"]
 
 
 def collect_rollouts(

@@ -223,8 +223,8 @@ def export_fit(
         drafter = Drafter(DrafterConfig.from_dict(dict(config)), target)
         drafter.load_state_dict(weights, strict=True)
         drafter_source = "checkpoint"
-    elif hp.get("drafter_path"):
-        drafter, drafter_source = load_drafter(hp["drafter_path"], target), str(hp["drafter_path"])
+    elif (drafter_path := (hp.get("speculative") or {}).get("drafter_path")):
+        drafter, drafter_source = load_drafter(drafter_path, target), str(drafter_path)
     else:
         raise ValueError(
             f"{ckpt_path} holds no trained drafter (the run had no SpotDrafterCallback) and the run loaded none "

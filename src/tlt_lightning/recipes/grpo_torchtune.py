@@ -1,7 +1,7 @@
 """GRPO + TLT as a torchtune recipe: ``tune run`` launches it, torchtune's builders supply the model.
 
     tune run tlt_lightning.recipes.grpo_torchtune --config configs/grpo_torchtune.yaml trainer.max_steps=2
-    tlt-lightning torchtune --config configs/grpo_torchtune.yaml module.lr=0.05 logger=null
+    tlt-lightning torchtune --config configs/grpo_torchtune.yaml module.optim.lr=0.05 logger=null
 
 The same training as ``tlt-lightning fit`` (a :class:`~tlt_lightning.rl.GRPOModule` fitted by a
 Lightning ``Trainer``), configured and launched the torchtune way. :func:`recipe_main` is decorated
@@ -149,7 +149,7 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> DictC
             imported or does not take a key (the message names it).
 
     Example:
-        >>> cfg = load_config("configs/grpo_torchtune.yaml", ["module.lr=0.05", "logger=null"])  # doctest: +SKIP
+        >>> cfg = load_config("configs/grpo_torchtune.yaml", ["module.optim.lr=0.05", "logger=null"])  # doctest: +SKIP
     """
     if not Path(path).is_file():
         raise ValueError(f"config file {path} not found")

@@ -7,22 +7,10 @@ never needs torchtune, and accessing it without torchtune raises an ``ImportErro
 
 from typing import Any
 
-from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs, policy_batch
-from tlt_lightning.rl.grpo import AGGREGATIONS, GRPOLossOutput, group_advantages, grpo_loss, token_logprobs
-from tlt_lightning.rl.module import GRPOModule, NonFiniteLossError, RewardBatch, RewardError
-from tlt_lightning.rl.rewards import (
-    ANSWER_KINDS,
-    EXPLICIT_SOURCES,
-    AnswerKind,
-    Extraction,
-    extract_answer,
-    find_answer,
-    follows_format,
-)
+from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig
+from tlt_lightning.rl.grpo import group_advantages, grpo_loss
+from tlt_lightning.rl.module import GRPOModule, NonFiniteLossError, RewardError, RolloutListener
 from tlt_lightning.rl.sources import (
-    SYNTHETIC_REWARDS,
-    IndexDataset,
-    PromptIndexLoader,
     PromptSource,
     RewardFn,
     SyntheticPromptSource,
@@ -30,54 +18,34 @@ from tlt_lightning.rl.sources import (
     TokenPromptSource,
 )
 from tlt_lightning.rl.tasks import (
-    ANSWER_DESCRIPTIONS,
     DEFAULT_SYSTEM_PROMPT,
-    EASY_TASK_KWARGS,
     SUPPORTED_TASKS,
     Prompt,
     Reward,
     TaskConfig,
     TaskDataset,
-    collate_prompts,
 )
 
 __all__ = [
-    "AGGREGATIONS",
-    "ANSWER_DESCRIPTIONS",
-    "ANSWER_KINDS",
     "DEFAULT_SYSTEM_PROMPT",
-    "EASY_TASK_KWARGS",
-    "EXPLICIT_SOURCES",
     "SUPPORTED_TASKS",
-    "SYNTHETIC_REWARDS",
-    "AnswerKind",
-    "Extraction",
-    "GRPOLossOutput",
     "GRPOModule",
-    "IndexDataset",
     "NonFiniteLossError",
-    "PolicyBatch",
+    "OptimConfig",
     "Prompt",
-    "PromptIndexLoader",
     "PromptSource",
     "Reward",
-    "RewardBatch",
     "RewardError",
     "RewardFn",
+    "RolloutListener",
+    "SpeculativeConfig",
     "SyntheticPromptSource",
     "TaskConfig",
     "TaskDataset",
     "TaskPromptSource",
     "TokenPromptSource",
-    "collate_prompts",
-    "completion_logprobs",
-    "extract_answer",
-    "find_answer",
-    "follows_format",
     "group_advantages",
     "grpo_loss",
-    "policy_batch",
-    "token_logprobs",
 ]
 
 _TORCHTUNE = ("TorchtuneGRPOModule",)

@@ -53,13 +53,13 @@ def reasoning_gym() -> ModuleType:
     return module
 
 
-# How each task's answers look, which picks the extraction rules.
 SUPPORTED_TASKS: dict[str, AnswerKind] = {
     "basic_arithmetic": "number",
     "chain_sum": "number",
     "countdown": "expression",
     "gsm_symbolic": "number",
 }
+"""The reasoning-gym tasks :class:`TaskConfig` accepts, each with how its answers look (picks the extraction rules)."""
 
 # The easiest settings of each task: SmolLM2-135M solves ~20-25% of chain_sum/basic_arithmetic
 # problems under them at temperature 1, and none of countdown's (docs/tasks.md).
@@ -88,11 +88,12 @@ EASY_TASK_KWARGS: dict[str, dict[str, Any]] = {
     "gsm_symbolic": {},
 }
 
-# "{answer}" is replaced by ANSWER_DESCRIPTIONS[kind], so one prompt serves numbers and expressions.
 DEFAULT_SYSTEM_PROMPT = (
     "You are a careful math assistant. Solve the problem, then finish with one line of the form "
     "'The answer is X.' where X is only {answer}."
 )
+"""The system prompt of :class:`TaskConfig`; ``{answer}`` becomes ``ANSWER_DESCRIPTIONS[kind]``, so one prompt
+serves numbers and expressions."""
 ANSWER_DESCRIPTIONS: dict[str, str] = {
     "number": "the final number",
     "expression": "the arithmetic expression",

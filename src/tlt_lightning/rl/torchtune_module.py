@@ -119,7 +119,7 @@ class TorchtuneGRPOModule(GRPOModule):
 
     Example:
         >>> source = TokenPromptSource([[5, 6, 7], [8, 9], [3], [4, 2]], reward_fn)  # doctest: +SKIP
-        >>> module = TorchtuneGRPOModule(model="tiny-llama", drafter_kind="eagle1", prompt_source=source)  # doctest: +SKIP
+        >>> module = TorchtuneGRPOModule(model="tiny-llama", speculative={"drafter_kind": "eagle1"}, prompt_source=source)  # doctest: +SKIP
         >>> Trainer(max_steps=2, accelerator="cpu").fit(module)  # doctest: +SKIP
     """
 
@@ -212,7 +212,7 @@ class TorchtuneGRPOModule(GRPOModule):
     def reference_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
         """``[B, T]`` the reference's log-probabilities (a torchtune decoder with ``builder``)."""
         if isinstance(self.reference, TransformerDecoder):
-            return torchtune_completion_logprobs(self.reference, batch, self.hparams.temperature)
+            return torchtune_completion_logprobs(self.reference, batch, self.rollout_settings.temperature)
         return super().reference_logprobs(batch)
 
     def make_target(self, module: nn.Module) -> TargetModel:
@@ -223,9 +223,9 @@ class TorchtuneGRPOModule(GRPOModule):
 
     def policy_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
         """``[B, T]`` the torchtune policy's log-probabilities of the completion tokens (with grad)."""
-        hp = self.hparams
+        checkpointing = self.optim_config.gradient_checkpointing and self.policy.training
         return torchtune_completion_logprobs(
-            self.policy, batch, hp.temperature, gradient_checkpointing=hp.gradient_checkpointing and self.policy.training
+            self.policy, batch, self.rollout_settings.temperature, gradient_checkpointing=checkpointing
         )
 
 

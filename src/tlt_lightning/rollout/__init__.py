@@ -3,23 +3,13 @@
 vLLM as a rollout backend with the same ``generate`` is :mod:`tlt_lightning.vllm`.
 """
 
-from tlt_lightning.rollout.engine import (
-    ActiveBatch,
-    DecodeStep,
-    Emission,
-    PlainStep,
-    RolloutBackend,
-    RolloutEngine,
-)
+from tlt_lightning.rollout.engine import RolloutBackend, RolloutEngine
 from tlt_lightning.rollout.io import load_rollouts, save_rollouts
-from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop, SpeculativeStep
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.rollout.speculative_step import SpeculativeStep
 from tlt_lightning.rollout.types import Rollout, RolloutConfig, RolloutResult, RolloutStats
 
 __all__ = [
-    "ActiveBatch",
-    "DecodeStep",
-    "Emission",
-    "PlainStep",
     "Rollout",
     "RolloutBackend",
     "RolloutConfig",

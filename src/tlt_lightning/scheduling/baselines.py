@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tlt_lightning.scheduling.bandit import DEFAULT_BUCKET_THRESHOLDS, BucketedStrategy
+from tlt_lightning.scheduling.bucketed import DEFAULT_BUCKET_THRESHOLDS, BucketedStrategy
 from tlt_lightning.speculative import Arm, arm_key
 
 __all__ = ["FixedStrategy", "UCBStrategy"]

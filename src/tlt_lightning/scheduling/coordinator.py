@@ -44,6 +44,9 @@ __all__ = [
 
 
 class WorkerState(str, Enum):
+    """What a rollout worker is doing (a :class:`Segment` of its timeline): generating its share, idle
+    in the other workers' tail, or training the drafter there."""
+
     BUSY = "busy"  # generating its share (or, after the rollout, the policy update)
     IDLE = "idle"  # share done, others still in the tail
     TRAINING = "training"  # drafter steps on idle time

@@ -28,8 +28,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tlt_lightning.scheduling.bandit import BEGMABStrategy, BucketedStrategy, default_arms, draw_heatmaps
+from tlt_lightning.scheduling.bandit import BEGMABStrategy
 from tlt_lightning.scheduling.baselines import FixedStrategy, UCBStrategy
+from tlt_lightning.scheduling.bucketed import BucketedStrategy, default_arms
+from tlt_lightning.scheduling.heatmap import draw_heatmaps
 from tlt_lightning.speculative import Arm, arm_key
 
 __all__ = ["SimulatedSDEnvironment", "main", "run_bandit_benchmark", "run_strategy"]

@@ -51,9 +51,9 @@ from tlt_lightning.spot.config import SpotConfig
 
 __all__ = ["STEP_STATS", "SpotDrafter"]
 
-# The per-step statistics every rank contributes to one summed reduce (:meth:`SpotDrafter.end_step`).
 STEP_STATS = ("tail_steps", "paid_steps", "loss", "top1", "tail_s", "idle_s", "paid_s", "step_s",
               "latency_sum", "latency_n", "buffer_mb", "buffer_tokens")  # fmt: skip
+"""The per-step statistics every rank contributes to one summed reduce (:meth:`SpotDrafter.end_step`)."""
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # a sum over ranks (``None``: one process)
 
@@ -70,7 +70,7 @@ def initial_drafter(config: SpotConfig, target: TargetModel, drafter: Drafter | 
     if drafter is not None:
         if path is not None:
             raise ValueError(f"drafter_path={str(path)!r} given, but the module already has a drafter "
-                             "(GRPOModule drafter_kind / drafter_path): pass only one")
+                             "(GRPOModule speculative.drafter_kind / drafter_path): pass only one")
         if drafter.dtype == torch.float32 and (serving_target or target) is target:
             return drafter
         return drafter.for_target(target, dtype=torch.float32)

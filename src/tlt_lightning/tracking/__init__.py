@@ -12,21 +12,14 @@ from tlt_lightning.tracking.mlflow_drafter import (
     load_drafter_from_mlflow,
     log_drafter_version,
 )
-from tlt_lightning.tracking.mlflow_pyfunc import DrafterPyfunc, save_drafter_model
-from tlt_lightning.tracking.mlflow_resume import (
-    MLflowRunCheckpoint,
-    ResumableMLFlowLogger,
-    mlflow_run_in_checkpoint,
-    resumable_run_id,
-)
-from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store
+from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, ResumableMLFlowLogger
+from tlt_lightning.tracking.mlflow_store import TrackingStoreError
 from tlt_lightning.tracking.plots import plot_accept_lengths
 from tlt_lightning.tracking.run_directory import run_dir, save_run_config
 
 __all__ = [
     "AcceptanceRate",
     "CheckpointRegistrar",
-    "DrafterPyfunc",
     "MLflowRunCheckpoint",
     "MeanAcceptLength",
     "ResumableMLFlowLogger",
@@ -37,11 +30,7 @@ __all__ = [
     "log_artifact",
     "log_drafter_version",
     "mlflow_loggers",
-    "mlflow_run_in_checkpoint",
     "plot_accept_lengths",
-    "prepare_store",
-    "resumable_run_id",
     "run_dir",
-    "save_drafter_model",
     "save_run_config",
 ]

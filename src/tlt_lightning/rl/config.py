@@ -1,0 +1,143 @@
+"""GRPOModule's grouped settings: optimisation (:class:`OptimConfig`) and speculative rollouts
+(:class:`SpeculativeConfig`). Sampling is a :class:`~tlt_lightning.rollout.RolloutConfig`, the task a
+:class:`~tlt_lightning.rl.TaskConfig`.
+
+LightningCLI fills each group from its own YAML section::
+
+    model:
+      rollout: {max_new_tokens: 256, temperature: 1.0}
+      optim: {lr: 1.0e-6, group_size: 8}
+      speculative: {drafter_kind: eagle1, threshold: 32}
+      task: {name: countdown}
+
+Example:
+    >>> OptimConfig(lr=1e-5, group_size=8).group_size
+    8
+    >>> OptimConfig(group_size=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: optim.group_size must be an int >= 2 (GRPO's advantage is a reward minus its group's mean: a group of 1 has advantage 0 everywhere and trains nothing; use 4-16), got 1
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from tlt_lightning.rl.grpo import AGGREGATIONS
+
+__all__ = ["DRAFTER_KINDS", "OptimConfig", "SpeculativeConfig", "as_config"]
+
+DRAFTER_KINDS = ("eagle1", "eagle3")
+
+C = TypeVar("C")
+
+
+def check(condition: bool, name: str, value: Any, allowed: str) -> None:
+    """Raise ``ValueError("<name> must be <allowed>, got <value>")`` unless ``condition``."""
+    if not condition:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def as_config(value: C | Mapping[str, Any] | None, cls: type[C], name: str) -> C:
+    """``value`` as a ``cls``: itself, ``cls(**value)`` for a mapping of its fields, ``cls()`` for ``None``.
+
+    Raises:
+        TypeError: ``value`` is something else; the message names the argument.
+    """
+    if value is None:
+        return cls()
+    if isinstance(value, Mapping):
+        return cls(**value)
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a {cls.__name__}, a dict of its fields or None, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """How GRPOModule turns a step's rollouts into one optimizer step (``model.optim`` in a config).
+
+    Args:
+        group_size: ``G``, rollouts per prompt.
+        prompts_per_step: ``P``, prompts per optimizer step *per rank*.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        clip_eps: lower clip range of the importance ratio.
+        clip_eps_high: upper clip range (DAPO clip-higher); default ``clip_eps``.
+        kl_coef: weight of the k3 KL to a frozen copy of the initial policy; ``0`` loads no copy.
+        scale_advantages: divide advantages by the group std (``False``: Dr. GRPO).
+        aggregation: ``"token"`` (DAPO) or ``"sequence"`` loss aggregation.
+        micro_batch_size: sequences per forward/backward (gradient accumulation inside the
+            optimizer step); ``None``: all at once. The forward holds ``[B, T, vocab]`` fp32 logits
+            and their log-softmax: SmolLM2 (49k vocabulary), 32 sequences of 384 tokens, is ~5 GB.
+        max_grad_norm: gradient clipping norm; ``None``: no clipping.
+        gradient_checkpointing: recompute activations in backward (less memory, ~30% slower).
+    """
+
+    group_size: int = 4
+    prompts_per_step: int = 4
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    kl_coef: float = 0.0
+    scale_advantages: bool = True
+    aggregation: str = "token"
+    micro_batch_size: int | None = 8
+    max_grad_norm: float | None = 1.0
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        check(is_int(self.group_size) and self.group_size >= 2, "optim.group_size", self.group_size,
+              "an int >= 2 (GRPO's advantage is a reward minus its group's mean: a group of 1 has "
+              "advantage 0 everywhere and trains nothing; use 4-16)")
+        check(is_int(self.prompts_per_step) and self.prompts_per_step >= 1, "optim.prompts_per_step",
+              self.prompts_per_step, "an int >= 1")
+        check(self.micro_batch_size is None or (is_int(self.micro_batch_size) and self.micro_batch_size >= 1),
+              "optim.micro_batch_size", self.micro_batch_size, "an int >= 1 or None")
+        check(0 < self.lr < math.inf, "optim.lr", self.lr, "finite and > 0")
+        check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
+        check(self.clip_eps >= 0, "optim.clip_eps", self.clip_eps, ">= 0")
+        check(self.clip_eps_high is None or self.clip_eps_high >= 0, "optim.clip_eps_high", self.clip_eps_high,
+              ">= 0 or None")
+        check(self.kl_coef >= 0, "optim.kl_coef", self.kl_coef, ">= 0")
+        check(self.aggregation in AGGREGATIONS, "optim.aggregation", self.aggregation, f"one of {AGGREGATIONS}")
+        check(self.max_grad_norm is None or self.max_grad_norm > 0, "optim.max_grad_norm", self.max_grad_norm,
+              "> 0 or None")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative rollouts of GRPOModule (``model.speculative`` in a config).
+
+    Args:
+        enabled: use speculative decoding whenever a drafter is attached (``False``: always plain
+            decoding, e.g. for a baseline run).
+        drafter_kind: ``"eagle1"``/``"eagle3"``: create a fresh drafter of that kind at setup when
+            none is attached; ``None``: none (a callback may attach one).
+        drafter_path: load the drafter from this :func:`~tlt_lightning.drafter.save_drafter`
+            directory instead (e.g. a warmed-up one), or from a ``models:/`` or ``runs:/`` MLflow URI
+            of one (:func:`~tlt_lightning.drafter.load_drafter`).
+        sd_steps: draft depth of the default strategy (always a chain of this many tokens).
+        threshold: speculate only while fewer requests than this are active.
+    """
+
+    enabled: bool = True
+    drafter_kind: str | None = None
+    drafter_path: str | None = None
+    sd_steps: int = 4
+    threshold: int = 32
+
+    def __post_init__(self) -> None:
+        check(self.drafter_kind in (None, *DRAFTER_KINDS), "speculative.drafter_kind", self.drafter_kind,
+              "'eagle1', 'eagle3' or None")
+        for name in ("sd_steps", "threshold"):
+            value = getattr(self, name)
+            check(is_int(value) and value >= 1, f"speculative.{name}", value, "an int >= 1")

@@ -1,0 +1,425 @@
+"""BucketedStrategy: what every bucketed speculative-decoding strategy shares.
+
+Bucketing by batch size, arm validation, the decision log, state (``state_dict``) and the heat map;
+subclasses (:class:`~tlt_lightning.scheduling.BEGMABStrategy`, the baselines of
+:mod:`tlt_lightning.scheduling.baselines`) add the rule that picks an arm. Reproducible mode (a
+``cost_model``) is described in :mod:`tlt_lightning.scheduling.step_cost`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from tlt_lightning.scheduling.heatmap import save_heatmaps
+from tlt_lightning.scheduling.step_cost import StepCostModel
+from tlt_lightning.speculative import Arm, DraftSpec, arm_key
+
+__all__ = ["DEFAULT_BUCKET_THRESHOLDS", "BucketedStrategy", "Decision", "default_arms"]
+
+DEFAULT_BUCKET_THRESHOLDS: tuple[int, ...] = (1, 2, 5, 21)
+
+
+def default_arms() -> tuple[Arm, ...]:
+    """Candidate arms for every bucket: SD off, chains of depth 2/4/6 and two trees.
+
+    Off and the short chain win at large batch, deep trees at batch 1; every bucket gets all six
+    so that each one really explores (one arm per bucket would make the bandit a lookup table).
+    """
+    return (None, DraftSpec(2), DraftSpec(4), DraftSpec(6), DraftSpec(4, 2, 8), DraftSpec(5, 4, 16))
+
+
+def _arm_to_dict(arm: Arm) -> dict[str, Any] | None:
+    return None if arm is None else dataclasses.asdict(arm)
+
+
+def _arm_from_dict(data: Any) -> Arm:
+    if data is None:
+        return None
+    if not isinstance(data, Mapping):
+        raise TypeError(f"state_dict arms must be dicts of DraftSpec fields or None, got {data!r}")
+    try:
+        return DraftSpec(**data)
+    except TypeError as err:  # unknown or missing fields
+        raise ValueError(f"state_dict arm {dict(data)!r} is not a valid DraftSpec: {err}") from err
+
+
+class Decision(NamedTuple):
+    """One logged update: which arm ran in which bucket, its reward, and why it was chosen.
+
+    ``mode`` is ``"untried"`` (first try of the arm in the bucket), ``"explore"``, ``"exploit"``, or
+    ``"unpaired"`` when ``update`` did not follow a ``select`` of the same arm in the same bucket.
+    """
+
+    step: int
+    bucket: str
+    arm: Arm
+    reward: float
+    mode: str
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    return batch_size
+
+
+def _finite(name: str, value: Any) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{name} must be a real number, got {value!r}") from err
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return out
+
+
+class BucketedStrategy:
+    """Base of the bucketed strategies: buckets, arms, validation, log, state, heat map.
+
+    Subclasses implement ``_choose`` (which arm, and why), ``_observe`` (learn a reward) and
+    ``_value`` (the statistic ``best_arms`` ranks by), plus ``_extra_state``/``_load_extra_state``.
+
+    Args:
+        arms: one sequence of arms for every bucket, or one sequence per bucket; ``None`` uses
+            :func:`default_arms` everywhere. An arm is a :class:`DraftSpec` or ``None`` (SD off).
+        bucket_thresholds: strictly increasing ints starting at 1; bucket ``i`` holds batch sizes
+            from ``bucket_thresholds[i]`` up to the next threshold, the last one is open-ended.
+        max_history: how many decisions ``history`` keeps (oldest dropped first).
+        per_request: learn from the reward divided by the batch size (tokens per second per
+            request) instead of the reward. Within a bucket the reward grows with the batch size
+            (a memory-bound step costs about the same at batch 6 and 16), and a rollout's batch
+            only shrinks, so each arm's statistics depend on *when* it ran: an arm exploited
+            while the batch shrinks looks worse than a rival last tried at the top of the bucket.
+            Per request, arms compare at matched cost. The logged reward is unchanged.
+        cost_model: reproducible mode: the reward divides by this model's cost of the step instead
+            of the measured ``step_time`` (which is then ignored), so decisions do not depend on
+            timing; ``None``: wall time (the paper's reward). See the module docstring.
+    """
+
+    def __init__(
+        self,
+        arms: Sequence[Arm] | Sequence[Sequence[Arm]] | None = None,
+        bucket_thresholds: Sequence[int] = DEFAULT_BUCKET_THRESHOLDS,
+        *,
+        max_history: int = 20_000,
+        per_request: bool = False,
+        cost_model: StepCostModel | None = None,
+    ) -> None:
+        self.bucket_thresholds = self._check_thresholds(bucket_thresholds)
+        self.bucket_labels: tuple[str, ...] = tuple(
+            str(lo) if hi == lo + 1 else (f"{lo}-{hi - 1}" if hi else f"{lo}+")
+            for lo, hi in zip(self.bucket_thresholds, (*self.bucket_thresholds[1:], None))
+        )
+        self.arms: tuple[tuple[Arm, ...], ...] = self._check_arms(arms, len(self.bucket_thresholds))
+        if isinstance(max_history, bool) or not isinstance(max_history, int) or max_history < 0:
+            raise ValueError(f"max_history must be an int >= 0, got {max_history!r}")
+        self._index = [{arm: i for i, arm in enumerate(bucket)} for bucket in self.arms]
+        self._counts = [[0] * len(bucket) for bucket in self.arms]
+        self._history: deque[Decision] = deque(maxlen=max_history)
+        self._num_updates = 0
+        self._pending: dict[int, tuple[int, str]] = {}  # bucket -> (arm index, mode) of the last select
+        self.per_request = bool(per_request)
+        self.cost_model = self._check_cost_model(cost_model)
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether rewards use the modelled step cost (``cost_model``) instead of wall time."""
+        return self.cost_model is not None
+
+    @staticmethod
+    def _check_cost_model(cost_model: Any) -> StepCostModel | None:
+        if cost_model is not None and not isinstance(cost_model, StepCostModel):
+            raise TypeError(
+                f"cost_model must be a StepCostModel or None (wall time), got {type(cost_model).__name__}"
+            )
+        return cost_model
+
+    def use_cost_model(self, cost_model: StepCostModel | None) -> None:
+        """Switch reproducible mode on (a :class:`StepCostModel`) or off (``None``) before any update.
+
+        Raises:
+            ValueError: the strategy already learned from rewards of the other kind.
+        """
+        cost_model = self._check_cost_model(cost_model)
+        if self._num_updates and cost_model != self.cost_model:
+            raise ValueError(
+                f"cannot change cost_model after {self._num_updates} updates (its statistics are rewards "
+                "of the other kind): set it when the strategy is built"
+            )
+        self.cost_model = cost_model
+
+    # ----------------------------------------------------------------------------- validation
+    @staticmethod
+    def _check_thresholds(thresholds: Sequence[int]) -> tuple[int, ...]:
+        values = tuple(thresholds) if isinstance(thresholds, Sequence) else ()
+        ok = (
+            len(values) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in values)
+            and values[0] == 1
+            and all(a < b for a, b in itertools.pairwise(values))
+        )
+        if not ok:
+            raise ValueError(
+                f"bucket_thresholds must be strictly increasing ints starting at 1, got {thresholds!r}"
+            )
+        return values
+
+    @staticmethod
+    def _check_arms(arms: Any, num_buckets: int) -> tuple[tuple[Arm, ...], ...]:
+        if arms is None:
+            return (default_arms(),) * num_buckets
+        if isinstance(arms, (str, bytes)) or not isinstance(arms, Sequence):
+            raise TypeError(f"arms must be a sequence of DraftSpec/None or of such sequences, got {arms!r}")
+        if len(arms) == 0:
+            raise ValueError("arms must not be empty: give at least one DraftSpec or None")
+        nested = [isinstance(a, (list, tuple)) for a in arms]
+        if all(nested):
+            if len(arms) != num_buckets:
+                raise ValueError(
+                    f"arms has {len(arms)} per-bucket lists but bucket_thresholds defines {num_buckets} buckets"
+                )
+            per_bucket = [tuple(bucket) for bucket in arms]
+        elif not any(nested):
+            per_bucket = [tuple(arms)] * num_buckets
+        else:
+            raise TypeError(f"arms must be all arms or all per-bucket lists, not a mix: {arms!r}")
+        for i, bucket in enumerate(per_bucket):
+            if not bucket:
+                raise ValueError(f"arms for bucket {i} is empty: every bucket needs at least one arm")
+            for arm in bucket:
+                if arm is not None and not isinstance(arm, DraftSpec):
+                    raise TypeError(f"arms must hold DraftSpec instances or None, got {arm!r}")
+            if len(set(bucket)) != len(bucket):
+                raise ValueError(f"arms for bucket {i} has duplicates: {[arm_key(a) for a in bucket]}")
+        return tuple(per_bucket)
+
+    def _check_update(self, batch_size: int, arm: Arm, accepted_tokens: float, step_time: float):
+        b = self.bucket_of(batch_size)
+        i = self._index[b].get(arm) if (arm is None or isinstance(arm, DraftSpec)) else None
+        if i is None:
+            raise ValueError(
+                f"unknown arm {arm!r} for bucket {self.bucket_labels[b]!r}; "
+                f"configured arms: {[arm_key(a) for a in self.arms[b]]}"
+            )
+        tokens = _finite("accepted_tokens", accepted_tokens)
+        if tokens < 0:
+            raise ValueError(f"accepted_tokens must be >= 0, got {accepted_tokens!r}")
+        seconds = _finite("step_time", step_time)
+        if seconds <= 0:
+            raise ValueError(f"step_time must be finite and > 0 seconds, got {step_time!r}")
+        if self.cost_model is not None:  # reproducible: the model's cost, not the clock's
+            seconds = self.cost_model.step_time(batch_size, arm)
+        return b, i, tokens * batch_size / seconds
+
+    # ----------------------------------------------------------------------------- public API
+    def bucket_of(self, batch_size: int) -> int:
+        """Index of the bucket holding ``batch_size`` (an int >= 1)."""
+        return bisect.bisect_right(self.bucket_thresholds, _check_batch_size(batch_size)) - 1
+
+    def select(self, batch_size: int) -> Arm:
+        """The arm for a decode step of ``batch_size`` active requests; untried arms go first."""
+        b = self.bucket_of(batch_size)
+        untried = next((i for i, n in enumerate(self._counts[b]) if n == 0), None)
+        i, mode = (untried, "untried") if untried is not None else self._choose(b)
+        self._pending[b] = (i, mode)
+        return self.arms[b][i]
+
+    def update(self, batch_size: int, arm: Arm, accepted_tokens: float, step_time: float) -> None:
+        """Learn from one step: reward = ``accepted_tokens * batch_size / step_time`` (tokens/s).
+
+        Args:
+            batch_size: active requests in the step (same as passed to ``select``).
+            arm: the arm that ran; it must be one of the bucket's arms.
+            accepted_tokens: mean tokens each request emitted in the step (``>= 0``).
+            step_time: the step's wall time in seconds (finite, ``> 0``); with a ``cost_model`` the
+                modelled cost replaces it.
+        """
+        b, i, reward = self._check_update(batch_size, arm, accepted_tokens, step_time)
+        pending = self._pending.pop(b, None)
+        mode = pending[1] if pending is not None and pending[0] == i else "unpaired"
+        self._counts[b][i] += 1
+        self._observe(b, i, reward / batch_size if self.per_request else reward)
+        self._history.append(Decision(self._num_updates, self.bucket_labels[b], arm, reward, mode))
+        self._num_updates += 1
+
+    @property
+    def history(self) -> list[Decision]:
+        """The logged decisions (bucket, arm, reward, mode), oldest first, at most ``max_history``."""
+        return list(self._history)
+
+    choices_log = history
+
+    @property
+    def last_decision(self) -> Decision | None:
+        """The latest logged decision, or ``None`` before the first update (or with ``max_history=0``)."""
+        return self._history[-1] if self._history else None
+
+    @property
+    def counts(self) -> dict[str, dict[str, int]]:
+        """How often each arm ran in each bucket: ``{bucket_label: {arm_key: n}}``."""
+        return {
+            label: {arm_key(a): n for a, n in zip(arms, counts)}
+            for label, arms, counts in zip(self.bucket_labels, self.arms, self._counts)
+        }
+
+    def values(self) -> dict[str, dict[str, float | None]]:
+        """How each bucket currently rates each arm (tokens per second, per request with
+        ``per_request``; ``None``: not tried yet):
+        ``{bucket_label: {arm_key: value}}``, the statistic the exploit decision compares."""
+        return {
+            label: {arm_key(a): self._value(b, i) for i, a in enumerate(self.arms[b])}
+            for b, label in enumerate(self.bucket_labels)
+        }
+
+    def best_arms(self) -> dict[str, Arm]:
+        """The arm each bucket currently rates best; buckets with no observation are left out."""
+        out: dict[str, Arm] = {}
+        for b, label in enumerate(self.bucket_labels):
+            values = [(v, i) for i in range(len(self.arms[b])) if (v := self._value(b, i)) is not None]
+            if values:
+                out[label] = self.arms[b][max(values, key=lambda vi: (vi[0], -vi[1]))[1]]
+        return out
+
+    # ----------------------------------------------------------------------------- subclass hooks
+    def _choose(self, b: int) -> tuple[int, str]:
+        raise NotImplementedError
+
+    def _observe(self, b: int, i: int, reward: float) -> None:
+        raise NotImplementedError
+
+    def _value(self, b: int, i: int) -> float | None:
+        raise NotImplementedError
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: Mapping[str, Any]) -> None:
+        """Validate and apply the subclass's keys of ``state`` (missing keys leave things as they are)."""
+
+    # ----------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-Python state (lists, dicts, numbers, strings): arms, counts, statistics, RNG, log."""
+        return {
+            "bucket_thresholds": list(self.bucket_thresholds),
+            "arms": [[_arm_to_dict(a) for a in bucket] for bucket in self.arms],
+            "per_request": self.per_request,
+            "cost_model": None if self.cost_model is None else dataclasses.asdict(self.cost_model),
+            "counts": self.counts,
+            "num_updates": self._num_updates,
+            "history": [[d.step, d.bucket, arm_key(d.arm), d.reward, d.mode] for d in self._history],
+            **self._extra_state(),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; missing keys keep their current values.
+
+        Raises:
+            ValueError: the saved thresholds, arms or ``per_request`` differ from the configured
+                ones, or a key names an unknown bucket or arm.
+        """
+        if "per_request" in state_dict and bool(state_dict["per_request"]) != self.per_request:
+            raise ValueError(
+                f"state_dict per_request={state_dict['per_request']} does not match the configured "
+                f"per_request={self.per_request}: its statistics are in other units"
+            )
+        if "cost_model" in state_dict:
+            saved = state_dict["cost_model"]
+            mine = None if self.cost_model is None else dataclasses.asdict(self.cost_model)
+            if saved != mine:
+                def describe(cost: Any) -> str:
+                    return "wall time" if cost is None else f"modelled cost {cost}"
+
+                raise ValueError(
+                    f"state_dict was learned with {describe(saved)} but this strategy uses "
+                    f"{describe(mine)}: its statistics are in other units; resume with the same "
+                    "reproducible / cost_model setting"
+                )
+        if "bucket_thresholds" in state_dict and list(state_dict["bucket_thresholds"]) != list(
+            self.bucket_thresholds
+        ):
+            raise ValueError(
+                f"state_dict bucket_thresholds {list(state_dict['bucket_thresholds'])} do not match "
+                f"the configured bucket_thresholds {list(self.bucket_thresholds)}"
+            )
+        if "arms" in state_dict:
+            saved = [[arm_key(_arm_from_dict(a)) for a in bucket] for bucket in state_dict["arms"]]
+            configured = [[arm_key(a) for a in bucket] for bucket in self.arms]
+            if saved != configured:
+                raise ValueError(f"state_dict arms {saved} do not match the configured arms {configured}")
+        counts = self._counts
+        if "counts" in state_dict:
+            counts = [[0] * len(bucket) for bucket in self.arms]
+            for b, i, n in self._iter_arm_table(state_dict["counts"], "counts"):
+                counts[b][i] = int(n)
+        history = self._history
+        if "history" in state_dict:
+            history = deque(maxlen=self._history.maxlen)
+            for step, label, key, reward, mode in state_dict["history"]:
+                b = self._bucket_index(label, "history")
+                history.append(
+                    Decision(int(step), label, self._arm_by_key(b, key, "history"), float(reward), mode)
+                )
+        self._load_extra_state(state_dict)
+        self._counts, self._history = counts, history
+        self._num_updates = int(state_dict.get("num_updates", self._num_updates))
+        self._pending.clear()
+
+    def _bucket_index(self, label: str, where: str) -> int:
+        if label not in self.bucket_labels:
+            raise ValueError(
+                f"state_dict {where} names unknown bucket {label!r}; buckets: {self.bucket_labels}"
+            )
+        return self.bucket_labels.index(label)
+
+    def _arm_by_key(self, b: int, key: str, where: str) -> Arm:
+        for arm in self.arms[b]:
+            if arm_key(arm) == key:
+                return arm
+        raise ValueError(f"state_dict {where} names unknown arm {key!r} in bucket {self.bucket_labels[b]!r}")
+
+    def _iter_arm_table(self, table: Mapping[str, Mapping[str, Any]], where: str):
+        """Yield ``(bucket index, arm index, value)`` from a ``{bucket_label: {arm_key: value}}`` table."""
+        for label, row in table.items():
+            b = self._bucket_index(label, where)
+            for key, value in row.items():
+                yield b, self._index[b][self._arm_by_key(b, key, where)], value
+
+    # ----------------------------------------------------------------------------- heat map
+    def heatmap_data(
+        self, num_bins: int = 20
+    ) -> tuple[list[float], list[tuple[str, list[str], list[list[float]]]]]:
+        """Arm choice frequency per bucket over time, from ``history``.
+
+        Returns:
+            ``(edges, rows)``: ``num_bins + 1`` step edges, and per bucket ``(label, arm keys,
+            matrix [num_arms][num_bins])`` of the fraction of that bucket's updates in each time bin
+            that chose each arm (``nan`` where the bucket had no update in the bin).
+        """
+        if num_bins < 1:
+            raise ValueError(f"num_bins must be >= 1, got {num_bins!r}")
+        first = self._history[0].step if self._history else 0
+        last = self._history[-1].step + 1 if self._history else 1
+        width = max(1, math.ceil((last - first) / num_bins))
+        edges = [float(first + k * width) for k in range(num_bins + 1)]
+        rows = []
+        for b, label in enumerate(self.bucket_labels):
+            tally = [[0] * num_bins for _ in self.arms[b]]
+            for d in self._history:
+                if d.bucket == label:
+                    tally[self._index[b][d.arm]][min((d.step - first) // width, num_bins - 1)] += 1
+            totals = [sum(col) for col in zip(*tally)]
+            matrix = [[n / t if t else math.nan for n, t in zip(row, totals)] for row in tally]
+            rows.append((label, [arm_key(a) for a in self.arms[b]], matrix))
+        return edges, rows
+
+    def plot_heatmap(self, path: str | Path, num_bins: int = 20) -> Path:
+        """Save a PNG heat map of arm choice frequency per bucket over time; returns the path."""
+        edges, rows = self.heatmap_data(num_bins)
+        return save_heatmaps(edges, rows, f"{type(self).__name__}: arm choice frequency per bucket", path)
