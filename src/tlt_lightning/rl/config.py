@@ -26,11 +26,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tlt_lightning.drafter.config import DRAFTER_KINDS
 from tlt_lightning.rl.grpo import AGGREGATIONS
 
-__all__ = ["DRAFTER_KINDS", "OptimConfig", "SpeculativeConfig", "as_config"]
-
-DRAFTER_KINDS = ("eagle1", "eagle3")
+__all__ = ["OptimConfig", "SpeculativeConfig", "as_config"]
 
 C = TypeVar("C")
 
