@@ -201,6 +201,7 @@ def test_compare_with_a_fake_worker_writes_json_plot_and_equal_greedy_tokens(tmp
     assert all(v[2] <= 12 for v in lt["lengths_p50_p90_max"].values())
     assert set(lt["warmup_s"]) == set(lt["engines"]) and lt["compile_seconds_in_timed_runs"] == 0
     assert target.info.eos_token_ids == eos  # restored after the EOS-ignoring workloads
+    assert data["worker_env"]["PYTHONPATH"] == "src"  # the result file holds no machine paths
 
 
 def test_cli_lists_bench_peers():

@@ -304,7 +304,9 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
         "decode": getattr(target, "decode", "hf"),
         "drafter": args.drafter if drafter is not None else None, "k": args.k, "max_new_tokens": args.max_new_tokens,
         "prompt_tokens": {"mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))},
-        "machine": machine_info(), "worker_command": command, "worker_env": _worker_env(args, threads),
+        "machine": machine_info(), "worker_command": command,
+        # As the worker got it, but no machine paths in a result file: PYTHONPATH starts with this checkout's src.
+        "worker_env": {**_worker_env(args, threads), "PYTHONPATH": "src"},
         "vllm": {}, "batches": [],
     }
     greedy = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=0.0)
