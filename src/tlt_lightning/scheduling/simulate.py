@@ -32,6 +32,7 @@ from tlt_lightning.scheduling.bandit import BEGMABStrategy
 from tlt_lightning.scheduling.baselines import FixedStrategy, UCBStrategy
 from tlt_lightning.scheduling.bucketed import BucketedStrategy, default_arms
 from tlt_lightning.scheduling.heatmap import draw_heatmaps
+from tlt_lightning.scheduling.step_cost import step_seconds
 from tlt_lightning.speculative import Arm, arm_key
 
 __all__ = ["SimulatedSDEnvironment", "main", "run_bandit_benchmark", "run_strategy"]
@@ -106,11 +107,7 @@ class SimulatedSDEnvironment:
 
     def expected_step_time(self, batch_size: int, arm: Arm) -> float:
         """Seconds of one step (noise-free)."""
-        verified = 0 if arm is None else arm.num_draft_tokens
-        target = self.base_time + self.token_time * batch_size * (1 + verified)
-        if arm is None:
-            return target
-        return target + arm.num_steps * (self.draft_time + self.draft_token_time * batch_size * arm.topk)
+        return step_seconds(self.base_time, self.token_time, self.draft_time, self.draft_token_time, batch_size, arm)
 
     def expected_reward(self, batch_size: int, arm: Arm, step: int) -> float:
         """Noise-free tokens/s; also the median of the noisy reward (the noise is log-normal)."""
