@@ -39,16 +39,15 @@ from tlt_lightning.models.target import TargetModel
 __all__ = ["PaidTraining", "SpotTrainer", "SpotTrainerConfig"]
 
 
-def is_int(value: Any) -> bool:
+def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: Any) -> bool:
+def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check(condition: bool, name: str, value: Any, allowed: str) -> None:
-    """Raise ``ValueError("<name> must be <allowed>, got <value>")`` unless ``condition``."""
+def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
     if not condition:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
@@ -86,21 +85,21 @@ class SpotTrainerConfig:
     def __post_init__(self) -> None:
         steps, seconds = self.max_steps_per_rollout, self.max_seconds_per_rollout
         for name, value, ok, allowed in (
-            ("lr", self.lr, is_number(self.lr) and self.lr > 0, "a finite number > 0"),
+            ("lr", self.lr, _is_number(self.lr) and self.lr > 0, "a finite number > 0"),
             ("packing_budget", self.packing_budget,
-             is_int(self.packing_budget) and self.packing_budget >= 2, "an int >= 2"),
-            ("max_steps_per_rollout", steps, steps is None or (is_int(steps) and steps >= 0),
+             _is_int(self.packing_budget) and self.packing_budget >= 2, "an int >= 2"),
+            ("max_steps_per_rollout", steps, steps is None or (_is_int(steps) and steps >= 0),
              "an int >= 0 or None"),
-            ("max_seconds_per_rollout", seconds, seconds is None or (is_number(seconds) and seconds > 0),
+            ("max_seconds_per_rollout", seconds, seconds is None or (_is_number(seconds) and seconds > 0),
              "a finite number > 0 or None"),
-            ("weight_decay", self.weight_decay, is_number(self.weight_decay) and self.weight_decay >= 0,
+            ("weight_decay", self.weight_decay, _is_number(self.weight_decay) and self.weight_decay >= 0,
              "a number >= 0"),
             ("max_grad_norm", self.max_grad_norm,
-             self.max_grad_norm is None or (is_number(self.max_grad_norm) and self.max_grad_norm > 0),
+             self.max_grad_norm is None or (_is_number(self.max_grad_norm) and self.max_grad_norm > 0),
              "a number > 0 or None"),
-            ("seed", self.seed, is_int(self.seed) and self.seed >= 0, "an int >= 0"),
+            ("seed", self.seed, _is_int(self.seed) and self.seed >= 0, "an int >= 0"),
         ):  # fmt: skip
-            check(ok, name, value, allowed)
+            _check(ok, name, value, allowed)
         if steps is None and seconds is None:
             raise ValueError(
                 "max_steps_per_rollout and max_seconds_per_rollout are both None: training between "
@@ -156,7 +155,7 @@ class SpotTrainer:
         config: SpotTrainerConfig | None = None,
         rank: int = 0,
     ) -> None:
-        check(is_int(rank) and rank >= 0, "rank", rank, "an int >= 0")
+        _check(_is_int(rank) and rank >= 0, "rank", rank, "an int >= 0")
         self.drafter, self.target, self.buffer = drafter, target, buffer
         self.config, self.rank = config or SpotTrainerConfig(), rank
         params = [p for p in drafter.parameters() if p.requires_grad]
@@ -169,7 +168,7 @@ class SpotTrainer:
 
     def begin_step(self, policy_step: int) -> None:
         """A new RL step: batches are drawn afresh for ``policy_step``; the loss / top-1 sums restart."""
-        check(is_int(policy_step) and policy_step >= 0, "policy_step", policy_step, "an int >= 0")
+        _check(_is_int(policy_step) and policy_step >= 0, "policy_step", policy_step, "an int >= 0")
         self.policy_step, self._batches = policy_step, None
         self.loss_sum = self.top1_sum = 0.0
 
@@ -245,7 +244,7 @@ class SpotTrainer:
                 every rank), e.g. ``lambda t: strategy.reduce(t, reduce_op="sum")``.
             weight: this rank's weight, in ``[0, 1]``.
         """
-        check(is_number(weight) and 0 <= weight <= 1, "weight", weight, "a number in [0, 1]")
+        _check(_is_number(weight) and 0 <= weight <= 1, "weight", weight, "a number in [0, 1]")
         slots = []  # (tensor to write back, or None with (param, key) for state this rank lacks)
         for p in (p for p in self.drafter.parameters() if p.requires_grad):
             state = self.optimizer.state[p]

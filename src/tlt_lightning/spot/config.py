@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from tlt_lightning.drafter import DRAFTER_KINDS, SpotTrainerConfig
-from tlt_lightning.drafter.spot_trainer import check, is_int, is_number
+from tlt_lightning.drafter.spot_trainer import _check, _is_int, _is_number
 
 __all__ = ["SpotConfig"]
 
@@ -42,17 +42,17 @@ class SpotConfig:
         interval, vocab, path = self.checkpoint_interval, self.draft_vocab_size, self.drafter_path
         for name, value, ok, allowed in (
             ("training", self.training, isinstance(self.training, SpotTrainerConfig), "a SpotTrainerConfig"),
-            ("buffer_mb", self.buffer_mb, is_number(self.buffer_mb) and self.buffer_mb > 0,
+            ("buffer_mb", self.buffer_mb, _is_number(self.buffer_mb) and self.buffer_mb > 0,
              "a finite number > 0 (MiB)"),
-            ("checkpoint_interval", interval, interval is None or (is_int(interval) and interval >= 1),
+            ("checkpoint_interval", interval, interval is None or (_is_int(interval) and interval >= 1),
              "an int >= 1 or None"),
-            ("min_idle_s", self.min_idle_s, is_number(self.min_idle_s) and self.min_idle_s >= 0,
+            ("min_idle_s", self.min_idle_s, _is_number(self.min_idle_s) and self.min_idle_s >= 0,
              "a finite number >= 0"),
             ("kind", self.kind, self.kind in DRAFTER_KINDS, f"one of {DRAFTER_KINDS}"),
-            ("draft_vocab_size", vocab, vocab is None or (is_int(vocab) and vocab >= 1), "an int >= 1 or None"),
+            ("draft_vocab_size", vocab, vocab is None or (_is_int(vocab) and vocab >= 1), "an int >= 1 or None"),
             ("drafter_path", path, path is None or isinstance(path, (str, os.PathLike)),
              "a directory path, a models:/ or runs:/ URI, or None"),
             ("recency_decay", self.recency_decay,
-             is_number(self.recency_decay) and 0 < self.recency_decay <= 1, "in (0, 1]"),
+             _is_number(self.recency_decay) and 0 < self.recency_decay <= 1, "in (0, 1]"),
         ):
-            check(ok, name, value, allowed)
+            _check(ok, name, value, allowed)
