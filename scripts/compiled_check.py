@@ -8,20 +8,30 @@ in fp32 greedy, against transformers' path on the same weights:
    with plain decoding;
 3. the RL case: weights changed in place after compiling; the compiled forward follows them.
 
-Prints compile time per bucket and decode tokens/s of both paths (one run each: a smoke figure, not
-a benchmark), and exits non-zero on any mismatch.
+Prints compile time per bucket and decode tokens/s of both paths (one run each: a smoke figure), and
+exits non-zero on any mismatch. With ``--speed B ...`` it then times greedy decoding in bf16 at each
+batch size ``B``: transformers' path and the compiled one alternately (``--repeats`` runs each, after
+one untimed run that compiles), every request running to ``--speed-tokens`` (no EOS), and prints the
+median decode tokens/s of each (``--json``: all runs).
 
-    python scripts/compiled_check.py --device cuda [--model smollm2-135m] [--batch 8]
+``--random-weights`` builds ``--model`` (a directory with a ``config.json``) with random weights: the
+same shapes, kernels and speed as the real model, for a machine that cannot hold its weights.
+
+    python scripts/compiled_check.py --device cuda [--model smollm2-135m] [--batch 8] [--speed 1 8 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import json
+import statistics
 import sys
 import time
 from dataclasses import replace
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from tlt_lightning.drafter import Drafter, DrafterConfig
 from tlt_lightning.models import CompileConfig, HFTarget, load_model
@@ -46,12 +56,20 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default="tiny-llama", help="registry name (tiny-llama, tiny-qwen2, smollm2-135m)")
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch-buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                   help="compiled batch sizes (fewer buckets, fewer compiles)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--mode", default=None, help="torch.compile mode (default: reduce-overhead on CUDA)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="--model is a directory with a config.json: build it with random weights")
+    p.add_argument("--speed", type=int, nargs="*", default=[], metavar="B", help="time bf16 decoding at these batches")
+    p.add_argument("--speed-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None, help="write the speed runs here")
     args = p.parse_args()
-    model = load_model(args.model, dtype="float32").model.to(args.device)
+    model = build_model(args.model, args.random_weights).to(args.device)
     hf = HFTarget(model)
-    config = CompileConfig(batch_buckets=(1, 2, 4, 8, 16), query_buckets=(1, 4, 8), mode=args.mode)
+    config = CompileConfig(batch_buckets=tuple(args.batch_buckets), query_buckets=(1, 4, 8), mode=args.mode)
     compiled = HFTarget(model, decode="compiled", compile_config=config)
     layers = (hf.info.num_layers,)
     rollout = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, feature_layers=layers)
@@ -92,7 +110,48 @@ def main() -> int:
         print(f"compiled {tuple(bucket)} in {seconds:.1f} s")
     print(f"compile total {compiled.compile_seconds:.1f} s, mode {compiled._compiled.mode}, device {args.device}")
     print("OK" if not failures else f"FAILED: {failures}")
+    if args.speed:
+        speed(model, args)
     return 1 if failures else 0
+
+
+def build_model(name: str, random_weights: bool) -> torch.nn.Module:
+    if not random_weights:
+        return load_model(name, dtype="float32").model
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name), dtype=torch.float32).eval()
+
+
+def speed(model: torch.nn.Module, args: argparse.Namespace) -> None:
+    """Greedy decode tokens/s in bf16, transformers' path and the compiled one alternately; medians."""
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    config = CompileConfig(batch_buckets=tuple(sorted(set(args.speed))), query_buckets=(1,), mode=args.mode)
+    paths = {"hf": HFTarget(model), "compiled": HFTarget(model, decode="compiled", compile_config=config)}
+    for target in paths.values():
+        target.info = replace(target.info, eos_token_ids=())  # every request runs to --speed-tokens
+    rollout = RolloutConfig(max_new_tokens=args.speed_tokens, temperature=0.0)
+    runs = []
+    for batch in args.speed:
+        prompts = prompts_for(paths["hf"], batch, seed=batch)
+        rates = {name: [] for name in paths}
+        for repeat in range(args.repeats + 1):  # the first round compiles: untimed
+            for name, target in paths.items():
+                stats = RolloutEngine(target, rollout).generate(prompts).stats
+                if repeat:
+                    rates[name].append(stats.decode_tokens_per_s)
+        median = {name: statistics.median(r) for name, r in rates.items()}
+        runs.append({"batch": batch, "decode_tokens_per_s": rates, "median": median})
+        print(f"bf16 batch {batch:3d}: decode tok/s hf {median['hf']:8.1f}, compiled {median['compiled']:8.1f} "
+              f"({median['compiled'] / median['hf']:.2f}x)", flush=True)
+    print(f"speed compile total {paths['compiled'].compile_seconds:.1f} s")
+    if args.json:
+        device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+        result = {"model": args.model, "random_weights": args.random_weights, "device": device,
+                  "torch": torch.__version__, "mode": paths["compiled"]._compiled.mode,
+                  "max_new_tokens": args.speed_tokens, "repeats": args.repeats, "runs": runs,
+                  "compile_times_s": {str(k): v for k, v in paths["compiled"].compile_times.items()}}
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def one_step(target: HFTarget, lens: torch.Tensor, q: int = 4) -> torch.Tensor:

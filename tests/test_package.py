@@ -120,6 +120,20 @@ def test_version_is_pyproject_s():
     assert tlt_lightning.__version__ == pyproject["project"]["version"]
 
 
+def test_imports_from_a_checkout_that_is_not_installed():
+    """``PYTHONPATH=src`` on a machine where the package is not installed (the GPU check scripts)."""
+    code = """
+from importlib import metadata
+def missing(name):
+    raise metadata.PackageNotFoundError(name)
+metadata.version = missing
+import tlt_lightning
+print(tlt_lightning.__version__)
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "0+unknown"
+
+
 # ---------------------------------------------------------------------------------- public API
 # Each subpackage's ``__all__``, pinned: a new export (or a dropped one) is a conscious change here.
 # Internals are imported from their defining module (``from tlt_lightning.drafter.train import drafter_losses``).

@@ -13,7 +13,10 @@ itself imports nothing heavy:
 from importlib import import_module, metadata
 from typing import Any
 
-__version__ = metadata.version("tlt-lightning")  # pyproject.toml's, as installed
+try:
+    __version__ = metadata.version("tlt-lightning")  # pyproject.toml's, as installed
+except metadata.PackageNotFoundError:  # run from a checkout's src/ without installing (the GPU check scripts)
+    __version__ = "0+unknown"
 
 # Public name -> the subpackage that defines it.
 _LAZY = {

@@ -15,11 +15,13 @@ from tlt_lightning.bench.peers import (
     alternate,
     compare,
     eos_ignored,
+    prompt_groups,
     summarise,
+    warm_up,
 )
 from tlt_lightning.bench.peers_worker import handle, serve
 from tlt_lightning.drafter import Drafter, DrafterConfig
-from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.models import CompileConfig, HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 
 FAKE_WORKER = Path(__file__).with_name("fake_peer_worker.py")
@@ -60,9 +62,12 @@ def test_alternate_runs_engines_in_turn_on_the_same_groups():
         return call
 
     prompts = [[i] for i in range(5)]
-    runs = alternate({"a": engine("a"), "b": engine("b")}, prompts, size=2, repeats=3)
+    runs = alternate({"a": engine("a"), "b": engine("b")}, prompt_groups(prompts, size=2, repeats=3))
     assert calls == [("a", [0, 1]), ("b", [0, 1]), ("a", [2, 3]), ("b", [2, 3]), ("a", [4, 0]), ("b", [4, 0])]
     assert [len(v) for v in runs.values()] == [3, 3]
+    calls.clear()
+    warm = warm_up({"a": engine("a")}, prompt_groups(prompts, size=2, repeats=3) + prompt_groups(prompts, 2, 1))
+    assert calls == [("a", [0, 1]), ("a", [2, 3]), ("a", [4, 0])] and set(warm) == {"a"}  # each group once
 
 
 def test_summarise_medians_ratios_and_agreement():
@@ -202,6 +207,25 @@ def test_compare_with_a_fake_worker_writes_json_plot_and_equal_greedy_tokens(tmp
     assert set(lt["warmup_s"]) == set(lt["engines"]) and lt["compile_seconds_in_timed_runs"] == 0
     assert target.info.eos_token_ids == eos  # restored after the EOS-ignoring workloads
     assert data["worker_env"]["PYTHONPATH"] == "src"  # the result file holds no machine paths
+
+
+def test_compiled_engines_compile_nothing_inside_the_timed_runs(tmp_path, monkeypatch):
+    """``--decode compiled``: target and drafter graphs compile in the warm-ups, which run every group the
+    timed runs use (speculation shrinks the batch at other steps in each group: other buckets)."""
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    loaded = load_model("tiny-llama", dtype="float32", seed=0)
+    loaded.model.save_pretrained(tmp_path / "target")
+    config = CompileConfig(batch_buckets=(1, 2, 4), query_buckets=(1, 4), kv_step=16)
+    target = HFTarget(loaded.model, decode="compiled", compile_config=config)
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_target(target), target).eval().use_compiled_steps(config)
+    args = _args(tmp_path, batch_sizes=[3], repeats=3, long_tail_requests=3, long_tail_max_new=20)
+    data = compare(args, target, drafter, _prompts(9), tmp_path / "target", tmp_path / "unused-drafter")
+    assert data["decode"] == "compiled" and data["compile_seconds"] > 0 and data["drafter_compile_seconds"] > 0
+    for b in data["batches"]:
+        assert b["compile_seconds_in_timed_runs"] == 0, b["phase"]
+        assert set(b["warmup_s"]) == set(b["engines"])
+    assert data["long_tail"]["compile_seconds_in_timed_runs"] == 0
 
 
 def test_cli_lists_bench_peers():

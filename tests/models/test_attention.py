@@ -16,6 +16,19 @@ from tlt_lightning.models.attention import (
 from tlt_lightning.rollout.engine import causal_decode_mask
 
 
+def test_grouped_sdpa_takes_outputs_of_any_strides(monkeypatch):
+    """CUDA's attention kernels may return a non-contiguous ``[n, H_kv, g*q, D]`` (seen on an H200)."""
+    g = torch.Generator().manual_seed(0)
+    query, key, value = torch.randn(2, 6, 3, 16, generator=g), *torch.randn(2, 2, 2, 9, 16, generator=g)
+    mask = torch.rand(2, 1, 3, 9, generator=g) < 0.7
+    mask[..., 0] = True
+    expected = grouped_sdpa(query, key, value, mask)
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: sdpa(*a, **k).transpose(1, 2).contiguous().transpose(1, 2))
+    torch.testing.assert_close(grouped_sdpa(query, key, value, mask), expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "q", "kv"), [(1, 1, 9), (3, 1, 17), (2, 5, 23), (4, 7, 40)])
 def test_grouped_sdpa_equals_enable_gqa(dtype, n, q, kv):

@@ -169,6 +169,23 @@ def test_new_cache_has_room_for_the_buckets(tiny_llama):
     assert CompiledDecode(tiny_llama.model).bucket(3, 5, 300, (4,)) == Bucket(4, 8, 512, (4,))
 
 
+def test_layer_views_are_made_once_per_cache(tiny_llama, monkeypatch):
+    """CUDA graphs write the per-layer cache views in place: the graphs must get the same, static-marked
+    tensors every step (a fresh ``unbind`` each step made new inputs, and CUDA skipped the graphs)."""
+    marked = []
+    monkeypatch.setattr(torch._dynamo, "mark_static_address", marked.append)
+    decode = CompiledDecode(tiny_llama.model)
+    decode._cudagraphs = True  # as on CUDA in "reduce-overhead" mode
+    cache = decode.new_cache(4, 2, 2, 20, 16)
+    keys, values = decode.layer_views(cache)
+    assert len(keys) == len(values) == 4 and keys[1].data_ptr() == cache.keys[1].data_ptr()
+    assert len(marked) == 8 and all(t is m for t, m in zip(keys + values, marked))
+    again = decode.layer_views(cache)
+    assert all(a is b for a, b in zip(again[0] + again[1], keys + values)) and len(marked) == 8
+    other = decode.new_cache(4, 2, 2, 20, 16)
+    assert decode.layer_views(other)[0][0].data_ptr() == other.keys[0].data_ptr() and len(marked) == 16
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -1,10 +1,15 @@
 import copy
+import json
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.vllm.fake_vllm import vllm_python
 from tlt_lightning.models import HFTarget, KVCache
-from tlt_lightning.models.target import default_feature_layers
+from tlt_lightning.models.target import cache_argument, default_feature_layers
 from tlt_lightning.rollout.engine import causal_decode_mask
 
 
@@ -117,3 +122,54 @@ def test_kv_cache_rows_move_and_gather():
     view = cache.view(1, 3)
     view.lengths[:] = 0
     assert cache.lengths.tolist() == [2, 0, 0, 2]
+
+
+class _OldDecoder(torch.nn.Module):
+    def forward(self, input_ids=None, past_key_values=None, **kwargs):
+        return input_ids
+
+
+class _NewDecoder(torch.nn.Module):
+    def forward(self, input_ids=None, cache=None, **kwargs):
+        return input_ids
+
+
+def test_cache_argument_follows_the_decoders_signature(tiny_target):
+    """transformers renamed ``past_key_values`` to ``cache``: under the wrong name the cache would vanish
+    into ``**kwargs``, so the name is read from the signature."""
+    assert cache_argument(_OldDecoder()) == "past_key_values"
+    assert cache_argument(_NewDecoder()) == "cache"
+    assert cache_argument(tiny_target.model.get_decoder()) in ("cache", "past_key_values")
+    with pytest.raises(TypeError, match="neither `cache` nor `past_key_values`"):
+        cache_argument(torch.nn.Linear(2, 2))
+
+
+_OTHER_TRANSFORMERS = """
+import json, transformers
+from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.rollout import RolloutConfig, RolloutEngine
+out = {"transformers": transformers.__version__}
+for name in ("tiny-llama", "tiny-qwen2"):
+    model = load_model(name).model
+    config = RolloutConfig(max_new_tokens=12, temperature=0.0)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    hf = RolloutEngine(HFTarget(model), config).generate(prompts)
+    lean = RolloutEngine(HFTarget(model, decode="lean"), config).generate(prompts)
+    out[name] = [a.token_ids.tolist() == b.token_ids.tolist() for a, b in zip(hf.rollouts, lean.rollouts)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.vllm
+def test_hf_path_decodes_under_the_transformers_that_vllm_pins():
+    """vLLM pins an older transformers 5 (``past_key_values``, where ours says ``cache``): in its venv the
+    transformers path decodes what the lean path (our own math, no transformers forward) decodes."""
+    python = vllm_python()
+    if python is None:
+        pytest.skip("no vLLM venv: `make setup-vllm` builds .venv-vllm")
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([python, "-c", _OTHER_TRANSFORMERS], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["tiny-llama"] == [True, True] and out["tiny-qwen2"] == [True, True], out

@@ -149,19 +149,32 @@ class PeerClient:
         self.close()
 
 
-def alternate(engines: dict[str, Engine], prompts: list[list[int]], size: int, repeats: int) -> dict[str, list[RunTiming]]:
-    """Run every engine on prompt group ``r`` for ``r < repeats``, engine after engine (A B A B ...).
+def prompt_groups(prompts: list[list[int]], size: int, repeats: int) -> list[list[list[int]]]:
+    """The ``repeats`` groups of ``size`` prompts the timed runs use: group ``r`` is the ``r``-th slice,
+    wrapping around, so small batches average over several prompts."""
+    return [(prompts[r * size % len(prompts):] + prompts[:r * size % len(prompts)])[:size] for r in range(repeats)]
 
-    Group ``r`` is the ``r``-th slice of ``size`` prompts, wrapping around, so small batches average
-    over several prompts; every engine gets the same group in the same repeat.
-    """
+
+def alternate(engines: dict[str, Engine], groups: list[list[list[int]]]) -> dict[str, list[RunTiming]]:
+    """Run every engine on each group in turn, engine after engine (A B A B ...): every engine gets the
+    same group in the same repeat."""
     runs: dict[str, list[RunTiming]] = {name: [] for name in engines}
-    for r in range(repeats):
-        start = (r * size) % len(prompts)
-        group = (prompts[start:] + prompts[:start])[:size]
+    for group in groups:
         for name, engine in engines.items():
             runs[name].append(engine(group))
     return runs
+
+
+def warm_up(engines: dict[str, Engine], groups: list[list[list[int]]]) -> dict[str, float]:
+    """Run every engine once on every distinct group, untimed: seconds per engine.
+
+    The timed runs then repeat exactly these calls (greedy, or sampled from the same seed), so a
+    compiled engine meets every shape bucket here first and none compiles inside a timed run; a
+    warm-up on one group alone left the others' buckets (batches shrinking at other steps, other key
+    lengths) to compile inside the timed runs.
+    """
+    distinct = [g for i, g in enumerate(groups) if g not in groups[:i]]
+    return {name: timed(lambda e=engine: [e(g) for g in distinct])[1] for name, engine in engines.items()}
 
 
 def agreement(a: list[RunTiming], b: list[RunTiming]) -> dict[str, Any]:
@@ -273,6 +286,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     drafter, drafter_dir = None, None
     if args.speculative:
         drafter = load_drafter(args.drafter, target).eval()
+        if args.decode == "compiled":  # the drafter's step through the same mechanism as the target's
+            drafter.use_compiled_steps()
         drafter_dir = export_drafter(args.drafter, work / "drafter", target, dtype=args.dtype, engine="vllm")
     target.set_weight_layout(args.weight_layout)
     count = max([bs * args.repeats for bs in args.batch_sizes] + [args.long_tail_requests, 1])
@@ -324,13 +339,22 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
               flush=True)
         return client
 
+    def compile_seconds() -> float:
+        """Compile time so far of the target and the drafter (``decode="compiled"``; else 0)."""
+        return getattr(target, "compile_seconds", 0.0) + (drafter.compile_seconds if drafter is not None else 0.0)
+
+    def warm_and_time(engines: dict[str, Engine], groups: list[list[list[int]]]) -> dict[str, Any]:
+        warm = warm_up(engines, groups)
+        before = compile_seconds()
+        runs = alternate(engines, groups)
+        return {"runs": runs, "warmup_s": warm, "compile_seconds_in_timed_runs": compile_seconds() - before}
+
     def fixed(engines: dict[str, Engine], pair: tuple[str, str], phase_name: str) -> None:
         with eos_ignored(target):
             for bs in args.batch_sizes:
-                group = prompts[:bs]
-                warm = {n: timed(lambda e=e, g=group: e(g))[1] for n, e in engines.items()}  # untimed warm-up
-                runs = alternate(engines, prompts, bs, args.repeats)
-                out = {"phase": phase_name, "batch_size": bs, "warmup_s": warm, **summarise(runs, [pair], greedy=True)}
+                timing = warm_and_time(engines, prompt_groups(prompts, bs, args.repeats))
+                runs = timing.pop("runs")
+                out = {"phase": phase_name, "batch_size": bs, **timing, **summarise(runs, [pair], greedy=True)}
                 payload["batches"].append(out)
                 (ratio,) = out["ratios"].values()
                 print(f"  batch {bs}: " + ", ".join(
@@ -359,15 +383,12 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
             engines["vllm"] = client.engine(args.long_tail_max_new, 1.0, ignore_eos=False)
             print(f"[bench peers] long tail: {n} requests, T=1, up to {args.long_tail_max_new} tokens, EOS respected",
                   flush=True)
-            # Untimed warm-up as for fixed batches: with decode="compiled" it compiles the buckets the
-            # long tail reaches (every repeat runs the same prompts with the same seed, so the same ones).
-            warm = {name: timed(lambda e=e: e(prompts[:n]))[1] for name, e in engines.items()}
-            compiled_before = getattr(target, "compile_seconds", 0.0)
-            runs = alternate(engines, prompts[:n], n, args.repeats)
+            # Every repeat runs the same prompts with the same seed: the one warm-up run covers the buckets.
+            timing = warm_and_time(engines, prompt_groups(prompts[:n], n, args.repeats))
+            runs = timing.pop("runs")
             lengths = {name: torch.tensor([len(t) for t in ts[-1].tokens]).float() for name, ts in runs.items()}
             payload["long_tail"] = {
-                "requests": n, "max_new_tokens": args.long_tail_max_new, "threshold": args.threshold,
-                "warmup_s": warm, "compile_seconds_in_timed_runs": getattr(target, "compile_seconds", 0.0) - compiled_before,
+                "requests": n, "max_new_tokens": args.long_tail_max_new, "threshold": args.threshold, **timing,
                 **summarise(runs, [(e, "vllm") for e in engines if e != "vllm"], greedy=False),
                 "lengths_p50_p90_max": {k: [float(v.quantile(q)) for q in (0.5, 0.9, 1.0)] for k, v in lengths.items()},
             }
@@ -384,6 +405,7 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
     # Compiled decode: graphs compile in the untimed warm-ups of the fixed batches, and inside the first
     # long-tail runs (medians over --repeats); the total is reported here, apart from the rates.
     payload.update(compile_report(target))
+    payload["drafter_compile_seconds"] = drafter.compile_seconds if drafter is not None else 0.0
     json_path = write_json(args.json, payload)
     plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
     payload["plot"] = str(plot(payload, plot_path))

@@ -75,5 +75,5 @@ class CompiledDrafterStep(BucketedGraphs):
         hidden = hidden_in.new_zeros(p.bucket.batch, p.bucket.queries, hidden_in.shape[-1])
         hidden[: p.n, : p.q] = hidden_in
         out = self.launch(self._fn, p.bucket, self.drafter, p.input_ids, hidden, p.positions, p.slots, p.mask,
-                          list(cache.keys.unbind(0)), list(cache.values.unbind(0)), p.bucket.kv_len)
+                          *self.layer_views(cache), p.bucket.kv_len)
         return self.unpad(out, p)

@@ -82,7 +82,7 @@ def grouped_sdpa(
     if q > 1 and g > 1:
         mask = mask[:, :, None].expand(n, 1, g, q, kv).reshape(n, 1, g * q, kv)
     out = F.scaled_dot_product_attention(grouped_query, key, value, attn_mask=mask, scale=scale)
-    return out.view(n, heads, q, dim)
+    return out.reshape(n, heads, q, dim)  # a view on a CPU; CUDA kernels may return other strides
 
 
 def grouped_sdpa_attention(

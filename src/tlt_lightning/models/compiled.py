@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -253,6 +254,7 @@ class BucketedGraphs:
         self.mode = self.config.mode or ("reduce-overhead" if device.type == "cuda" else "default")
         self._cudagraphs = device.type == "cuda" and "cudagraphs" not in self.mode and self.mode != "default"
         self._warned: set[tuple] = set()
+        self._views: tuple[weakref.ref, list[torch.Tensor], list[torch.Tensor]] | None = None
         self.compile_times: dict[Bucket, float] = {}
 
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -272,10 +274,20 @@ class BucketedGraphs:
         rows = _bucket(self.config.batch_buckets, max_batch) or max_batch
         spare = _round_up(max_len, self.config.kv_step) - max_len + 1
         cache = KVCache(num_layers, rows, num_kv_heads, max_len, head_dim, dtype, device, spare_slots=spare)
-        if self._cudagraphs:  # CUDA graphs write the cache in place: its address must not change
-            torch._dynamo.mark_static_address(cache.keys)
-            torch._dynamo.mark_static_address(cache.values)
         return cache
+
+    def layer_views(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The cache's per-layer ``[B, kv_heads, S, D]`` key and value views, the same tensors every step.
+
+        CUDA graphs write them in place, so their addresses must be static: they are marked so once per
+        cache (views made afresh each step would be new inputs, and the graphs would be skipped)."""
+        if self._views is None or self._views[0]() is not cache.keys:
+            keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
+            if self._cudagraphs:
+                for view in keys + values:
+                    torch._dynamo.mark_static_address(view)
+            self._views = (weakref.ref(cache.keys), keys, values)
+        return self._views[1], self._views[2]
 
     def bucket(self, n: int, q: int, kv_len: int, feature_layers: tuple[int, ...] = ()) -> Bucket | None:
         """The bucket a forward of ``n`` rows, ``q`` new tokens each, over ``kv_len`` key slots runs in (or ``None``)."""
@@ -407,7 +419,6 @@ class CompiledDecode(BucketedGraphs):
         if p is None:
             return None
         hidden, features = self.launch(self._fn, p.bucket, self.model, self._packed(), p.input_ids, p.positions,
-                                       p.slots, p.mask, list(cache.keys.unbind(0)),
-                                       list(cache.values.unbind(0)), p.bucket.kv_len,
+                                       p.slots, p.mask, *self.layer_views(cache), p.bucket.kv_len,
                                        p.bucket.feature_layers, self._gemv)
         return self.unpad(hidden, p), self.unpad(features, p)

@@ -8,6 +8,7 @@ layers from the same pass, so drafter features cost no extra forward.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -32,6 +33,18 @@ DECODE_PATHS = ("hf", "lean", "compiled")
 """How :class:`HFTarget` runs decode and verify forwards: transformers' module tree,
 :func:`~tlt_lightning.models.lean.lean_forward` (same outputs, fewer ops; Llama and Qwen2), or that
 forward through ``torch.compile`` over shape buckets (:mod:`~tlt_lightning.models.compiled`)."""
+
+
+def cache_argument(decoder: nn.Module) -> str:
+    """The name under which ``decoder.forward`` takes its cache: ``cache`` in newer transformers 5 releases,
+    ``past_key_values`` before (5.19 and older, which vLLM pins). Under the wrong name the cache
+    would vanish into ``**kwargs`` and the model would attend to the new tokens alone."""
+    parameters = inspect.signature(decoder.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise TypeError(f"{type(decoder).__name__}.forward takes neither `cache` nor `past_key_values`: "
+                    "this transformers version is not supported (transformers>=5.0,<6)")
 
 
 class TargetOutput(NamedTuple):
@@ -211,6 +224,7 @@ class HFTarget(nn.Module):
         )
         self.weight_layout = "out_in"
         self._head_copy: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._cache_argument = cache_argument(model.get_decoder())
 
     def _compiled_or_fallback(self, model: PreTrainedModel, compile_config: CompileConfig | None) -> str:
         """Set up ``decode="compiled"``, or the eager path the model supports (with a warning)."""
@@ -317,7 +331,7 @@ class HFTarget(nn.Module):
             input_ids=input_ids,
             attention_mask=hf_attention_mask(self.model, attention_mask),
             position_ids=positions,
-            cache=cache,
+            **{self._cache_argument: cache},
             use_cache=True,
             output_hidden_states=bool(feature_layers),
         )
