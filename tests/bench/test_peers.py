@@ -15,10 +15,10 @@ from tlt_lightning.bench.peers import (
     alternate,
     compare,
     eos_ignored,
-    prompt_groups,
     summarise,
     warm_up,
 )
+from tlt_lightning.bench.common import prompt_groups
 from tlt_lightning.bench.peers_worker import handle, serve
 from tlt_lightning.drafter import Drafter, DrafterConfig
 from tlt_lightning.models import CompileConfig, HFTarget, load_model

@@ -153,3 +153,28 @@ def test_speculative_plot_of_several_temperatures_draws_speedup_against_temperat
     assert [line.get_label() for line in lines] == ["chain3, batch 1", "chain3, batch 4", "chain6, batch 1",
                                                     "chain6, batch 4"]
     assert all(list(line.get_ydata()) == [1.5, 2.5] for line in lines)
+
+
+def test_speculative_compare_warms_up_on_every_group_it_times():
+    """``--decode compiled``: each loop first runs every timed group once untimed (so its graphs compile
+    there), with the seed of that repeat; then the timed runs, plain and speculative alternating."""
+    from tlt_lightning.bench.speculative import _compare
+    from tlt_lightning.drafter import Drafter, DrafterConfig
+    from tlt_lightning.models import HFTarget, load_model
+    from tlt_lightning.rollout import RolloutConfig, RolloutEngine
+    from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+    from tlt_lightning.speculative import DraftSpec
+
+    target = HFTarget(load_model("tiny-llama", seed=0).model)
+    drafter = Drafter(DrafterConfig.from_target(target), target).eval()
+    cfg = RolloutConfig(max_new_tokens=4, temperature=1.0)
+    plain, spec = RolloutEngine(target, cfg), SpeculativeRolloutLoop(target, drafter, cfg, DraftSpec(2), threshold=3)
+    calls = []
+    for name, loop in (("plain", plain), ("sd", spec)):
+        generate = loop.generate
+        loop.generate = lambda group, generator, name=name, generate=generate: (
+            calls.append((name, group[0][0], generator.initial_seed())) or generate(group, generator=generator))
+    prompts = [[i + 3, 7, 8] for i in range(3)]
+    [out] = _compare(plain, {"chain2": spec}, prompts, size=2, repeats=2, seed=10, warm_up=True)
+    runs = [("plain", 3, 10), ("sd", 3, 10), ("plain", 5, 11), ("sd", 5, 11)]
+    assert calls == runs + runs and out["requests"] == 2

@@ -10,7 +10,16 @@ from typing import Any
 from tlt_lightning.reports import machine_info, median, new_figure, save_figure, write_json
 from tlt_lightning.rl.tasks import task_prompts
 
-__all__ = ["compile_report", "machine_info", "median", "new_figure", "save_figure", "task_prompts", "timed", "write_json"]
+__all__ = [
+    "compile_report", "machine_info", "median", "new_figure", "prompt_groups", "save_figure", "task_prompts", "timed",
+    "write_json",
+]
+
+
+def prompt_groups(prompts: list[list[int]], size: int, repeats: int) -> list[list[list[int]]]:
+    """The ``repeats`` groups of ``size`` prompts the timed runs use: group ``r`` is the ``r``-th slice,
+    wrapping around, so small batches average over several prompts."""
+    return [(prompts[r * size % len(prompts):] + prompts[:r * size % len(prompts)])[:size] for r in range(repeats)]
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:

@@ -44,6 +44,7 @@ from tlt_lightning.bench.common import (
     machine_info,
     median,
     new_figure,
+    prompt_groups,
     save_figure,
     task_prompts,
     timed,
@@ -147,12 +148,6 @@ class PeerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def prompt_groups(prompts: list[list[int]], size: int, repeats: int) -> list[list[list[int]]]:
-    """The ``repeats`` groups of ``size`` prompts the timed runs use: group ``r`` is the ``r``-th slice,
-    wrapping around, so small batches average over several prompts."""
-    return [(prompts[r * size % len(prompts):] + prompts[:r * size % len(prompts)])[:size] for r in range(repeats)]
 
 
 def alternate(engines: dict[str, Engine], groups: list[list[list[int]]]) -> dict[str, list[RunTiming]]:

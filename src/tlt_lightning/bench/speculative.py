@@ -30,6 +30,7 @@ from tlt_lightning.bench.common import (
     machine_info,
     median,
     new_figure,
+    prompt_groups,
     save_figure,
     task_prompts,
     timed,
@@ -53,21 +54,24 @@ def full_batch_step_time(stats: Any, size: int, speculative: bool) -> float:
 
 
 def _compare(plain: RolloutEngine, specs: dict[str, SpeculativeRolloutLoop], prompts, size: int, repeats: int,
-             seed: int) -> list[dict[str, Any]]:
+             seed: int, warm_up: bool = False) -> list[dict[str, Any]]:
     """Alternate plain rollouts of ``size`` prompts with those of each speculative loop (by strategy name).
 
     Repeat ``r`` takes the ``r``-th group of ``size`` prompts (wrapping around), so small batches
     average over several prompts instead of timing one prompt again and again; every loop runs on
     it right after the plain run, with the same seed. Returns one summary per loop (medians), each
-    against the same plain runs, with its last result under ``"_last"``.
+    against the same plain runs, with its last result under ``"_last"``. ``warm_up``: every run is
+    made once untimed first, so compiled graphs (``--decode compiled``) compile outside the timed runs.
     """
     keys = ("sd_tps", "sd_decode_tps", "sd_s", "sd_cpu_s", "accept", "draft_depth", "sd_step_fraction", "sd_step_cost")
     base: dict[str, list[float]] = {"plain_tps": [], "plain_decode_tps": [], "plain_s": [], "plain_cpu_s": []}
     rows: list[dict[str, list[float]]] = [{k: [] for k in keys} for _ in specs]
     last: list[RolloutResult | None] = [None] * len(specs)
-    for r in range(repeats):
-        start = (r * size) % len(prompts)
-        group = (prompts[start:] + prompts[:start])[:size]
+    groups = prompt_groups(prompts, size, repeats)
+    for r, group in enumerate(groups if warm_up else []):
+        for loop in (plain, *specs.values()):
+            loop.generate(group, generator=torch.Generator().manual_seed(seed + r))
+    for r, group in enumerate(groups):
         a, ta, ca = timed(lambda: plain.generate(group, generator=torch.Generator().manual_seed(seed + r)))
         base["plain_cpu_s"].append(ca / a.stats.generated_tokens)  # CPU seconds per token
         base["plain_tps"].append(a.stats.generated_tokens / ta)
@@ -217,6 +221,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     target = HFTarget(loaded.model, decode=getattr(args, "decode", "hf"))
     target.set_weight_layout(args.weight_layout)
     drafters = {name: load_drafter(path, target).eval() for name, path in zip(names, args.drafter)}
+    compiled = target.decode == "compiled"
+    for drafter in drafters.values() if compiled else ():
+        drafter.use_compiled_steps()  # the drafter's step through the same mechanism as the target's
     # One drafter: results are labelled by arm, as before; several: DIRNAME/ARM.
     runs = [(f"{name}/{arm}" if len(drafters) > 1 else str(arm), drafter, arm)
             for name, drafter in drafters.items() for arm in arms]
@@ -238,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=temperature)
         specs = {label: SpeculativeRolloutLoop(target, drafter, cfg, arm, threshold=bs + 1)
                  for label, drafter, arm in runs}
-        for out in _compare(RolloutEngine(target, cfg), specs, prompts, bs, args.repeats, args.seed):
+        for out in _compare(RolloutEngine(target, cfg), specs, prompts, bs, args.repeats, args.seed, compiled):
             out.pop("_last")
             payload["batches"].append({"temperature": temperature, **out})
             print(f"  {out['strategy']}: plain {out['plain_tokens_per_s']:.1f} tok/s, SD {out['sd_tokens_per_s']:.1f} "
@@ -269,7 +276,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"SD below {args.threshold} active ...", flush=True)
         label, drafter, arm = runs[0]
         spec = SpeculativeRolloutLoop(target, drafter, lt_cfg, arm, threshold=args.threshold)
-        [out] = _compare(RolloutEngine(target, lt_cfg), {label: spec}, prompts[:n], n, args.repeats, args.seed)
+        [out] = _compare(RolloutEngine(target, lt_cfg), {label: spec}, prompts[:n], n, args.repeats, args.seed,
+                         compiled)
         long_tail = out.pop("_last")
         out["speedup_rollout_time"] = out["plain_seconds"] / out["sd_seconds"]
         out["threshold"] = args.threshold
@@ -278,7 +286,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  plain {out['plain_seconds']:.1f} s, SD {out['sd_seconds']:.1f} s, "
               f"x{out['speedup_rollout_time']:.2f}, accept {out['mean_accept_length']:.2f}", flush=True)
 
-    payload.update(compile_report(target))  # --decode compiled: counted inside the runs, reported too
+    payload.update(compile_report(target))  # --decode compiled: in untimed warm-up runs
+    payload["drafter_compile_seconds"] = sum(d.compile_seconds for d in drafters.values())
     json_path = write_json(args.json, payload)
     plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
     payload["plot"] = str(plot(payload, long_tail, plot_path))
