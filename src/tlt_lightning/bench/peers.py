@@ -397,8 +397,7 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
             print(f"[bench peers] speculative (chain{args.k}, greedy), fixed batches", flush=True)
             fixed(engines, ("ours-sd", "vllm-sd"), "speculative")
 
-    # Compiled decode: graphs compile in the untimed warm-ups of the fixed batches, and inside the first
-    # long-tail runs (medians over --repeats); the total is reported here, apart from the rates.
+    # Compiled decode: graphs compile in the untimed warm-ups; the totals are reported here, apart from the rates.
     payload.update(compile_report(target))
     payload["drafter_compile_seconds"] = drafter.compile_seconds if drafter is not None else 0.0
     json_path = write_json(args.json, payload)
