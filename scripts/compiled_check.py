@@ -66,8 +66,14 @@ def main() -> int:
     p.add_argument("--speed-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="write the speed runs here")
+    p.add_argument("--peer-generate", action="store_true",
+                   help="--speed: also time transformers' own generate with a static cache (compiled by transformers on CUDA)")
+    p.add_argument("--speed-only", action="store_true", help="skip the exactness checks")
     args = p.parse_args()
     model = build_model(args.model, args.random_weights).to(args.device)
+    if args.speed_only:
+        speed(model, args)
+        return 0
     hf = HFTarget(model)
     config = CompileConfig(batch_buckets=tuple(args.batch_buckets), query_buckets=(1, 4, 8), mode=args.mode)
     compiled = HFTarget(model, decode="compiled", compile_config=config)
@@ -134,15 +140,24 @@ def speed(model: torch.nn.Module, args: argparse.Namespace) -> None:
     for batch in args.speed:
         prompts = prompts_for(paths["hf"], batch, seed=batch)
         rates = {name: [] for name in paths}
+        end_to_end = {name: [] for name in [*paths, *(["generate-static"] if args.peer_generate else [])]}
         for repeat in range(args.repeats + 1):  # the first round compiles: untimed
             for name, target in paths.items():
                 stats = RolloutEngine(target, rollout).generate(prompts).stats
                 if repeat:
                     rates[name].append(stats.decode_tokens_per_s)
+                    end_to_end[name].append(stats.tokens_per_s)
+            if args.peer_generate:
+                rate = generate_static(model, prompts, args.speed_tokens)
+                if repeat:
+                    end_to_end["generate-static"].append(rate)
         median = {name: statistics.median(r) for name, r in rates.items()}
-        runs.append({"batch": batch, "decode_tokens_per_s": rates, "median": median})
+        median_e2e = {name: statistics.median(r) for name, r in end_to_end.items()}
+        runs.append({"batch": batch, "decode_tokens_per_s": rates, "median": median,
+                     "end_to_end_tokens_per_s": end_to_end, "median_end_to_end": median_e2e})
         print(f"bf16 batch {batch:3d}: decode tok/s hf {median['hf']:8.1f}, compiled {median['compiled']:8.1f} "
-              f"({median['compiled'] / median['hf']:.2f}x)", flush=True)
+              f"({median['compiled'] / median['hf']:.2f}x); end to end " +
+              ", ".join(f"{k} {v:.1f}" for k, v in median_e2e.items()), flush=True)
     print(f"speed compile total {paths['compiled'].compile_seconds:.1f} s")
     if args.json:
         device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
@@ -152,6 +167,23 @@ def speed(model: torch.nn.Module, args: argparse.Namespace) -> None:
                   "compile_times_s": {str(k): v for k, v in paths["compiled"].compile_times.items()}}
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def generate_static(model: torch.nn.Module, prompts: list[list[int]], tokens: int) -> float:
+    """transformers' own fast path, ``generate`` with a static cache (compiled by transformers on CUDA):
+    end-to-end tokens/s of greedy decoding, ``tokens`` per request (EOS suppressed), prompts left-padded."""
+    device, width = model.device, max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    mask = torch.arange(width, device=device)[None] >= width - lengths[:, None]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=tokens, min_new_tokens=tokens,
+                         do_sample=False, cache_implementation="static", pad_token_id=0)
+    sync()
+    assert out.shape[1] - width == tokens, out.shape
+    return len(prompts) * tokens / (time.perf_counter() - start)
 
 
 def one_step(target: HFTarget, lens: torch.Tensor, q: int = 4) -> torch.Tensor:
