@@ -27,3 +27,10 @@ def tiny_llama() -> HFTarget:
 def smollm2():
     """The real SmolLM2-135M-Instruct (converted once into the user cache)."""
     return load_model("smollm2-135m")
+
+
+@pytest.fixture
+def fresh_compile() -> None:
+    """Forget what ``torch.compile`` compiled so far, for tests about compiling itself: it reuses a graph for
+    any model of the same shapes (parameters are graph inputs), so an earlier test's graph would serve."""
+    torch._dynamo.reset()

@@ -209,7 +209,7 @@ def test_compare_with_a_fake_worker_writes_json_plot_and_equal_greedy_tokens(tmp
     assert data["worker_env"]["PYTHONPATH"] == "src"  # the result file holds no machine paths
 
 
-def test_compiled_engines_compile_nothing_inside_the_timed_runs(tmp_path, monkeypatch):
+def test_compiled_engines_compile_nothing_inside_the_timed_runs(tmp_path, monkeypatch, fresh_compile):
     """``--decode compiled``: target and drafter graphs compile in the warm-ups, which run every group the
     timed runs use (speculation shrinks the batch at other steps in each group: other buckets)."""
     monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])

@@ -36,7 +36,7 @@ def test_bench_rollout_cli_writes_json_and_plot(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_rollout_compiled_decode_reports_compile_time_apart(tmp_path):
+def test_bench_rollout_compiled_decode_reports_compile_time_apart(tmp_path, fresh_compile):
     path = tmp_path / "rollout.json"
     main(["--threads", "1", "bench", "rollout", "--decode", "compiled", "--batch-sizes", "1", "--max-new-tokens", "8",
           "--long-tail-requests", "0", "--repeats", "1", "--json", str(path)])

@@ -10,6 +10,7 @@ from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.models.attention import (
     GROUPED_SDPA,
     MAX_GROUPED_QUERIES,
+    grouped_matmul_attention,
     grouped_sdpa,
     use_grouped_attention,
 )
@@ -42,6 +43,21 @@ def test_grouped_sdpa_equals_enable_gqa(dtype, n, q, kv):
     assert got.shape == expected.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("n", "q", "kv"), [(1, 1, 9), (3, 1, 17), (2, 5, 23), (4, 7, 40)])
+def test_grouped_matmul_attention_equals_grouped_sdpa(dtype, atol, n, q, kv):
+    """The same attention; in bf16 the probabilities are rounded before the second product (as in
+    transformers' eager attention), so outputs differ by a bf16 ulp or so."""
+    g = torch.Generator().manual_seed(n * 100 + q)
+    query = torch.randn(n, 6, q, 16, generator=g).to(dtype)
+    key, value = (torch.randn(n, 2, kv, 16, generator=g).to(dtype) for _ in range(2))
+    mask = torch.rand(n, 1, q, kv, generator=g) < 0.7
+    mask[..., 0] = True
+    got = grouped_matmul_attention(query, key, value, mask, scale=0.3)
+    assert got.shape == query.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float(), grouped_sdpa(query, key, value, mask, scale=0.3).float(), atol=atol, rtol=0)
 
 
 def test_grouped_sdpa_per_row_masks_are_not_mixed():

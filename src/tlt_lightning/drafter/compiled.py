@@ -38,9 +38,9 @@ def _static_step(
     mask: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
-    kv_len: int,
 ) -> torch.Tensor:
-    return drafter.layers_forward(tokens, hidden_in, positions, mask, StaticKV(keys, values, slots, kv_len))
+    store = StaticKV(keys, values, slots, kv_len=mask.shape[-1])
+    return drafter.layers_forward(tokens, hidden_in, positions, mask, store)
 
 
 class CompiledDrafterStep(BucketedGraphs):
@@ -74,6 +74,7 @@ class CompiledDrafterStep(BucketedGraphs):
             return None
         hidden = hidden_in.new_zeros(p.bucket.batch, p.bucket.queries, hidden_in.shape[-1])
         hidden[: p.n, : p.q] = hidden_in
+        self.mark_rows(hidden)
         out = self.launch(self._fn, p.bucket, self.drafter, p.input_ids, hidden, p.positions, p.slots, p.mask,
-                          *self.layer_views(cache), p.bucket.kv_len)
+                          *self.layer_views(cache))
         return self.unpad(out, p)

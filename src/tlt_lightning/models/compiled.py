@@ -1,12 +1,23 @@
-"""A compiled decode path: the lean forward through ``torch.compile``, over static shape buckets (gpt-fast style).
+"""A compiled decode path: the lean forward through ``torch.compile``, over shape buckets (gpt-fast style).
 
 :func:`~tlt_lightning.models.lean.lean_decoder` is traced as it is (one copy of the math) with a
-static-shape key/value store: each forward of ``n`` rows of ``q`` new tokens over ``kv_len`` key
-slots runs in the graph of its *bucket*: the smallest batch bucket ``>= n``, the smallest query
-bucket ``>= q`` and ``kv_len`` rounded up to a multiple of ``kv_step``
-(:class:`CompileConfig`). Graphs are compiled lazily, once per bucket, and reused for every step
-that falls in it; each compile is timed and logged (:attr:`CompiledDecode.compile_times`) so
-benchmarks report it apart from decoding.
+key/value store of fixed buffers. A forward of ``n`` rows of ``q`` new tokens over ``kv_len`` key
+slots pads its queries to the smallest query bucket ``>= q`` (:class:`CompileConfig`), and then:
+
+- **dynamic graphs** (the default, except for CUDA graphs): rows and key slots are dynamic
+  dimensions, so one graph per query bucket serves every batch size and length (plus one for a
+  single row, which ``torch.compile`` specialises), rows are not padded and attention reads exactly
+  the cached keys. Measured side by side on SmolLM2 (bf16, one AMD Zen 5 core,
+  ``scripts/compiled_steps.py``, ``docs/results/compiled_steps_zen5.json``), static against dynamic
+  graphs with the attention as batched products (:attr:`CompileConfig.matmul_attention`): 48 rows
+  over 300 keys 186 against 104 ms (the static bucket: 64 rows, 512 keys), 32 rows over 200 keys 69.5
+  against 56.8 ms, 8 rows of 4 queries over 300 keys 54.1 against 43.1 ms; one row level.
+- **static graphs** (CUDA graphs, which replay fixed shapes): rows pad to the smallest batch bucket
+  ``>= n`` and ``kv_len`` rounds up to a multiple of ``kv_step``; one graph per bucket.
+
+Graphs compile lazily, on their first call, and are reused for every step that falls in them; any
+call that compiles is timed and logged (:attr:`BucketedGraphs.compile_times`), so benchmarks report
+compile time apart from decoding, and a recompile would show there too.
 
 Padding never touches a sequence: padded rows and padded queries write their keys and values into a
 spare slot past ``max_len`` (:meth:`CompiledDecode.new_cache` allocates it), real queries see the
@@ -36,9 +47,12 @@ greedy outputs can part after a near-tie, as between any two bf16 kernels.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+import types
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -46,7 +60,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.utils import counters
 
+from tlt_lightning.models.attention import grouped_matmul_attention
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import PackedLinear, PackedWeight, packable_dtypes
 from tlt_lightning.models.lean import MAX_LEAN_QUERIES, check_lean_model, lean_decoder
@@ -108,10 +124,11 @@ class CompileConfig:
     """Shape buckets and mode of :class:`CompiledDecode`.
 
     Attributes:
-        batch_buckets: row counts graphs are compiled for; ``n`` rows run in the smallest bucket ``>= n``.
+        batch_buckets: row counts static graphs are compiled for (``n`` rows run in the smallest bucket
+            ``>= n``); dynamic graphs take up to the largest.
         query_buckets: new tokens per row (1: decode, ``K + 1``: a chain of ``K`` drafts, tree nodes);
             at most :data:`~tlt_lightning.models.lean.MAX_LEAN_QUERIES`.
-        kv_step: key slots attention reads, rounded up to a multiple of this (the rest masked).
+        kv_step: key slots attention reads in static graphs, rounded up to a multiple of this (the rest masked).
         mode: ``torch.compile`` mode (:data:`COMPILE_MODES`); ``None``: ``"reduce-overhead"`` (CUDA
             graphs) on CUDA, ``"default"`` elsewhere.
         packed_weights: on a CPU, multiply by oneDNN-packed weights passed as graph inputs (without
@@ -119,6 +136,13 @@ class CompileConfig:
         row_gemv: on a CPU in bf16, graphs of one row of one token (batch-1 decode) multiply by the
             plain weights as an Inductor reduction (:func:`row_gemv`) instead of oneDNN: it streams the
             weights faster (measured 1.5x on the linears of a SmolLM2 step, Zen 4).
+        matmul_attention: on a CPU, graphs of several rows attend by two batched products
+            (:func:`~tlt_lightning.models.attention.grouped_matmul_attention`) instead of the flash
+            kernel: 1.04-1.12x faster whole steps of 8-32 rows of SmolLM2 on a Zen 5 (one row keeps
+            the kernel).
+        dynamic: rows and key slots as dynamic dimensions of the graphs: one graph per query bucket
+            (and one for a single row), no padded rows, attention reads exactly the cached keys.
+            ``None``: on unless the graphs are CUDA graphs (they need static shapes).
 
     Example:
         >>> CompileConfig(batch_buckets=(1, 8), query_buckets=(1, 4)).kv_step
@@ -131,6 +155,8 @@ class CompileConfig:
     mode: str | None = None
     packed_weights: bool = True
     row_gemv: bool = True
+    matmul_attention: bool = True
+    dynamic: bool | None = None
 
     def __post_init__(self) -> None:
         _ascending("batch_buckets", self.batch_buckets)
@@ -142,7 +168,10 @@ class CompileConfig:
 
 
 class Bucket(NamedTuple):
-    """The static shape of one compiled graph: padded rows, queries per row, key slots; requested features."""
+    """The shape a forward runs at: padded rows, queries per row, key slots; requested features.
+
+    As a key of :attr:`BucketedGraphs.compile_times` (one compiled graph), a ``batch`` or ``kv_len`` of 0
+    is a dynamic dimension: any."""
 
     batch: int
     queries: int
@@ -204,13 +233,15 @@ def _static_forward(
     mask: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
-    kv_len: int,
     feature_layers: tuple[int, ...],
     one_row_gemv: bool,
+    matmul_attention: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The traced function: :func:`lean_decoder` over a :class:`StaticKV`, linears multiplying by ``packed``
-    (or, with ``one_row_gemv`` and a single row of one token, by :func:`row_gemv`)."""
+    (or, with ``one_row_gemv`` and a single row of one token, by :func:`row_gemv`); with ``matmul_attention``
+    and several rows, attending by :func:`grouped_matmul_attention`."""
     gemv = one_row_gemv and input_ids.numel() == 1
+    attention = grouped_matmul_attention if matmul_attention and input_ids.shape[0] > 1 else None
 
     def linear(x: torch.Tensor, module: nn.Module, name: str) -> torch.Tensor:
         if gemv:
@@ -219,8 +250,17 @@ def _static_forward(
             return F.linear(x, module.weight, module.bias)
         return packed_linear(x, packed[name], module.bias, module.out_features)
 
-    store = StaticKV(keys, values, slots, kv_len)
-    return lean_decoder(model, input_ids, positions, mask, store.update, feature_layers, linear)
+    store = StaticKV(keys, values, slots, kv_len=mask.shape[-1])
+    return lean_decoder(model, input_ids, positions, mask, store.update, feature_layers, linear, attention)
+
+
+@functools.cache
+def _code_per_kind(fn: Callable[..., Any], dynamic: bool) -> Callable[..., Any]:
+    """``fn``, or for dynamic graphs a copy under a code object of its own: ``torch.compile`` keeps graphs per
+    code object, and a dynamic graph (any rows, any keys) would otherwise serve a static bucket's calls."""
+    if not dynamic:
+        return fn
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 class Padded(NamedTuple):
@@ -246,19 +286,23 @@ class BucketedGraphs:
         what: the name warnings and logs give the step (``"decode='compiled'"``).
 
     Attributes:
-        compile_times: seconds each bucket's first call took (tracing, compiling, one run).
+        compile_times: per graph (:meth:`graph`), seconds of the calls that compiled it (tracing,
+            compiling, one run); none where ``torch.compile`` reused a graph it had already compiled.
+        graph_calls: per graph, the forwards that ran in it.
     """
 
     def __init__(self, device: torch.device, config: CompileConfig | None, what: str) -> None:
         self.config, self.what = config or CompileConfig(), what
         self.mode = self.config.mode or ("reduce-overhead" if device.type == "cuda" else "default")
         self._cudagraphs = device.type == "cuda" and "cudagraphs" not in self.mode and self.mode != "default"
+        self.dynamic = not self._cudagraphs if self.config.dynamic is None else self.config.dynamic
         self._warned: set[tuple] = set()
         self._views: tuple[weakref.ref, list[torch.Tensor], list[torch.Tensor]] | None = None
         self.compile_times: dict[Bucket, float] = {}
+        self.graph_calls: Counter[Bucket] = Counter()
 
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return torch.compile(fn, dynamic=False, fullgraph=True, mode=self.mode)
+        return torch.compile(_code_per_kind(fn, self.dynamic), dynamic=False, fullgraph=True, mode=self.mode)
 
     @property
     def compile_seconds(self) -> float:
@@ -269,10 +313,13 @@ class BucketedGraphs:
         self, num_layers: int, max_batch: int, num_kv_heads: int, max_len: int, head_dim: int,
         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
     ) -> KVCache:
-        """A :class:`KVCache` with room for the buckets: rows rounded up to a batch bucket, key slots
-        to a multiple of ``kv_step``, plus the spare slot padding writes to."""
-        rows = _bucket(self.config.batch_buckets, max_batch) or max_batch
-        spare = _round_up(max_len, self.config.kv_step) - max_len + 1
+        """A :class:`KVCache` with room for the padding: the spare slot padded queries write to and, for
+        static graphs, rows rounded up to a batch bucket and key slots to a multiple of ``kv_step``."""
+        if self.dynamic:  # at least two rows: graphs take any count above one (torch.compile specialises one)
+            rows, spare = max(max_batch, 2), 1
+        else:
+            rows = _bucket(self.config.batch_buckets, max_batch) or max_batch
+            spare = _round_up(max_len, self.config.kv_step) - max_len + 1
         cache = KVCache(num_layers, rows, num_kv_heads, max_len, head_dim, dtype, device, spare_slots=spare)
         return cache
 
@@ -280,22 +327,38 @@ class BucketedGraphs:
         """The cache's per-layer ``[B, kv_heads, S, D]`` key and value views, the same tensors every step.
 
         CUDA graphs write them in place, so their addresses must be static: they are marked so once per
-        cache (views made afresh each step would be new inputs, and the graphs would be skipped)."""
+        cache (views made afresh each step would be new inputs, and the graphs would be skipped). For
+        dynamic graphs their rows and slots are marked dynamic: caches of any size share the graphs."""
         if self._views is None or self._views[0]() is not cache.keys:
             keys, values = list(cache.keys.unbind(0)), list(cache.values.unbind(0))
-            if self._cudagraphs:
-                for view in keys + values:
+            for view in keys + values:
+                if self._cudagraphs:
                     torch._dynamo.mark_static_address(view)
+                if self.dynamic and view.shape[0] > 1:
+                    torch._dynamo.mark_dynamic(view, 0)
+                    torch._dynamo.mark_dynamic(view, 2)
             self._views = (weakref.ref(cache.keys), keys, values)
         return self._views[1], self._views[2]
 
     def bucket(self, n: int, q: int, kv_len: int, feature_layers: tuple[int, ...] = ()) -> Bucket | None:
-        """The bucket a forward of ``n`` rows, ``q`` new tokens each, over ``kv_len`` key slots runs in (or ``None``)."""
+        """The shape a forward of ``n`` rows, ``q`` new tokens each, over ``kv_len`` key slots runs at (or ``None``).
+
+        Static graphs: rows up to a batch bucket, keys to a multiple of ``kv_step``. Dynamic ones: rows
+        and keys as they are (``n`` within the largest batch bucket)."""
         c = self.config
         batch, queries = _bucket(c.batch_buckets, n), _bucket(c.query_buckets, q)
         if batch is None or queries is None:
             return None
+        if self.dynamic:
+            return Bucket(n, queries, kv_len, tuple(feature_layers))
         return Bucket(batch, queries, _round_up(kv_len, c.kv_step), tuple(feature_layers))
+
+    def graph(self, bucket: Bucket) -> Bucket:
+        """The graph a bucket runs in: the bucket itself if static; if dynamic, with ``kv_len`` and (unless
+        one) ``batch`` 0, meaning any."""
+        if not self.dynamic:
+            return bucket
+        return bucket._replace(batch=1 if bucket.batch == 1 else 0, kv_len=0)
 
     def _fallback(self, key: tuple, message: str) -> None:
         if key not in self._warned:
@@ -343,19 +406,33 @@ class BucketedGraphs:
         mask = attention_mask.new_zeros(B, 1, Q, K)
         mask[..., 0] = True
         mask[:n, :, :q, :kv_len] = attention_mask
+        if self.dynamic:
+            self.mark_rows(ids, pos, where, mask)
+            torch._dynamo.mark_dynamic(mask, 3)
         return Padded(bucket, ids, pos, where, mask, n, q)
+
+    def mark_rows(self, *tensors: torch.Tensor) -> None:
+        """Mark dimension 0 (rows) of the graph inputs dynamic, where graphs are dynamic and rows are not one."""
+        if self.dynamic and tensors[0].shape[0] > 1:
+            for t in tensors:
+                torch._dynamo.mark_dynamic(t, 0)
 
     def launch(self, fn: Callable[..., Any], bucket: Bucket, *args: Any) -> Any:
         """Call the compiled ``fn``, timing the bucket's first call (its compile) and logging it."""
-        first = bucket not in self.compile_times
+        graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         if self._cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, accumulated_recompile_limit=_RECOMPILE_LIMIT):
             out = fn(*args)
-        if first:
-            self.compile_times[bucket] = time.perf_counter() - start
-            log.info("%s: bucket %s compiled in %.1f s", self.what, tuple(bucket), self.compile_times[bucket])
+        graph = self.graph(bucket)
+        self.graph_calls[graph] += 1
+        if counters["stats"]["unique_graphs"] != graphs:  # this call compiled (first call of a graph, or a recompile)
+            seconds = time.perf_counter() - start
+            if graph in self.compile_times:
+                log.warning("%s: graph %s compiled again (%.1f s)", self.what, tuple(graph), seconds)
+            self.compile_times[graph] = self.compile_times.get(graph, 0.0) + seconds
+            log.info("%s: bucket %s compiled in %.1f s", self.what, tuple(graph), seconds)
         return out
 
     def unpad(self, x: torch.Tensor | None, padded: Padded) -> torch.Tensor | None:
@@ -389,6 +466,7 @@ class CompiledDecode(BucketedGraphs):
         self.model = model
         self._pack = self.config.packed_weights and model.device.type == "cpu" and model.dtype in packable_dtypes()
         self._gemv = self.config.row_gemv and model.device.type == "cpu" and model.dtype == torch.bfloat16
+        self._matmul_attention = self.config.matmul_attention and model.device.type == "cpu"
         self._linears = [(n, m) for n, m in model.get_decoder().named_modules() if isinstance(m, nn.Linear)]
         self._own_packs: dict[str, PackedWeight] = {}
         self._fn = self.compile(_static_forward)
@@ -419,6 +497,6 @@ class CompiledDecode(BucketedGraphs):
         if p is None:
             return None
         hidden, features = self.launch(self._fn, p.bucket, self.model, self._packed(), p.input_ids, p.positions,
-                                       p.slots, p.mask, *self.layer_views(cache), p.bucket.kv_len,
-                                       p.bucket.feature_layers, self._gemv)
+                                       p.slots, p.mask, *self.layer_views(cache), p.bucket.feature_layers,
+                                       self._gemv, self._matmul_attention)
         return self.unpad(hidden, p), self.unpad(features, p)

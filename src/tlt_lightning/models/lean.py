@@ -35,6 +35,7 @@ from tlt_lightning.models.kv_cache import KVCache
 
 __all__ = [
     "LEAN_LAYER_TYPES",
+    "Attention",
     "MAX_LEAN_QUERIES",
     "Linear",
     "UpdateKV",
@@ -47,6 +48,11 @@ __all__ = [
 Linear = Callable[[torch.Tensor, nn.Module, str], torch.Tensor]
 """``linear(x, module, name)``: one of the model's linears applied to ``x``; ``name`` is its path in
 the decoder (``"layers.3.self_attn.q_proj"``), for callers that multiply by their own copy of it."""
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""``attention(query, key, value, mask, scale)``: ``[n, H_q, q, D]`` queries over ``[n, H_kv, kv_len, D]``
+keys and values under an ``[n, 1, q, kv_len]`` bool mask, ``[n, H_q, q, D]`` out (as
+:func:`~tlt_lightning.models.attention.grouped_sdpa`)."""
 
 UpdateKV = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 """``update_kv(key, value, layer_idx)``: store ``[n, H_kv, q, D]`` new keys/values of a layer and
@@ -163,13 +169,15 @@ def lean_decoder(
     update_kv: UpdateKV,
     feature_layers: tuple[int, ...] = (),
     linear: Linear = _call_module,
+    attention: Attention | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`lean_forward` with the key/value store and the linears injected: the one copy of the math.
 
     The eager path stores into a :class:`KVCache` and calls the linears as modules;
     :mod:`~tlt_lightning.models.compiled` traces this same function with a static-shape store and
     oneDNN-packed weights. Arguments and returns as :func:`lean_forward`'s, with ``update_kv``
-    (:data:`UpdateKV`) for the cache and ``linear`` (:data:`Linear`) for every projection.
+    (:data:`UpdateKV`) for the cache, ``linear`` (:data:`Linear`) for every projection and
+    ``attention`` (:data:`Attention`; default: the grouped attention transformers would dispatch).
     """
     decoder = model.get_decoder()
     n, q = input_ids.shape
@@ -192,8 +200,10 @@ def lean_decoder(
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
         keys, values = update_kv(key, value, attn.layer_idx)
-        # The attention function transformers would call, so every shape dispatches as it does there.
-        out, _ = grouped_sdpa_attention(attn, query, keys, values, attention_mask, scaling=attn.scaling)
+        if attention is None:  # the function transformers would call, so every shape dispatches as it does there
+            out, _ = grouped_sdpa_attention(attn, query, keys, values, attention_mask, scaling=attn.scaling)
+        else:
+            out = attention(query, keys, values, attention_mask, attn.scaling).transpose(1, 2)
         hidden = hidden + linear(out.reshape(n, q, -1), attn.o_proj, pre + "self_attn.o_proj")
         x = _rms_norm(layer.post_attention_layernorm, hidden)
         gate = linear(x, mlp.gate_proj, pre + "mlp.gate_proj")
