@@ -1,5 +1,6 @@
 """Step times of the compiled decode path's variants, side by side: static shape buckets (what CUDA
-graphs need), dynamic rows and keys, and dynamic with the attention as batched products (the CPU default).
+graphs need), dynamic rows and keys, dynamic with the attention as batched products, and that reading
+all of the cache's slots where they are at most twice the keys (the CPU default).
 
 The :class:`~tlt_lightning.models.compiled.CompiledDecode` variants share one model (bf16 by default,
 one thread, packed weights); for each ``ROWSxKEYSxQUERIES`` shape a forward is timed in each variant
@@ -30,6 +31,7 @@ def main() -> None:
                    help="ROWSxKEYSxQUERIES: rows of QUERIES new tokens each over KEYS key slots")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--slots", type=int, default=None, help="cache slots per row (default: the most keys + 1)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -37,12 +39,13 @@ def main() -> None:
     model = load_model(args.model, dtype=args.dtype).model
     variants = {"static": CompileConfig(dynamic=False, matmul_attention=False),
                 "dynamic": CompileConfig(dynamic=True, matmul_attention=False),
-                "dynamic+matmul": CompileConfig(dynamic=True, matmul_attention=True)}
+                "dynamic+matmul": CompileConfig(dynamic=True, matmul_attention=True, all_slots_ratio=0),
+                "dynamic+matmul+all-slots": CompileConfig(dynamic=True, matmul_attention=True)}
     targets = {name: HFTarget(model, decode="compiled", compile_config=c) for name, c in variants.items()}
     for target in targets.values():
         target.set_weight_layout("packed")
     rows, keys = max(s[0] for s in shapes), max(s[1] for s in shapes)
-    caches = {name: t.new_cache(rows, keys + 1) for name, t in targets.items()}
+    caches = {name: t.new_cache(rows, args.slots or keys + 1) for name, t in targets.items()}
     g = torch.Generator().manual_seed(0)
     results = []
     with torch.inference_mode():

@@ -53,7 +53,7 @@ def test_compile_report_lists_buckets_and_their_seconds():
     report = compile_report(target)
     assert report["compile_seconds"] == 5.5
     assert report["compile_buckets"][1] == {"batch": 8, "queries": 4, "kv_len": 512, "feature_layers": [30],
-                                            "seconds": 3.5}
+                                            "all_slots": False, "seconds": 3.5}
     assert compile_report(object()) == {"compile_seconds": 0, "compile_buckets": []}
 
 

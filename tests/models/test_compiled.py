@@ -39,7 +39,7 @@ def expected_graphs(target: HFTarget, features: tuple[int, ...]) -> set[Bucket]:
     """The graphs the shared bucket may compile: the static bucket, or the dynamic graph (and one of one row)."""
     if not target._compiled.dynamic:
         return {Bucket(16, 8, 256, features)}
-    return {Bucket(0, 8, 0, features), Bucket(1, 8, 0, features)}
+    return {Bucket(0, 8, 0, features), Bucket(0, 8, 0, features, all_slots=True), Bucket(1, 8, 0, features)}
 
 
 def features_of(target: HFTarget) -> tuple[int, ...]:
@@ -190,17 +190,22 @@ def test_new_cache_has_room_for_the_buckets(tiny_llama):
 
 
 def test_dynamic_graphs_serve_every_row_count_and_length_without_recompiling(tiny_llama, fresh_compile):
-    """One graph for every row count above one, key length and cache size (and one for a single row); any
+    """One graph for every row count above one, key length and cache size (and one for a single row), and
+    one more reading all of the cache's slots where it is at most all_slots_ratio times the keys; any
     recompile would show in dynamo's count of graphs, and in compile_times."""
     compiled = HFTarget(tiny_llama.model, decode="compiled", compile_config=CompileConfig(query_buckets=(4,)))
     graphs = counters["stats"]["unique_graphs"]
-    for lens, max_len in (([5, 9], 32), ([3, 4, 6, 2, 7], 20), ([12] * 9, 40), ([4], 32), ([4], 9), ([20, 1, 1], 24)):
+    cases = (([5, 9], 32), ([3, 4, 6, 2, 7], 20), ([12] * 9, 40), ([4], 32), ([4], 9),
+             ([20, 1, 1], 24), ([5, 9], 16), ([9, 2, 4, 1], 13))  # the last three read all slots (25 for 23 keys...)
+    for lens, max_len in cases:
         lens = torch.tensor(lens)
         torch.testing.assert_close(decode_once(compiled, lens, max_len=max_len), decode_once(tiny_llama, lens),
                                    rtol=1e-4, atol=1e-5)
     features = features_of(tiny_llama)
-    assert set(compiled.compile_times) == {Bucket(0, 4, 0, features), Bucket(1, 4, 0, features)}
-    assert counters["stats"]["unique_graphs"] - graphs == 2
+    all_slots = Bucket(0, 4, 0, features, all_slots=True)
+    assert set(compiled.compile_times) == {Bucket(0, 4, 0, features), Bucket(1, 4, 0, features), all_slots}
+    assert counters["stats"]["unique_graphs"] - graphs == 3
+    assert compiled._compiled.graph_calls[all_slots] == 3
 
 
 def test_layer_views_are_made_once_per_cache(tiny_llama, monkeypatch):
@@ -227,6 +232,7 @@ def test_layer_views_are_made_once_per_cache(tiny_llama, monkeypatch):
         ({"batch_buckets": (4, 2)}, r"batch_buckets must be .* got \(4, 2\)"),
         ({"query_buckets": (1, 128)}, r"query_buckets must not exceed 64"),
         ({"kv_step": 0}, "kv_step must be a positive int, got 0"),
+        ({"all_slots_ratio": -1.0}, r"all_slots_ratio must be >= 0 \(0: never read all slots\), got -1.0"),
         ({"mode": "fast"}, r"mode must be None or one of \('default', 'reduce-overhead'"),
     ],
 )

@@ -38,7 +38,7 @@ def compile_report(target: Any) -> dict[str, Any]:
     """Compile time of a ``decode="compiled"`` target so far, to report apart from decoding.
 
     Returns ``{"compile_seconds": total, "compile_buckets": [{"batch", "queries", "kv_len",
-    "feature_layers", "seconds"}, ...]}`` (zero and empty for other targets).
+    "feature_layers", "all_slots", "seconds"}, ...]}`` (zero and empty for other targets).
     """
     times = getattr(target, "compile_times", {})
     return {

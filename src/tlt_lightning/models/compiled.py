@@ -7,11 +7,11 @@ slots pads its queries to the smallest query bucket ``>= q`` (:class:`CompileCon
 - **dynamic graphs** (the default, except for CUDA graphs): rows and key slots are dynamic
   dimensions, so one graph per query bucket serves every batch size and length (plus one for a
   single row, which ``torch.compile`` specialises), rows are not padded and attention reads exactly
-  the cached keys. Measured side by side on SmolLM2 (bf16, one AMD Zen 5 core,
-  ``scripts/compiled_steps.py``, ``docs/results/compiled_steps_zen5.json``), static against dynamic
-  graphs with the attention as batched products (:attr:`CompileConfig.matmul_attention`): 48 rows
-  over 300 keys 186 against 104 ms (the static bucket: 64 rows, 512 keys), 32 rows over 200 keys 69.5
-  against 56.8 ms, 8 rows of 4 queries over 300 keys 54.1 against 43.1 ms; one row level.
+  the cached keys (all of the cache's slots where that is cheaper: :attr:`CompileConfig.all_slots_ratio`).
+  Measured side by side on SmolLM2 (bf16, one AMD Zen 5 core, ``scripts/compiled_steps.py``,
+  ``docs/results/compiled_steps_zen5.json``), static against dynamic graphs with the CPU defaults:
+  48 rows over 300 keys 238 against 81 ms (the static bucket: 64 rows, 512 keys), 32 rows over 280
+  keys 94.6 against 50.4 ms, over 200 keys 64.0 against 49.1 ms, 8 rows of 4 queries 40.5 against 37.2.
 - **static graphs** (CUDA graphs, which replay fixed shapes): rows pad to the smallest batch bucket
   ``>= n`` and ``kv_len`` rounds up to a multiple of ``kv_step``; one graph per bucket.
 
@@ -86,6 +86,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 _RECOMPILE_LIMIT = 4096  # one graph per bucket is the design, not a recompile storm
 
 
+
 @torch.library.custom_op("tlt_lightning::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` oneDNN-packed (:meth:`PackedWeight.packed`); ``[..., in] -> [..., out]``.
@@ -140,6 +141,11 @@ class CompileConfig:
             (:func:`~tlt_lightning.models.attention.grouped_matmul_attention`) instead of the flash
             kernel: 1.04-1.12x faster whole steps of 8-32 rows of SmolLM2 on a Zen 5 (one row keeps
             the kernel).
+        all_slots_ratio: with ``matmul_attention``, dynamic graphs read all of the cache's ``S`` slots
+            (the unused ones masked) when ``S`` is at most this many times the ``kv_len`` keys a forward
+            needs (0: never). On a CPU ``torch.bmm`` copies a batch of ``kv_len``-slot slices of the
+            cache before multiplying (read, write, read again), while all slots are one contiguous
+            block per row (``scripts/compiled_steps.py``).
         dynamic: rows and key slots as dynamic dimensions of the graphs: one graph per query bucket
             (and one for a single row), no padded rows, attention reads exactly the cached keys.
             ``None``: on unless the graphs are CUDA graphs (they need static shapes).
@@ -156,11 +162,14 @@ class CompileConfig:
     packed_weights: bool = True
     row_gemv: bool = True
     matmul_attention: bool = True
+    all_slots_ratio: float = 2.0
     dynamic: bool | None = None
 
     def __post_init__(self) -> None:
         _ascending("batch_buckets", self.batch_buckets)
         _ascending("query_buckets", self.query_buckets, MAX_LEAN_QUERIES)
+        if not self.all_slots_ratio >= 0:
+            raise ValueError(f"all_slots_ratio must be >= 0 (0: never read all slots), got {self.all_slots_ratio!r}")
         if not isinstance(self.kv_step, int) or self.kv_step < 1:
             raise ValueError(f"kv_step must be a positive int, got {self.kv_step!r}")
         if self.mode is not None and self.mode not in COMPILE_MODES:
@@ -168,7 +177,8 @@ class CompileConfig:
 
 
 class Bucket(NamedTuple):
-    """The shape a forward runs at: padded rows, queries per row, key slots; requested features.
+    """The shape a forward runs at: padded rows, queries per row, key slots; requested features; whether
+    attention reads all the cache's slots (:attr:`CompileConfig.all_slots_ratio`).
 
     As a key of :attr:`BucketedGraphs.compile_times` (one compiled graph), a ``batch`` or ``kv_len`` of 0
     is a dynamic dimension: any."""
@@ -177,6 +187,7 @@ class Bucket(NamedTuple):
     queries: int
     kv_len: int
     feature_layers: tuple[int, ...]
+    all_slots: bool = False
 
 
 def _bucket(sizes: tuple[int, ...], value: int) -> int | None:
@@ -236,12 +247,16 @@ def _static_forward(
     feature_layers: tuple[int, ...],
     one_row_gemv: bool,
     matmul_attention: bool,
+    all_slots: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The traced function: :func:`lean_decoder` over a :class:`StaticKV`, linears multiplying by ``packed``
     (or, with ``one_row_gemv`` and a single row of one token, by :func:`row_gemv`); with ``matmul_attention``
-    and several rows, attending by :func:`grouped_matmul_attention`."""
+    and several rows, attending by :func:`grouped_matmul_attention`, over every cache slot if ``all_slots``
+    (the slots past ``mask`` masked out; they hold zeros or earlier keys, finite either way)."""
     gemv = one_row_gemv and input_ids.numel() == 1
     attention = grouped_matmul_attention if matmul_attention and input_ids.shape[0] > 1 else None
+    if all_slots:
+        mask = F.pad(mask, (0, keys[0].shape[2] - mask.shape[-1]))
 
     def linear(x: torch.Tensor, module: nn.Module, name: str) -> torch.Tensor:
         if gemv:
@@ -496,7 +511,11 @@ class CompiledDecode(BucketedGraphs):
         p = self.pad(input_ids, positions, attention_mask, cache, slots, feature_layers)
         if p is None:
             return None
-        hidden, features = self.launch(self._fn, p.bucket, self.model, self._packed(), p.input_ids, p.positions,
-                                       p.slots, p.mask, *self.layer_views(cache), p.bucket.feature_layers,
-                                       self._gemv, self._matmul_attention)
+        bucket = p.bucket
+        many_rows = self._matmul_attention and self.dynamic and p.n > 1
+        if many_rows and cache.keys.shape[3] <= self.config.all_slots_ratio * bucket.kv_len:
+            bucket = bucket._replace(all_slots=True)
+        hidden, features = self.launch(self._fn, bucket, self.model, self._packed(), p.input_ids, p.positions,
+                                       p.slots, p.mask, *self.layer_views(cache), bucket.feature_layers,
+                                       self._gemv, self._matmul_attention, bucket.all_slots)
         return self.unpad(hidden, p), self.unpad(features, p)
