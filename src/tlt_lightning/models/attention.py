@@ -111,11 +111,13 @@ def grouped_matmul_attention(
     For decoding several rows on a CPU inside a compiled graph, where Inductor fuses the mask and
     softmax; the flash kernel spends most of a call with few queries on fixed work per block. Whole
     compiled steps of SmolLM2 (bf16, one AMD Zen 5 core, ``scripts/compiled_steps.py``): 8 rows over
-    200 keys 29.0 -> 25.9 ms, 32 rows 62.6 -> 56.8 ms, 8 rows of 4 queries over 300 keys 45.0 -> 43.1 ms.
+    200 keys 23.4 -> 22.8 ms, 32 rows 58.0 -> 54.1 ms, 8 rows of 4 queries over 250 keys 41.0 -> 40.0 ms;
+    more where it reads whole cache rows (:attr:`~tlt_lightning.models.compiled.CompileConfig.all_slots_ratio`).
     Arguments and return as :func:`grouped_sdpa`'s.
     """
     grouped_query, mask = _grouped(query, key, mask)
-    scores = (grouped_query @ key.transpose(-1, -2)).float() * (query.shape[-1] ** -0.5 if scale is None else scale)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = (grouped_query @ key.transpose(-1, -2)).float() * scale
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(value.dtype)
     return (probs @ value).reshape(query.shape)
 

@@ -86,7 +86,6 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 _RECOMPILE_LIMIT = 4096  # one graph per bucket is the design, not a recompile storm
 
 
-
 @torch.library.custom_op("tlt_lightning::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` oneDNN-packed (:meth:`PackedWeight.packed`); ``[..., in] -> [..., out]``.
@@ -139,7 +138,7 @@ class CompileConfig:
             weights faster (measured 1.5x on the linears of a SmolLM2 step, Zen 4).
         matmul_attention: on a CPU, graphs of several rows attend by two batched products
             (:func:`~tlt_lightning.models.attention.grouped_matmul_attention`) instead of the flash
-            kernel: 1.04-1.12x faster whole steps of 8-32 rows of SmolLM2 on a Zen 5 (one row keeps
+            kernel: 1.03-1.07x faster whole steps of 8-32 rows of SmolLM2 on a Zen 5 (one row keeps
             the kernel).
         all_slots_ratio: with ``matmul_attention``, dynamic graphs read all of the cache's ``S`` slots
             (the unused ones masked) when ``S`` is at most this many times the ``kv_len`` keys a forward
@@ -169,7 +168,8 @@ class CompileConfig:
         _ascending("batch_buckets", self.batch_buckets)
         _ascending("query_buckets", self.query_buckets, MAX_LEAN_QUERIES)
         if not self.all_slots_ratio >= 0:
-            raise ValueError(f"all_slots_ratio must be >= 0 (0: never read all slots), got {self.all_slots_ratio!r}")
+            raise ValueError(f"all_slots_ratio must be >= 0 (0: never read all slots), "
+                             f"got {self.all_slots_ratio!r}")
         if not isinstance(self.kv_step, int) or self.kv_step < 1:
             raise ValueError(f"kv_step must be a positive int, got {self.kv_step!r}")
         if self.mode is not None and self.mode not in COMPILE_MODES:
@@ -433,7 +433,7 @@ class BucketedGraphs:
                 torch._dynamo.mark_dynamic(t, 0)
 
     def launch(self, fn: Callable[..., Any], bucket: Bucket, *args: Any) -> Any:
-        """Call the compiled ``fn``, timing the bucket's first call (its compile) and logging it."""
+        """Call the compiled ``fn`` in ``bucket``'s graph; a call that compiles is timed and logged."""
         graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         if self._cudagraphs:
