@@ -209,6 +209,19 @@ def test_compare_with_a_fake_worker_writes_json_plot_and_equal_greedy_tokens(tmp
     assert data["worker_env"]["PYTHONPATH"] == "src"  # the result file holds no machine paths
 
 
+def test_no_fixed_batches_runs_the_long_tail_alone(tmp_path, monkeypatch):
+    """``--batch-sizes`` with none: the long tail (ours, ours-sd, vLLM) and no speculative phase (it crashed)."""
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    loaded = load_model("tiny-llama", dtype="float32", seed=0)
+    loaded.model.save_pretrained(tmp_path / "target")
+    target = HFTarget(loaded.model)
+    drafter = Drafter(DrafterConfig.from_target(target), target).eval()
+    compare(_args(tmp_path, batch_sizes=[]), target, drafter, _prompts(4), tmp_path / "target", tmp_path / "unused")
+    data = json.loads((tmp_path / "peers.json").read_text())
+    assert data["batches"] == [] and set(data["vllm"]) == {"plain"}
+    assert set(data["long_tail"]["engines"]) == {"ours", "ours-sd", "vllm"}
+
+
 def test_compiled_engines_compile_nothing_inside_the_timed_runs(tmp_path, monkeypatch, fresh_compile):
     """``--decode compiled``: target and drafter graphs compile in the warm-ups, which run every group the
     timed runs use (speculation shrinks the batch at other steps in each group: other buckets)."""

@@ -390,7 +390,7 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
             print("  " + ", ".join(f"{k} {e['seconds']:.1f} s, e2e {e['end_to_end_tokens_per_s']:.1f} tok/s"
                                    for k, e in payload["long_tail"]["engines"].items()), flush=True)
 
-    if drafter is not None:
+    if drafter is not None and args.batch_sizes:  # no fixed batches (`--batch-sizes` with none): long tail only
         with phase("speculative", drafter_dir) as client:
             engines = {"ours-sd": ours(speculative_loop(greedy, max(args.batch_sizes) + 1), args.seed),
                        "vllm-sd": client.engine(args.max_new_tokens, 0.0, ignore_eos=True)}
