@@ -305,12 +305,18 @@ def test_row_gemv_is_f_linear():
         torch.testing.assert_close(got.float() + extra, expected, atol=0.05, rtol=0.02)
 
 
+def count_calls(monkeypatch, name: str) -> list[int]:
+    """Wrap ``models.compiled.<name>`` so that each call (each trace, inside a graph) appends to the returned list."""
+    calls: list[int] = []
+    real = getattr(compiled, name)
+    monkeypatch.setattr(compiled, name, lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 @pytest.mark.parametrize("row_gemv", [True, False])
 def test_one_row_bf16_decode_takes_row_gemv_within_the_tolerance(row_gemv, monkeypatch, fresh_compile):
     """A graph of one row of one token multiplies by row_gemv in bf16 (unless turned off); same tolerance."""
-    calls = []
-    real = compiled.row_gemv
-    monkeypatch.setattr(compiled, "row_gemv", lambda *a: calls.append(1) or real(*a))
+    calls = count_calls(monkeypatch, "row_gemv")
     model = load_model("tiny-qwen2", dtype="bfloat16", seed=0).model
     config = CompileConfig(batch_buckets=(1,), query_buckets=(1,), row_gemv=row_gemv)
     hf, target = HFTarget(model), HFTarget(model, decode="compiled", compile_config=config)
@@ -324,9 +330,7 @@ def test_one_row_bf16_decode_takes_row_gemv_within_the_tolerance(row_gemv, monke
 @pytest.mark.parametrize("matmul_attention", [True, False])
 def test_graphs_of_several_rows_attend_by_matmul_on_a_cpu(matmul_attention, monkeypatch, fresh_compile):
     """Several rows: grouped_matmul_attention (unless turned off); one row: the flash kernel. Same tolerance."""
-    calls = []
-    real = compiled.grouped_matmul_attention
-    monkeypatch.setattr(compiled, "grouped_matmul_attention", lambda *a: calls.append(1) or real(*a))
+    calls = count_calls(monkeypatch, "grouped_matmul_attention")
     model = load_model("tiny-qwen2", dtype="bfloat16", seed=0).model
     config = CompileConfig(query_buckets=(4,), matmul_attention=matmul_attention)
     hf, target = HFTarget(model), HFTarget(model, decode="compiled", compile_config=config)
