@@ -31,6 +31,6 @@ def smollm2():
 
 @pytest.fixture
 def fresh_compile() -> None:
-    """Forget what ``torch.compile`` compiled so far, for tests about compiling itself: it reuses a graph for
-    any model of the same shapes (parameters are graph inputs), so an earlier test's graph would serve."""
+    """Forget what ``torch.compile`` compiled so far, for tests about compiling itself (its counters, and
+    Inductor's in-process caches, which would serve an earlier test's code)."""
     torch._dynamo.reset()

@@ -116,14 +116,54 @@ def test_weights_updated_after_compiling_are_followed(tiny_llama, fresh_compile)
     assert len(compiled._compiled.compile_times) == 1
 
 
+@pytest.mark.parametrize("config", [SHARED, DYNAMIC], ids=["static", "dynamic"])
+def test_graphs_never_serve_another_model_of_the_same_shapes(tiny_llama, config):
+    """The graphs skip dynamo's guards on the model's modules: a second model of the same shapes whose norms
+    differ in a plain attribute (their epsilon, baked into a graph) gets graphs of its own, not the first's."""
+    other = copy.deepcopy(tiny_llama.model)
+    for module in other.modules():
+        if hasattr(module, "variance_epsilon"):
+            module.variance_epsilon = 0.5
+    lens = torch.tensor([5, 9])
+    for model in (tiny_llama.model, other):
+        expected = decode_once(HFTarget(model), lens)
+        compiled = HFTarget(model, decode="compiled", compile_config=config)
+        torch.testing.assert_close(decode_once(compiled, lens), expected, rtol=1e-4, atol=1e-5)
+        assert sum(compiled._compiled.graph_calls.values()) == 1
+    assert not torch.allclose(decode_once(HFTarget(other), lens), decode_once(HFTarget(tiny_llama.model), lens))
+
+
+def test_a_model_moved_to_another_dtype_after_compiling_is_refused(tiny_llama):
+    model = copy.deepcopy(tiny_llama.model)
+    compiled = HFTarget(model, decode="compiled", compile_config=SHARED)
+    decode_once(compiled, torch.tensor([5, 9]))
+    model.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="torch.bfloat16 on cpu.*built for torch.float32 on cpu; build it again"):
+        decode_once(compiled, torch.tensor([5, 9]))
+
+
 def test_the_packed_layout_shares_its_packed_weights(tiny_llama):
     model = copy.deepcopy(tiny_llama.model)
     target = HFTarget(model, decode="compiled", compile_config=SHARED)
     target.set_weight_layout("packed")
     packed = target._compiled._packed()
-    q_proj = model.model.layers[0].self_attn.q_proj
-    assert packed["layers.0.self_attn.q_proj"] is q_proj._packed_weight.packed(q_proj.weight)
-    assert not target._compiled._own_packs
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert packed["layers.0.self_attn.o_proj"] is o_proj._packed_weight.packed(o_proj.weight)
+    # Only the merged projections (q/k/v, gate/up) have copies of their own: one per layer and group.
+    assert len(target._compiled._own_packs) == 2 * len(model.model.layers)
+    assert all("+" in name for name in target._compiled._own_packs)
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_merged_projections_are_one_product_of_the_stacked_weights(merge, monkeypatch):
+    """A layer's q/k/v and gate/up projections are two products (4 a layer with o and down, 7 unmerged),
+    equal to the separate ones up to rounding; q/k/v biases (Qwen2) are merged too."""
+    calls = count_calls(monkeypatch, "packed_linear")
+    model = load_model("tiny-qwen2", seed=0).model
+    target = HFTarget(model, decode="compiled", compile_config=replace(DYNAMIC, merged_projections=merge))
+    lens = torch.tensor([5, 9])
+    torch.testing.assert_close(decode_once(target, lens), decode_once(HFTarget(model), lens), rtol=1e-4, atol=1e-5)
+    assert len(calls) == (4 if merge else 7) * len(model.model.layers)  # one trace
 
 
 def test_shapes_outside_the_buckets_fall_back_with_one_warning(tiny_llama, caplog):

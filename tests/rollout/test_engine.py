@@ -3,6 +3,7 @@ import torch
 
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutStats
+from tlt_lightning.rollout.engine import sample_tokens
 from tlt_lightning.speculative import SamplingParams, sampling_probs
 
 
@@ -167,3 +168,13 @@ def test_smollm2_greedy_equals_hf(smollm2):
     result = RolloutEngine(target, RolloutConfig(max_new_tokens=40, temperature=0)).generate(prompts)
     for prompt, rollout in zip(prompts, result.rollouts):
         assert rollout.token_ids.tolist() == hf_greedy(smollm2.model, prompt, 40)
+
+
+def test_greedy_sample_tokens_breaks_bf16_ties_as_argmax():
+    """Greedy picks the lowest of tied top tokens (``torch.argmax``'s rule) in bf16, where ties are common."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (64, 500), generator=g).to(torch.bfloat16)  # every row has tied maxima
+    tokens, logprobs = sample_tokens(logits, RolloutConfig(temperature=0.0), None)
+    assert torch.equal(tokens, logits.float().argmax(-1))
+    assert torch.equal(tokens, (logits == logits.amax(-1, keepdim=True)).int().argmax(-1))
+    assert not logprobs.any()

@@ -52,7 +52,7 @@ class CompiledDrafterStep(BucketedGraphs):
     """
 
     def __init__(self, drafter: Drafter, config: CompileConfig | None = None) -> None:
-        super().__init__(drafter.device, config, "compiled drafter step")
+        super().__init__(drafter, config, "compiled drafter step")
         self.drafter = drafter
         self._fn = self.compile(_static_step)
 

@@ -124,13 +124,17 @@ class PackedWeight:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x.to(dtype), self.packed(weight), bias, "none", [], "")
 
-    def packed(self, weight: torch.Tensor) -> torch.Tensor:
-        """The packed copy of ``weight`` (a CPU tensor of a dtype in ``packable_dtypes()``), remade if it changed."""
-        key = (weight.data_ptr(), weight._version, weight.shape)  # a new dtype is a new storage
+    def packed(self, *weights: torch.Tensor) -> torch.Tensor:
+        """The packed copy of ``weight`` (a CPU tensor of a dtype in ``packable_dtypes()``), remade if it changed.
+
+        Several weights of one input size are packed as one, stacked along the outputs (``torch.cat``):
+        one product computes all of them (merged q/k/v projections)."""
+        key = tuple((w.data_ptr(), w._version, w.shape) for w in weights)  # a new dtype is a new storage
         if self._key != key:
             # A normal tensor even under inference_mode, so later no_grad calls can use it.
             with torch.inference_mode(False), torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+                weight = weights[0].detach().contiguous() if len(weights) == 1 else torch.cat(weights).detach()
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
             self._key = key
         assert self._packed is not None
         return self._packed

@@ -23,7 +23,7 @@ traces :func:`lean_decoder` itself over shape buckets.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ __all__ = [
     "Attention",
     "MAX_LEAN_QUERIES",
     "Linear",
+    "Linears",
     "UpdateKV",
     "check_lean_model",
     "lean_applies",
@@ -48,6 +49,10 @@ __all__ = [
 Linear = Callable[[torch.Tensor, nn.Module, str], torch.Tensor]
 """``linear(x, module, name)``: one of the model's linears applied to ``x``; ``name`` is its path in
 the decoder (``"layers.3.self_attn.q_proj"``), for callers that multiply by their own copy of it."""
+
+Linears = Callable[[torch.Tensor, tuple[nn.Module, ...], tuple[str, ...]], Sequence[torch.Tensor]]
+"""``linears(x, modules, names)``: several of the model's linears applied to the same ``x`` (q/k/v; gate and
+up), one output each, for callers that multiply by one merged copy of their weights."""
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 """``attention(query, key, value, mask, scale)``: ``[n, H_q, q, D]`` queries over ``[n, H_kv, kv_len, D]``
@@ -170,15 +175,19 @@ def lean_decoder(
     feature_layers: tuple[int, ...] = (),
     linear: Linear = _call_module,
     attention: Attention | None = None,
+    linears: Linears | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`lean_forward` with the key/value store and the linears injected: the one copy of the math.
 
     The eager path stores into a :class:`KVCache` and calls the linears as modules;
     :mod:`~tlt_lightning.models.compiled` traces this same function with a static-shape store and
     oneDNN-packed weights. Arguments and returns as :func:`lean_forward`'s, with ``update_kv``
-    (:data:`UpdateKV`) for the cache, ``linear`` (:data:`Linear`) for every projection and
-    ``attention`` (:data:`Attention`; default: the grouped attention transformers would dispatch).
+    (:data:`UpdateKV`) for the cache, ``linear`` (:data:`Linear`) for every projection,
+    ``attention`` (:data:`Attention`; default: the grouped attention transformers would dispatch) and
+    ``linears`` (:data:`Linears`; default: ``linear`` on each) for the projections of one input.
     """
+    if linears is None:
+        linears = lambda x, modules, names: [linear(x, m, n) for m, n in zip(modules, names)]
     decoder = model.get_decoder()
     n, q = input_ids.shape
     num_layers = len(decoder.layers)
@@ -194,9 +203,9 @@ def lean_decoder(
         pre = f"layers.{i}."
         x = _rms_norm(layer.input_layernorm, hidden)
         shape = (n, q, -1, attn.head_dim)
-        query = linear(x, attn.q_proj, pre + "self_attn.q_proj").view(shape).transpose(1, 2)
-        key = linear(x, attn.k_proj, pre + "self_attn.k_proj").view(shape).transpose(1, 2)
-        value = linear(x, attn.v_proj, pre + "self_attn.v_proj").view(shape).transpose(1, 2)
+        names = tuple(pre + "self_attn." + p for p in ("q_proj", "k_proj", "v_proj"))
+        query, key, value = (y.reshape(shape).transpose(1, 2)
+                             for y in linears(x, (attn.q_proj, attn.k_proj, attn.v_proj), names))
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
         keys, values = update_kv(key, value, attn.layer_idx)
@@ -206,8 +215,7 @@ def lean_decoder(
             out = attention(query, keys, values, attention_mask, attn.scaling).transpose(1, 2)
         hidden = hidden + linear(out.reshape(n, q, -1), attn.o_proj, pre + "self_attn.o_proj")
         x = _rms_norm(layer.post_attention_layernorm, hidden)
-        gate = linear(x, mlp.gate_proj, pre + "mlp.gate_proj")
-        up = linear(x, mlp.up_proj, pre + "mlp.up_proj")
+        gate, up = linears(x, (mlp.gate_proj, mlp.up_proj), (pre + "mlp.gate_proj", pre + "mlp.up_proj"))
         hidden = hidden + linear(mlp.act_fn(gate) * up, mlp.down_proj, pre + "mlp.down_proj")
         if i + 1 in wanted and i + 1 < num_layers:
             states[i + 1] = hidden

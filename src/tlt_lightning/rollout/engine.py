@@ -147,7 +147,9 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``[n]`` tokens from ``[n, V]`` logits; returns the tokens and their log-probabilities."""
     if config.sampling.greedy:  # the distribution is one-hot: skip the random draw
-        tokens = logits.argmax(-1)
+        # max's indices are argmax's (the first of tied maxima), but argmax over bf16 is 5x slower on a
+        # CPU: 5.2 against 0.94 ms for [32, 49152] logits (one AMD Zen 5 core), a twelfth of a decode step
+        tokens = logits.max(-1).indices
         return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
     probs = sampling_probs(logits, config.sampling)
     tokens = sample(probs, generator)
