@@ -133,13 +133,23 @@ def test_graphs_never_serve_another_model_of_the_same_shapes(tiny_llama, config)
     assert not torch.allclose(decode_once(HFTarget(other), lens), decode_once(HFTarget(tiny_llama.model), lens))
 
 
-def test_a_model_moved_to_another_dtype_after_compiling_is_refused(tiny_llama):
-    model = copy.deepcopy(tiny_llama.model)
-    compiled = HFTarget(model, decode="compiled", compile_config=SHARED)
-    decode_once(compiled, torch.tensor([5, 9]))
-    model.to(torch.bfloat16)
-    with pytest.raises(RuntimeError, match="torch.bfloat16 on cpu.*built for torch.float32 on cpu; build it again"):
-        decode_once(compiled, torch.tensor([5, 9]))
+@pytest.mark.parametrize("change", ["dtype", "layout"])
+def test_weights_of_another_dtype_or_layout_get_new_graphs(change, caplog):
+    """The graphs skip dynamo's guards on the model's modules: weights moved to another dtype, or laid out
+    column-major (a one-row bf16 graph reads them as they are), are noticed and compiled for anew."""
+    model = load_model("tiny-qwen2", dtype="float32" if change == "dtype" else "bfloat16", seed=0).model
+    compiled = HFTarget(model, decode="compiled", compile_config=DYNAMIC)
+    lens = torch.tensor([7])
+    decode_once(compiled, lens, q=1)
+    if change == "dtype":
+        model.to(torch.bfloat16)
+    else:
+        compiled.set_weight_layout("in_out")
+    with caplog.at_level(logging.WARNING, logger="tlt_lightning.models.compiled"):
+        got = decode_once(compiled, lens, q=1).float()
+    expected = decode_once(HFTarget(model), lens, q=1).float()
+    assert (got - expected).abs().max() <= 5e-2 * expected.abs().max()
+    assert "changed dtype, device or layout; compiling new graphs" in caplog.text
 
 
 def test_the_packed_layout_shares_its_packed_weights(tiny_llama):

@@ -54,7 +54,7 @@ class CompiledDrafterStep(BucketedGraphs):
     def __init__(self, drafter: Drafter, config: CompileConfig | None = None) -> None:
         super().__init__(drafter, config, "compiled drafter step")
         self.drafter = drafter
-        self._fn = self.compile(_static_step)
+        self.compile(_static_step)
 
     def __call__(
         self,
@@ -75,6 +75,6 @@ class CompiledDrafterStep(BucketedGraphs):
         hidden = hidden_in.new_zeros(p.bucket.batch, p.bucket.queries, hidden_in.shape[-1])
         hidden[: p.n, : p.q] = hidden_in
         self.mark_rows(hidden)
-        out = self.launch(self._fn, p.bucket, self.drafter, p.input_ids, hidden, p.positions, p.slots, p.mask,
+        out = self.launch(p.bucket, self.drafter, p.input_ids, hidden, p.positions, p.slots, p.mask,
                           *self.layer_views(cache))
         return self.unpad(out, p)

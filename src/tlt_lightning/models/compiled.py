@@ -357,8 +357,12 @@ class BucketedGraphs:
 
     def __init__(self, module: nn.Module, config: CompileConfig | None, what: str) -> None:
         self.config, self.what = config or CompileConfig(), what
-        self._module, self._placement = module, self._placement_of(module)
-        device = self._placement[1]
+        self._module = module
+        self._first_linear = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
+        self._traced: Callable[..., Any] | None = None
+        self._fn: Callable[..., Any] | None = None
+        self._built_for: tuple = ()
+        device = next(module.parameters()).device
         self.mode = self.config.mode or ("reduce-overhead" if device.type == "cuda" else "default")
         self._cudagraphs = device.type == "cuda" and "cudagraphs" not in self.mode and self.mode != "default"
         self.dynamic = not self._cudagraphs if self.config.dynamic is None else self.config.dynamic
@@ -367,22 +371,26 @@ class BucketedGraphs:
         self.compile_times: dict[Bucket, float] = {}
         self.graph_calls: Counter[Bucket] = Counter()
 
-    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` through ``torch.compile``, under a code object of this instance's own (:func:`_own_code`).
+    def compile(self, fn: Callable[..., Any]) -> None:
+        """Compile ``fn`` (the traced function :meth:`launch` calls) under a code object of this instance's
+        own (:func:`_own_code`).
 
         Its graphs skip dynamo's guards on the model's modules (``skip_guard_on_all_nn_modules_unsafe``):
         they cost ~0.7 ms a call (one Zen 5 core, SmolLM2: 9.96 against 9.22 ms per batch-1 forward), and
-        what they check cannot change under these graphs but the parameters' dtype and device, which
-        :meth:`launch` checks itself. Weights updated in place, or replaced by tensors of the same kind,
-        are read afresh every call."""
+        what they check cannot change under these graphs but the weights' dtype, device and layout
+        (:mod:`~tlt_lightning.models.layout`), which :meth:`launch` checks itself. Weights updated in
+        place, or replaced by tensors of the same kind, are read afresh every call."""
         options = {**torch._inductor.list_mode_options(self.mode, dynamic=False),
                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        return torch.compile(_own_code(fn), dynamic=False, fullgraph=True, options=options)
+        self._traced, self._built_for = fn, self._weights_kind()
+        self._fn = torch.compile(_own_code(fn), dynamic=False, fullgraph=True, options=options)
 
-    @staticmethod
-    def _placement_of(module: nn.Module) -> tuple[torch.dtype, torch.device]:
-        first = next(module.parameters())
-        return first.dtype, first.device
+    def _weights_kind(self) -> tuple:
+        """Dtype, device and strides of the model's first parameter and first linear's weight, read afresh."""
+        weights = [next(self._module.parameters())]
+        if self._first_linear is not None:
+            weights.append(self._first_linear.weight)
+        return tuple((w.dtype, w.device, w.stride()) for w in weights)
 
     @property
     def compile_seconds(self) -> float:
@@ -497,23 +505,21 @@ class BucketedGraphs:
             for t in tensors:
                 torch._dynamo.mark_dynamic(t, 0)
 
-    def launch(self, fn: Callable[..., Any], bucket: Bucket, *args: Any) -> Any:
-        """Call the compiled ``fn`` in ``bucket``'s graph; a call that compiles is timed and logged.
+    def launch(self, bucket: Bucket, *args: Any) -> Any:
+        """Call the compiled function in ``bucket``'s graph; a call that compiles is timed and logged.
 
-        Raises:
-            RuntimeError: the model's parameters moved to another dtype or device since this was built.
+        Weights that changed dtype, device or layout since the graphs were built get new graphs (logged).
         """
-        placement = self._placement_of(self._module)
-        if placement != self._placement:
-            raise RuntimeError(f"{self.what}: the model's parameters are now {placement[0]} on {placement[1]}, its "
-                               f"graphs were built for {self._placement[0]} on {self._placement[1]}; build it "
-                               "again for the moved model (e.g. a new HFTarget)")
+        assert self._traced is not None, "compile() must precede launch()"
+        if self._weights_kind() != self._built_for:
+            log.warning("%s: the model's weights changed dtype, device or layout; compiling new graphs", self.what)
+            self.compile(self._traced)
         graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         if self._cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, accumulated_recompile_limit=_RECOMPILE_LIMIT):
-            out = fn(*args)
+            out = self._fn(*args)
         graph = self.graph(bucket)
         self.graph_calls[graph] += 1
         if counters["stats"]["unique_graphs"] != graphs:  # this call compiled (first call of a graph, or a recompile)
@@ -560,7 +566,7 @@ class CompiledDecode(BucketedGraphs):
         self._groups = [(group, [linears[name] for name in group])
                         for group in merged_groups(linears, self.config.merged_projections)]
         self._own_packs: dict[str, PackedWeight] = {}
-        self._fn = self.compile(_static_forward)
+        self.compile(_static_forward)
 
     def _packed(self) -> dict[str, torch.Tensor] | None:
         if not self._pack:
@@ -592,7 +598,7 @@ class CompiledDecode(BucketedGraphs):
         many_rows = self._matmul_attention and self.dynamic and p.n > 1
         if many_rows and cache.keys.shape[3] <= self.config.all_slots_ratio * bucket.kv_len:
             bucket = bucket._replace(all_slots=True)
-        hidden, features = self.launch(self._fn, bucket, self.model, self._packed(), p.input_ids, p.positions,
-                                       p.slots, p.mask, *self.layer_views(cache), bucket.feature_layers,
-                                       self._gemv, self._matmul_attention, bucket.all_slots)
+        hidden, features = self.launch(bucket, self.model, self._packed(), p.input_ids, p.positions, p.slots, p.mask,
+                                       *self.layer_views(cache), bucket.feature_layers, self._gemv,
+                                       self._matmul_attention, bucket.all_slots)
         return self.unpad(hidden, p), self.unpad(features, p)
