@@ -125,7 +125,7 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x.to(dtype), self.packed(weight), bias, "none", [], "")
 
     def packed(self, *weights: torch.Tensor) -> torch.Tensor:
-        """The packed copy of ``weight`` (a CPU tensor of a dtype in ``packable_dtypes()``), remade if it changed.
+        """The packed copy of ``weights`` (CPU tensors of a dtype in ``packable_dtypes()``), remade if one changed.
 
         Several weights of one input size are packed as one, stacked along the outputs (``torch.cat``):
         one product computes all of them (merged q/k/v projections)."""
