@@ -563,7 +563,7 @@ class CompiledDecode(BucketedGraphs):
         self._gemv = self.config.row_gemv and model.device.type == "cpu" and model.dtype == torch.bfloat16
         self._matmul_attention = self.config.matmul_attention and model.device.type == "cpu"
         linears = {n: m for n, m in model.get_decoder().named_modules() if isinstance(m, nn.Linear)}
-        self._groups = [(group, [linears[name] for name in group])
+        self._groups = [("+".join(group), [linears[name] for name in group])  # keyed as _static_forward reads them
                         for group in merged_groups(linears, self.config.merged_projections)]
         self._own_packs: dict[str, PackedWeight] = {}
         self.compile(_static_forward)
@@ -572,8 +572,7 @@ class CompiledDecode(BucketedGraphs):
         if not self._pack:
             return None
         out = {}
-        for names, modules in self._groups:
-            name = "+".join(names)
+        for name, modules in self._groups:
             packer = getattr(modules[0], "_packed_weight", None) if len(modules) == 1 else None
             if packer is None:  # else the "packed" layout's own copy: share it
                 packer = self._own_packs.setdefault(name, PackedWeight())
