@@ -1,6 +1,6 @@
 """Step times of the compiled decode path's variants, side by side: static shape buckets (what CUDA
 graphs need), dynamic rows and keys, dynamic with the attention as batched products, and that reading
-all of the cache's slots where they are at most twice the keys (the CPU default).
+all of the cache's slots where they are at most twice the keys, and the C++ decode kernels (the CPU default).
 
 The :class:`~tlt_lightning.models.compiled.CompiledDecode` variants share one model (bf16 by default,
 one thread, packed weights); for each ``ROWSxKEYSxQUERIES`` shape a forward is timed in each variant
@@ -8,6 +8,7 @@ alternately, after one untimed call that compiles. Prints median milliseconds pe
 variant's speed-up over the static one; ``--json`` writes every run.
 
     python scripts/compiled_steps.py --shapes 1x200x1 8x200x1 32x200x1 48x300x1 4x150x4
+    python scripts/compiled_steps.py --variants dynamic+matmul+all-slots cpp-attention  # a quicker pair
 """
 
 from __future__ import annotations
@@ -33,15 +34,19 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--slots", type=int, default=None, help="cache slots per row (default: the most keys + 1)")
     p.add_argument("--json", default=None)
+    variants = {"static": CompileConfig(dynamic=False, matmul_attention=False, cpp_attention=False),
+                "dynamic": CompileConfig(dynamic=True, matmul_attention=False, cpp_attention=False),
+                "dynamic+matmul": CompileConfig(dynamic=True, matmul_attention=True, all_slots_ratio=0,
+                                                cpp_attention=False),
+                "dynamic+matmul+all-slots": CompileConfig(dynamic=True, matmul_attention=True, cpp_attention=False),
+                "cpp-attention": CompileConfig(dynamic=True)}
+    p.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants),
+                   help="the configs to time; speed-ups are over the first")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     model = load_model(args.model, dtype=args.dtype).model
-    variants = {"static": CompileConfig(dynamic=False, matmul_attention=False),
-                "dynamic": CompileConfig(dynamic=True, matmul_attention=False),
-                "dynamic+matmul": CompileConfig(dynamic=True, matmul_attention=True, all_slots_ratio=0),
-                "dynamic+matmul+all-slots": CompileConfig(dynamic=True, matmul_attention=True)}
-    targets = {name: HFTarget(model, decode="compiled", compile_config=c) for name, c in variants.items()}
+    targets = {name: HFTarget(model, decode="compiled", compile_config=variants[name]) for name in args.variants}
     for target in targets.values():
         target.set_weight_layout("packed")
     rows, keys = max(s[0] for s in shapes), max(s[1] for s in shapes)
@@ -71,7 +76,7 @@ def main() -> None:
             results.append({"rows": n, "keys": kv, "queries": q, "median_ms": ms, "first_call_s": first,
                             "runs_ms": {k: [1000 * t for t in r] for k, r in runs.items()}})
             print(f"{n} rows x {q} queries over {kv} keys: " + ", ".join(
-                f"{k} {v:.1f} ms (x{ms['static'] / v:.2f})" for k, v in ms.items()), flush=True)
+                f"{k} {v:.1f} ms (x{ms[args.variants[0]] / v:.2f})" for k, v in ms.items()), flush=True)
     for name, t in targets.items():
         print(f"{name}: compiled {len(t.compile_times)} graphs in {t.compile_seconds:.0f} s")
     if args.json:

@@ -293,6 +293,8 @@ def bench_peers(p: ArgumentParser) -> None:
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32])
     p.add_argument("--max-new-tokens", type=int, default=128, help="fixed-batch workload, EOS ignored")
+    p.add_argument("--sampled-batch-sizes", type=int, nargs="*", default=[1],
+                   help="fixed batches at T=1: ours and ours-sd vs vLLM plain (none: skipped)")
     p.add_argument("--long-tail-requests", type=int, default=128, help="0 skips the long tail")
     p.add_argument("--long-tail-max-new", type=int, default=512)
     p.add_argument("--threshold", type=int, default=32, help="ours-sd in the long tail: speculate below this many active")

@@ -193,8 +193,16 @@ def test_compare_with_a_fake_worker_writes_json_plot_and_equal_greedy_tokens(tmp
     assert set(data["vllm"]) == {"plain", "speculative"} and data["vllm"]["plain"]["startup_s"] >= 0
     assert data["decode"] == "hf" and data["compile_seconds"] == 0 and data["compile_buckets"] == []
     assert [(b["phase"], b["batch_size"]) for b in data["batches"]] == [
-        ("plain", 1), ("plain", 3), ("speculative", 1), ("speculative", 3)]
+        ("plain", 1), ("plain", 3), ("sampled", 1), ("speculative", 1), ("speculative", 3)]
+    (sampled,) = [b for b in data["batches"] if b["phase"] == "sampled"]
+    # T=1: ours and ours-sd against vLLM's plain engine, the tokens fixed (EOS ignored), no agreement counted.
+    assert set(sampled["engines"]) == {"ours", "ours-sd", "vllm"}
+    assert set(sampled["ratios"]) == {"ours/vllm", "ours-sd/vllm"}
+    assert all("agreement" not in r for r in sampled["ratios"].values())
+    assert all(e["tokens"] == 8 for e in sampled["engines"].values())
     for b in data["batches"]:
+        if b["phase"] == "sampled":
+            continue
         (ratio,) = b["ratios"].values()
         # Greedy, same weights, same engine behind the pipe: equal token for token, lossless speculation too.
         assert ratio["agreement"]["identical"] == ratio["agreement"]["responses"] == 2 * b["batch_size"]
@@ -210,13 +218,14 @@ def test_compare_with_a_fake_worker_writes_json_plot_and_equal_greedy_tokens(tmp
 
 
 def test_no_fixed_batches_runs_the_long_tail_alone(tmp_path, monkeypatch):
-    """``--batch-sizes`` with none: the long tail (ours, ours-sd, vLLM) and no speculative phase (it crashed)."""
+    """``--batch-sizes`` and ``--sampled-batch-sizes`` with none: the long tail (ours, ours-sd, vLLM) and no
+    speculative phase (it crashed)."""
     monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
     loaded = load_model("tiny-llama", dtype="float32", seed=0)
     loaded.model.save_pretrained(tmp_path / "target")
     target = HFTarget(loaded.model)
     drafter = Drafter(DrafterConfig.from_target(target), target).eval()
-    compare(_args(tmp_path, batch_sizes=[]), target, drafter, _prompts(4), tmp_path / "target", tmp_path / "unused")
+    compare(_args(tmp_path, batch_sizes=[], sampled_batch_sizes=[]), target, drafter, _prompts(4), tmp_path / "target", tmp_path / "unused")
     data = json.loads((tmp_path / "peers.json").read_text())
     assert data["batches"] == [] and set(data["vllm"]) == {"plain"}
     assert set(data["long_tail"]["engines"]) == {"ours", "ours-sd", "vllm"}

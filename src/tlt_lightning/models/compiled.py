@@ -30,8 +30,12 @@ freeze weights. Measured (``scripts/decode_paths.py``): compiling pays on a CPU 
 weights. One exception: in bf16 a graph of one row of one token (batch-1 decode) multiplies by the
 plain weights as an Inductor reduction (:func:`row_gemv`), which streams them faster than oneDNN's
 bf16 product for one row on the Zen 4 measured (that product is a matrix-vector one there,
-memory-bound). On CUDA the default mode is ``"reduce-overhead"`` (CUDA graphs per bucket), the cache
-buffers are marked static, and outputs are copied out of the graph's memory.
+memory-bound). In bf16 on a CPU the graphs attend by a C++ kernel of ours
+(:func:`tlt_lightning.kernels.decode_attention`, built on first use), which reads each key/value head of
+the cache once, in place, for all the query heads and tokens it serves; where it does not build, by
+PyTorch's flash kernel (one row) or batched products (:attr:`CompileConfig.matmul_attention`). On CUDA
+the default mode is ``"reduce-overhead"`` (CUDA graphs per bucket), the cache buffers are marked static,
+and outputs are copied out of the graph's memory.
 
 Calls the graphs do not take run on the eager lean forward instead: prefill (rows with nothing
 cached: ``kv_len <= q``), autograd, a shape outside every bucket, or a cache without the spare slot;
@@ -61,6 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
+from tlt_lightning import kernels
 from tlt_lightning.models.attention import grouped_matmul_attention
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import PackedLinear, PackedWeight, packable_dtypes
@@ -89,7 +94,7 @@ _RECOMPILE_LIMIT = 4096  # one graph per bucket is the design, not a recompile s
 # A library op, not ``torch.library.custom_op``: one kernel for every backend (packed weights are
 # MkldnnCPU tensors), no autograd (the graphs run without it), and ~2.5 us less dispatch per call
 # (29 against 31.5 us for one 8-row 576x576 product, one Zen 5 core): 0.5 ms of a step of 210 products.
-_LIBRARY = torch.library.Library("tlt_lightning", "DEF")
+_LIBRARY = torch.library.Library("tlt_lightning", "FRAGMENT")
 _LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
 _LIBRARY.impl("packed_linear",
               lambda x, packed, bias, out_features: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
@@ -161,6 +166,10 @@ class CompileConfig:
             SmolLM2 (9.05 against 7.35 ms and 16.4 against 14.7 ms for those of 30 layers, one Zen 5 core).
             It costs memory: with the ``"packed"`` layout, whose per-linear copies the eager prefill
             multiplies by, a second packed copy of those weights (+139 MB for SmolLM2 in bf16).
+        cpp_attention: on a CPU in bf16 (head dims 64 and 128), every graph attends by the C++ kernel
+            :func:`tlt_lightning.kernels.decode_attention` (built on first use; where it does not build,
+            as ``matmul_attention`` says). Whole SmolLM2 steps against the batched products over all slots,
+            one Zen 5 core: XX.
         dynamic: rows and key slots as dynamic dimensions of the graphs: one graph per query bucket
             (and one for a single row), no padded rows, attention reads exactly the cached keys.
             ``None``: on unless the graphs are CUDA graphs (they need static shapes).
@@ -179,6 +188,7 @@ class CompileConfig:
     matmul_attention: bool = True
     all_slots_ratio: float = 2.0
     merged_projections: bool = True
+    cpp_attention: bool = True
     dynamic: bool | None = None
 
     def __post_init__(self) -> None:
@@ -289,14 +299,18 @@ def _static_forward(
     one_row_gemv: bool,
     matmul_attention: bool,
     all_slots: bool = False,
+    cpp_attention: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The traced function: :func:`lean_decoder` over a :class:`StaticKV`, linears multiplying by ``packed``
     (keyed by name, projections of one input by their merged copy, keyed ``"+".join(names)``, where there is
     one; or, with ``one_row_gemv`` and a single row of one token, by :func:`row_gemv`); with ``matmul_attention``
     and several rows, attending by :func:`grouped_matmul_attention`, over every cache slot if ``all_slots``
-    (the slots past ``mask`` masked out; they hold zeros or earlier keys, finite either way)."""
+    (the slots past ``mask`` masked out; they hold zeros or earlier keys, finite either way); with
+    ``cpp_attention``, attending by :func:`~tlt_lightning.kernels.decode_attention` instead."""
     gemv = one_row_gemv and input_ids.numel() == 1
     attention = grouped_matmul_attention if matmul_attention and input_ids.shape[0] > 1 else None
+    if cpp_attention:
+        attention = kernels.decode_attention
     if all_slots:
         mask = F.pad(mask, (0, keys[0].shape[2] - mask.shape[-1]))
 
@@ -562,6 +576,10 @@ class CompiledDecode(BucketedGraphs):
         self._pack = self.config.packed_weights and model.device.type == "cpu" and model.dtype in packable_dtypes()
         self._gemv = self.config.row_gemv and model.device.type == "cpu" and model.dtype == torch.bfloat16
         self._matmul_attention = self.config.matmul_attention and model.device.type == "cpu"
+        head_dim = model.config.hidden_size // model.config.num_attention_heads
+        head_dim = getattr(model.config, "head_dim", None) or head_dim
+        self._cpp_attention = (self.config.cpp_attention and model.device.type == "cpu" and model.dtype == torch.bfloat16
+                         and head_dim in kernels.HEAD_DIMS and kernels.available())
         linears = {n: m for n, m in model.get_decoder().named_modules() if isinstance(m, nn.Linear)}
         self._groups = [("+".join(group), [linears[name] for name in group])  # keyed as _static_forward reads them
                         for group in merged_groups(linears, self.config.merged_projections)]
@@ -594,10 +612,10 @@ class CompiledDecode(BucketedGraphs):
         if p is None:
             return None
         bucket = p.bucket
-        many_rows = self._matmul_attention and self.dynamic and p.n > 1
+        many_rows = self._matmul_attention and self.dynamic and p.n > 1 and not self._cpp_attention
         if many_rows and cache.keys.shape[3] <= self.config.all_slots_ratio * bucket.kv_len:
             bucket = bucket._replace(all_slots=True)
         hidden, features = self.launch(bucket, self.model, self._packed(), p.input_ids, p.positions, p.slots, p.mask,
                                        *self.layer_views(cache), bucket.feature_layers, self._gemv,
-                                       self._matmul_attention, bucket.all_slots)
+                                       self._matmul_attention, bucket.all_slots, self._cpp_attention)
         return self.unpad(hidden, p), self.unpad(features, p)
