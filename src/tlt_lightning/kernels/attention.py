@@ -2,12 +2,13 @@
 
 :func:`decode_attention` is grouped-query attention of a few new tokens per row over the key/value
 cache: each key/value head is read once, in place, for all the query heads and tokens it serves, with
-scores, softmax and the weighted sum in fp32. The compiled decode graphs
-(:mod:`~tlt_lightning.models.compiled`) attend by it on CPUs in bf16 where PyTorch's kernels spend
+scores, softmax and the weighted sum in fp32 (AVX-512 BF16 dot products where the CPU has them, the
+probabilities rounded to bf16 for the sum as PyTorch's bf16 attention rounds them). The compiled decode
+graphs (:mod:`~tlt_lightning.models.compiled`) attend by it on CPUs in bf16, where PyTorch's kernels spend
 most of their time on fixed work per block (the flash kernel) or copying the cache (batched products).
-Measured on SmolLM2 (bf16, one AMD Zen 5 core, 30 layers, 32 rows over 280 cached keys): 14-16 ms
-against 38-39 ms for the batched products, eager or compiled (``docs/benchmarks.md``, "Decode attention
-kernel").
+Measured on SmolLM2 (bf16, one AMD Zen 5 core, 30 layers, 32 rows over 280 cached keys): 14-15 ms
+against 38-39 ms for the batched products, eager or compiled (``docs/benchmarks.md``, "A C++ decode
+attention kernel").
 
 The source is compiled once per source and CPU (``-O3 -march=native``, cached where torch caches
 extensions: ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), which needs a C++ compiler
@@ -78,7 +79,7 @@ def available() -> bool:
 def decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Grouped-query attention with :func:`~tlt_lightning.models.attention.grouped_sdpa`'s contract, fp32 inside.
+    """Grouped-query attention with :func:`~tlt_lightning.models.attention.grouped_sdpa`'s contract (module docstring).
 
     Query head ``h`` reads key/value head ``h // g`` (``g = H_q / H_kv``).
 

@@ -1,7 +1,8 @@
 // A decode attention kernel for CPUs, ``tlt_lightning::decode_attention`` (the op is defined in Python):
 // grouped-query attention of a few new tokens per row over a key/value cache. Each (row, key/value head)
 // is one task: its keys and values are read once, in place (strided views of the cache are not copied),
-// for all the query heads and tokens they serve; scores, softmax and the weighted sum in fp32.
+// for all the query heads and tokens they serve; scores, softmax and the weighted sum in fp32 (with
+// AVX-512 BF16 dot products, the probabilities are rounded to bf16 first, as PyTorch's bf16 attention does).
 //
 // Built at run time by tlt_lightning.kernels with -march=native: AVX-512 code for bf16 with head dims
 // 64 and 128 where the CPU has AVX-512 (F, BW, VL), a plain loop the compiler vectorises otherwise.

@@ -169,7 +169,8 @@ class CompileConfig:
         cpp_attention: on a CPU in bf16 (head dims 64 and 128), every graph attends by the C++ kernel
             :func:`tlt_lightning.kernels.decode_attention` (built on first use; where it does not build,
             as ``matmul_attention`` says). Whole SmolLM2 steps against the batched products over all slots,
-            one Zen 5 core: XX.
+            one Zen 5 core: 1.12x at one row, 1.26x at 8 rows, 1.39x at 32 over 280 keys, 1.18x for 4 rows
+            of 4 queries (``scripts/compiled_steps.py``).
         dynamic: rows and key slots as dynamic dimensions of the graphs: one graph per query bucket
             (and one for a single row), no padded rows, attention reads exactly the cached keys.
             ``None``: on unless the graphs are CUDA graphs (they need static shapes).
