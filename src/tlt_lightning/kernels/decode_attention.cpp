@@ -52,7 +52,8 @@ struct Task {
 inline int64_t probs_stride(int64_t L) { return L + 2 - L % 2; }
 
 // scores[i * L + l]: query i's softmax over the keys it may attend (0 elsewhere; all 0 if none).
-void softmax_rows(float* scores, const bool* const* allowed, int64_t m_key, int64_t G, int64_t L);
+template <typename T>
+void softmax_rows(float* scores, const Task<T>& t);
 
 #if defined(TLT_AVX512)
 inline __m512 load_float(const bf16* p) {
@@ -163,13 +164,12 @@ void values_pairs(const Task<bf16>& t, int64_t i0, int64_t rows, const uint16_t*
 // a decode step of grouped heads), values accumulated in registers, 16 / C queries at a time; with
 // AVX-512 BF16, both as bf16 dot products.
 template <int C>
-void attend_avx512(const Task<bf16>& t, float* scores, float* qf, uint16_t* probs, const bool* const* allowed,
-                   float scale) {
+void attend_avx512(const Task<bf16>& t, float* scores, float* qf, uint16_t* probs, float scale) {
   constexpr int64_t D = 16 * C, QV = 16 / C;
   const int64_t G = t.G, L = t.L;
 #if defined(__AVX512BF16__)
   for (int64_t i0 = 0; i0 < G; i0 += 4) scores4<C>(t, i0, scores, scale);
-  softmax_rows(scores, allowed, t.m_key, G, L);
+  softmax_rows(scores, t);
   const int64_t stride = probs_stride(L);
   for (int64_t i = 0; i < G; ++i) {
     const float* s = scores + i * L;
@@ -202,7 +202,7 @@ void attend_avx512(const Task<bf16>& t, float* scores, float* qf, uint16_t* prob
       for (int64_t r = 0; r < 4 && i0 + r < G; ++r) scores[(i0 + r) * L + l] = sums[r];
     }
   }
-  softmax_rows(scores, allowed, t.m_key, G, L);
+  softmax_rows(scores, t);
   for (int64_t i0 = 0; i0 < G; i0 += QV) {
     const int64_t rows = std::min(QV, G - i0);
     __m512 acc[QV][C];
@@ -229,11 +229,13 @@ void attend_avx512(const Task<bf16>& t, float* scores, float* qf, uint16_t* prob
 }
 #endif
 
-void softmax_rows(float* scores, const bool* const* allowed, int64_t m_key, int64_t G, int64_t L) {
+template <typename T>
+void softmax_rows(float* scores, const Task<T>& t) {
+  const int64_t G = t.G, L = t.L, m_key = t.m_key;
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < G; ++i) {
     float* s = scores + i * L;
-    const bool* a = allowed[i];
+    const bool* a = t.allowed(i);
     float top = kNone;
     int64_t l = 0;
 #if defined(TLT_AVX512)
@@ -286,12 +288,10 @@ void attend(const Task<T>& t, float scale, std::vector<float>& scratch) {
   float* acc = qf + Gp * D;
   float* row = acc + G * D;  // one key or value row in fp32
   uint16_t* probs = reinterpret_cast<uint16_t*>(row + D);  // the softmax in bf16 (AVX-512 BF16)
-  std::vector<const bool*> allowed(G);
-  for (int64_t i = 0; i < G; ++i) allowed[i] = t.allowed(i);
 #if defined(TLT_AVX512)
   if constexpr (std::is_same_v<T, bf16>) {
-    if (D == 64) return attend_avx512<4>(t, scores, qf, probs, allowed.data(), scale);
-    if (D == 128) return attend_avx512<8>(t, scores, qf, probs, allowed.data(), scale);
+    if (D == 64) return attend_avx512<4>(t, scores, qf, probs, scale);
+    if (D == 128) return attend_avx512<8>(t, scores, qf, probs, scale);
   }
 #endif
   for (int64_t i = 0; i < G; ++i) {
@@ -308,7 +308,7 @@ void attend(const Task<T>& t, float scale, std::vector<float>& scratch) {
       scores[i * L + l] = sum;
     }
   }
-  softmax_rows(scores, allowed.data(), t.m_key, G, L);
+  softmax_rows(scores, t);
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t l = 0; l < L; ++l) {
     to_float(t.v + l * t.v_row, row, D);

@@ -310,8 +310,7 @@ def _static_forward(
     ``cpp_attention``, attending by :func:`~tlt_lightning.kernels.decode_attention` instead."""
     gemv = one_row_gemv and input_ids.numel() == 1
     attention = grouped_matmul_attention if matmul_attention and input_ids.shape[0] > 1 else None
-    if cpp_attention:
-        attention = kernels.decode_attention
+    attention = kernels.decode_attention if cpp_attention else attention
     if all_slots:
         mask = F.pad(mask, (0, keys[0].shape[2] - mask.shape[-1]))
 
