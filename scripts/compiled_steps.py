@@ -1,6 +1,7 @@
 """Step times of the compiled decode path's variants, side by side: static shape buckets (what CUDA
 graphs need), dynamic rows and keys, dynamic with the attention as batched products, and that reading
-all of the cache's slots where they are at most twice the keys, and the C++ decode kernels (the CPU default).
+all of the cache's slots where they are at most twice the keys, and the C++ decode kernels, with dynamo's
+guards checked every call and skipped once compiled (the CPU default).
 
 The :class:`~tlt_lightning.models.compiled.CompiledDecode` variants share one model (bf16 by default,
 one thread, packed weights); for each ``ROWSxKEYSxQUERIES`` shape a forward is timed in each variant
@@ -39,6 +40,7 @@ def main() -> None:
                 "dynamic+matmul": CompileConfig(dynamic=True, matmul_attention=True, all_slots_ratio=0,
                                                 cpp_attention=False),
                 "dynamic+matmul+all-slots": CompileConfig(dynamic=True, matmul_attention=True, cpp_attention=False),
+                "cpp-attention+guards": CompileConfig(dynamic=True, skip_guards=False),
                 "cpp-attention": CompileConfig(dynamic=True)}
     p.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants),
                    help="the configs to time; speed-ups are over the first")

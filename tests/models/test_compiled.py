@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -83,10 +84,12 @@ def test_chain_and_tree_verification_equal_plain_greedy(compiled_pair, arm, capl
     no_warnings(caplog)
 
 
-def decode_once(target: HFTarget, lens: torch.Tensor, q: int = 3, grad: bool = False, max_len: int = 32) -> torch.Tensor:
-    """One forward of ``q`` tokens per row after a prefill of ``lens`` tokens (cache of ``max_len``); ``[n, q, H]``."""
+def decode_once(target: HFTarget, lens: torch.Tensor, q: int = 3, grad: bool = False, max_len: int = 32,
+                rows: int | None = None) -> torch.Tensor:
+    """One forward of ``q`` tokens per row after a prefill of ``lens`` tokens (cache of ``rows``, default one
+    per row, of ``max_len``); ``[n, q, H]``."""
     n, width = lens.numel(), int(lens.max())
-    cache = target.new_cache(n, max_len)
+    cache = target.new_cache(rows or n, max_len)
     slots = torch.arange(width)
     mask = (slots[None, None, :] <= slots[None, :, None]) & (slots[None, None, :] < lens[:, None, None])
     g = torch.Generator().manual_seed(0)
@@ -240,23 +243,49 @@ def test_new_cache_has_room_for_the_buckets(tiny_llama):
     assert dynamic._compiled.bucket(9, 1, 30) is None  # rows beyond the largest batch bucket
 
 
-def test_dynamic_graphs_serve_every_row_count_and_length_without_recompiling(tiny_llama, fresh_compile):
+@pytest.mark.parametrize("skip_guards", [False, True], ids=["guarded", "skip-guards"])
+def test_dynamic_graphs_serve_every_row_count_and_length_without_recompiling(tiny_llama, fresh_compile, skip_guards):
     """One graph for every row count above one, key length and cache size (and one for a single row), and
     one more reading all of the cache's slots where it is at most all_slots_ratio times the keys; any
-    recompile would show in dynamo's count of graphs, and in compile_times."""
-    compiled = HFTarget(tiny_llama.model, decode="compiled", compile_config=CompileConfig(query_buckets=(4,)))
+    recompile would show in dynamo's count of graphs, and in compile_times.
+
+    Guarded, dynamo's guards pass for every call after the first of a graph: skipping them (the default,
+    which this checks next) changes nothing."""
+    config = CompileConfig(query_buckets=(4,), skip_guards=skip_guards)
+    compiled = HFTarget(tiny_llama.model, decode="compiled", compile_config=config)
     graphs = counters["stats"]["unique_graphs"]
-    cases = (([5, 9], 32), ([3, 4, 6, 2, 7], 20), ([12] * 9, 40), ([4], 32), ([4], 9),
-             ([20, 1, 1], 24), ([5, 9], 16), ([9, 2, 4, 1], 13))  # the last three read all slots (25 for 23 keys...)
-    for lens, max_len in cases:
+    cases = (([5, 9], 32, None), ([3, 4, 6, 2, 7], 20, 8), ([12] * 9, 40, None), ([4], 32, 3), ([4], 9, None),
+             ([5, 9], 28, 6), ([20, 1, 1], 24, None), ([5, 9], 16, 3),
+             ([9, 2, 4, 1], 13, None))  # the last three read all slots (25 for 23 keys...)
+    for lens, max_len, rows in cases:
         lens = torch.tensor(lens)
-        torch.testing.assert_close(decode_once(compiled, lens, max_len=max_len), decode_once(tiny_llama, lens),
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(decode_once(compiled, lens, max_len=max_len, rows=rows),
+                                   decode_once(tiny_llama, lens), rtol=1e-4, atol=1e-5)
     features = features_of(tiny_llama)
     all_slots = Bucket(0, 4, 0, features, all_slots=True)
     assert set(compiled.compile_times) == {Bucket(0, 4, 0, features), Bucket(1, 4, 0, features), all_slots}
     assert counters["stats"]["unique_graphs"] - graphs == 3
     assert compiled._compiled.graph_calls[all_slots] == 3
+    guarded = compiled._compiled._guarded.values()
+    assert [len(_debug_get_cache_entry_list(own.__code__)) for own, _ in guarded] == [1, 1, 1]
+    assert len(compiled._compiled._direct) == (3 if skip_guards else 0)
+
+
+def test_calls_skip_guards_only_into_graphs_compiled_for_their_inputs(tiny_llama, fresh_compile):
+    """A static graph is compiled for its cache's shape, and Inductor's kernels for the thread count: a cache
+    of another size, or another thread count, never reaches the guard-free call of a graph built for others."""
+    compiled = HFTarget(tiny_llama.model, decode="compiled", compile_config=SHARED)
+    lens = torch.tensor([5, 9])
+    expected = decode_once(tiny_llama, lens)
+    threads = torch.get_num_threads()
+    try:
+        for max_len, n_threads in ((32, 1), (32, 1), (300, 1), (32, 2)):
+            torch.set_num_threads(n_threads)
+            torch.testing.assert_close(decode_once(compiled, lens, max_len=max_len), expected, rtol=1e-4, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(compiled._compiled._direct) == 3
+    assert sum(compiled._compiled.graph_calls.values()) == 4
 
 
 def test_layer_views_are_made_once_per_cache(tiny_llama, monkeypatch):
