@@ -1,3 +1,4 @@
+import copy
 import pickle
 import subprocess
 import sys
@@ -5,8 +6,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from tlt_lightning import kernels
 from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.models import attention
 from tlt_lightning.models.attention import (
     GROUPED_SDPA,
     MAX_GROUPED_QUERIES,
@@ -110,7 +114,6 @@ def _targets(name="tiny-llama"):
 
 
 def _spy(monkeypatch):
-    from tlt_lightning.models import attention
 
     calls = []
     original = attention.grouped_sdpa
@@ -180,3 +183,38 @@ def test_a_switched_model_runs_in_a_process_that_unpickles_it(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "torch.Size([1, 3, 128])" in out.stdout
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernel did not build here")
+def test_bf16_inference_attends_by_the_cpp_kernel(monkeypatch):
+    """bf16 on a CPU, head dim 64, no autograd: a prefill longer than MAX_GROUPED_QUERIES and a decode step
+    attend by the C++ kernel, within bf16's tolerance of transformers' sdpa; with autograd, or more scores
+    than the kernel holds, sdpa."""
+    config = Qwen2Config(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    ours, reference = HFTarget(model), HFTarget(copy.deepcopy(model))  # the copy has a config of its own
+    reference.model.set_attn_implementation("sdpa")
+    calls = []
+    original = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda q, *a: calls.append(tuple(q.shape)) or original(q, *a))
+    n = MAX_GROUPED_QUERIES + 6
+    ids = torch.randint(3, 128, (2, n + 1), generator=torch.Generator().manual_seed(0))
+
+    def prefill_and_step(target):
+        cache = target.new_cache(2, n + 1)
+        zero, L = torch.zeros(2, dtype=torch.long), torch.full((2,), n)
+        with torch.no_grad():
+            target.forward(ids[:, :n], torch.arange(n).expand(2, n), causal_decode_mask(zero, n, n), cache)
+            cache.lengths[:] = L
+            return target.forward(ids[:, n:], L[:, None], causal_decode_mask(L, 1, n + 1), cache).hidden.float()
+
+    got, expected = prefill_and_step(ours), prefill_and_step(reference)
+    assert calls == [(2, 4, n, 64)] * 2 + [(2, 4, 1, 64)] * 2
+    assert (got - expected).abs().max() <= 5e-2 * expected.abs().max()
+    calls.clear()
+    ours.model(ids, labels=ids).loss.backward()  # training: transformers' sdpa
+    monkeypatch.setattr(attention, "_CPP_MAX_SCORES", 2 * n * n - 1)  # g = 2 query heads per key/value head
+    prefill_and_step(ours)
+    assert calls == [(2, 4, 1, 64)] * 2  # the prefill no longer fits, the decode step does

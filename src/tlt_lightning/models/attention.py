@@ -34,6 +34,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from tlt_lightning import kernels
+
 __all__ = [
     "GROUPED_SDPA",
     "MAX_GROUPED_QUERIES",
@@ -122,6 +124,20 @@ def grouped_matmul_attention(
     return (probs @ value).reshape(query.shape)
 
 
+def _cpp_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether :func:`~tlt_lightning.kernels.decode_attention` takes this eager attention: bf16 on a CPU,
+    a head dim it has vector code for, at most :data:`_CPP_MAX_SCORES` scores a task, and the kernel built."""
+    g = query.shape[1] // key.shape[1]
+    return (query.device.type == "cpu" and query.dtype == torch.bfloat16 and query.shape[-1] in kernels.HEAD_DIMS
+            and g * query.shape[2] * key.shape[2] <= _CPP_MAX_SCORES and not torch.compiler.is_compiling()
+            and kernels.available())
+
+
+_CPP_MAX_SCORES = 1 << 24
+"""Most scores (a key/value head's query heads x new tokens x keys) the C++ kernel holds per task:
+64 MB of fp32 scratch per thread. Longer prefills keep transformers' ``sdpa``."""
+
+
 def grouped_sdpa_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -132,25 +148,34 @@ def grouped_sdpa_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: :func:`grouped_sdpa` for 2 to :data:`MAX_GROUPED_QUERIES`
-    queries per row (1 too inside a ``torch.compile`` trace, where transformers does not pack a single
-    query) over a boolean mask without autograd, transformers' ``sdpa`` otherwise (training,
-    one query, long prefills, no mask, biases).
+    """transformers attention function for inference over a boolean mask: in bf16 on a CPU, the C++
+    kernel :func:`~tlt_lightning.kernels.decode_attention` (any number of queries: decoding, verifying,
+    prefilling; 2.2x ``sdpa`` on a prefill of 32 prompts of 146 tokens, SmolLM2's heads, one Zen 5
+    core); otherwise :func:`grouped_sdpa` for 2 to :data:`MAX_GROUPED_QUERIES` queries per row (1 too
+    inside a ``torch.compile`` trace, where transformers does not pack a single query). Everything else
+    (training, no mask, biases, other dtypes) goes to transformers' ``sdpa``. Graphs compiled by
+    :mod:`~tlt_lightning.models.compiled` choose their attention by their own config.
 
     Returns ``[n, q, H_q, D]`` and no attention weights, as transformers' ``sdpa`` does.
     """
-    grouped = (
-        getattr(module, "num_key_value_groups", 1) > 1
-        # transformers packs a single query itself, but not in a traced graph (models.compiled)
-        and (1 < query.shape[2] or torch.compiler.is_compiling())
-        and query.shape[2] <= MAX_GROUPED_QUERIES
-        and attention_mask is not None
+    inference = (
+        attention_mask is not None
         and attention_mask.dtype == torch.bool
         and attention_mask.shape[1] == 1
         and not torch.is_grad_enabled()
         and not dropout
         and kwargs.get("position_bias") is None
         and kwargs.get("softcap") is None
+    )
+    if inference and _cpp_applies(query, key):
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return kernels.decode_attention(query, key, value, attention_mask, scale).transpose(1, 2).contiguous(), None
+    grouped = (
+        inference
+        and getattr(module, "num_key_value_groups", 1) > 1
+        # transformers packs a single query itself, but not in a traced graph (models.compiled)
+        and (1 < query.shape[2] or torch.compiler.is_compiling())
+        and query.shape[2] <= MAX_GROUPED_QUERIES
     )
     if not grouped:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
