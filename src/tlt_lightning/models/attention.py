@@ -19,8 +19,9 @@ Measured per call (``scripts/attention_small_q.py``, one AMD Zen 4 core, bf16, S
 :func:`grouped_sdpa` is the pure function; :func:`grouped_sdpa_attention` wraps it as a
 transformers attention function (``AttentionInterface``), registered as :data:`GROUPED_SDPA` by
 :func:`use_grouped_attention`. It takes the grouped path only where it is the same computation,
-without autograd (decoding, verifying drafts) and with a boolean mask, and hands everything else to
-transformers' own ``sdpa`` function unchanged, so training is untouched.
+without autograd (decoding, verifying drafts) and with a boolean mask (in bf16 on a CPU the C++
+kernel :func:`~tlt_lightning.kernels.decode_attention` instead, for prefills too), and hands
+everything else to transformers' own ``sdpa`` function unchanged, so training is untouched.
 """
 
 from __future__ import annotations
