@@ -185,15 +185,20 @@ def test_a_switched_model_runs_in_a_process_that_unpickles_it(tmp_path):
     assert "torch.Size([1, 3, 128])" in out.stdout
 
 
+def head_dim_64_qwen2() -> Qwen2ForCausalLM:
+    """A small random Qwen2 in bf16 whose heads (64) the C++ kernel has vector code for (seeded: always the same)."""
+    config = Qwen2Config(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+
+
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernel did not build here")
 def test_bf16_inference_attends_by_the_cpp_kernel(monkeypatch):
     """bf16 on a CPU, head dim 64, no autograd: a prefill longer than MAX_GROUPED_QUERIES and a decode step
     attend by the C++ kernel, within bf16's tolerance of transformers' sdpa; with autograd, or more scores
     than the kernel holds, sdpa."""
-    config = Qwen2Config(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    model = head_dim_64_qwen2()
     ours, reference = HFTarget(model), HFTarget(copy.deepcopy(model))  # the copy has a config of its own
     reference.model.set_attn_implementation("sdpa")
     calls = []

@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
-from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import MistralConfig, MistralForCausalLM
 
+from tests.models.test_attention import head_dim_64_qwen2
 from tests.rollout.test_engine import random_prompts
 from tlt_lightning import kernels
 from tlt_lightning.drafter import Drafter, DrafterConfig
@@ -428,10 +429,7 @@ def test_graphs_of_several_rows_attend_by_matmul_on_a_cpu(matmul_attention, monk
 def test_bf16_graphs_attend_by_the_cpp_kernel_within_the_tolerance(cpp_attention, fresh_compile):
     """Head dim 64 in bf16: graphs of one row and of several attend by the C++ kernel (unless turned off),
     which the profiler sees; hidden states within the documented tolerance either way."""
-    config = Qwen2Config(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    model = head_dim_64_qwen2()
     compile_config = CompileConfig(query_buckets=(4,), cpp_attention=cpp_attention)
     hf, target = HFTarget(model), HFTarget(model, decode="compiled", compile_config=compile_config)
     for lens in (torch.tensor([7]), torch.tensor([7, 3, 9])):
@@ -440,5 +438,5 @@ def test_bf16_graphs_attend_by_the_cpp_kernel_within_the_tolerance(cpp_attention
         with torch.profiler.profile() as prof:
             decode_once(target, lens)  # an eager prefill (which attends by the kernel: models.attention), a graph call
         kernel_calls = [e for e in prof.events() if e.name == "tlt_lightning::decode_attention"]
-        assert len(kernel_calls) == config.num_hidden_layers * (2 if cpp_attention else 1)
+        assert len(kernel_calls) == model.config.num_hidden_layers * (2 if cpp_attention else 1)
     assert len(target.compile_times) == 2

@@ -125,6 +125,11 @@ def grouped_matmul_attention(
     return (probs @ value).reshape(query.shape)
 
 
+_CPP_MAX_SCORES = 1 << 24
+"""Most scores (a key/value head's query heads x new tokens x keys) the C++ kernel holds per task:
+64 MB of fp32 scratch per thread. Longer prefills keep transformers' ``sdpa``."""
+
+
 def _cpp_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether :func:`~tlt_lightning.kernels.decode_attention` takes this eager attention: bf16 on a CPU,
     a head dim it has vector code for, at most :data:`_CPP_MAX_SCORES` scores a task, and the kernel built."""
@@ -132,11 +137,6 @@ def _cpp_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
     return (query.device.type == "cpu" and query.dtype == torch.bfloat16 and query.shape[-1] in kernels.HEAD_DIMS
             and g * query.shape[2] * key.shape[2] <= _CPP_MAX_SCORES and not torch.compiler.is_compiling()
             and kernels.available())
-
-
-_CPP_MAX_SCORES = 1 << 24
-"""Most scores (a key/value head's query heads x new tokens x keys) the C++ kernel holds per task:
-64 MB of fp32 scratch per thread. Longer prefills keep transformers' ``sdpa``."""
 
 
 def grouped_sdpa_attention(
