@@ -14,6 +14,7 @@ ROOT = Path(tlt_lightning.__file__).parent
 # and the ones below, never from above. The top floor holds the tools: benchmarks, recipes (CLI
 # workflows), the CLI and its fit entry point.
 FLOORS = (
+    ("validation",),
     ("speculative", "kernels"),
     ("models", "reports"),
     ("rollout",),
