@@ -16,16 +16,18 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from tests.rl.test_module import PROMPTS, make_module, make_trainer
 from tlt_lightning.callbacks import SpotDrafterCallback
-from tlt_lightning.drafter import (
-    Drafter,
-    DrafterConfig,
-    SpotTrainer,
-    load_drafter,
-    save_drafter,
-    spot_trainer,
-)
+from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
 from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.rl import RolloutListener
 from tlt_lightning.rl.module import GRPOModule
+from tlt_lightning.spot import SpotConfig, SpotTrainer, SpotTrainerConfig
+from tlt_lightning.spot import trainer as spot_trainer
+
+
+def budget(steps: int | None = 4, seconds: float | None = 2.0, **config) -> SpotConfig:
+    """A SpotConfig whose paid budget (``training``) is ``steps`` drafter steps and ``seconds``."""
+    training = SpotTrainerConfig(max_steps_per_rollout=steps, max_seconds_per_rollout=seconds)
+    return SpotConfig(training, **config)
 
 
 def weights(drafter: Drafter) -> dict[str, torch.Tensor]:
@@ -38,20 +40,24 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[key], b[key]), key
 
 
-class Watch(L.Callback):
-    """Placed after the SpotDrafterCallback: what each rollout drafted with, what each step produced."""
+class Watch(L.Callback, RolloutListener):
+    """Placed after the SpotDrafterCallback: what each rollout drafted with (a rollout listener after the
+    callback's), what each step produced."""
 
-    def __init__(self, spot: SpotDrafterCallback) -> None:
-        self.spot = spot
+    def __init__(self, callback: SpotDrafterCallback) -> None:
+        self.callback = callback
         self.rollout_weights, self.published, self.versions, self.tokens = [], [], [], []
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        assert pl_module.drafter is not self.spot.drafter  # a serving copy, not the trained one
-        self.rollout_weights.append(weights(pl_module.drafter))
+    def on_fit_start(self, trainer, pl_module) -> None:
+        pl_module.add_rollout_listener(self)
+
+    def begin_step(self, module) -> None:
+        assert module.drafter is not self.callback.spot.drafter  # a serving copy, not the trained one
+        self.rollout_weights.append(weights(module.drafter))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.published.append(weights(self.spot.drafter))
-        self.versions.append(self.spot.publisher.version)
+        self.published.append(weights(self.callback.spot.drafter))
+        self.versions.append(self.callback.spot.publisher.version)
         self.tokens.append(sum(r.length for r in outputs["rollout"].rollouts if r.length >= 2))
 
 
@@ -66,28 +72,30 @@ def _in_tmp_path(tmp_path, monkeypatch):
 
 def test_defaults_fit_trains_publishes_and_logs(tmp_path):
     module = make_module()
-    spot = SpotDrafterCallback()
-    watch = Watch(spot)
-    trainer = make_trainer(2, callbacks=[spot, watch], default_root_dir=tmp_path)
+    callback = SpotDrafterCallback()
+    watch = Watch(callback)
+    trainer = make_trainer(2, callbacks=[callback, watch], default_root_dir=tmp_path)
     trainer.fit(module)
 
     # A drafter was built for the tiny target (draft vocabulary capped at its 128 tokens) ...
-    assert spot.drafter.config.kind == "eagle1" and spot.drafter.config.draft_vocab_size is None
-    assert module.rollout_feature_layers == spot.drafter.config.rollout_feature_layers
-    assert module.drafter is spot.drafter and "rollout" not in vars(module)  # restored after fit
+    drafter = callback.spot.drafter
+    assert drafter.config.kind == "eagle1" and drafter.config.draft_vocab_size is None
+    assert module.rollout_feature_layers == callback.spot.drafter.config.rollout_feature_layers
+    assert module.drafter is callback.spot.drafter and "rollout" not in vars(module)  # restored after fit
     # ... trained between the rollouts (single worker: the paid budget) and published each step.
-    assert watch.versions == [1, 2] and spot.steps == 2 * spot.max_steps_per_rollout
+    per_step = callback.config.training.max_steps_per_rollout
+    assert watch.versions == [1, 2] and callback.spot.steps == 2 * per_step
     # Each rollout drafted with the version published before it, not with half-updated weights.
     assert_same(watch.rollout_weights[1], watch.published[0])
     assert not all(torch.equal(watch.rollout_weights[0][k], v) for k, v in watch.published[0].items())
     # The buffer holds every rollout's tokens (rollouts shorter than 2 tokens have no sample).
-    assert spot.buffer.num_tokens == sum(watch.tokens) > 0
-    assert spot.buffer.stats()["newest_step"] == 1.0
+    assert callback.spot.buffer.num_tokens == sum(watch.tokens) > 0
+    assert callback.spot.buffer.stats()["newest_step"] == 1.0
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert math.isfinite(metrics["drafter/loss"]) and 0 <= metrics["drafter/top1"] <= 1
     assert metrics["drafter/version"] == 2.0
     assert metrics["drafter/buffer_tokens"] == sum(watch.tokens)
-    assert metrics["drafter/buffer_mb"] == pytest.approx(spot.buffer.size_mb)
+    assert metrics["drafter/buffer_mb"] == pytest.approx(callback.spot.buffer.size_mb)
     assert metrics["drafter/accept_length"] >= 1.0  # the rollouts speculated with the drafter
     # Honest single-worker accounting: training was paid for, no idle time was recovered.
     assert metrics["drafter/paid_steps"] == metrics["drafter/steps"] == 4
@@ -96,8 +104,8 @@ def test_defaults_fit_trains_publishes_and_logs(tmp_path):
     assert metrics["drafter/overhead_fraction"] > 0
     # Timeline PNGs, the summary and a final async checkpoint, loadable as a deployable drafter, all in
     # the run's own directory (no logger: the first free version_N under default_root_dir).
-    assert spot.run_dir == tmp_path / "version_0"
-    root = spot.run_dir / "drafter"
+    assert callback.run_dir == tmp_path / "version_0"
+    root = callback.run_dir / "drafter"
     assert (root / "timeline" / "epoch-000.png").stat().st_size > 0
     assert (root / "timeline" / "fit.png").stat().st_size > 0
     summary = json.loads((root / "summary.json").read_text())
@@ -105,14 +113,14 @@ def test_defaults_fit_trains_publishes_and_logs(tmp_path):
     assert (root / "accept_length.png").stat().st_size > 5_000
     (checkpoint,) = (root / "checkpoints").iterdir()
     assert checkpoint.name == "step-00000002"
-    assert_same(weights(load_drafter(checkpoint, module.rollout_target)), weights(spot.drafter))
+    assert_same(weights(load_drafter(checkpoint, module.rollout_target)), weights(callback.spot.drafter))
 
 
 def test_paid_budget_in_steps_and_seconds(monkeypatch):
-    spot = SpotDrafterCallback(max_steps_per_rollout=3, max_seconds_per_rollout=None)
-    trainer = make_trainer(1, callbacks=[spot])
+    callback = SpotDrafterCallback(budget(3, None))
+    trainer = make_trainer(1, callbacks=[callback])
     trainer.fit(make_module())
-    assert spot.local_stats["paid_steps"] == 3 and spot.paid_steps == 3
+    assert callback.spot.local_stats["paid_steps"] == 3 and callback.spot.paid_steps == 3
 
     # The seconds budget on a clock that advances 0.06 s per drafter step (no wall-clock in the test):
     # steps start while elapsed + mean step <= 0.2 s, i.e. at 0, 0.06 and 0.12 s; the one at 0.18 s
@@ -125,89 +133,96 @@ def test_paid_budget_in_steps_and_seconds(monkeypatch):
 
     monkeypatch.setattr(SpotTrainer, "train_one", train_one)
     monkeypatch.setattr(spot_trainer, "time", SimpleNamespace(time=time.time, perf_counter=lambda: clock[0]))
-    spot = SpotDrafterCallback(max_steps_per_rollout=None, max_seconds_per_rollout=0.2)
-    trainer = make_trainer(1, callbacks=[spot])
+    callback = SpotDrafterCallback(budget(None, 0.2))
+    trainer = make_trainer(1, callbacks=[callback])
     trainer.fit(make_module())
-    assert spot.local_stats["paid_steps"] == 3 and spot.local_stats["paid_s"] == pytest.approx(0.18)
+    stats = callback.spot.local_stats
+    assert stats["paid_steps"] == 3 and stats["paid_s"] == pytest.approx(0.18)
 
-    spot = SpotDrafterCallback(max_steps_per_rollout=0)  # only idle time: a single worker never trains
-    make_trainer(1, callbacks=[spot]).fit(make_module())
-    assert spot.steps == 0 and spot.publisher.version == 0
+    callback = SpotDrafterCallback(budget(0))  # only idle time: a single worker never trains
+    make_trainer(1, callbacks=[callback]).fit(make_module())
+    assert callback.spot.steps == 0 and callback.spot.publisher.version == 0
 
 
 def test_module_drafter_is_taken_over_and_drafter_path_loads(tmp_path):
     module = make_module(drafter_kind="eagle1")
     module.configure_model()
     own = module.drafter
-    spot = SpotDrafterCallback(max_steps_per_rollout=1)
-    make_trainer(1, callbacks=[spot]).fit(module)
-    assert spot.drafter is own and module.drafter is own
+    callback = SpotDrafterCallback(budget(1))
+    make_trainer(1, callbacks=[callback]).fit(module)
+    assert callback.spot.drafter is own and module.drafter is own
 
     target = HFTarget(load_model("tiny-llama", seed=0).model)
     torch.manual_seed(7)
     saved = save_drafter(Drafter(DrafterConfig.from_target(target, "eagle3"), target), tmp_path / "warm")
-    spot = SpotDrafterCallback(drafter_path=saved, max_steps_per_rollout=1)
+    callback = SpotDrafterCallback(budget(1, drafter_path=saved))
     loaded = {}
 
     class AtStart(L.Callback):
         def on_fit_start(self, trainer, pl_module):
-            loaded.update(weights(spot.drafter))
+            loaded.update(weights(callback.spot.drafter))
 
-    make_trainer(1, callbacks=[spot, AtStart()]).fit(make_module())
-    assert spot.drafter.config.kind == "eagle3"
+    make_trainer(1, callbacks=[callback, AtStart()]).fit(make_module())
+    assert callback.spot.drafter.config.kind == "eagle3"
     assert_same(loaded, weights(load_drafter(saved, target)))
-    assert spot.buffer.stats()["rollouts"] > 0  # eagle3 features (3 layers + final) were harvested
+    assert callback.spot.buffer.stats()["rollouts"] > 0  # eagle3 features (3 layers + final) were harvested
 
     with pytest.raises(ValueError, match="drafter_path=.* but the module already has a drafter"):
-        trainer = make_trainer(1, callbacks=[SpotDrafterCallback(drafter_path=saved)])
+        trainer = make_trainer(1, callbacks=[SpotDrafterCallback(SpotConfig(drafter_path=saved))])
         trainer.fit(make_module(drafter_kind="eagle1"))
     with pytest.raises(ValueError, match="drafter_path '.*nowhere' is not a drafter directory"):
-        make_trainer(1, callbacks=[SpotDrafterCallback(drafter_path=tmp_path / "nowhere")]).fit(make_module())
+        callback = SpotDrafterCallback(SpotConfig(drafter_path=tmp_path / "nowhere"))
+        make_trainer(1, callbacks=[callback]).fit(make_module())
 
 
 def test_fp32_drafter_training_with_bf16_rollouts():
     """The trainer's drafter is fp32 on the fp32 policy; rollouts draft with bf16 copies on the mirror."""
-    module, spot = make_module(rollout_dtype="bfloat16", drafter_kind="eagle1"), SpotDrafterCallback()
+    module, callback = make_module(rollout_dtype="bfloat16", drafter_kind="eagle1"), SpotDrafterCallback()
     served = []
 
-    class Served(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            d = pl_module.drafter
-            served.append((d.dtype, d._refs.head is pl_module.rollout_policy.get_output_embeddings(),
-                           weights(d)))
+    class Served(L.Callback, RolloutListener):
+        def on_fit_start(self, trainer, pl_module) -> None:
+            pl_module.add_rollout_listener(self)
 
-    trainer = make_trainer(2, callbacks=[spot, Served()])
+        def begin_step(self, module) -> None:
+            d = module.drafter
+            on_mirror = d._refs.head is module.rollout_policy.get_output_embeddings()
+            served.append((d.dtype, on_mirror, weights(d)))
+
+    trainer = make_trainer(2, callbacks=[callback, Served()])
     trainer.fit(module)
-    assert spot.drafter.dtype == torch.float32
-    assert spot.drafter._refs.head is module.policy.get_output_embeddings()
+    assert callback.spot.drafter.dtype == torch.float32
+    assert callback.spot.drafter._refs.head is module.policy.get_output_embeddings()
     assert [(dtype, on_mirror) for dtype, on_mirror, _ in served] == [(torch.bfloat16, True)] * 2
-    assert spot.steps == 2 * spot.max_steps_per_rollout and spot.publisher.version == 2
+    per_step = callback.config.training.max_steps_per_rollout
+    assert callback.spot.steps == 2 * per_step and callback.spot.publisher.version == 2
     # Step 2 drafted with version 1: the trainer's weights after step 1, rounded to bf16.
     assert not all(torch.equal(served[0][2][k], v) for k, v in served[1][2].items())
     assert float(trainer.callback_metrics["drafter/accept_length"]) >= 1.0
-    final = {k: v.to(torch.bfloat16) for k, v in weights(spot.drafter).items()}
-    with spot.publisher.acquire() as lease:
+    final = {k: v.to(torch.bfloat16) for k, v in weights(callback.spot.drafter).items()}
+    with callback.spot.publisher.acquire() as lease:
         assert_same(weights(lease.drafter), final)
 
 
 def test_two_runs_on_one_root_dir_keep_each_others_drafter_checkpoints(tmp_path):
     """The reported loss: a 2-step run after a 4-step run on one default_root_dir (keep=2 each)."""
-    long_run, short_run = (SpotDrafterCallback(checkpoint_interval=1, max_steps_per_rollout=1, timeline=False)
+    long_run, short_run = (SpotDrafterCallback(budget(1, checkpoint_interval=1), timeline=False)
                            for _ in range(2))
     make_trainer(4, callbacks=[long_run], default_root_dir=tmp_path).fit(make_module())
     make_trainer(2, callbacks=[short_run], default_root_dir=tmp_path).fit(make_module())
     assert (long_run.run_dir, short_run.run_dir) == (tmp_path / "version_0", tmp_path / "version_1")
-    for spot, steps in ((long_run, [3, 4]), (short_run, [1, 2])):
-        folder = spot.run_dir / "drafter" / "checkpoints"
+    for callback, steps in ((long_run, [3, 4]), (short_run, [1, 2])):
+        folder = callback.run_dir / "drafter" / "checkpoints"
         assert sorted(p.name for p in folder.iterdir()) == [f"step-{s:08d}" for s in steps]
-        summary = json.loads((spot.run_dir / "drafter" / "summary.json").read_text())
+        summary = json.loads((callback.run_dir / "drafter" / "summary.json").read_text())
         assert summary["checkpoint"] == str(folder / f"step-{steps[-1]:08d}")
 
 
 # ---------------------------------------------------------------------------------- resume
 
 
-def spot_state(spot: SpotDrafterCallback) -> dict:
+def spot_state(callback: SpotDrafterCallback) -> dict:
+    spot = callback.spot
     return {
         "drafter": weights(spot.drafter),
         "optimizer": spot.optimizer.state_dict(),
@@ -233,9 +248,9 @@ def assert_same_state(a: dict, b: dict) -> None:
 
 
 def test_resume_restores_the_drafter_exactly(tmp_path):
-    kwargs = dict(max_steps_per_rollout=3, max_seconds_per_rollout=None)  # save_buffer: the default
+    config = budget(3, None)  # save_buffer: the default
     # Uninterrupted: 2 steps, checkpoints after each; the state after step 1 is kept.
-    full, after_1 = SpotDrafterCallback(**kwargs), {}
+    full, after_1 = SpotDrafterCallback(config), {}
 
     class Keep(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -247,7 +262,7 @@ def test_resume_restores_the_drafter_exactly(tmp_path):
                  default_root_dir=tmp_path / "full").fit(make_module())
 
     # Resumed from step 1: restored exactly at load time, then step 2 gives the same drafter.
-    resumed, at_load = SpotDrafterCallback(**kwargs), {}
+    resumed, at_load = SpotDrafterCallback(config), {}
 
     class AtStart(L.Callback):
         def on_fit_start(self, trainer, pl_module):
@@ -256,30 +271,31 @@ def test_resume_restores_the_drafter_exactly(tmp_path):
     make_trainer(2, callbacks=[resumed, AtStart()], default_root_dir=tmp_path / "resumed").fit(
         make_module(), ckpt_path=tmp_path / "ckpt" / "epoch=0-step=1.ckpt")
     assert_same_state(at_load, after_1)
-    assert resumed.publisher.version == full.publisher.version == 2
-    assert_same(weights(resumed.drafter), weights(full.drafter))
-    assert (resumed.steps, resumed.rl_steps) == (full.steps, full.rl_steps) == (6, 2)
+    assert resumed.spot.publisher.version == full.spot.publisher.version == 2
+    assert_same(weights(resumed.spot.drafter), weights(full.spot.drafter))
+    assert (resumed.spot.steps, resumed.spot.rl_steps) == (full.spot.steps, full.spot.rl_steps) == (6, 2)
 
 
 def test_load_state_dict_tolerates_missing_keys():
-    spot = SpotDrafterCallback(max_steps_per_rollout=1)
-    spot.load_state_dict({"counters": {"steps": 5}})  # before fit: applied at fit start
+    callback = SpotDrafterCallback(budget(1))
+    callback.load_state_dict({"counters": {"steps": 5}})  # before fit: applied at fit start
     seen = {}
 
     class DuringFit(L.Callback):  # a strategy that restores after setup loads during the fit
         def on_train_start(self, trainer, pl_module):
-            before = weights(spot.drafter)
-            spot.load_state_dict({"publisher": {"version": 10}})
-            seen.update(version=spot.publisher.version, steps=spot.steps, before=before,
-                        same=weights(spot.drafter))
+            before = weights(callback.spot.drafter)
+            callback.load_state_dict({"publisher": {"version": 10}})
+            seen.update(version=callback.spot.publisher.version, steps=callback.spot.steps, before=before,
+                        same=weights(callback.spot.drafter))
 
-    make_trainer(1, callbacks=[spot, DuringFit()]).fit(make_module())
+    make_trainer(1, callbacks=[callback, DuringFit()]).fit(make_module())
     assert seen["version"] == 11 and seen["steps"] == 5  # version restored (and republished), rest kept
     assert_same(seen["same"], seen["before"])
-    assert spot.steps == 6 and spot.publisher.version == 12  # 5 restored + 1 trained, published once more
-    assert spot.state_dict()["buffer"]["items"]  # the buffer's data is checkpointed by default
-    spot.save_buffer = False  # as SpotDrafterCallback(save_buffer=False): counters only
-    assert "items" not in spot.state_dict()["buffer"] and spot.state_dict()["buffer"]["added"] > 0
+    # 5 restored + 1 trained, published once more
+    assert callback.spot.steps == 6 and callback.spot.publisher.version == 12
+    assert callback.state_dict()["buffer"]["items"]  # the buffer's data is checkpointed by default
+    callback.save_buffer = False  # as SpotDrafterCallback(save_buffer=False): counters only
+    assert "items" not in callback.state_dict()["buffer"] and callback.state_dict()["buffer"]["added"] > 0
 
 
 # ---------------------------------------------------------------------------------- DDP
@@ -296,14 +312,14 @@ class Rank1IsTheTail(GRPOModule):
 
 
 class SaveRank(L.Callback):
-    def __init__(self, directory: Path, spot: SpotDrafterCallback) -> None:
-        self.directory, self.spot, self.tail = directory, spot, []
+    def __init__(self, directory: Path, callback: SpotDrafterCallback) -> None:
+        self.directory, self.callback, self.tail = directory, callback, []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.tail.append(self.spot.local_stats["tail_steps"])
+        self.tail.append(self.callback.spot.local_stats["tail_steps"])
 
     def on_train_end(self, trainer, pl_module) -> None:
-        spot = self.spot
+        spot = self.callback.spot
         torch.save({"drafter": weights(spot.drafter), "optimizer": spot.optimizer.state_dict(),
                     "tail": self.tail, "version": spot.publisher.version,
                     "latencies": list(spot.coordinator.latencies),
@@ -318,10 +334,10 @@ def test_ddp_tail_training_ends_identical_on_both_ranks(tmp_path, monkeypatch):
     module = make_module(cls=Rank1IsTheTail, prompts_per_step=1)
     # min_idle_s (default 0.05 s): the straggler's "all done" collective completes within it, so the
     # straggler does not start a step; with 0 it could run one before it sees that the tail is over.
-    spot = SpotDrafterCallback()
+    callback = SpotDrafterCallback()
     strategy = DDPStrategy(process_group_backend="gloo", start_method="spawn")
     trainer = make_trainer(2, devices=2, strategy=strategy, default_root_dir=tmp_path,
-                           callbacks=[spot, SaveRank(tmp_path, spot)])
+                           callbacks=[callback, SaveRank(tmp_path, callback)])
     trainer.fit(module)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     # The early finisher trained in the other's tail, the straggler did not (and paid nothing) ...
@@ -350,46 +366,59 @@ def test_ddp_tail_training_ends_identical_on_both_ranks(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("config", "match"),
     [
-        (dict(lr=-1e-3), "lr must be a finite number > 0, got -0.001"),
-        (dict(lr=float("nan")), "lr must be a finite number > 0"),
+        (dict(training=dict(lr=-1e-3)), "lr must be a finite number > 0, got -0.001"),
+        (dict(training=dict(lr=float("nan"))), "lr must be a finite number > 0"),
         (dict(buffer_mb=0), r"buffer_mb must be a finite number > 0 \(MiB\), got 0"),
-        (dict(packing_budget=1), "packing_budget must be an int >= 2, got 1"),
+        (dict(training=dict(packing_budget=1)), "packing_budget must be an int >= 2, got 1"),
         (dict(checkpoint_interval=0), "checkpoint_interval must be an int >= 1 or None, got 0"),
         (dict(min_idle_s=-1), "min_idle_s must be a finite number >= 0, got -1"),
-        (dict(max_steps_per_rollout=-1), "max_steps_per_rollout must be an int >= 0 or None, got -1"),
-        (dict(max_seconds_per_rollout=0), "max_seconds_per_rollout must be a finite number > 0 or None"),
-        (dict(max_steps_per_rollout=None, max_seconds_per_rollout=None),
+        (dict(training=dict(max_steps_per_rollout=-1)),
+         "max_steps_per_rollout must be an int >= 0 or None, got -1"),
+        (dict(training=dict(max_seconds_per_rollout=0)),
+         "max_seconds_per_rollout must be a finite number > 0 or None"),
+        (dict(training=dict(max_steps_per_rollout=None, max_seconds_per_rollout=None)),
          "max_steps_per_rollout and max_seconds_per_rollout are both None"),
         (dict(kind="eagle2"), r"kind must be one of \('eagle1', 'eagle3'\), got 'eagle2'"),
         (dict(draft_vocab_size=0), "draft_vocab_size must be an int >= 1 or None, got 0"),
         (dict(drafter_path=3), "drafter_path must be a directory path, a models:/ or runs:/ URI, or None, got 3"),
         (dict(recency_decay=0.0), r"recency_decay must be in \(0, 1\], got 0.0"),
-        (dict(weight_decay=-1), "weight_decay must be a number >= 0, got -1"),
-        (dict(max_grad_norm=0), "max_grad_norm must be a number > 0 or None, got 0"),
-        (dict(seed=-1), "seed must be an int >= 0, got -1"),
+        (dict(training=dict(weight_decay=-1)), "weight_decay must be a number >= 0, got -1"),
+        (dict(training=dict(max_grad_norm=0)), "max_grad_norm must be a number > 0 or None, got 0"),
+        (dict(training=dict(seed=-1)), "seed must be an int >= 0, got -1"),
     ],
 )
-def test_bad_arguments_name_the_argument(kwargs, match):
+def test_bad_settings_name_the_setting(config, match):
     with pytest.raises(ValueError, match=match):
-        SpotDrafterCallback(**kwargs)
+        SpotDrafterCallback(config)
+
+
+def test_config_is_a_spot_config_or_a_dict_of_its_fields():
+    callback = SpotDrafterCallback({"kind": "eagle3", "training": {"max_steps_per_rollout": 2}})
+    assert callback.config == SpotConfig(SpotTrainerConfig(max_steps_per_rollout=2), kind="eagle3")
+    with pytest.raises(ValueError, match=r"lr is a setting of SpotConfig.training: pass \{'training'"):
+        SpotDrafterCallback({"lr": 1e-3})
+    with pytest.raises(ValueError, match="lrr is not a field of SpotConfig; its fields are"):
+        SpotDrafterCallback({"lrr": 1e-3})
+    with pytest.raises(TypeError, match="config must be a SpotConfig or a dict of its fields, got int"):
+        SpotDrafterCallback(3)
 
 
 def test_needs_a_grpo_module():
     class Plain(L.LightningModule):
         pass
 
-    spot = SpotDrafterCallback()
+    callback = SpotDrafterCallback()
     with pytest.raises(TypeError, match="SpotDrafterCallback needs a GRPOModule, got Plain"):
-        spot.on_fit_start(make_trainer(1), Plain())
+        callback.on_fit_start(make_trainer(1), Plain())
 
 
 def test_rollouts_after_fit_do_not_train():
     # The wrapper is removed at teardown: a later plain rollout neither trains nor touches the buffer.
     module = make_module()
-    spot = SpotDrafterCallback(max_steps_per_rollout=1)
-    make_trainer(1, callbacks=[spot]).fit(module)
-    added, steps = spot.buffer.added, spot.steps
+    callback = SpotDrafterCallback(budget(1))
+    make_trainer(1, callbacks=[callback]).fit(module)
+    added, steps = callback.spot.buffer.added, callback.spot.steps
     module.rollout([PROMPTS[0]], torch.Generator().manual_seed(0))
-    assert (spot.buffer.added, spot.steps) == (added, steps)
+    assert (callback.spot.buffer.added, callback.spot.steps) == (added, steps)

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
 from tlt_lightning.models import load_model
-from tlt_lightning.rl import OptimConfig, SpeculativeConfig, TaskConfig
+from tlt_lightning.rl import OptimConfig, RolloutListener, SpeculativeConfig, TaskConfig
 from tlt_lightning.rl.module import GRPOModule, NonFiniteLossError, RewardError
 from tlt_lightning.rl.sources import PromptIndexLoader, TaskPromptSource, TokenPromptSource
 from tlt_lightning.rollout import RolloutConfig
@@ -543,9 +543,12 @@ def test_a_policy_changed_after_setup_no_longer_fits_its_mirror():
 
 
 def test_rollout_listeners_hear_each_training_rollout_until_removed():
-    class Listener:
+    class Listener(RolloutListener):
         def __init__(self, name: str, calls: list) -> None:
             self.name, self.calls = name, calls
+
+        def begin_step(self, module) -> None:
+            self.calls.append((self.name, "begin", module.global_step))
 
         def before_rollout(self) -> None:
             self.calls.append((self.name, "before"))
@@ -553,14 +556,25 @@ def test_rollout_listeners_hear_each_training_rollout_until_removed():
         def after_rollout(self, result) -> None:
             self.calls.append((self.name, "after", len(result.rollouts)))
 
+        def end_step(self, module, result) -> None:  # after the policy update
+            self.calls.append((self.name, "end", module.global_step, result is module.last_rollout))
+
+    class OnlyAfter(RolloutListener):  # every event has a default: override only what is needed
+        def after_rollout(self, result) -> None:
+            calls.append(("c", "after", len(result.rollouts)))
+
     calls: list = []
     module, first, second = make_module(), Listener("a", calls), Listener("b", calls)
     module.add_rollout_listener(first)
     module.add_rollout_listener(second)
+    module.add_rollout_listener(OnlyAfter())
     make_trainer(1).fit(module)
-    assert calls == [("a", "before"), ("b", "before"), ("a", "after", 8), ("b", "after", 8)]
+    assert calls == [("a", "begin", 0), ("b", "begin", 0), ("a", "before"), ("b", "before"),
+                     ("a", "after", 8), ("b", "after", 8), ("c", "after", 8), ("a", "end", 1, True),
+                     ("b", "end", 1, True)]
     module.remove_rollout_listener(first)
     module.remove_rollout_listener(first)  # not added (any more): ignored
     module.rollout([PROMPTS[0]], torch.Generator().manual_seed(0))  # outside a training step: not heard
     make_trainer(1).fit(module)
-    assert calls[4:] == [("b", "before"), ("b", "after", 8)]
+    assert calls[9:] == [("b", "begin", 0), ("b", "before"), ("b", "after", 8), ("c", "after", 8),
+                         ("b", "end", 1, True)]

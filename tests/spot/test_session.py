@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from tlt_lightning.drafter import SpotTrainerConfig, save_drafter
+from tlt_lightning.drafter import save_drafter
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout.engine import RolloutEngine
 from tlt_lightning.rollout.types import RolloutConfig
-from tlt_lightning.spot import SpotConfig, SpotDrafter, initial_drafter
+from tlt_lightning.spot import SpotConfig, SpotDrafter, SpotTrainerConfig, initial_drafter
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 from lightning.pytorch.loggers import CSVLogger
 
-from tlt_lightning.drafter.checkpoint import META_NAME
+from tlt_lightning.spot.checkpoint_io import META_NAME
 from tlt_lightning.tracking import CheckpointRegistrar, log_artifact, mlflow_loggers
 
 

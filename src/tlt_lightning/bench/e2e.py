@@ -47,8 +47,9 @@ PARTS = ("rollout_s", "reward_s", "train_s", "drafter_s")
 class StepRecorder(L.Callback):
     """Times every RL step (wall and CPU) and keeps what the module and callbacks logged for it.
 
-    Place it after the callbacks whose work should count in the step (drafter training runs in
-    :class:`~tlt_lightning.callbacks.SpotDrafterCallback`'s ``on_train_batch_end``).
+    Place it after the callbacks whose work should count in the step (drafter training runs in the
+    module's training step, driven by :class:`~tlt_lightning.callbacks.SpotDrafterCallback`, whose
+    ``on_train_batch_end`` logs and saves).
     """
 
     def __init__(self, name: str = "", verbose: bool = False) -> None:
@@ -83,6 +84,7 @@ class StepRecorder(L.Callback):
 
 def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     from tlt_lightning.callbacks import BanditCallback, DrafterDriftProbe, SpotDrafterCallback
+    from tlt_lightning.spot import SpotConfig, SpotTrainerConfig
 
     tlt = name == "tlt"
     module = GRPOModule(
@@ -96,9 +98,10 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     recorder = StepRecorder(name, verbose=True)
     callbacks: list[L.Callback] = []
     if tlt:
-        callbacks.append(SpotDrafterCallback(drafter_path=args.drafter, max_steps_per_rollout=args.drafter_steps,
-                                             max_seconds_per_rollout=None, checkpoint_interval=None,
-                                             timeline=False, seed=args.seed))
+        training = SpotTrainerConfig(max_steps_per_rollout=args.drafter_steps, max_seconds_per_rollout=None,
+                                     seed=args.seed)
+        config = SpotConfig(training, drafter_path=args.drafter, checkpoint_interval=None)
+        callbacks.append(SpotDrafterCallback(config, timeline=False))
         if args.bandit:
             callbacks.append(BanditCallback())
     # The probe measures after the recorder has closed the step: its time is not the method's.

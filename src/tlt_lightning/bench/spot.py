@@ -114,8 +114,8 @@ class _RankRecorder(StepRecorder):
                            batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.spot is not None:
-            self.spot_steps.append({**self.spot.local_stats, **{f"all/{k}": v for k, v in
-                                                               self.spot.last_metrics.items()}})
+            self.spot_steps.append({**self.spot.spot.local_stats, **{f"all/{k}": v for k, v in
+                                                                    self.spot.last_metrics.items()}})
         s = self.steps[-1]
         print(f"[bench spot] rank {trainer.global_rank} step {s['step']}: {s['wall_s']:.1f} s (rollout "
               f"{s['rollout_s']:.1f}, train {s['train_s']:.1f}), {s['tokens']} tokens", flush=True)
@@ -123,7 +123,7 @@ class _RankRecorder(StepRecorder):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         record = {"steps": self.steps, "spot_steps": self.spot_steps}
         if self.spot is not None:
-            record["latencies_s"] = list(self.spot.coordinator.latencies)
+            record["latencies_s"] = list(self.spot.spot.coordinator.latencies)
         (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -133,6 +133,7 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     from tlt_lightning.callbacks import SpotDrafterCallback
     from tlt_lightning.rl import GRPOModule, OptimConfig, SpeculativeConfig, TaskConfig
     from tlt_lightning.rollout import RolloutConfig
+    from tlt_lightning.spot import SpotConfig, SpotTrainerConfig
 
     spot_on = name == "spot"
     root = Path(args.out) / name
@@ -150,7 +151,8 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         ),
         seed=args.seed,
     )
-    spot = SpotDrafterCallback(drafter_path=args.drafter, seed=args.seed) if spot_on else None
+    config = SpotConfig(SpotTrainerConfig(seed=args.seed), drafter_path=args.drafter)
+    spot = SpotDrafterCallback(config) if spot_on else None
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo", start_method="spawn"),
         max_steps=args.steps, precision="bf16-mixed", logger=False, enable_checkpointing=False,

@@ -25,7 +25,6 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tlt_lightning.drafter import (
-    AsyncCheckpointer,
     Drafter,
     DrafterConfig,
     DrafterLoss,
@@ -37,7 +36,8 @@ from tlt_lightning.drafter.packing import fill_ratio
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.reports import machine_info, median
 from tlt_lightning.rollout.types import Rollout
-from tlt_lightning.scheduling.coordinator import (
+from tlt_lightning.spot import (
+    AsyncCheckpointer,
     CoordinatorConfig,
     Segment,
     WorkerCoordinator,

@@ -89,7 +89,7 @@ class DrafterDriftProbe(L.Callback):
             )
         self._spot = spots[0]
         self.run_dir = run_dir(trainer)  # on every rank: rank 0's directory, broadcast
-        self._frozen = self._spot.drafter.for_target(pl_module.rollout_target).eval().requires_grad_(False)
+        self._frozen = self._spot.spot.drafter.for_target(pl_module.rollout_target).eval().requires_grad_(False)
         self._probe(trainer, pl_module)
 
     @override
@@ -113,7 +113,7 @@ class DrafterDriftProbe(L.Callback):
         was_training = module.policy.training
         module.policy.eval()
         try:
-            with self._spot.publisher.acquire() as lease:
+            with self._spot.spot.publisher.acquire() as lease:
                 spot = self._accept_length(module, lease.drafter, prompts)
             frozen = self._accept_length(module, self._frozen, prompts)
         finally:

@@ -1,9 +1,7 @@
-"""EAGLE-style drafter: config, model, losses, training on rollouts (offline and spot), checkpoint I/O,
-EAGLE export (no Lightning)."""
+"""EAGLE-style drafter: config, model, losses, training on rollouts (offline warm-up and the step
+:mod:`tlt_lightning.spot` trains online with), checkpoint I/O, EAGLE export (no Lightning)."""
 
 from tlt_lightning.drafter.batches import make_batches
-from tlt_lightning.drafter.buffer import BufferConfig, DrafterSample, RolloutBuffer
-from tlt_lightning.drafter.checkpoint import AsyncCheckpointer, CheckpointInfo
 from tlt_lightning.drafter.config import DRAFTER_KINDS, DrafterConfig
 from tlt_lightning.drafter.export import export_drafter, export_drafter_model, import_drafter
 from tlt_lightning.drafter.features import target_features
@@ -12,24 +10,13 @@ from tlt_lightning.drafter.losses import DrafterLoss
 from tlt_lightning.drafter.mlflow_uri import download_drafter
 from tlt_lightning.drafter.model import Drafter
 from tlt_lightning.drafter.packing import pack_batches
-from tlt_lightning.drafter.publish import DrafterLease, DrafterPublisher
-from tlt_lightning.drafter.spot_trainer import SpotTrainer, SpotTrainerConfig
 from tlt_lightning.drafter.train import drafter_train_step, evaluate_drafter, warmup_drafter
 
 __all__ = [
     "DRAFTER_KINDS",
-    "AsyncCheckpointer",
-    "BufferConfig",
-    "CheckpointInfo",
     "Drafter",
     "DrafterConfig",
-    "DrafterLease",
     "DrafterLoss",
-    "DrafterPublisher",
-    "DrafterSample",
-    "RolloutBuffer",
-    "SpotTrainer",
-    "SpotTrainerConfig",
     "download_drafter",
     "drafter_train_step",
     "evaluate_drafter",

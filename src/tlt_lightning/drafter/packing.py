@@ -87,7 +87,7 @@ def pack_batches(
     chunks of ``budget`` (as ``make_batches(max_len=budget)``), each its own document.
 
     Args:
-        rollouts: rollouts (or :class:`~tlt_lightning.drafter.DrafterSample`) with features.
+        rollouts: rollouts (or :class:`~tlt_lightning.spot.DrafterSample`) with features.
         config: the drafter's config (which feature channels are inputs).
         budget: samples (tokens) per row.
         rows: rows per batch (a batch holds at most ``rows * budget`` samples).

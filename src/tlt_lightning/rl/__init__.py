@@ -9,7 +9,8 @@ from typing import Any
 
 from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig
 from tlt_lightning.rl.grpo import group_advantages, grpo_loss
-from tlt_lightning.rl.module import GRPOModule, NonFiniteLossError, RewardError, RolloutListener
+from tlt_lightning.rl.listeners import RolloutListener
+from tlt_lightning.rl.module import GRPOModule, NonFiniteLossError, RewardError
 from tlt_lightning.rl.sources import (
     PromptSource,
     RewardFn,

@@ -14,12 +14,8 @@ One training step (one optimizer step) on a batch of ``P`` prompt indices:
    A non-finite loss or gradient norm is caught before the optimizer step, on every rank
    (:mod:`tlt_lightning.rl.optimize`: old log-probabilities, the log-probability check, DDP).
 
-Rollout precision. ``rollout_dtype="bfloat16"`` samples on a bf16 mirror of the fp32 policy
-(about 2.5x faster decoding on CPUs with AMX, and what vLLM does on GPUs), refreshed after every
-optimizer step; the loss is still computed by the fp32 policy. The sampling policy is then the
-bf16 rounding of the trained one: ``old_logprobs`` stay the fp32 forward's (the usual
-training/inference mismatch of RL stacks; the log-probability check bounds it, with the 16-bit
-tolerance). Speculative decoding is lossless with respect to the bf16 mirror it verifies on.
+Rollout precision: ``rollout_dtype="bfloat16"`` samples on a bf16 mirror of the fp32 policy
+(:mod:`tlt_lightning.rl.rollout_models` says what that changes).
 
 Resume. A run resumed from a Lightning checkpoint continues bit for bit like the uninterrupted run
 whenever that run is itself reproducible (:mod:`tlt_lightning.rl.run_state` says what is saved).
@@ -27,61 +23,44 @@ whenever that run is itself reproducible (:mod:`tlt_lightning.rl.run_state` says
 
 from __future__ import annotations
 
-import copy
-import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 import lightning as L
 import torch
 from torch import nn
 
-from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter
-from tlt_lightning.models import (
-    WEIGHT_LAYOUTS,
-    HFTarget,
-    TargetModel,
-    load_model,
-    resolve_dtype,
-    set_weight_layout,
-)
+from tlt_lightning.drafter import Drafter
+from tlt_lightning.models import HFTarget, TargetModel, load_model, resolve_dtype
 from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs, policy_batch
-from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig, as_config, check, is_int
+from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig, as_config
 from tlt_lightning.rl.grpo import GRPOLossOutput, group_advantages, grpo_loss
-from tlt_lightning.rl.optimize import StepCheck, clip_and_check, optimize
+from tlt_lightning.rl.listeners import RolloutListener, RolloutListeners
+from tlt_lightning.rl.module_settings import ROLLOUT_BACKENDS, check_settings, group_hparams
+from tlt_lightning.rl.optimize import StepCheck, any_rank, clip_and_check, optimize
+from tlt_lightning.rl.rollout_models import module_drafter, rollout_backend, rollout_models, sync_mirror
 from tlt_lightning.rl.run_state import grpo_state, restore_grpo_state, rollout_seed
 from tlt_lightning.rl.scoring import (
     NonFiniteLossError,
     RewardBatch,
     RewardError,
-    check_rewards,
+    agreed_rewards,
     score_rollouts,
 )
 from tlt_lightning.rl.sources import IndexDataset, PromptIndexLoader, PromptSource, TaskPromptSource
+from tlt_lightning.rl.step_log import log_step
 from tlt_lightning.rl.tasks import TaskConfig, TaskDataset
 from tlt_lightning.rl.vllm_rollouts import VLLMRollouts
-from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
-from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.rollout import RolloutConfig, RolloutResult
 from tlt_lightning.speculative import DraftSpec, DraftStrategy
 from tlt_lightning.tracking import MeanAcceptLength, RolloutTokensPerSecond
-from tlt_lightning.vllm.backend import VLLMRolloutStats
 
-__all__ = ["ROLLOUT_BACKENDS", "GRPOModule", "NonFiniteLossError", "RewardBatch", "RewardError", "RolloutListener"]
-
-ROLLOUT_BACKENDS = ("engine", "vllm")
+__all__ = ["ROLLOUT_BACKENDS", "GRPOModule", "NonFiniteLossError", "RewardBatch", "RewardError"]
 
 # The groups' defaults (frozen dataclasses: one shared instance is safe).
 _DEFAULT_ROLLOUT, _DEFAULT_OPTIM, _DEFAULT_SPECULATIVE = RolloutConfig(), OptimConfig(), SpeculativeConfig()
-
-
-class RolloutListener(Protocol):
-    """Told about the rollout of each training step (:meth:`GRPOModule.add_rollout_listener`)."""
-
-    def before_rollout(self) -> None: ...
-
-    def after_rollout(self, result: RolloutResult) -> None: ...
 
 
 class GRPOModule(L.LightningModule):
@@ -140,8 +119,9 @@ class GRPOModule(L.LightningModule):
         ``rollout_target`` (the adapter rollouts run on: the policy or its ``rollout_dtype``
         mirror), ``policy_target`` (the policy's own adapter, e.g. to train a drafter in the
         policy's precision), ``rollout_feature_layers`` (extra target
-        layers the rollouts return, e.g. drafter training data), ``last_rollout``. ``training_step``
-        returns ``{"loss", "rollout", "rewards", "advantages"}`` to ``on_train_batch_end``.
+        layers the rollouts return, e.g. drafter training data), ``last_rollout``;
+        :meth:`add_rollout_listener` (a :class:`~tlt_lightning.rl.RolloutListener` told about every step).
+        ``training_step`` returns ``{"loss", "rollout", "rewards", "advantages"}`` to ``on_train_batch_end``.
 
     Example:
         >>> source = TokenPromptSource([[5, 6, 7], [8, 9], [3], [4, 2]], reward_fn)  # doctest: +SKIP
@@ -181,28 +161,13 @@ class GRPOModule(L.LightningModule):
         self.rollout_settings = as_config(rollout, RolloutConfig, "rollout")
         self.optim_config = as_config(optim, OptimConfig, "optim")
         self.speculative_config = as_config(speculative, SpeculativeConfig, "speculative")
-        check(0 < self.rollout_settings.temperature < math.inf, "rollout.temperature",
-              self.rollout_settings.temperature, "finite and > 0 (greedy rollouts give every sample of a group the "
-              "same reward)")
-        check(isinstance(max_abs_reward, (int, float)) and not isinstance(max_abs_reward, bool)
-              and 0 < max_abs_reward < math.inf, "max_abs_reward", max_abs_reward, "a finite number > 0")
-        check(is_int(seed) and seed >= 0, "seed", seed, "an int >= 0")
-        check(logprob_tolerance is None or logprob_tolerance > 0, "logprob_tolerance", logprob_tolerance,
-              "> 0 or None")
-        check(rollout_dtype in (None, "auto", "float32", "bfloat16", "float16"), "rollout_dtype", rollout_dtype,
-              "'auto', 'float32', 'bfloat16', 'float16' or None")
-        check(weight_layout in WEIGHT_LAYOUTS, "weight_layout", weight_layout, f"one of {WEIGHT_LAYOUTS}")
-        check(prompt_source is None or isinstance(prompt_source, PromptSource), "prompt_source",
-              prompt_source, "a PromptSource (name, __len__, prompt_ids, score) or None")
-        check(rollout_backend in ROLLOUT_BACKENDS, "rollout_backend", rollout_backend, f"one of {ROLLOUT_BACKENDS}")
+        check_settings(self.rollout_settings, max_abs_reward, seed, logprob_tolerance, rollout_dtype, weight_layout,
+                       prompt_source, rollout_backend)
         self.vllm_rollouts = VLLMRollouts(vllm) if rollout_backend == "vllm" else None  # validates `vllm`
         self.save_hyperparameters(ignore=["prompt_source"])
-        # The groups are saved as plain dicts of all their fields, which a checkpoint reads back without our
-        # classes, and logged as such (`optim/lr`): also in the initial copy that Lightning logs.
-        groups = {name: {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}
-                  for name, config in (("task", self.task_config), ("rollout", self.rollout_settings),
-                                       ("optim", self.optim_config), ("speculative", self.speculative_config))}
-        for hparams in (self.hparams, self._hparams_initial):
+        groups = group_hparams(task=self.task_config, rollout=self.rollout_settings, optim=self.optim_config,
+                               speculative=self.speculative_config)
+        for hparams in (self.hparams, self._hparams_initial):  # also the initial copy Lightning logs
             hparams.update(groups)
         self.automatic_optimization = False
 
@@ -211,7 +176,7 @@ class GRPOModule(L.LightningModule):
         self.drafter: Drafter | None = None
         self.rollout_feature_layers: tuple[int, ...] = ()
         self.last_rollout: RolloutResult | None = None
-        self._rollout_listeners: list[RolloutListener] = []
+        self._rollout_listeners = RolloutListeners()
         self.policy: nn.Module | None = None  # built in configure_model (no I/O here)
         self.reference: nn.Module | None = None
         self.rollout_dtype: str | None = rollout_dtype  # "auto" resolves in configure_model
@@ -236,30 +201,16 @@ class GRPOModule(L.LightningModule):
             return
         hp = self.hparams
         self.policy, self.tokenizer, self.policy_target = self.configure_policy()
-        self.rollout_target = self.policy_target
         device = self.trainer.strategy.root_device if self._trainer is not None else self.device
         self.rollout_dtype = resolve_dtype(hp.rollout_dtype, device)
-        if self.rollout_dtype not in (None, hp.dtype):
-            mirror = copy.deepcopy(self.policy).to(getattr(torch, self.rollout_dtype))
-            self.rollout_policy = mirror.eval().requires_grad_(False)
-            self.rollout_target = self.make_target(self.rollout_policy)
-        if hp.weight_layout != "out_in" and isinstance(self.rollout_target, HFTarget):
-            self.rollout_target.set_weight_layout(hp.weight_layout)  # a tied LM head gets a column-major copy
-        elif hp.weight_layout != "out_in":
-            rollout_model = self.policy if self.rollout_policy is None else self.rollout_policy
-            set_weight_layout(rollout_model, hp.weight_layout)
+        self.rollout_policy, self.rollout_target = rollout_models(
+            self.policy, self.policy_target, self.rollout_dtype, hp.dtype, hp.weight_layout, self.make_target)
         if self.optim_config.kl_coef > 0:
             self.reference = self.configure_reference().eval().requires_grad_(False)
         if self.prompt_source is None:
             self.prompt_source = self.configure_prompt_source()
-        spec = self.speculative_config
-        if self.drafter is None and spec.drafter_path is not None:
-            self.drafter = load_drafter(spec.drafter_path, self.rollout_target)
-        elif self.drafter is None and spec.drafter_kind is not None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(hp.seed)
-                self.drafter = Drafter(DrafterConfig.from_target(self.rollout_target, kind=spec.drafter_kind),
-                                       self.rollout_target)
+        if self.drafter is None:
+            self.drafter = module_drafter(self.speculative_config, self.rollout_target, hp.seed)
 
     def configure_policy(self) -> tuple[nn.Module, Any, TargetModel]:
         """Build the trained policy: ``(module in train mode, tokenizer or None, its target adapter)``.
@@ -279,8 +230,7 @@ class GRPOModule(L.LightningModule):
 
     def configure_reference(self) -> nn.Module:
         """The KL reference (``kl_coef > 0``): the initial policy, rebuilt from ``model``; frozen by the caller."""
-        hp = self.hparams
-        return load_model(hp.model, dtype=hp.dtype, seed=hp.seed).model
+        return load_model(self.hparams.model, dtype=self.hparams.dtype, seed=self.hparams.seed).model
 
     def make_target(self, module: nn.Module) -> TargetModel:
         """The target adapter rollouts and drafters use for ``module`` (the policy or its ``rollout_dtype``
@@ -312,22 +262,10 @@ class GRPOModule(L.LightningModule):
         if self.vllm_rollouts is not None:
             self.vllm_rollouts.close()
 
-    @torch.no_grad()
     def sync_rollout_policy(self) -> None:
         """Copy the policy's weights into the ``rollout_dtype`` mirror (no-op without one)."""
-        if self.rollout_policy is None:
-            return
-        mirror = dict(self.rollout_policy.named_parameters())
-        params = dict(self.policy.named_parameters())
-        if params.keys() != mirror.keys():
-            extra = sorted(params.keys() - mirror.keys())[:3]
-            raise ValueError(
-                f"the policy's parameters no longer match its rollout_dtype mirror (e.g. {extra}): the policy "
-                "was changed after configure_model (such as apply_dora(module.policy)); make the change in an "
-                "overridden configure_policy() instead, so the mirror is built from the changed policy"
-            )
-        for name, param in params.items():
-            mirror[name].copy_(param)
+        if self.rollout_policy is not None:
+            sync_mirror(self.policy, self.rollout_policy)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         optim = self.optim_config
@@ -351,13 +289,14 @@ class GRPOModule(L.LightningModule):
         return replace(self.rollout_settings, feature_layers=tuple(layers))
 
     def add_rollout_listener(self, listener: RolloutListener) -> None:
-        """Call ``listener.before_rollout()`` / ``listener.after_rollout(result)`` around the rollout of
-        every training step (not around other :meth:`rollout` calls), in the order added."""
-        self._rollout_listeners.append(listener)
+        """Tell ``listener`` about every training step (:mod:`~tlt_lightning.rl.listeners`: ``begin_step``,
+        ``before_rollout``, ``after_rollout``, ``end_step``; not about other :meth:`rollout` calls),
+        after the listeners added before it."""
+        self._rollout_listeners.add(listener)
 
     def remove_rollout_listener(self, listener: RolloutListener) -> None:
         """Stop calling ``listener``; one that was not added is ignored."""
-        self._rollout_listeners = [x for x in self._rollout_listeners if x is not listener]
+        self._rollout_listeners.remove(listener)
 
     def rollout_generator(self) -> torch.Generator:
         """The random source of this step's rollouts: a function of (seed, global_step, rank)."""
@@ -379,12 +318,8 @@ class GRPOModule(L.LightningModule):
                     prompts, config, policy=policy, drafter=self.drafter if spec.enabled else None,
                     target=self.rollout_target, step=self.global_step, generator=generator, progress=progress,
                 )
-            if self.drafter is not None and spec.enabled:
-                backend = SpeculativeRolloutLoop(
-                    self.rollout_target, self.drafter, config, self.draft_strategy, threshold=spec.threshold
-                )
-            else:
-                backend = RolloutEngine(self.rollout_target, config)
+            backend = rollout_backend(self.rollout_target, config, self.drafter if spec.enabled else None,
+                                      self.draft_strategy, spec.threshold)
             return backend.generate(prompts, generator=generator, progress=progress)
         finally:
             self.policy.train(was_training)
@@ -429,15 +364,16 @@ class GRPOModule(L.LightningModule):
         G = self.optim_config.group_size
         indices = torch.as_tensor(batch).cpu().long().repeat_interleave(G)  # [N], groups contiguous
         prompts = [self.prompt_source.prompt_ids(int(i)) for i in indices]
-        for listener in self._rollout_listeners:
-            listener.before_rollout()
+        listeners = self._rollout_listeners
+        listeners.begin_step(self)
+        listeners.before_rollout()
         result = self.rollout(prompts, self.rollout_generator())
         self.last_rollout = result
-        for listener in self._rollout_listeners:
-            listener.after_rollout(result)
+        listeners.after_rollout(result)
 
         start = time.perf_counter()
-        rewards = self._rewards(indices, result)
+        rewards = agreed_rewards(lambda: self.compute_rewards(indices, result), indices, self.prompt_source, G,
+                                 self.hparams.max_abs_reward, lambda failed: any_rank(self, failed))
         reward_time = time.perf_counter() - start
         advantages = group_advantages(rewards.total, G, scale=self.optim_config.scale_advantages)
 
@@ -445,66 +381,15 @@ class GRPOModule(L.LightningModule):
         parts = optimize(self, policy_batch(result, advantages, self.device))
         train_time = time.perf_counter() - start
 
-        self._log_step(result, rewards, parts, reward_time, train_time)
+        log_step(self, result, rewards, parts, reward_time, train_time)
+        listeners.end_step(self, result)
         return {"loss": parts["loss"], "rollout": result, "rewards": rewards, "advantages": advantages}
 
-    def _any_rank(self, flag: bool) -> bool:
-        return self.trainer.strategy.reduce_boolean_decision(flag, all=False)
-
-    def _rewards(self, indices: torch.Tensor, result: RolloutResult) -> RewardBatch:
-        """:meth:`compute_rewards`, checked, with every rank stopping if any rank's rewards failed."""
-        error: Exception | None = None
-        rewards = None
-        try:
-            rewards = check_rewards(self.compute_rewards(indices, result), indices, self.prompt_source,
-                                    self.optim_config.group_size, self.hparams.max_abs_reward)
-        except Exception as err:  # held until every rank knows, so that none hangs in a collective
-            error = err
-        if self._any_rank(error is not None):
-            if error is None:
-                raise RewardError("stopping: the reward function failed on another rank (see its error)")
-            raise error
-        return rewards
-
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Clip and check the step's accumulated gradient, right before the update (:func:`clip_and_check`).
-
-        Lightning calls this inside ``opt.step()`` of :func:`~tlt_lightning.rl.optimize.optimize`, after
-        every callback's ``on_before_optimizer_step`` (the order of automatic optimization, where
-        Lightning clips at this point too). So a callback that rescales the gradients in its own hook,
-        such as :class:`~tlt_lightning.efficiency.LayerwisePrecisionCallback` unscaling its per-group
-        fp16 gradients, does so before they are clipped and checked; one that drops every gradient (a
-        skipped fp16 step) leaves a zero norm and an optimizer step that changes nothing.
-
-        Raises (on every rank, before the update, the gradients zeroed) when the loss, the gradient
-        norm or the log-probability check failed on any rank. A subclass overriding this hook must
-        call ``super()``.
-        """
+        """Clip and check the step's accumulated gradient, right before the update, after every
+        callback's ``on_before_optimizer_step`` (:func:`~tlt_lightning.rl.optimize.clip_and_check`).
+        A subclass overriding this hook must call ``super()``."""
         clip_and_check(self, optimizer)
-
-    def _log_step(self, result: RolloutResult, rewards: RewardBatch, parts: dict[str, torch.Tensor],
-                  reward_time: float, train_time: float) -> None:
-        stats, lengths = result.stats, result.lengths.float()
-        self.accept_length.update(stats)
-        self.rollout_tokens_per_s.update(stats)
-        # Metrics sync across ranks in compute(); reset: these are per-step values.
-        self.log("rollout/accept_length", self.accept_length.compute(), prog_bar=True)
-        self.log("rollout/tokens_per_s", self.rollout_tokens_per_s.compute(), prog_bar=True)
-        self.accept_length.reset()
-        self.rollout_tokens_per_s.reset()
-        log = lambda name, value, **kw: self.log(name, value, sync_dist=True, **kw)
-        log("reward/mean", rewards.total.mean(), prog_bar=True)
-        log("reward/std", rewards.total.std() if rewards.total.numel() > 1 else torch.tensor(0.0))
-        log("reward/accuracy", (rewards.correctness >= 1).float().mean())
-        log("response/length_mean", lengths.mean())
-        log("response/length_max", lengths.max(), reduce_fx="max")
-        log("time/rollout_s", stats.total_time)
-        if isinstance(stats, VLLMRolloutStats):  # the policy version vLLM served (one refresh per step)
-            log("rollout/weights_version", float(stats.weights_version))
-        log("time/reward_s", reward_time)
-        log("time/train_s", train_time)
-        for name in ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean", "grad_norm", "logprob_drift"):
-            log(f"train/{name}", parts[name])
 
     # ------------------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

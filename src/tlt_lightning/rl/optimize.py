@@ -40,7 +40,7 @@ from tlt_lightning.rl.scoring import NonFiniteLossError
 if TYPE_CHECKING:
     from tlt_lightning.rl.module import GRPOModule
 
-__all__ = ["StepCheck", "clip_and_check", "optimize"]
+__all__ = ["StepCheck", "any_rank", "clip_and_check", "optimize"]
 
 
 class StepCheck(NamedTuple):
@@ -119,8 +119,20 @@ def optimize(module: GRPOModule, data: PolicyBatch) -> dict[str, torch.Tensor]:
     }
 
 
+def any_rank(module: GRPOModule, flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank (a collective: every rank calls it at the same point)."""
+    return module.trainer.strategy.reduce_boolean_decision(flag, all=False)
+
+
 def clip_and_check(module: GRPOModule, optimizer: torch.optim.Optimizer) -> None:
     """Clip the accumulated gradient and check the step (GRPOModule's ``on_before_optimizer_step``).
+
+    Lightning calls that hook inside ``opt.step()`` of :func:`optimize`, after every callback's
+    ``on_before_optimizer_step`` (the order of automatic optimization, where Lightning clips at this
+    point too). So a callback that rescales the gradients in its own hook, such as
+    :class:`~tlt_lightning.efficiency.LayerwisePrecisionCallback` unscaling its per-group fp16
+    gradients, does so before they are clipped and checked; one that drops every gradient (a skipped
+    fp16 step) leaves a zero norm and an optimizer step that changes nothing.
 
     Raises (on every rank, before the update, the gradients zeroed) when the loss, the gradient
     norm or the log-probability check failed on any rank.
@@ -133,7 +145,7 @@ def clip_and_check(module: GRPOModule, optimizer: torch.optim.Optimizer) -> None
     finite = check.finite and bool(torch.isfinite(grad_norm))
     drifted = check.tolerance is not None and bool(check.drift > check.tolerance)
     module._step_check = check._replace(grad_norm=grad_norm)
-    if module._any_rank(not finite or drifted):
+    if any_rank(module, not finite or drifted):
         optimizer.zero_grad()
         where = f"step {module.global_step} (rank {module.global_rank})"
         if not finite:

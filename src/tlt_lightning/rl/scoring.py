@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from tlt_lightning.rl.sources import PromptSource
 from tlt_lightning.rollout import RolloutResult
 
-__all__ = ["NonFiniteLossError", "RewardBatch", "RewardError", "check_rewards", "score_rollouts"]
+__all__ = ["NonFiniteLossError", "RewardBatch", "RewardError", "agreed_rewards", "check_rewards", "score_rollouts"]
 
 
 class RewardError(RuntimeError):
@@ -129,4 +130,29 @@ def check_rewards(
                 f"{int(indices[j])} (sample {j % group_size} of its group): "
                 f"rewards must be finite and within +-max_abs_reward={limit:g}"
             )
+    return rewards
+
+
+def agreed_rewards(
+    compute: Callable[[], Any], indices: torch.Tensor, source: PromptSource, group_size: int, limit: float,
+    any_rank: Callable[[bool], bool],
+) -> RewardBatch:
+    """``compute()``'s rewards, checked (:func:`check_rewards`), with every rank stopping if any rank's failed.
+
+    A failure is held until every rank knows (``any_rank``: whether the flag is set on any rank, a
+    collective), so that none hangs in a later collective.
+
+    Raises:
+        RewardError: this rank's rewards failed (its own error is raised), or another rank's did.
+    """
+    error: Exception | None = None
+    rewards = None
+    try:
+        rewards = check_rewards(compute(), indices, source, group_size, limit)
+    except Exception as err:  # noqa: BLE001 -- held until every rank knows: none hangs in a collective
+        error = err
+    if any_rank(error is not None):
+        if error is None:
+            raise RewardError("stopping: the reward function failed on another rank (see its error)")
+        raise error
     return rewards

@@ -1,10 +1,14 @@
-"""What the spot drafter reports: per-step metrics from the summed step statistics, the timeline."""
+"""What the spot drafter reports: per-step metrics from the summed step statistics, the workers'
+timeline (BUSY / IDLE / TRAINING) as a Gantt chart and the idle fraction it recovered."""
 
 from __future__ import annotations
 
-from tlt_lightning.scheduling import Segment, idle_fraction_recovered
+from collections.abc import Sequence
+from pathlib import Path
 
-__all__ = ["step_metrics", "timeline_view"]
+from tlt_lightning.spot.coordinator import Segment, WorkerState
+
+__all__ = ["idle_fraction_recovered", "plot_timeline", "step_metrics", "timeline_view"]
 
 
 def step_metrics(total: dict[str, float], world_size: int, version: int) -> dict[str, float]:
@@ -68,7 +72,7 @@ def timeline_view(segments: list[Segment], paid: list[Segment]) -> tuple[list[Se
     coordinator's TRAINING is idle time only); paid training seconds per worker.
 
     Example:
-        >>> from tlt_lightning.scheduling import WorkerState
+        >>> from tlt_lightning.spot import WorkerState
         >>> busy = Segment(0, WorkerState.BUSY, 0.0, 4.0)
         >>> shown, recovered, paid_s = timeline_view([busy], [Segment(0, WorkerState.TRAINING, 3.0, 4.0)])
         >>> [(s.state.value, s.start, s.end) for s in shown], recovered, paid_s
@@ -77,3 +81,51 @@ def timeline_view(segments: list[Segment], paid: list[Segment]) -> tuple[list[Se
     shown = [piece for s in segments for piece in _without(s, paid)] + paid
     per_worker = sum(s.end - s.start for s in paid) / max(1, len({s.worker for s in segments}))
     return shown, idle_fraction_recovered(segments), per_worker
+
+
+def idle_fraction_recovered(timeline: Sequence[Segment]) -> float:
+    """TRAINING time over IDLE + TRAINING time: the share of idle worker time spent on the drafter."""
+    train = sum(s.end - s.start for s in timeline if WorkerState(s.state) is WorkerState.TRAINING)
+    idle = sum(s.end - s.start for s in timeline if WorkerState(s.state) is WorkerState.IDLE)
+    return train / (train + idle) if train + idle > 0 else 0.0
+
+
+_COLOURS = {WorkerState.BUSY: "#4C72B0", WorkerState.IDLE: "#D0D0D0", WorkerState.TRAINING: "#55A868"}
+
+
+def plot_timeline(timeline: Sequence[Segment], path: str | Path, title: str | None = None) -> Path:
+    """Save a per-worker Gantt chart (BUSY / IDLE / TRAINING) of ``timeline`` as a PNG.
+
+    Example:
+        >>> # plot_timeline(coord.gather_timeline(since=step_start), "timeline.png")
+    """
+    from matplotlib.patches import Patch
+
+    from tlt_lightning.reports import new_figure, save_figure
+
+    if not timeline:
+        raise ValueError("timeline is empty: nothing to plot")
+    t0 = min(s.start for s in timeline)
+    workers = sorted({s.worker for s in timeline})
+    fig, ax = new_figure(figsize=(10, 0.6 * len(workers) + 1.4))
+    for row, worker in enumerate(workers):
+        for state in WorkerState:
+            spans = [
+                (s.start - t0, s.end - s.start)
+                for s in timeline
+                if s.worker == worker and WorkerState(s.state) is state
+            ]
+            ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=_COLOURS[state])
+    ax.set_yticks(range(len(workers)), [f"worker {w}" for w in workers])
+    ax.set_xlabel("seconds")
+    ax.invert_yaxis()
+    recovered = idle_fraction_recovered(timeline)
+    ax.set_title(title or f"worker timeline (idle fraction recovered: {recovered:.0%})", loc="left")
+    ax.legend(
+        handles=[Patch(color=c, label=s.value.upper()) for s, c in _COLOURS.items()],
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        ncol=3,
+        frameon=False,
+    )
+    return save_figure(fig, path)

@@ -1,10 +1,10 @@
 """SpotDrafter: the drafter trained on idle rollout time, with everything it needs, no Lightning.
 
-It composes a :class:`~tlt_lightning.drafter.SpotTrainer` (the drafter's AdamW optimizer, packed
-batches from a :class:`~tlt_lightning.drafter.RolloutBuffer`, local and paid drafter steps,
-cross-rank averaging), a :class:`~tlt_lightning.scheduling.WorkerCoordinator` (BUSY / IDLE /
-TRAINING), a :class:`~tlt_lightning.drafter.DrafterPublisher` and an
-:class:`~tlt_lightning.drafter.AsyncCheckpointer`, and exposes one RL step as four verbs:
+It composes a :class:`~tlt_lightning.spot.SpotTrainer` (the drafter's AdamW optimizer, packed
+batches from a :class:`~tlt_lightning.spot.RolloutBuffer`, local and paid drafter steps,
+cross-rank averaging), a :class:`~tlt_lightning.spot.WorkerCoordinator` (BUSY / IDLE /
+TRAINING), a :class:`~tlt_lightning.spot.DrafterPublisher` and an
+:class:`~tlt_lightning.spot.AsyncCheckpointer`, and exposes one RL step as four verbs:
 
 1. :meth:`begin_step`: the rollout's drafter, the newest published version (held until the step
    ends: never half-updated weights).
@@ -17,8 +17,9 @@ TRAINING), a :class:`~tlt_lightning.drafter.DrafterPublisher` and an
    made identical by a step-weighted average (one ``reduce``), the result is published (version + 1)
    and, every ``checkpoint_interval`` steps, saved asynchronously (rank 0).
 
-:class:`~tlt_lightning.callbacks.SpotDrafterCallback` calls these verbs from Lightning hooks; any
-other training loop can call them itself.
+:class:`~tlt_lightning.callbacks.SpotDrafterCallback` hands these verbs to a
+:class:`~tlt_lightning.rl.GRPOModule` as its rollout listener, whose training step calls them in this
+order; any other training loop can call them itself.
 """
 
 from __future__ import annotations
@@ -32,22 +33,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tlt_lightning.drafter import (
-    AsyncCheckpointer,
-    BufferConfig,
-    Drafter,
-    DrafterConfig,
-    DrafterLease,
-    DrafterPublisher,
-    RolloutBuffer,
-    SpotTrainer,
-    load_drafter,
-)
+from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter
 from tlt_lightning.drafter.mlflow_uri import is_mlflow_uri
 from tlt_lightning.models.target import TargetModel
 from tlt_lightning.rollout.types import RolloutResult
-from tlt_lightning.scheduling import CoordinatorConfig, Segment, WorkerCoordinator, WorkerState
+from tlt_lightning.spot.buffer import BufferConfig, RolloutBuffer
+from tlt_lightning.spot.checkpoint import AsyncCheckpointer
 from tlt_lightning.spot.config import SpotConfig
+from tlt_lightning.spot.coordinator import CoordinatorConfig, Segment, WorkerCoordinator, WorkerState
+from tlt_lightning.spot.publish import DrafterLease, DrafterPublisher
+from tlt_lightning.spot.trainer import SpotTrainer
 
 __all__ = ["STEP_STATS", "SpotDrafter"]
 

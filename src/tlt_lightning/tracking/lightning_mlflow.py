@@ -6,7 +6,6 @@ Nothing here imports MLflow: without an ``MLFlowLogger`` in the trainer every ca
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.loggers import MLFlowLogger
 
-from tlt_lightning.drafter.checkpoint import META_NAME
+from tlt_lightning.spot.checkpoint_io import read_meta
 from tlt_lightning.tracking.mlflow_drafter import log_drafter_version
 
 __all__ = ["CheckpointRegistrar", "log_artifact", "mlflow_loggers"]
@@ -44,22 +43,19 @@ def log_artifact(trainer: L.Trainer, path: str | os.PathLike, artifact_path: str
 
 def _written_since(checkpoint: Path, requested: float) -> bool:
     """Whether ``checkpoint`` is complete and was saved no earlier than ``requested`` (not a stale one)."""
-    try:
-        meta = json.loads((checkpoint / META_NAME).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return isinstance(meta, dict) and float(meta.get("time", 0.0)) >= requested
+    meta = read_meta(checkpoint)
+    return meta is not None and float(meta.get("time", 0.0)) >= requested
 
 
 class CheckpointRegistrar:
-    """Registers drafter checkpoints of an :class:`~tlt_lightning.drafter.AsyncCheckpointer` as versions
+    """Registers drafter checkpoints of an :class:`~tlt_lightning.spot.AsyncCheckpointer` as versions
     of the registered model ``name``, in step order, once they are on disk (rank 0).
 
     :meth:`register` acts only while the writer is idle: every requested save has then landed or
     been superseded by a newer one, and no write can delete a checkpoint being logged. A
     checkpoint that is not on disk (superseded, or deleted beyond the checkpointer's ``keep``), a
     stale one left by an earlier fit (written before the save was requested), or one another writer
-    replaced (not :meth:`~tlt_lightning.drafter.AsyncCheckpointer.owns`) is skipped.
+    replaced (not :meth:`~tlt_lightning.spot.AsyncCheckpointer.owns`) is skipped.
 
     Its :meth:`state_dict` holds the steps registered and those requested but not registered yet
     (a fit stopped before they landed): a resumed fit registers the latter, or saves them again.

@@ -1,7 +1,7 @@
 """The drafter in MLflow's model registry: one model version per drafter checkpoint, loaded back in one call.
 
 A drafter checkpoint (:func:`~tlt_lightning.drafter.save_drafter` or an
-:class:`~tlt_lightning.drafter.AsyncCheckpointer` ``step-*`` directory) becomes
+:class:`~tlt_lightning.spot.AsyncCheckpointer` ``step-*`` directory) becomes
 
 * an MLflow model logged to the training run under ``drafter/model/step-XXXXXXXX/``: the
   checkpoint's own files (``model.safetensors``, ``drafter_config.json`` and ``meta.json`` when

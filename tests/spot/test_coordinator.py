@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tlt_lightning.scheduling import (
+from tlt_lightning.spot import (
     CoordinatorConfig,
     Segment,
     WorkerCoordinator,

@@ -5,18 +5,11 @@ import math
 import pytest
 import torch
 
-from tlt_lightning.drafter import (
-    BufferConfig,
-    DrafterConfig,
-    DrafterSample,
-    RolloutBuffer,
-    make_batches,
-    pack_batches,
-)
+from tests.drafter.conftest import make_drafter
+from tests.drafter.test_train import H, fake_rollout
+from tlt_lightning.drafter import DrafterConfig, make_batches, pack_batches
 from tlt_lightning.drafter.train import drafter_losses
-
-from .conftest import make_drafter
-from .test_train import H, fake_rollout
+from tlt_lightning.spot import BufferConfig, DrafterSample, RolloutBuffer
 
 MB = 1024 * 1024
 

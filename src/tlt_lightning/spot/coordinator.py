@@ -23,24 +23,17 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "CoordinatorConfig",
-    "Segment",
-    "TrainWindow",
-    "WorkerCoordinator",
-    "WorkerState",
-    "idle_fraction_recovered",
-    "plot_timeline",
-]
+from tlt_lightning.validation import check, is_int, is_number
+
+__all__ = ["CoordinatorConfig", "Segment", "TrainWindow", "WorkerCoordinator", "WorkerState"]
 
 
 class WorkerState(str, Enum):
@@ -80,13 +73,6 @@ class TrainWindow(NamedTuple):
     step_seconds: float
 
 
-def _optional_positive(name: str, value: Any, kind: type) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
-        raise ValueError(f"{name} must be a positive {kind.__name__} or None, got {value!r}")
-
-
 @dataclass(frozen=True)
 class CoordinatorConfig:
     """Budgets and polling of a :class:`WorkerCoordinator`.
@@ -110,27 +96,20 @@ class CoordinatorConfig:
     max_segments: int = 100_000
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.min_idle_s, bool)
-            or not isinstance(self.min_idle_s, (int, float))
-            or not (0 <= self.min_idle_s < math.inf)
-        ):
-            raise ValueError(f"min_idle_s must be a finite number >= 0, got {self.min_idle_s!r}")
-        _optional_positive("max_steps", self.max_steps, int)
-        if self.max_seconds is not None and (
-            isinstance(self.max_seconds, bool)
-            or not isinstance(self.max_seconds, (int, float))
-            or not self.max_seconds > 0
-        ):
-            raise ValueError(f"max_seconds must be a number > 0 or None, got {self.max_seconds!r}")
-        if isinstance(self.poll_s, bool) or not isinstance(self.poll_s, (int, float)) or not self.poll_s > 0:
-            raise ValueError(f"poll_s must be a number > 0, got {self.poll_s!r}")
-        if (
-            isinstance(self.max_segments, bool)
-            or not isinstance(self.max_segments, int)
-            or self.max_segments < 1
-        ):
-            raise ValueError(f"max_segments must be an int >= 1, got {self.max_segments!r}")
+        def positive(value: Any) -> bool:  # inf allowed: no budget
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+        steps, seconds = self.max_steps, self.max_seconds
+        for name, value, ok, allowed in (
+            ("min_idle_s", self.min_idle_s, is_number(self.min_idle_s) and self.min_idle_s >= 0,
+             "a finite number >= 0"),
+            ("max_steps", steps, steps is None or (is_int(steps) and steps > 0), "a positive int or None"),
+            ("max_seconds", seconds, seconds is None or positive(seconds), "a number > 0 or None"),
+            ("poll_s", self.poll_s, positive(self.poll_s), "a number > 0"),
+            ("max_segments", self.max_segments, is_int(self.max_segments) and self.max_segments >= 1,
+             "an int >= 1"),
+        ):  # fmt: skip
+            check(ok, name, value, allowed)
 
 
 class WorkerCoordinator:
@@ -360,52 +339,3 @@ class WorkerCoordinator:
             setattr(self, key, int(state.get(key, getattr(self, key))))
         for key in ("train_seconds", "idle_seconds"):
             setattr(self, key, float(state.get(key, getattr(self, key))))
-
-
-# ---------------------------------------------------------------------------------- timeline tools
-def idle_fraction_recovered(timeline: Sequence[Segment]) -> float:
-    """TRAINING time over IDLE + TRAINING time: the share of idle worker time spent on the drafter."""
-    train = sum(s.end - s.start for s in timeline if WorkerState(s.state) is WorkerState.TRAINING)
-    idle = sum(s.end - s.start for s in timeline if WorkerState(s.state) is WorkerState.IDLE)
-    return train / (train + idle) if train + idle > 0 else 0.0
-
-
-_COLOURS = {WorkerState.BUSY: "#4C72B0", WorkerState.IDLE: "#D0D0D0", WorkerState.TRAINING: "#55A868"}
-
-
-def plot_timeline(timeline: Sequence[Segment], path: str | Path, title: str | None = None) -> Path:
-    """Save a per-worker Gantt chart (BUSY / IDLE / TRAINING) of ``timeline`` as a PNG.
-
-    Example:
-        >>> # plot_timeline(coord.gather_timeline(since=step_start), "timeline.png")
-    """
-    from matplotlib.patches import Patch
-
-    from tlt_lightning.reports import new_figure, save_figure
-
-    if not timeline:
-        raise ValueError("timeline is empty: nothing to plot")
-    t0 = min(s.start for s in timeline)
-    workers = sorted({s.worker for s in timeline})
-    fig, ax = new_figure(figsize=(10, 0.6 * len(workers) + 1.4))
-    for row, worker in enumerate(workers):
-        for state in WorkerState:
-            spans = [
-                (s.start - t0, s.end - s.start)
-                for s in timeline
-                if s.worker == worker and WorkerState(s.state) is state
-            ]
-            ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=_COLOURS[state])
-    ax.set_yticks(range(len(workers)), [f"worker {w}" for w in workers])
-    ax.set_xlabel("seconds")
-    ax.invert_yaxis()
-    recovered = idle_fraction_recovered(timeline)
-    ax.set_title(title or f"worker timeline (idle fraction recovered: {recovered:.0%})", loc="left")
-    ax.legend(
-        handles=[Patch(color=c, label=s.value.upper()) for s, c in _COLOURS.items()],
-        loc="lower right",
-        bbox_to_anchor=(1.0, 1.0),
-        ncol=3,
-        frameon=False,
-    )
-    return save_figure(fig, path)

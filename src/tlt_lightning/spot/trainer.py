@@ -1,10 +1,10 @@
 """The drafter's own training between and inside rollouts: one optimizer, one batch stream, bounded steps.
 
 :class:`SpotTrainer` owns what spot training needs apart from the scheduling: the AdamW optimizer of
-the drafter, a stream of packed batches drawn from a :class:`~tlt_lightning.drafter.RolloutBuffer`
+the drafter, a stream of packed batches drawn from a :class:`~tlt_lightning.spot.RolloutBuffer`
 (recent policy steps preferred; the random source is a function of ``(seed, policy step, rank)``, so a
 resumed run samples what the uninterrupted one did), one *local* drafter step (no collectives: it may
-run inside a :class:`~tlt_lightning.scheduling.WorkerCoordinator` window while other ranks still
+run inside a :class:`~tlt_lightning.spot.WorkerCoordinator` window while other ranks still
 generate), the bounded *paid* loop for when no idle time exists, and the cross-rank averaging.
 
 Cross-rank sync: ranks train different numbers of steps on their own rollouts in their own idle
@@ -28,28 +28,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tlt_lightning.drafter.buffer import RolloutBuffer
-from tlt_lightning.drafter.checkpoint import snapshot_state
 from tlt_lightning.drafter.losses import DrafterLoss
 from tlt_lightning.drafter.model import Drafter
 from tlt_lightning.drafter.packing import pack_batches
+from tlt_lightning.drafter.snapshot import snapshot_state
 from tlt_lightning.drafter.train import DrafterBatch, drafter_train_step
 from tlt_lightning.models.target import TargetModel
+from tlt_lightning.spot.buffer import RolloutBuffer
+from tlt_lightning.validation import check, is_int, is_number
 
 __all__ = ["PaidTraining", "SpotTrainer", "SpotTrainerConfig"]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
-    if not condition:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 def _seed(*parts: Any) -> int:
@@ -85,21 +73,21 @@ class SpotTrainerConfig:
     def __post_init__(self) -> None:
         steps, seconds = self.max_steps_per_rollout, self.max_seconds_per_rollout
         for name, value, ok, allowed in (
-            ("lr", self.lr, _is_number(self.lr) and self.lr > 0, "a finite number > 0"),
+            ("lr", self.lr, is_number(self.lr) and self.lr > 0, "a finite number > 0"),
             ("packing_budget", self.packing_budget,
-             _is_int(self.packing_budget) and self.packing_budget >= 2, "an int >= 2"),
-            ("max_steps_per_rollout", steps, steps is None or (_is_int(steps) and steps >= 0),
+             is_int(self.packing_budget) and self.packing_budget >= 2, "an int >= 2"),
+            ("max_steps_per_rollout", steps, steps is None or (is_int(steps) and steps >= 0),
              "an int >= 0 or None"),
-            ("max_seconds_per_rollout", seconds, seconds is None or (_is_number(seconds) and seconds > 0),
+            ("max_seconds_per_rollout", seconds, seconds is None or (is_number(seconds) and seconds > 0),
              "a finite number > 0 or None"),
-            ("weight_decay", self.weight_decay, _is_number(self.weight_decay) and self.weight_decay >= 0,
+            ("weight_decay", self.weight_decay, is_number(self.weight_decay) and self.weight_decay >= 0,
              "a number >= 0"),
             ("max_grad_norm", self.max_grad_norm,
-             self.max_grad_norm is None or (_is_number(self.max_grad_norm) and self.max_grad_norm > 0),
+             self.max_grad_norm is None or (is_number(self.max_grad_norm) and self.max_grad_norm > 0),
              "a number > 0 or None"),
-            ("seed", self.seed, _is_int(self.seed) and self.seed >= 0, "an int >= 0"),
+            ("seed", self.seed, is_int(self.seed) and self.seed >= 0, "an int >= 0"),
         ):  # fmt: skip
-            _check(ok, name, value, allowed)
+            check(ok, name, value, allowed)
         if steps is None and seconds is None:
             raise ValueError(
                 "max_steps_per_rollout and max_seconds_per_rollout are both None: training between "
@@ -122,7 +110,7 @@ class PaidTraining(NamedTuple):
 
 
 class SpotTrainer:
-    """Trains a drafter on a :class:`~tlt_lightning.drafter.RolloutBuffer`, a step at a time.
+    """Trains a drafter on a :class:`~tlt_lightning.spot.RolloutBuffer`, a step at a time.
 
     Call :meth:`begin_step` at each RL step (it fixes the policy step the batches are drawn for),
     then :meth:`train_one` (e.g. as a coordinator's ``step_fn`` in an idle window) and/or
@@ -155,7 +143,7 @@ class SpotTrainer:
         config: SpotTrainerConfig | None = None,
         rank: int = 0,
     ) -> None:
-        _check(_is_int(rank) and rank >= 0, "rank", rank, "an int >= 0")
+        check(is_int(rank) and rank >= 0, "rank", rank, "an int >= 0")
         self.drafter, self.target, self.buffer = drafter, target, buffer
         self.config, self.rank = config or SpotTrainerConfig(), rank
         params = [p for p in drafter.parameters() if p.requires_grad]
@@ -168,7 +156,7 @@ class SpotTrainer:
 
     def begin_step(self, policy_step: int) -> None:
         """A new RL step: batches are drawn afresh for ``policy_step``; the loss / top-1 sums restart."""
-        _check(_is_int(policy_step) and policy_step >= 0, "policy_step", policy_step, "an int >= 0")
+        check(is_int(policy_step) and policy_step >= 0, "policy_step", policy_step, "an int >= 0")
         self.policy_step, self._batches = policy_step, None
         self.loss_sum = self.top1_sum = 0.0
 
@@ -244,7 +232,7 @@ class SpotTrainer:
                 every rank), e.g. ``lambda t: strategy.reduce(t, reduce_op="sum")``.
             weight: this rank's weight, in ``[0, 1]``.
         """
-        _check(_is_number(weight) and 0 <= weight <= 1, "weight", weight, "a number in [0, 1]")
+        check(is_number(weight) and 0 <= weight <= 1, "weight", weight, "a number in [0, 1]")
         slots = []  # (tensor to write back, or None with (param, key) for state this rank lacks)
         for p in (p for p in self.drafter.parameters() if p.requires_grad):
             state = self.optimizer.state[p]

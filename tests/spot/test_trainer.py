@@ -10,11 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tlt_lightning.drafter import BufferConfig, DrafterSample, RolloutBuffer, SpotTrainer, SpotTrainerConfig
-from tlt_lightning.drafter import spot_trainer as spot_trainer_module
-from tlt_lightning.drafter.spot_trainer import PaidTraining
-
-from .conftest import generate_rollouts, make_drafter
+from tests.drafter.conftest import generate_rollouts, make_drafter
+from tlt_lightning.spot import BufferConfig, DrafterSample, RolloutBuffer, SpotTrainer, SpotTrainerConfig
+from tlt_lightning.spot import trainer as spot_trainer_module
+from tlt_lightning.spot.trainer import PaidTraining
 
 
 def filled_buffer(llama, drafter, step: int = 0, prompts: int = 8) -> RolloutBuffer:

@@ -14,15 +14,8 @@ its own temporaries (and those of dead processes on its machine), a checkpoint i
 renaming it to a private name (no reader or writer ever sees a half-deleted ``step-*`` folder), and
 pruning (``keep``) only touches the checkpoints this writer wrote (``meta.json`` names the writer).
 
-Layout of one checkpoint (``model.safetensors`` + ``drafter_config.json`` is the format of
-:func:`~tlt_lightning.drafter.save_drafter`, so :func:`~tlt_lightning.drafter.load_drafter` and
-the exporters read it directly)::
-
-    step-00000042/
-        model.safetensors      the drafter's own tensors
-        drafter_config.json    its config
-        optimizer.pt           the optimizer's state_dict (torch.save)
-        meta.json              {"step": 42, "extra": {...}, "time": ..., "writer": "..."}
+The layout of one checkpoint, and reading it back (:meth:`AsyncCheckpointer.load`), are in
+:mod:`tlt_lightning.spot.checkpoint_io`.
 
 ``torch.distributed.checkpoint.async_save`` also runs on CPU without a process group (torch 2.13,
 with a warning), but writes sharded ``.distcp`` files in place (no rename: a kill leaves a
@@ -34,7 +27,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import pickle
 import re
 import shutil
 import threading
@@ -45,40 +37,27 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from tlt_lightning.drafter.fsync import fsync_dir, fsync_file, host_id, process_alive
-from tlt_lightning.drafter.io import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME, check_finite_tensors
+from tlt_lightning.drafter.io import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME
 from tlt_lightning.drafter.model import Drafter
 from tlt_lightning.drafter.snapshot import snapshot_state
+from tlt_lightning.spot.checkpoint_io import (
+    META_NAME,
+    OPTIMIZER_NAME,
+    list_checkpoints,
+    load_checkpoint,
+    read_meta,
+)
 
-__all__ = ["AsyncCheckpointer", "CheckpointInfo"]
+__all__ = ["AsyncCheckpointer"]
 
-OPTIMIZER_NAME = "optimizer.pt"
-META_NAME = "meta.json"
-_NAME = re.compile(r"^step-(\d{8,})$")
 # step-XXXXXXXX.tmp-<host>-<pid>-<writer>[-old]; before writers had ids: step-XXXXXXXX.tmp-<pid>[-old]
 _TEMP = re.compile(
     r"^step-\d{8,}\.tmp-(?:(?P<host>[0-9a-f]{8})-)?(?P<pid>\d+)(?:-(?P<writer>[0-9a-f]{12}))?(?:-old)?$"
 )
 _PUBLISH_ATTEMPTS = 100  # renames lost to other writers of the same step before giving up
-
-
-def _read_meta(path: Path) -> dict[str, Any] | None:
-    try:
-        meta = json.loads((path / META_NAME).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
-class CheckpointInfo(NamedTuple):
-    """What :meth:`AsyncCheckpointer.load` restored."""
-
-    path: Path
-    step: int
-    extra: dict[str, Any]
 
 
 class _Job(NamedTuple):
@@ -270,7 +249,7 @@ class AsyncCheckpointer:
 
     def _delete(self, path: Path) -> None:
         """Delete ``path`` if it is a checkpoint of this writer: renamed away first, then removed."""
-        meta = _read_meta(path)
+        meta = read_meta(path)
         if meta is None or meta.get("writer") not in self._writers:
             return  # gone, or replaced by another writer's save of the same step: not ours to delete
         trash = self.directory / f"{path.name}.{self._temp_suffix}-old"
@@ -322,77 +301,19 @@ class AsyncCheckpointer:
     # ------------------------------------------------------------------------------ reading
     def owns(self, path: str | os.PathLike) -> bool:
         """Whether ``path`` is a complete checkpoint written by this writer (or the run it resumes)."""
-        meta = _read_meta(Path(path))
+        meta = read_meta(Path(path))
         return meta is not None and meta.get("writer") in self._writers
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints in ``directory``, oldest first."""
-        if not self.directory.is_dir():
-            return []
-        found = [
-            (int(m.group(1)), p)
-            for p in self.directory.iterdir()
-            if (m := _NAME.match(p.name)) and (p / META_NAME).is_file()
-        ]
-        return [p for _, p in sorted(found)]
+        return list_checkpoints(self.directory)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or ``None``."""
         found = self.checkpoints()
         return found[-1] if found else None
 
-    @staticmethod
-    def load(
-        path: str | os.PathLike, drafter: Drafter, optimizer: torch.optim.Optimizer | None = None
-    ) -> CheckpointInfo:
-        """Load a checkpoint into ``drafter`` (strict) and ``optimizer`` (when given and saved).
-
-        Raises:
-            ValueError: ``path`` is not a complete checkpoint, a file is empty, corrupt or not of its
-                format (the message names the file), or its tensors do not fit ``drafter`` or are
-                not finite.
-        """
-        path = Path(path)
-        meta_path = path / META_NAME
-        if not meta_path.is_file() or not (path / WEIGHTS_NAME).is_file():
-            raise ValueError(f"{path} is not a complete drafter checkpoint (no {META_NAME} / {WEIGHTS_NAME})")
-        for name in (META_NAME, WEIGHTS_NAME, OPTIMIZER_NAME):
-            if (path / name).is_file() and (path / name).stat().st_size == 0:
-                raise ValueError(
-                    f"{path / name} is empty (0 bytes): the checkpoint is incomplete; load an older one"
-                )
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{meta_path} is not valid JSON: {err}") from err
-        if not isinstance(meta, dict):
-            raise ValueError(f"{meta_path} must hold a JSON object, got {type(meta).__name__}")
-        try:
-            tensors = load_file(path / WEIGHTS_NAME, device=str(drafter.device))
-        except (SafetensorError, OSError) as err:
-            raise ValueError(f"{path / WEIGHTS_NAME} is corrupt or not a safetensors file: {err}") from err
-        check_finite_tensors(tensors, path / WEIGHTS_NAME)
-        expected = drafter.state_dict()
-        missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-        bad = [k for k in set(expected) & set(tensors) if tensors[k].shape != expected[k].shape]
-        if missing or unexpected or bad:
-            raise ValueError(
-                f"{path} does not fit the drafter: missing {missing}, unexpected {unexpected}, shape mismatch {bad}"
-            )
-        drafter.load_state_dict(tensors, strict=True)
-        if optimizer is not None and (path / OPTIMIZER_NAME).is_file():
-            try:
-                state = torch.load(path / OPTIMIZER_NAME, weights_only=True)
-            except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as err:
-                raise ValueError(
-                    f"{path / OPTIMIZER_NAME} is corrupt or not an optimizer state: "
-                    f"{type(err).__name__}: {err}"
-                ) from err
-            try:
-                optimizer.load_state_dict(state)
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{path / OPTIMIZER_NAME} does not fit the optimizer: {err}") from err
-        return CheckpointInfo(path, int(meta.get("step", 0)), dict(meta.get("extra", {})))
+    load = staticmethod(load_checkpoint)
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

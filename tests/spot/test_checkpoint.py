@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.drafter.conftest import make_drafter
 from tests.helpers import run_at_once
-from tlt_lightning.drafter import AsyncCheckpointer, load_drafter
+from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
-
-from .conftest import make_drafter
+from tlt_lightning.spot import AsyncCheckpointer
 
 
 def trained(drafter, steps: int = 1, seed: int = 0):
@@ -191,7 +191,8 @@ _KILL_SCRIPT = textwrap.dedent(
     import sys, time, torch
     from pathlib import Path
     from tlt_lightning.models import HFTarget, load_model
-    from tlt_lightning.drafter import AsyncCheckpointer, Drafter, DrafterConfig
+    from tlt_lightning.drafter import Drafter, DrafterConfig
+    from tlt_lightning.spot import AsyncCheckpointer
 
     directory, stage = Path(sys.argv[1]), sys.argv[2]
     target = HFTarget(load_model("tiny-llama").model)

@@ -7,10 +7,9 @@ import time
 import pytest
 import torch
 
-from tlt_lightning.drafter import DrafterPublisher
+from tests.drafter.conftest import make_drafter
 from tlt_lightning.models import HFTarget
-
-from .conftest import make_drafter
+from tlt_lightning.spot import DrafterPublisher
 
 
 def fill(drafter, value: float) -> None:
