@@ -268,7 +268,8 @@ def resume_config(tmp_path: Path, name: str, stop: dict | None = None) -> str:
          "init_args": {"every_n_train_steps": 1, "save_top_k": 0, "save_last": True}},
         *([{"class_path": f"{__name__}.StopAt", "init_args": stop}] if stop is not None else []),
         {"class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
-         "init_args": {"checkpoint_interval": 1, "max_steps_per_rollout": 1, "timeline": False}},
+         "init_args": {"config": {"checkpoint_interval": 1, "training": {"max_steps_per_rollout": 1}},
+                       "timeline": False}},
     ]
     path = tmp_path / name
     path.write_text(yaml.safe_dump(config))

@@ -44,8 +44,8 @@ def tlt_config(tmp_path: Path) -> Path:
     config["trainer"]["enable_progress_bar"] = False
     config["trainer"]["callbacks"] = [
         {"class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
-         "init_args": {"max_steps_per_rollout": 2, "max_seconds_per_rollout": None, "draft_vocab_size": None,
-                       "checkpoint_interval": 1, "timeline": False}},
+         "init_args": {"config": {"training": {"max_steps_per_rollout": 2, "max_seconds_per_rollout": None},
+                                  "draft_vocab_size": None, "checkpoint_interval": 1}, "timeline": False}},
         {"class_path": "tlt_lightning.callbacks.BanditCallback",
          "init_args": {"reproducible": True,
                        "strategy": {"class_path": "tlt_lightning.scheduling.BEGMABStrategy",

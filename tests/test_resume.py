@@ -73,8 +73,8 @@ def tlt_config(tmp_path: Path) -> Path:
     config["model"]["rollout_progress"] = False
     config["trainer"]["callbacks"][1:1] = [
         {"class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
-         "init_args": {"max_steps_per_rollout": 2, "max_seconds_per_rollout": None, "draft_vocab_size": None,
-                       "checkpoint_interval": None, "timeline": False}},
+         "init_args": {"config": {"training": {"max_steps_per_rollout": 2, "max_seconds_per_rollout": None},
+                                  "draft_vocab_size": None, "checkpoint_interval": None}, "timeline": False}},
         {"class_path": "tlt_lightning.callbacks.BanditCallback",
          "init_args": {"reproducible": True, "strategy": {"class_path": "tlt_lightning.scheduling.BEGMABStrategy",
                                                          "init_args": {"epsilon": 0.3, "seed": 1}}}},

@@ -150,7 +150,7 @@ def test_mlflow_logger_gets_the_plots_and_the_drafter(tmp_path):
 
     logger = MLFlowLogger(experiment_name="callbacks", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
                           artifact_location=str(tmp_path / "artifacts"))
-    spot, bandit = SpotDrafterCallback(max_steps_per_rollout=1), BanditCallback()
+    spot, bandit = SpotDrafterCallback({"training": {"max_steps_per_rollout": 1}}), BanditCallback()
     trainer = make_trainer(1, callbacks=[spot, bandit], logger=logger, default_root_dir=tmp_path / "run",
                            log_every_n_steps=1)
     trainer.fit(make_module())

@@ -14,8 +14,8 @@ from tlt_lightning.speculative import DraftSpec
 
 
 def test_probe_compares_spot_and_frozen_drafters(tmp_path):
-    spot, probe = SpotDrafterCallback(max_steps_per_rollout=2), DrafterDriftProbe(num_prompts=2, max_new_tokens=8,
-                                                                                  arm=DraftSpec(2))
+    spot = SpotDrafterCallback({"training": {"max_steps_per_rollout": 2}})
+    probe = DrafterDriftProbe(num_prompts=2, max_new_tokens=8, arm=DraftSpec(2))
     trainer = make_trainer(3, callbacks=[spot, probe], default_root_dir=tmp_path)
     module = make_module(lr=1e-2)
     trainer.fit(module)

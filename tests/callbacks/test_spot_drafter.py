@@ -405,6 +405,21 @@ def test_config_is_a_spot_config_or_a_dict_of_its_fields():
         SpotDrafterCallback(3)
 
 
+def test_a_fit_config_sets_the_spot_config_as_lightning_cli_does():
+    """LightningCLI parses callbacks with jsonargparse: ``init_args: {config: {...}}`` fills the dataclass,
+    and its defaults are shown (``fit --print_config``)."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(SpotDrafterCallback, "spot")
+    init_args = {"config": {"kind": "eagle3", "training": {"max_steps_per_rollout": 2}}, "timeline": False}
+    callback = parser.instantiate(parser.parse_object({"spot": init_args})).spot
+    assert callback.config == SpotConfig(SpotTrainerConfig(max_steps_per_rollout=2), kind="eagle3")
+    assert not callback.timeline
+    shown = parser.get_defaults().spot.config
+    assert shown.training.max_steps_per_rollout == 4 and shown.kind == "eagle1" and shown.buffer_mb == 256.0
+
+
 def test_needs_a_grpo_module():
     class Plain(L.LightningModule):
         pass

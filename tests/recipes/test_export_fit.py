@@ -37,7 +37,8 @@ def tiny_fit(root: Path, kind: str = "eagle1", spot: bool = True, steps: int = 2
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"every_n_train_steps": 1, "save_top_k": 0, "save_last": True}},
         *([{"class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
-            "init_args": {"kind": kind, "checkpoint_interval": 1, "max_steps_per_rollout": 1, "timeline": False}}]
+            "init_args": {"config": {"kind": kind, "checkpoint_interval": 1,
+                                     "training": {"max_steps_per_rollout": 1}}, "timeline": False}}]
           if spot else []),
     ]
     root.mkdir(parents=True, exist_ok=True)

@@ -138,20 +138,26 @@ def test_spot_drafter_trains_on_the_torchtune_policy_and_serves_on_its_bf16_mirr
     import lightning as L
 
     from tlt_lightning.callbacks import SpotDrafterCallback
+    from tlt_lightning.rl import RolloutListener
 
     module = make_module(cls=tt[0].TorchtuneGRPOModule, rollout_dtype="bfloat16", drafter_kind="eagle1")
     spot, served = SpotDrafterCallback(), []
 
-    class Served(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            d = pl_module.drafter
-            served.append((d.dtype, d._refs.embedding is pl_module.rollout_policy.tok_embeddings))
+    class Served(L.Callback, RolloutListener):  # hears each step after the SpotDrafterCallback's listener
+        def on_fit_start(self, trainer, pl_module) -> None:
+            pl_module.add_rollout_listener(self)
+
+        def begin_step(self, module) -> None:
+            d = module.drafter
+            served.append((d.dtype, d._refs.embedding is module.rollout_policy.tok_embeddings))
 
     trainer = make_trainer(2, callbacks=[spot, Served()], default_root_dir=tmp_path)
     trainer.fit(module)
-    assert spot.drafter.dtype == torch.float32 and spot.drafter._refs.embedding is module.policy.tok_embeddings
+    drafter = spot.spot.drafter
+    assert drafter.dtype == torch.float32 and drafter._refs.embedding is module.policy.tok_embeddings
     assert served == [(torch.bfloat16, True)] * 2
-    assert spot.steps == 2 * spot.max_steps_per_rollout and spot.publisher.version == 2
+    per_step = spot.config.training.max_steps_per_rollout
+    assert spot.spot.steps == 2 * per_step and spot.spot.publisher.version == 2
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert math.isfinite(metrics["drafter/loss"]) and metrics["drafter/accept_length"] >= 1.0
 

@@ -57,8 +57,8 @@ class Record(L.Callback):
         self.spot, self.saved, self.registered_at = spot, {}, {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.saved[trainer.global_step] = weights(self.spot.drafter)
-        self.registered_at[trainer.global_step] = list(self.spot.registered_steps)
+        self.saved[trainer.global_step] = weights(self.spot.spot.drafter)
+        self.registered_at[trainer.global_step] = list(self.spot.registrar.registered_steps)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,8 @@ def fitted(tmp_path_factory):
     logger = MLFlowLogger(
         experiment_name="drafter-registry", tracking_uri=uri, artifact_location=str(tmp / "artifacts")
     )
-    spot = SpotDrafterCallback(checkpoint_interval=1, max_steps_per_rollout=1, timeline=False)
+    config = {"checkpoint_interval": 1, "training": {"max_steps_per_rollout": 1}}
+    spot = SpotDrafterCallback(config, timeline=False)
     record = Record(spot)
     module = make_module()
     trainer = make_trainer(
@@ -95,7 +96,7 @@ def test_one_version_per_checkpoint_in_step_order(fitted):
     client, run_id, spot = fitted["client"], fitted["run_id"], fitted["spot"]
     found = versions(client)
     assert [(int(v.version), v.tags["rl_step"]) for v in found] == [(1, "1"), (2, "2"), (3, "3")]
-    vocab = str(spot.drafter.config.draft_vocab_size or spot.drafter.config.vocab_size)
+    vocab = str(spot.spot.drafter.config.draft_vocab_size or spot.spot.drafter.config.vocab_size)
     for v in found:
         assert v.run_id == run_id and v.tags["run_id"] == run_id
         assert v.tags["kind"] == "eagle1" and v.tags["draft_vocab"] == vocab
@@ -103,7 +104,7 @@ def test_one_version_per_checkpoint_in_step_order(fitted):
         assert v.status == "READY"
     assert len({v.tags["sha256"] for v in found}) == 3  # three different drafters
     assert "load_drafter_from_mlflow" in client.get_registered_model(NAME).description
-    assert spot.registered_steps == [1, 2, 3] and spot.state_dict()["registered_steps"] == [1, 2, 3]
+    assert spot.registrar.registered_steps == [1, 2, 3] and spot.state_dict()["registered_steps"] == [1, 2, 3]
     # Registered at the next step's end, once written: the rollouts never waited for it.
     assert fitted["record"].registered_at == {1: [], 2: [1], 3: [1, 2]}
 
@@ -123,9 +124,9 @@ def test_the_run_holds_each_steps_drafter(fitted):
 def test_newest_version_reloads_the_final_drafter_and_older_versions_older_weights(fitted, monkeypatch):
     uri, target, spot, saved = fitted["uri"], fitted["target"], fitted["spot"], fitted["record"].saved
     newest = load_drafter_from_mlflow(NAME, target, tracking_uri=uri, dtype=torch.float32)
-    assert isinstance(newest, Drafter) and newest.config == spot.drafter.config
-    assert_same(weights(newest), weights(spot.drafter))
-    assert_same(saved[3], weights(spot.drafter))
+    assert isinstance(newest, Drafter) and newest.config == spot.spot.drafter.config
+    assert_same(weights(newest), weights(spot.spot.drafter))
+    assert_same(saved[3], weights(spot.spot.drafter))
     first = load_drafter_from_mlflow(NAME, target, version=1, tracking_uri=uri)
     assert_same(weights(first), saved[1])
     assert not all(torch.equal(first.state_dict()[k], v) for k, v in saved[3].items())
@@ -147,9 +148,9 @@ def test_the_callbacks_settings_are_run_params(fitted):
     assert params["drafter/checkpoint_interval"] == "1" and params["drafter/max_steps_per_rollout"] == "1"
     assert params["drafter/kind"] == "eagle1" and params["drafter/draft_vocab_size"] == "8192"
     # The drafter actually trained: the draft vocabulary capped at tiny-llama's 128 tokens.
-    assert params["drafter/effective_draft_vocab"] == "128" == str(spot.drafter.config.draft_vocab)
+    assert params["drafter/effective_draft_vocab"] == "128" == str(spot.spot.drafter.config.draft_vocab)
     assert params["drafter/registered_model_name"] == NAME and params["drafter/drafter_path"] == "None"
-    assert params["drafter/trainable_parameters"] == str(spot.drafter.num_trainable_parameters())
+    assert params["drafter/trainable_parameters"] == str(spot.spot.drafter.num_trainable_parameters())
     assert set(params) >= set(spot.params()) and "optim/lr" in params  # beside the module's own (grouped) hyper-parameters
 
 
@@ -202,12 +203,12 @@ def test_without_an_mlflow_logger_no_registry_is_touched(tmp_path, monkeypatch):
 
     monkeypatch.setattr("tlt_lightning.tracking.lightning_mlflow.log_drafter_version", fail)
     for logger in (False, CSVLogger(tmp_path / "csv")):
-        spot = SpotDrafterCallback(checkpoint_interval=1, max_steps_per_rollout=1, timeline=False)
+        config = {"checkpoint_interval": 1, "training": {"max_steps_per_rollout": 1}}
+        spot = SpotDrafterCallback(config, timeline=False)
         make_trainer(2, callbacks=[spot], logger=logger, default_root_dir=tmp_path / "run").fit(make_module())
-        assert spot.registered_steps == [] and spot.registered_versions == []
-        assert (
-            spot.last_checkpoint is not None and Path(spot.last_checkpoint).is_dir()
-        )  # checkpoints as before
+        assert spot.registrar.registered_steps == [] and spot.registrar.versions == []
+        last = spot.spot.last_checkpoint
+        assert last is not None and Path(last).is_dir()  # checkpoints as before
     assert not list(tmp_path.rglob("*.db")) and not (tmp_path / "mlruns").exists()
 
 
