@@ -20,7 +20,7 @@ def test_benchmark_packing_smoke():
 def test_benchmark_preemption(tmp_path):
     out = benchmark_preemption(rollouts=6, tail_s=(0.2, 0.4), plot_path=tmp_path / "t.png")
     # The latency goal (<= 1 drafter step) is a benchmark figure, not asserted here: on a loaded
-    # machine the wall clock stretches. The step-count bound is tested in tests/scheduling/test_coordinator.py.
+    # machine the wall clock stretches. The step-count bound is tested in tests/spot/test_coordinator.py.
     # Which rank finishes last is up to the OS on a loaded machine (the planned straggler can train
     # if the other rank is descheduled past the tail); the rank that really finished last trains only
     # when the collective saying so is late (a loaded machine): rarely.

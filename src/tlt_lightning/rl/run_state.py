@@ -10,13 +10,13 @@ global_step, rank)``), and the callbacks' states: the spot drafter's weights, op
 buffer (:class:`~tlt_lightning.callbacks.SpotDrafterCallback` ``save_buffer=True``, the default)
 and the bandit's statistics and RNG (:class:`~tlt_lightning.callbacks.BanditCallback`, 9 KB). The
 buffer is the only part that grows: the bf16 hidden-state features of recent responses (1.1 KB per
-response token on SmolLM2-135M), at most ``buffer_mb`` (256 MiB). Measured: 2.2 MiB after 2 steps of
+response token on SmolLM2-135M), at most ``config.buffer_mb`` (256 MiB). Measured: 2.2 MiB after 2 steps of
 ``configs/grpo_smollm2.yaml`` (64 responses of ~22 tokens; the whole checkpoint, policy and AdamW
 included, is 1.67 GB), 0.18 MiB on tiny-llama after 4 steps of 16 x 16 tokens. What a
 checkpoint cannot hold is the clock: a bandit that learns from wall time (the default;
 ``BanditCallback(reproducible=True)`` learns from a modelled cost) or drafter training bounded by
-seconds (``SpotDrafterCallback(max_seconds_per_rollout=...)`` when the step bound is not reached
-first) makes the uninterrupted run and the resumed one differ as two uninterrupted runs would.
+seconds (the spot config's ``training.max_seconds_per_rollout`` when the step bound is not
+reached first) makes the uninterrupted run and the resumed one differ as two uninterrupted runs would.
 Resuming with other settings (``seed``, ``optim.lr``, ...) is refused by ``tlt-lightning fit`` unless
 ``--resume_overrides=apply``; a changed seed then warns here.
 
