@@ -158,7 +158,7 @@ PUBLIC_API = {
     "tracking": {"AcceptanceRate", "CheckpointRegistrar", "MLflowRunCheckpoint", "MeanAcceptLength",
         "ResumableMLFlowLogger", "RolloutTokensPerSecond", "TrackingStoreError", "drafter_model_name",
         "load_drafter_from_mlflow", "log_artifact", "log_drafter_version", "mlflow_loggers",
-        "plot_accept_lengths", "run_dir", "save_run_config"},
+        "mlflow_available", "plot_accept_lengths", "run_dir", "save_run_config", "tracking_logger"},
     "rl": {"DEFAULT_SYSTEM_PROMPT", "SUPPORTED_TASKS", "GRPOModule", "NonFiniteLossError", "OptimConfig", "Prompt",
         "PromptSource", "Reward", "RewardError", "RewardFn", "RolloutListener", "SpeculativeConfig",
         "SyntheticPromptSource", "TaskConfig",
@@ -172,7 +172,7 @@ PUBLIC_API = {
         "RhoLossScorer", "Scorer", "apply_activation_checkpointing", "apply_dora", "convert_qat",
         "distill_step", "find_blocks", "grpo_policy_loss", "grpo_profile_batch", "measure_step",
         "merge_dora", "prepare_qat", "profile_blocks", "quantize_ptq"},
-    "callbacks": {"BanditCallback", "DrafterDriftProbe", "SpotDrafterCallback"},
+    "callbacks": {"BanditCallback", "DrafterDriftProbe", "GRPOProgressBar", "SpotDrafterCallback"},
     "spot": {"STEP_STATS", "SpotConfig", "SpotDrafter", "initial_drafter", "step_metrics", "timeline_view"},
     "vllm": {"VLLMBackendConfig", "VLLMRolloutBackend", "VLLMRolloutStats"},
 }

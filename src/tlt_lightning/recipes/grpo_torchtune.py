@@ -18,7 +18,7 @@ arguments, built with ``torchtune.config.instantiate``. Top-level sections:
 ``tokenizer``    a tokenizer component (``null``: the checkpoint directory's transformers tokenizer)
 ``prompt_source`` component handed to the module as ``prompt_source`` (``null``: the task's)
 ``module``       the LightningModule (with ``model``: a ``TorchtuneGRPOModule``)
-``logger``       component, e.g. ``tlt_lightning.fit.tracking_logger`` (``null``: no logger)
+``logger``       component, e.g. ``tlt_lightning.tracking.tracking_logger`` (``null``: no logger)
 ``callbacks``    list of components
 ``trainer``      ``lightning.pytorch.Trainer``
 ``ckpt_path``    checkpoint to resume from (``null``: a fresh run)
@@ -57,7 +57,9 @@ import lightning as L
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from tlt_lightning.drafter.mlflow_uri import DEFAULT_TRACKING_URI
 from tlt_lightning.models.hardware import training_precision
+from tlt_lightning.tracking.logger import is_tracking_logger
 from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, resumable_run_id
 from tlt_lightning.tracking.run_directory import run_dir, save_run_config
 
@@ -222,7 +224,7 @@ def build_module(cfg: DictConfig) -> LightningModule:
 
 def run(cfg: DictConfig) -> tuple[Trainer, LightningModule]:
     """Build everything ``cfg`` names and fit; returns ``(trainer, module)``."""
-    from tlt_lightning.fit import DEFAULT_TRACKING_URI, SaveLastAtTrainEnd, tracking_logger
+    from tlt_lightning.fit import SaveLastAtTrainEnd
 
     plain = check_config(cfg)
     if plain.get("threads") is not None:
@@ -233,7 +235,7 @@ def run(cfg: DictConfig) -> tuple[Trainer, LightningModule]:
     module = build_module(cfg)
     logger_node = plain.get("logger") if _enabled(plain.get("logger")) else None
     if logger_node and plain.get("ckpt_path") and logger_node.get("run_id") is None:
-        if logger_node["_component_"] == f"{tracking_logger.__module__}.{tracking_logger.__name__}":
+        if is_tracking_logger(logger_node["_component_"]):
             # As `fit --ckpt_path`: continue the MLflow run the checkpoint was saved from.
             uri = logger_node.get("tracking_uri", DEFAULT_TRACKING_URI)
             logger_node = {**logger_node, "run_id": resumable_run_id(plain["ckpt_path"], uri)}
