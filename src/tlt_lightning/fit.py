@@ -51,6 +51,7 @@ from tlt_lightning.tracking.logger import default_artifact_location, is_tracking
 from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, canonical_tracking_uri, resumable_run_id
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError
 from tlt_lightning.tracking.run_directory import run_dir, save_run_config
+from tlt_lightning.validation import check
 
 __all__ = ["GRPOCLI", "SaveLastAtTrainEnd", "TrackingSaveConfig", "main"]
 
@@ -235,8 +236,7 @@ class GRPOCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand
         threads = config.get("threads")
         if threads is not None:
-            if threads < 1:
-                raise ValueError(f"threads must be an int >= 1, got {threads}")
+            check(threads >= 1, "threads", threads, "an int >= 1")
             torch.set_num_threads(threads)
         _default_mlflow_store(config)
         self._default_progress_bar(config.get("trainer") or {})

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from tlt_lightning.efficiency.memory import ActivationMemoryMeter
+from tlt_lightning.validation import check, is_int
 
 __all__ = ["ActivationCheckpointPlan", "ActivationCheckpointProfile", "BlockCost", "Gap", "profile_blocks"]
 
@@ -154,8 +155,7 @@ def profile_blocks(
     """
     if len(blocks) == 0:
         raise ValueError("blocks must hold at least one module, got none")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    check(is_int(repeats) and repeats >= 1, "repeats", repeats, "an int >= 1")
     patched = [i for i, b in enumerate(blocks) if "forward" in b.__dict__]
     if patched:
         raise ValueError(

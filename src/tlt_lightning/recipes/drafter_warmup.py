@@ -32,6 +32,7 @@ from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.reports import machine_info, write_json
 from tlt_lightning.rl.tasks import task_prompts
 from tlt_lightning.rollout import Rollout, RolloutConfig, RolloutEngine, load_rollouts, save_rollouts
+from tlt_lightning.validation import check
 
 __all__ = ["collect_rollouts", "run"]
 
@@ -116,12 +117,9 @@ def plot(history: list[dict[str, float]], path: Path) -> Path:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("prompts", "samples", "max_new_tokens", "steps", "batch_size", "rollout_batch"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.pack < 0:
-        raise ValueError(f"--pack must be >= 0 (0 = pad, no packing), got {args.pack}")
-    if args.save_every < 0:
-        raise ValueError(f"--save-every must be >= 0 (0 = save at the end only), got {args.save_every}")
+        check(getattr(args, name) >= 1, f"--{name.replace('_', '-')}", getattr(args, name), ">= 1")
+    check(args.pack >= 0, "--pack", args.pack, ">= 0 (0 = pad, no packing)")
+    check(args.save_every >= 0, "--save-every", args.save_every, ">= 0 (0 = save at the end only)")
     loaded = load_model(args.model)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: warm-up samples real task prompts")

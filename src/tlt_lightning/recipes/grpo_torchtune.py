@@ -62,6 +62,7 @@ from tlt_lightning.models.hardware import training_precision
 from tlt_lightning.tracking.logger import is_tracking_logger
 from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, resumable_run_id
 from tlt_lightning.tracking.run_directory import run_dir, save_run_config
+from tlt_lightning.validation import check
 
 try:  # torchtune.config.parse's own parser and merge, validate's errors
     from omegaconf import DictConfig, OmegaConf
@@ -75,7 +76,8 @@ except ImportError as err:  # the optional extra is not installed
         f"(torchtune==0.6.1, torchao==0.15.0); the import failed with: {err}"
     ) from err
 
-__all__ = ["SECTIONS", "RecipeConfigLogger", "build_module", "check_config", "load_config", "recipe_main", "run"]
+__all__ = ["SECTIONS", "RecipeConfigLogger", "build_module", "check_config", "load_config", "recipe_main", "run",
+           "run_command"]
 
 SECTIONS = ("seed", "threads", "output_dir", "model", "checkpointer", "tokenizer", "prompt_source", "module",
             "logger", "callbacks", "trainer", "ckpt_path")
@@ -228,8 +230,8 @@ def run(cfg: DictConfig) -> tuple[Trainer, LightningModule]:
 
     plain = check_config(cfg)
     if plain.get("threads") is not None:
-        if not isinstance(plain["threads"], int) or plain["threads"] < 1:
-            raise ValueError(f"threads must be an int >= 1 or null, got {plain['threads']!r}")
+        threads = plain["threads"]
+        check(isinstance(threads, int) and threads >= 1, "threads", threads, "an int >= 1 or null")
         torch.set_num_threads(plain["threads"])
     L.seed_everything(plain.get("seed", 0))
     module = build_module(cfg)
@@ -248,6 +250,18 @@ def run(cfg: DictConfig) -> tuple[Trainer, LightningModule]:
     trainer = config.instantiate(cfg.trainer, logger=logger, callbacks=callbacks, **precision)
     trainer.fit(module, ckpt_path=plain.get("ckpt_path"))
     return trainer, module
+
+
+def run_command(args: Any) -> None:
+    """``tlt-lightning torchtune --config CFG [key=value ...]``: ``args.config`` and ``args.overrides``.
+
+    A misspelt key or a bad override ends the command with one line (``SystemExit``) before anything loads.
+    """
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ValueError as err:
+        raise SystemExit(f"torchtune: {err}") from err
+    run(cfg)
 
 
 @config.parse

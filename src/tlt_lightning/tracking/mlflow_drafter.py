@@ -41,11 +41,12 @@ import torch
 from tlt_lightning.drafter.io import CONFIG_NAME, WEIGHTS_NAME, load_drafter
 from tlt_lightning.drafter.mlflow_uri import (
     DEFAULT_TRACKING_URI,
-    _quote,
     download_drafter,
     import_mlflow,
+    quote_filter_value,
 )
 from tlt_lightning.tracking.mlflow_pyfunc import save_drafter_model
+from tlt_lightning.validation import check, is_int
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -137,8 +138,7 @@ def log_drafter_version(
         ValueError: ``checkpoint_dir`` is not a drafter checkpoint, or a bad ``rl_step`` / ``name``.
         ModuleNotFoundError: MLflow is not installed (the ``mlflow`` extra).
     """
-    if isinstance(rl_step, bool) or not isinstance(rl_step, int) or rl_step < 0:
-        raise ValueError(f"rl_step must be an int >= 0, got {rl_step!r}")
+    check(is_int(rl_step) and rl_step >= 0, "rl_step", rl_step, "an int >= 0")
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"name must be a non-empty registered-model name, got {name!r}")
     directory = Path(checkpoint_dir)
@@ -156,7 +156,7 @@ def log_drafter_version(
     # The same checkpoint registered before (a resumed fit saving its restored step again, a retry):
     # that version, not a duplicate.
     same = client.search_model_versions(
-        f"name={_quote(name)} and tags.rl_step = '{rl_step}' and tags.sha256 = '{digest}'"
+        f"name={quote_filter_value(name)} and tags.rl_step = '{rl_step}' and tags.sha256 = '{digest}'"
     )
     if same:
         return min(same, key=lambda v: int(v.version))
