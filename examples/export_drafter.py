@@ -1,16 +1,16 @@
 """Export a drafter checkpoint in the EAGLE format vLLM (or SGLang) loads as it is, and load it back.
 
-    python examples/export_drafter.py                                # the drafter shipped in examples/drafters/
-    python examples/export_drafter.py runs/examples/spot/version_0/drafter/checkpoints/step-00000008 \\
-        --model smollm2-135m                                         # one spot-trained by examples/spot_drafter_grpo.py
-    python examples/export_drafter.py --tiny                         # a random drafter of a tiny random Llama
+    python examples/export_drafter.py                  # the drafter shipped in examples/drafters/
+    python examples/export_drafter.py --tiny           # a random drafter of a tiny random Llama (seconds)
+    python examples/export_drafter.py runs/examples/spot/version_0/drafter/checkpoints/step-00000008
+                                                       # one spot-trained by examples/spot_drafter_grpo.py
 
-The same as ``tlt-lightning export-drafter CHECKPOINT OUT [--model M] [--engine vllm|sglang]``; a fit's policy
-and its drafter together: ``tlt-lightning export-drafter --from-fit RUN_DIR OUT`` (docs/deployment.md).
+The same as ``tlt-lightning export-drafter CHECKPOINT OUT [--model M] [--engine vllm|sglang]``; a fit's
+policy and its drafter together: ``tlt-lightning export-drafter --from-fit RUN_DIR OUT`` (docs/deployment.md).
 A checkpoint is what ``save_drafter`` writes (``model.safetensors`` + ``drafter_config.json``): the
-``SpotDrafterCallback``'s ``drafter/checkpoints/step-*``, ``tlt-lightning drafter warmup``'s output, or an MLflow
-``models:/`` URI through the command. The export is a directory (``config.json``, ``model.safetensors``, a model
-card) to pass to vLLM as its speculator, beside the target model (printed at the end).
+``SpotDrafterCallback``'s ``drafter/checkpoints/step-*``, ``tlt-lightning drafter warmup``'s output, or an
+MLflow ``models:/`` URI through the command. The export is a directory (``config.json``,
+``model.safetensors``, a model card) that vLLM loads as its speculator beside the target (printed at the end).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", nargs="?", default=None, help="drafter checkpoint directory")
     parser.add_argument("--out", default="runs/examples/eagle", help="export directory")
-    parser.add_argument("--model", default="smollm2-135m", help="the target model (registry name or HF directory)")
+    parser.add_argument("--model", default="smollm2-135m", help="the target: registry name or HF directory")
     parser.add_argument("--engine", default="vllm", choices=["vllm", "sglang"])
     parser.add_argument("--tiny", action="store_true", help="a random drafter of tiny-llama (seconds)")
     args = parser.parse_args(argv)
@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> Path:
     model = "tiny-llama" if args.tiny else args.model
     target = HFTarget(load_model(model).model)  # the exact model the drafter will be served with
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = tiny_checkpoint(target, Path(tmp) / "drafter") if args.tiny else args.checkpoint or SHIPPED
+        checkpoint = args.checkpoint or SHIPPED
+        if args.tiny:
+            checkpoint = tiny_checkpoint(target, Path(tmp) / "drafter")
         out = export_drafter(checkpoint, args.out, target, engine=args.engine)
     drafter = import_drafter(out, target)  # loads back with identical logits
     config = json.loads((out / "config.json").read_text())

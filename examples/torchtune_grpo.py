@@ -25,7 +25,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="configs/grpo_torchtune.yaml: a tiny random Llama")
+    parser.add_argument("--tiny", action="store_true", help="configs/grpo_torchtune.yaml: tiny random Llama")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="torchtune config overrides")
     args = parser.parse_args(argv)
     config = CONFIGS / ("grpo_torchtune.yaml" if args.tiny else "grpo_torchtune_smollm2.yaml")

@@ -21,26 +21,28 @@ def example(name: str) -> dict:
 
 @pytest.fixture(autouse=True)
 def _in_tmp_path(tmp_path, monkeypatch):
-    """Examples write under ``runs/`` of the working directory; tiny models' files go to a temporary cache."""
+    """Examples write under ``runs/`` here; the tiny models' files go to a temporary cache."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TLT_LIGHTNING_CACHE", str(tmp_path / "cache"))
 
 
 def test_spot_drafter_callback_on_a_grpo_module_then_export_its_checkpoint(tmp_path, capsys):
-    """The design card's ``Trainer(callbacks=[SpotDrafterCallback()])``: the drafter trains and is checkpointed;
-    the checkpoint exports for vLLM."""
+    """The design card's ``Trainer(callbacks=[SpotDrafterCallback()])``: the drafter trains and is
+    checkpointed; the checkpoint exports for vLLM."""
     done = example("spot_drafter_grpo.py")["main"](["--tiny", "--out", str(tmp_path / "spot")])
     assert len(done["rewards"]) == 2 and len(done["accept"]) == 2
     checkpoint = Path(done["checkpoint"])
     assert (checkpoint / "model.safetensors").is_file() and "mean reward per step" in capsys.readouterr().out
 
-    out = example("export_drafter.py")["main"]([str(checkpoint), "--model", "tiny-llama", "--out", str(tmp_path / "e")])
+    export = example("export_drafter.py")["main"]
+    out = export([str(checkpoint), "--model", "tiny-llama", "--out", str(tmp_path / "e")])
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert "speculative_config" in capsys.readouterr().out
 
 
 def test_export_drafter_tiny(tmp_path, capsys):
-    out = example("export_drafter.py")["main"](["--tiny", "--out", str(tmp_path / "eagle"), "--engine", "sglang"])
+    export = example("export_drafter.py")["main"]
+    out = export(["--tiny", "--out", str(tmp_path / "eagle"), "--engine", "sglang"])
     assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md"}
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
     assert "exported an eagle1 drafter for tiny-llama" in capsys.readouterr().out

@@ -31,7 +31,8 @@ def test_every_result_and_figure_is_referenced_from_the_docs():
     files = [p for d in ("results", "img") for p in sorted((ROOT / "docs" / d).iterdir()) if p.is_file()]
     assert len(files) > 10  # the walk found them
     unreferenced = [str(p.relative_to(ROOT)) for p in files if p.name not in text]
-    assert unreferenced == [], "not referenced from README.md or docs/*.md (git rm them):\n" + "\n".join(unreferenced)
+    message = "not referenced from README.md or docs/*.md (git rm them):\n"
+    assert unreferenced == [], message + "\n".join(unreferenced)
 
 
 def test_every_referenced_result_and_figure_exists():
@@ -45,4 +46,4 @@ def test_the_readme_and_the_benchmarks_page_stay_short():
     """A newcomer reads the README in minutes; benchmarks.md keeps the latest run of each benchmark."""
     for path, limit in (("README.md", 150), ("docs/benchmarks.md", 600)):
         lines = len((ROOT / path).read_text().splitlines())
-        assert lines <= limit, f"{path} has {lines} lines (at most {limit}): superseded runs belong in git history"
+        assert lines <= limit, f"{path} has {lines} lines (at most {limit}): older runs live in git history"
