@@ -17,8 +17,7 @@ import torch
 from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rl import TaskConfig, TaskDataset
-from tlt_lightning.rollout import RolloutConfig, RolloutEngine
-from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
+from tlt_lightning.rollout import RolloutConfig, RolloutEngine, SpeculativeRolloutLoop
 from tlt_lightning.speculative import DraftSpec
 
 

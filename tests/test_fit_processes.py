@@ -25,7 +25,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.helpers import assert_same, callback_state
-from tlt_lightning.fit import mlflow_available
+from tlt_lightning.tracking import mlflow_available
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "grpo_tiny.yaml"

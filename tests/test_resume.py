@@ -98,7 +98,7 @@ def fit(tmp_path: Path, config: Path, name: str, *extra: str) -> tuple[list[floa
 
 def test_fit_resumed_from_a_checkpoint_is_the_uninterrupted_run(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
-    monkeypatch.setattr("tlt_lightning.fit.mlflow_available", lambda uri=None: False)  # CSV: metrics per step
+    monkeypatch.setattr("tlt_lightning.tracking.logger.mlflow_available", lambda uri=None: False)  # CSV: metrics per step
     monkeypatch.chdir(tmp_path)
     config = tlt_config(tmp_path)
     rewards, full = fit(tmp_path, config, "full", "--trainer.max_steps=4")

@@ -38,12 +38,10 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import warnings
 from collections.abc import Sequence
 from importlib import import_module
 from pathlib import Path
-from typing import Any
 
 from tlt_lightning.cli_options import GROUPS, build_parser
 
@@ -167,20 +165,10 @@ def _main(argv: list[str]) -> int:
     elif (args.command, args.name) in _RUNS:
         module, function = _RUNS[args.command, args.name].split(":")
         getattr(import_module(module), function)(args)
-    elif args.command == "export-drafter":
-        _export_drafter(args)
-    elif args.command == "torchtune":
-        from tlt_lightning.recipes import grpo_torchtune
-
-        try:
-            config = grpo_torchtune.load_config(args.config, args.overrides)
-        except ValueError as err:  # a misspelt key or a bad override: one line, before anything loads
-            raise SystemExit(f"torchtune: {err}") from err
-        grpo_torchtune.run(config)
     return 0
 
 
-# Grouped commands, each run by one function of ``args``.
+# Commands, each run by one function of ``args``: grouped ones by (group, name), the others by (name, name).
 _RUNS = {
     ("bench", "rollout"): "tlt_lightning.bench.rollout:run",
     ("bench", "bandit"): "tlt_lightning.cli:_bench_bandit",
@@ -193,6 +181,8 @@ _RUNS = {
     ("bench", "peers"): "tlt_lightning.bench.peers:run",
     ("drafter", "warmup"): "tlt_lightning.recipes.drafter_warmup:run",
     ("drafter", "evaluate"): "tlt_lightning.recipes.drafter_evaluate:run",
+    ("export-drafter", "export-drafter"): "tlt_lightning.recipes.export_drafter:run",
+    ("torchtune", "torchtune"): "tlt_lightning.recipes.grpo_torchtune:run_command",
 }
 
 
@@ -224,104 +214,6 @@ def _bench_bandit(args: argparse.Namespace) -> None:
     ratios = {name: round(v["reward_vs_oracle"], 3) for name, v in result["strategies"].items()}
     print(f"[bench bandit] reward / per-bucket oracle: {json.dumps(ratios)}")
     print(f"[bench bandit] wrote {args.json} and {plot}")
-
-
-def _export_drafter(args: argparse.Namespace) -> None:
-    if args.from_fit is not None:
-        _export_fit(args)
-        return
-    if args.checkpoint is None or args.out is None:
-        raise SystemExit("export-drafter: pass CHECKPOINT and OUT (or --from-fit RUN_DIR_OR_CKPT OUT)")
-    from tlt_lightning.drafter import export_drafter, import_drafter
-    from tlt_lightning.drafter.io import read_drafter_config
-    from tlt_lightning.drafter.mlflow_uri import is_mlflow_uri
-    from tlt_lightning.models import HFTarget, load_model
-
-    if is_mlflow_uri(args.checkpoint):  # a registered version or a run's artifact: export its local copy
-        with tempfile.TemporaryDirectory(prefix="tlt-export-") as tmp:
-            _export_drafter(_downloaded(args, tmp))
-        return
-
-    try:  # a wrong checkpoint, kind or target: one line, no traceback
-        config = read_drafter_config(args.checkpoint)
-        if args.kind is not None and args.kind != config.kind:
-            raise ValueError(
-                f"{args.checkpoint} is an {config.kind} drafter and --kind is {args.kind}: a checkpoint is never "
-                f"converted; train an {args.kind} drafter (`tlt-lightning drafter warmup --kind {args.kind}`)"
-            )
-        model = args.model or _checkpoint_target(args.checkpoint, config)
-        target = HFTarget(load_model(model, seed=args.seed).model)
-        out = export_drafter(args.checkpoint, args.out, target, dtype=args.dtype, engine=args.engine)
-    except (ValueError, OSError) as err:
-        raise SystemExit(f"export-drafter: {err}") from err
-    config = import_drafter(out, target).config  # proves the export loads back
-    vocab = f"{config.draft_vocab} of {config.vocab_size}" if config.reduced_vocab else f"all {config.vocab_size}"
-    print(f"[export-drafter] wrote a {config.kind} drafter ({vocab} tokens) for {model} to {out}, for {args.engine}")
-
-
-def _export_fit(args: argparse.Namespace) -> None:
-    """``export-drafter --from-fit``: the policy and its drafter, loaded back together to prove the pair."""
-    from transformers import AutoModelForCausalLM
-
-    from tlt_lightning.drafter import import_drafter
-    from tlt_lightning.models import HFTarget
-    from tlt_lightning.recipes.export_fit import export_fit
-
-    if args.out is not None or args.checkpoint is None:
-        raise SystemExit("export-drafter --from-fit RUN_DIR_OR_CKPT takes one positional argument, OUT")
-    try:
-        done = export_fit(args.from_fit, args.checkpoint, model=args.model, dtype=args.dtype, engine=args.engine,
-                          kind=args.kind)
-    except (ValueError, OSError) as err:
-        raise SystemExit(f"export-drafter: {err}") from err
-    policy = AutoModelForCausalLM.from_pretrained(done.policy_dir, local_files_only=True)
-    import_drafter(done.drafter_dir, HFTarget(policy))  # the pair loads back (EAGLE-3: its head is the policy's)
-    print(f"[export-drafter] wrote the step-{done.step} policy of {done.checkpoint} to {done.policy_dir}"
-          f"{' (with its tokenizer)' if done.tokenizer else ''} and its {done.kind} drafter ({done.drafter_source}) "
-          f"to {done.drafter_dir}, for {args.engine}; see {done.out / 'README.md'}")
-
-
-def _downloaded(args: argparse.Namespace, tmp: str) -> argparse.Namespace:
-    """``args`` with its MLflow URI ``checkpoint`` downloaded into ``tmp``, and ``--model`` defaulting to the
-    target recorded in the version's ``MLmodel`` (:mod:`tlt_lightning.tracking.mlflow_pyfunc`)."""
-    from tlt_lightning.drafter.mlflow_uri import download_drafter
-
-    try:
-        local = download_drafter(args.checkpoint, tmp, tracking_uri=args.tracking_uri)
-    except (ValueError, ModuleNotFoundError) as err:  # no mlflow, no such version / run: one line
-        raise SystemExit(f"export-drafter: {err}") from err
-    model = args.model
-    if model is None and (local / "MLmodel").is_file():
-        from mlflow.models import Model
-
-        from tlt_lightning.tracking.mlflow_pyfunc import FLAVOR_NAME
-
-        model = (Model.load(str(local / "MLmodel")).flavors.get(FLAVOR_NAME, {}).get("target") or {}).get("model")
-    return argparse.Namespace(**{**vars(args), "checkpoint": str(local), "model": model})
-
-
-def _checkpoint_target(checkpoint: str, config: Any) -> str:
-    """The target a drafter checkpoint was trained for: its ``warmup.json``'s model, else the one
-    registry model of its target's shape (``ValueError`` asking for ``--model`` otherwise)."""
-    from tlt_lightning.models import models_with_signature
-
-    warmup = Path(checkpoint) / "warmup.json"
-    if warmup.is_file():
-        try:
-            model = json.loads(warmup.read_text()).get("model")
-        except json.JSONDecodeError:
-            model = None
-        if isinstance(model, str) and model:
-            return model
-    shape = (config.model_type, config.hidden_size, config.num_target_layers, config.vocab_size)
-    names = models_with_signature(*shape)
-    if len(names) != 1:
-        found = f"registry models {names} match" if names else "no registry model matches"
-        raise ValueError(
-            f"cannot tell the target of {checkpoint}: its target is a {shape[0]} model with hidden size {shape[1]}, "
-            f"{shape[2]} layers and {shape[3]} tokens, and {found}; pass --model NAME_OR_HF_DIR"
-        )
-    return names[0]
 
 
 if __name__ == "__main__":

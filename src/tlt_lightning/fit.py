@@ -11,7 +11,7 @@ the run before anything loads, naming the key. ``--ckpt_path`` resumes a run; mo
 differ from the checkpoint's are refused, listed as ``old -> new``, unless ``--resume_overrides``
 says to apply them (``apply``) or to keep the checkpoint's (``checkpoint``); see :mod:`tlt_lightning.resume`.
 
-Tracking goes through :func:`tracking_logger`, a logger factory the configs name as
+Tracking goes through :func:`~tlt_lightning.tracking.tracking_logger`, a logger factory the configs name as
 ``trainer.logger``: an MLflow run in a local sqlite store by default (any tracking URI with
 ``--trainer.logger.init_args.tracking_uri=...``), or a CSV logger with a one-line warning where
 MLflow is not installed. Lightning's own ``--trainer.logger=MLFlowLogger`` without a ``tracking_uri``
@@ -28,172 +28,34 @@ first as ``config-resume-<n>.yaml``.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import os
 import sys
-import time
 import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
+from lightning.pytorch.loggers import MLFlowLogger
 from typing_extensions import override
 
+from tlt_lightning.callbacks.progress import GRPOProgressBar
 from tlt_lightning.drafter.mlflow_uri import DEFAULT_TRACKING_URI
 from tlt_lightning.models import training_precision
 from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, read_checkpoint
 from tlt_lightning.rl.module import GRPOModule
-from tlt_lightning.tracking.mlflow_resume import (
-    MLflowRunCheckpoint,
-    ResumableMLFlowLogger,
-    canonical_tracking_uri,
-    resumable_run_id,
-)
-from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store, sqlite_path
+from tlt_lightning.tracking.logger import default_artifact_location, is_tracking_logger, prepare_logger_store
+from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, canonical_tracking_uri, resumable_run_id
+from tlt_lightning.tracking.mlflow_store import TrackingStoreError
 from tlt_lightning.tracking.run_directory import run_dir, save_run_config
+from tlt_lightning.validation import check
 
-__all__ = [
-    "DEFAULT_TRACKING_URI",
-    "GRPOCLI",
-    "GRPOProgressBar",
-    "SaveLastAtTrainEnd",
-    "TrackingSaveConfig",
-    "main",
-    "mlflow_available",
-    "tracking_logger",
-]
+__all__ = ["GRPOCLI", "SaveLastAtTrainEnd", "TrackingSaveConfig", "main"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_EXPERIMENT = "tlt-lightning"
-
-
-def mlflow_available(tracking_uri: str = DEFAULT_TRACKING_URI) -> bool:
-    """Whether MLflow can log to ``tracking_uri``: ``mlflow`` imports, and sqlite stores find SQLAlchemy.
-
-    Found without importing them (``mlflow`` takes a second to import).
-    """
-    needed = ["mlflow"]
-    if tracking_uri.startswith("sqlite:"):
-        needed += ["sqlalchemy", "alembic"]  # the sqlite store's ORM and its schema migrations
-    return all(importlib.util.find_spec(name) is not None for name in needed)
-
-
-def _artifact_location(tracking_uri: str, artifact_location: str | None) -> str | None:
-    """``artifact_location``, or for a sqlite store ``mlartifacts/`` beside the database file."""
-    database = sqlite_path(tracking_uri)
-    if artifact_location is None and database is not None:
-        return (database.parent / "mlartifacts").resolve().as_uri()
-    return artifact_location
-
-
-def tracking_logger(
-    tracking_uri: str = DEFAULT_TRACKING_URI,
-    experiment_name: str = DEFAULT_EXPERIMENT,
-    run_name: str | None = None,
-    tags: dict[str, Any] | None = None,
-    artifact_location: str | None = None,
-    fallback_dir: str = "runs/fit",
-    run_id: str | None = None,
-) -> Logger:
-    """An :class:`~lightning.pytorch.loggers.MLFlowLogger`, or a ``CSVLogger`` where MLflow is missing.
-
-    A factory, so that a config can name it as ``trainer.logger`` (``class_path:
-    tlt_lightning.fit.tracking_logger``) and the same config runs with and without the ``mlflow``
-    extra. Metrics and the module's hyper-parameters reach either logger.
-
-    Args:
-        tracking_uri: MLflow tracking URI; default a local sqlite store, ``runs/mlflow.db`` (MLflow 3
-            keeps its ``./mlruns`` file store in maintenance mode). Any URI MLflow accepts works
-            (``http://host:5000``, ``databricks``, ...).
-        experiment_name: MLflow experiment (created on first use); the CSV logger's ``name``.
-        run_name: MLflow run name; ``None``: ``fit-<local time>`` (MLflow's random names repeat
-            from run to run once ``seed_everything`` has seeded Python's ``random``).
-        tags: MLflow run tags.
-        artifact_location: where a *new* experiment stores artifacts; ``None``: for a sqlite store,
-            ``mlartifacts/`` beside the database file, else MLflow's default.
-        fallback_dir: the CSV logger's directory when MLflow is not available.
-        run_id: continue this MLflow run instead of starting one
-            (:class:`~tlt_lightning.tracking.ResumableMLFlowLogger`); ``fit --ckpt_path`` sets it
-            to the run the checkpoint was saved from.
-
-    Example:
-        >>> logger = tracking_logger("sqlite:////tmp/mlflow.db", run_name="try-1")  # doctest: +SKIP
-        >>> Trainer(logger=logger, max_steps=2).fit(module)  # doctest: +SKIP
-    """
-    if not mlflow_available(tracking_uri):
-        log.warning(
-            "MLflow is not installed (pip install 'tlt-lightning[mlflow]'): logging to CSV under %s instead",
-            fallback_dir,
-        )
-        return CSVLogger(fallback_dir, name=experiment_name)
-    if run_name is None:
-        run_name = time.strftime("fit-%Y%m%d-%H%M%S")
-    artifact_location = _artifact_location(tracking_uri, artifact_location)
-    # A fresh sqlite store, or a new experiment, is created under a file lock: fits started at once
-    # would otherwise race on MLflow's table creation and schema migrations.
-    prepare_store(tracking_uri, experiment_name, artifact_location)
-    return ResumableMLFlowLogger(
-        experiment_name=experiment_name, run_name=run_name, tracking_uri=tracking_uri, tags=tags,
-        artifact_location=artifact_location, run_id=run_id,
-    )
-
-
-class GRPOProgressBar(TQDMProgressBar):
-    """One bar over the optimizer steps of the run, showing the GRPO numbers of the last step.
-
-    ``step 7/16 [..] reward=0.412, acc=0.31, len=38, accept=2.10, tok/s=212``: mean reward,
-    accuracy (share of completions the task scores fully correct), mean response length, mean accept
-    length of speculative decoding (``off`` when no speculative step ran: no drafter) and rollout
-    tokens per second. The module's own rollout bar (``rollout_progress``) shows below it while a
-    rollout runs. Counts steps up to ``trainer.max_steps`` across epochs when it is set, else
-    Lightning's per-epoch batches.
-    """
-
-    # Lightning's, with tqdm's own rate (``48.2s/it`` for GRPO steps, not ``0.02it/s``).
-    BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
-
-    # (label, logged metric, format)
-    SHOWN = (
-        ("reward", "reward/mean", "{:.3f}"),
-        ("acc", "reward/accuracy", "{:.2f}"),
-        ("len", "response/length_mean", "{:.0f}"),
-        ("accept", "rollout/accept_length", "{:.2f}"),
-        ("tok/s", "rollout/tokens_per_s", "{:.0f}"),
-    )
-
-    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, str]:
-        metrics = trainer.callback_metrics
-        shown = {label: fmt.format(float(metrics[key])) for label, key, fmt in self.SHOWN if key in metrics}
-        if "accept" in shown and float(metrics["rollout/accept_length"]) == 0:
-            shown["accept"] = "off"  # the metric is 0 when no speculative step ran (no drafter)
-        return shown
-
-    def on_train_epoch_start(self, trainer: Trainer, *args: Any) -> None:
-        if trainer.max_steps <= 0:  # no step budget: Lightning's per-epoch bar
-            super().on_train_epoch_start(trainer, *args)
-            return
-        bar = self.train_progress_bar
-        if bar.total != trainer.max_steps:  # first epoch of this fit: one bar for all of them
-            bar.reset(total=trainer.max_steps)
-            bar.n = trainer.global_step  # a resumed run starts where it left off
-            bar.set_description("step")
-            bar.refresh()
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if trainer.max_steps <= 0:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            return
-        bar = self.train_progress_bar
-        if not bar.disable:
-            bar.n = trainer.global_step
-            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes
 
 
 class SaveLastAtTrainEnd(Callback):
@@ -257,7 +119,7 @@ class TrackingSaveConfig(SaveConfigCallback):
 
 def _mlflow_logger_args(config: Any) -> list[Any]:
     """The ``init_args`` of every ``trainer.logger`` entry that is an ``MLFlowLogger`` class (Lightning's
-    or a subclass), not the :func:`tracking_logger` factory."""
+    or a subclass), not the :func:`~tlt_lightning.tracking.tracking_logger` factory."""
     loggers = config.get("trainer", {}).get("logger")
     found = []
     for entry in loggers if isinstance(loggers, list) else [loggers]:
@@ -275,11 +137,12 @@ def _mlflow_logger_args(config: Any) -> list[Any]:
 
 
 def _default_mlflow_store(config: Any) -> None:
-    """Point an ``MLFlowLogger`` given without ``tracking_uri`` at the store of :func:`tracking_logger`.
+    """Point an ``MLFlowLogger`` given without ``tracking_uri`` at the store of
+    :func:`~tlt_lightning.tracking.tracking_logger`.
 
     Lightning's own default is ``$MLFLOW_TRACKING_URI`` read when Lightning is imported, else the
     ``./mlruns`` file store, which MLflow 3 keeps in maintenance mode and refuses to open. So
-    ``--trainer.logger=MLFlowLogger`` logs to :data:`DEFAULT_TRACKING_URI` (made absolute; artifacts in
+    ``--trainer.logger=MLFlowLogger`` logs to ``DEFAULT_TRACKING_URI`` (made absolute; artifacts in
     ``mlartifacts/`` beside it), like the configs' factory; a ``tracking_uri`` given, or the environment
     variable, is kept.
     """
@@ -288,16 +151,16 @@ def _default_mlflow_store(config: Any) -> None:
             continue
         # Absolute: MLflow caches a store per URI string, and a relative one depends on the cwd.
         args.tracking_uri = canonical_tracking_uri(DEFAULT_TRACKING_URI)
-        args.artifact_location = _artifact_location(args.tracking_uri, args.get("artifact_location"))
-        if mlflow_available(args.tracking_uri):  # else Lightning says MLflow is missing when it builds it
-            prepare_store(args.tracking_uri, args.get("experiment_name"), args.artifact_location)
+        args.artifact_location = default_artifact_location(args.tracking_uri, args.get("artifact_location"))
+        # Without MLflow nothing is prepared: Lightning says MLflow is missing when it builds the logger.
+        prepare_logger_store(args.tracking_uri, args.get("experiment_name"), args.artifact_location)
 
 
 def _tracking_logger_args(config: Any) -> Any:
-    """The ``init_args`` of a ``trainer.logger`` that is :func:`tracking_logger`, else ``None``."""
+    """The ``init_args`` of a ``trainer.logger`` that is :func:`~tlt_lightning.tracking.tracking_logger`,
+    else ``None``."""
     logger = config.get("trainer", {}).get("logger")
-    name = f"{tracking_logger.__module__}.{tracking_logger.__qualname__}"
-    if getattr(logger, "class_path", None) == name:
+    if is_tracking_logger(getattr(logger, "class_path", None)):
         return logger.init_args
     return None
 
@@ -373,23 +236,20 @@ class GRPOCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand
         threads = config.get("threads")
         if threads is not None:
-            if threads < 1:
-                raise ValueError(f"threads must be an int >= 1, got {threads}")
+            check(threads >= 1, "threads", threads, "an int >= 1")
             torch.set_num_threads(threads)
         _default_mlflow_store(config)
         self._default_progress_bar(config.get("trainer") or {})
         logger = _tracking_logger_args(config)
-        if logger is not None and mlflow_available(logger.tracking_uri):
-            # Here, not inside the logger factory: jsonargparse would report a failure while it
-            # instantiates the logger as a config that "does not validate against" the logger type.
-            prepare_store(logger.tracking_uri, logger.experiment_name,
-                          _artifact_location(logger.tracking_uri, logger.artifact_location))
+        # The store is prepared here, not inside the logger factory: jsonargparse would report a failure
+        # while it instantiates the logger as a config that "does not validate against" the logger type.
+        if logger is not None and prepare_logger_store(logger.tracking_uri, logger.experiment_name,
+                                                       logger.artifact_location):
             if config.get("ckpt_path") and logger.get("run_id") is None:
                 logger.run_id = resumable_run_id(str(config.ckpt_path), logger.tracking_uri)
 
-
     def _default_progress_bar(self, trainer: Any) -> None:
-        """:class:`GRPOProgressBar` is the trainer's default bar: none with
+        """:class:`~tlt_lightning.callbacks.GRPOProgressBar` is the trainer's default bar: none with
         ``--trainer.enable_progress_bar=false``, nor beside a progress bar the config lists."""
         paths = [c.class_path.rpartition(".") for c in trainer.get("callbacks") or [] if c.get("class_path")]
         listed = [getattr(importlib.import_module(module), name) for module, _, name in paths]

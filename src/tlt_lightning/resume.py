@@ -27,6 +27,7 @@ import torch
 from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig
 from tlt_lightning.rl.tasks import TaskConfig
 from tlt_lightning.rollout import RolloutConfig
+from tlt_lightning.validation import check
 
 __all__ = [
     "HARMLESS_ON_RESUME",
@@ -144,8 +145,7 @@ def check_resume(
         ValueError: ``mode`` is not one of :data:`RESUME_OVERRIDES`, or it is ``"refuse"`` and a
             setting that changes the run differs; the message lists every one as ``model.key: old -> new``.
     """
-    if mode not in RESUME_OVERRIDES:
-        raise ValueError(f"resume_overrides must be one of {RESUME_OVERRIDES}, got {mode!r}")
+    check(mode in RESUME_OVERRIDES, "resume_overrides", mode, f"one of {RESUME_OVERRIDES}")
     conflicts = resume_conflicts(saved, current)
     blocking = {k: v for k, v in conflicts.items() if k not in HARMLESS_ON_RESUME}
     if mode == "refuse" and blocking:

@@ -55,7 +55,7 @@ def tiny_fit(root: Path, kind: str = "eagle1", spot: bool = True, steps: int = 2
 def fit_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fit")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("tlt_lightning.fit.mlflow_available", lambda uri=None: False)  # CSV: no store needed
+        mp.setattr("tlt_lightning.tracking.logger.mlflow_available", lambda uri=None: False)  # CSV: no store needed
         return tiny_fit(root)
 
 
@@ -106,7 +106,7 @@ def test_a_checkpoint_file_exports_the_same_and_a_re_export_replaces(fit_run, tm
 
 
 def test_an_eagle3_drafter_exports_with_the_trained_policy_head(tmp_path, monkeypatch):
-    monkeypatch.setattr("tlt_lightning.fit.mlflow_available", lambda uri=None: False)
+    monkeypatch.setattr("tlt_lightning.tracking.logger.mlflow_available", lambda uri=None: False)
     run = tiny_fit(tmp_path / "run", kind="eagle3")
     done = export_fit(run, tmp_path / "out", kind="eagle3")
     policy = AutoModelForCausalLM.from_pretrained(done.policy_dir, local_files_only=True)
@@ -131,7 +131,7 @@ def test_errors_name_the_problem(fit_run, tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit, match="takes one positional argument, OUT"):
         cli.main(["export-drafter", "--from-fit", str(fit_run), "a", "b"])
     # A run without a SpotDrafterCallback (and no drafter_path) has no drafter to pair with its policy.
-    monkeypatch.setattr("tlt_lightning.fit.mlflow_available", lambda uri=None: False)
+    monkeypatch.setattr("tlt_lightning.tracking.logger.mlflow_available", lambda uri=None: False)
     plain = tiny_fit(tmp_path / "plain", spot=False, steps=1)
     with pytest.raises(SystemExit, match=r"holds no trained drafter .*\(drafter_path is null\)"):
         cli.main(["export-drafter", "--from-fit", str(plain), str(tmp_path / "y")])

@@ -116,7 +116,7 @@ def test_overrides_follow_torchtune_syntax():
     ("trainer.max_stepz=3", "trainer: Trainer got an unexpected keyword argument 'max_stepz'"),
     ("model.num_layerz=3", r"model: llama3_2 got an unexpected keyword argument 'num_layerz'; allowed: \['vocab_size'"),
     ("checkpointer.checkpoint_dirr=x", "checkpointer: FullModelHFCheckpointer got an unexpected keyword argument"),
-    ("callbacks=[{_component_: tlt_lightning.fit.GRPOProgressBar, refresh: 2}]",
+    ("callbacks=[{_component_: tlt_lightning.callbacks.GRPOProgressBar, refresh: 2}]",
      r"callbacks\[0\]: GRPOProgressBar got an unexpected keyword argument 'refresh'"),
     ("nosection.x=1", r"unknown config sections \['nosection'\]; allowed: \['seed'"),
     ("modul=3", r"unknown config sections \['modul'\]"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,6 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
 
 from tests.rl.test_module import make_module, make_trainer
-from tlt_lightning import fit
 from tlt_lightning.callbacks import SpotDrafterCallback
 from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
 from tlt_lightning.tracking import (
@@ -21,6 +21,7 @@ from tlt_lightning.tracking import (
     load_drafter_from_mlflow,
     log_drafter_version,
     mlflow_drafter,
+    tracking_logger,
 )
 
 mlflow = pytest.importorskip("mlflow")
@@ -300,4 +301,5 @@ def test_drafter_model_name():
     with pytest.raises(ValueError, match=r"registered_model_name must be a non-empty string or None, got ''"):
         SpotDrafterCallback(registered_model_name="")
     # load_drafter_from_mlflow's default store is the one `tlt-lightning fit` writes to.
-    assert mlflow_drafter.DEFAULT_TRACKING_URI == fit.DEFAULT_TRACKING_URI
+    fit_store = inspect.signature(tracking_logger).parameters["tracking_uri"].default
+    assert mlflow_drafter.DEFAULT_TRACKING_URI == fit_store

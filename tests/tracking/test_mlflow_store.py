@@ -7,7 +7,7 @@ import multiprocessing
 import pytest
 
 from tests.helpers import run_at_once
-from tlt_lightning.fit import tracking_logger
+from tlt_lightning.tracking import tracking_logger
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError, prepare_store, sqlite_path
 
 mlflow = pytest.importorskip("mlflow")

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 
 from tlt_lightning.rl.tasks import TaskConfig
+from tlt_lightning.validation import is_int
 
 __all__ = ["TRL_EXTRA", "run_trl_grpo"]
 
@@ -79,10 +80,6 @@ def _import_trl() -> Any:
     return trl
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -99,7 +96,7 @@ def _validate(
     for name, value, low in (("steps", steps, 1), ("prompts_per_step", prompts_per_step, 1),
                              ("group_size", group_size, 2), ("max_new_tokens", max_new_tokens, 1),
                              ("seed", seed, 0)):
-        if not _is_int(value) or value < low:
+        if not is_int(value) or value < low:
             extra = " (GRPO needs 2 completions per prompt for an advantage)" if name == "group_size" else ""
             raise ValueError(f"{name} must be an int >= {low}{extra}, got {value!r}")
     if prompts_per_step > task.size:

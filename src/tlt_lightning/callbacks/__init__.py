@@ -1,7 +1,8 @@
-"""Lightning glue: thin callbacks over the drafter, scheduling and tracking objects."""
+"""Lightning glue: thin callbacks over the drafter, scheduling and tracking objects, and fit's progress bar."""
 
 from tlt_lightning.callbacks.bandit import BanditCallback
 from tlt_lightning.callbacks.drift import DrafterDriftProbe
+from tlt_lightning.callbacks.progress import GRPOProgressBar
 from tlt_lightning.callbacks.spot_drafter import SpotDrafterCallback
 
-__all__ = ["BanditCallback", "DrafterDriftProbe", "SpotDrafterCallback"]
+__all__ = ["BanditCallback", "DrafterDriftProbe", "GRPOProgressBar", "SpotDrafterCallback"]

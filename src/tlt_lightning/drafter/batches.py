@@ -13,7 +13,7 @@ import torch
 from tlt_lightning.drafter.config import DrafterConfig
 from tlt_lightning.rollout.types import Rollout
 
-__all__ = ["DrafterBatch", "LazyBatches", "make_batches", "unroll_mask"]
+__all__ = ["Chunk", "DrafterBatch", "LazyBatches", "make_batches", "split_rollout", "unroll_mask"]
 
 
 def unroll_mask(valid: torch.Tensor, step: int, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,8 +100,18 @@ Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """One sequence's samples ``(tokens [n], features [n, C, H], target_hidden [n, H], positions [n])``."""
 
 
-def _split(rollout: Rollout, index: int, config: DrafterConfig, max_len: int | None) -> list[Chunk]:
-    """The samples of one rollout as ``(tokens, features, target_hidden, positions)`` chunks."""
+def split_rollout(rollout: Rollout, index: int, config: DrafterConfig, max_len: int | None) -> list[Chunk]:
+    """The samples of one rollout as ``(tokens, features, target_hidden, positions)`` chunks.
+
+    Args:
+        rollout: one rollout with its target features (``RolloutConfig.feature_layers``).
+        index: its index among the rollouts, named in errors.
+        config: the drafter's config (its feature layers and hidden size).
+        max_len: the most samples per chunk; ``None``: one chunk.
+
+    Raises:
+        ValueError: the rollout has no features, or not the drafter's.
+    """
     feats = rollout.features
     if feats is None:
         raise ValueError(
@@ -218,7 +228,7 @@ def make_batches(
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if max_len is not None and (not isinstance(max_len, int) or max_len <= 0):
         raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
-    seqs = [chunk for i, r in enumerate(rollouts) for chunk in _split(r, i, config, max_len)]
+    seqs = [chunk for i, r in enumerate(rollouts) for chunk in split_rollout(r, i, config, max_len)]
     if shuffle:
         seqs = [seqs[i] for i in torch.randperm(len(seqs), generator=generator).tolist()]
     return LazyBatches([[[s] for s in seqs[i : i + batch_size]] for i in range(0, len(seqs), batch_size)])

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tlt_lightning.models.target import TargetModel, default_feature_layers
+from tlt_lightning.validation import check, positive_int
 
 __all__ = ["DRAFTER_KINDS", "SUPPORTED_MODEL_TYPES", "DrafterConfig"]
 
@@ -16,11 +17,6 @@ DRAFTER_KINDS = ("eagle1", "eagle3")
 # Target architectures whose decoder layer (and rotary embedding) the drafter reproduces.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 _HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -77,8 +73,7 @@ class DrafterConfig:
     feature_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in DRAFTER_KINDS:
-            raise ValueError(f"kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
+        check(self.kind in DRAFTER_KINDS, "kind", self.kind, f"one of {DRAFTER_KINDS}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {self.model_type!r} is not supported by the drafter; supported: {SUPPORTED_MODEL_TYPES}"
@@ -93,7 +88,7 @@ class DrafterConfig:
             "num_target_layers",
             "max_position_embeddings",
         ):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads must divide num_attention_heads ({self.num_attention_heads}), "
@@ -101,8 +96,7 @@ class DrafterConfig:
             )
         if not (isinstance(self.rms_norm_eps, (int, float)) and 0 < self.rms_norm_eps < 1):
             raise ValueError(f"rms_norm_eps must be a float in (0, 1), got {self.rms_norm_eps!r}")
-        if self.hidden_act not in _HIDDEN_ACTS:
-            raise ValueError(f"hidden_act must be one of {_HIDDEN_ACTS}, got {self.hidden_act!r}")
+        check(self.hidden_act in _HIDDEN_ACTS, "hidden_act", self.hidden_act, f"one of {_HIDDEN_ACTS}")
         rope = dict(self.rope_parameters or {})
         theta = rope.get("rope_theta")
         if not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
@@ -112,7 +106,7 @@ class DrafterConfig:
         object.__setattr__(self, "attention_bias", bool(self.attention_bias))
         object.__setattr__(self, "o_proj_bias", bool(self.o_proj_bias))
         if self.draft_vocab_size is not None:
-            _positive_int("draft_vocab_size", self.draft_vocab_size)
+            positive_int("draft_vocab_size", self.draft_vocab_size)
             if self.draft_vocab_size > self.vocab_size:
                 raise ValueError(
                     f"draft_vocab_size must be <= vocab_size ({self.vocab_size}) or None, got {self.draft_vocab_size}"

@@ -37,10 +37,11 @@ from tlt_lightning.drafter.eagle_format import (
     eagle_config,
 )
 from tlt_lightning.drafter.io import CONFIG_NAME as CHECKPOINT_CONFIG
-from tlt_lightning.drafter.io import _check_vocab, load_drafter, replace_directory
+from tlt_lightning.drafter.io import check_draft_vocab, load_drafter, replace_directory
 from tlt_lightning.drafter.model import Drafter
 from tlt_lightning.drafter.model_card import model_card
 from tlt_lightning.models.target import TargetModel
+from tlt_lightning.validation import check
 
 __all__ = [
     "ENGINES",
@@ -71,8 +72,7 @@ def _dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype
         return default
     if isinstance(dtype, str):
         names = {v: k for k, v in DTYPE_NAMES.items()}
-        if dtype not in names:
-            raise ValueError(f"dtype must be one of {sorted(names)}, got {dtype!r}")
+        check(dtype in names, "dtype", dtype, f"one of {sorted(names)}")
         return names[dtype]
     return dtype
 
@@ -273,7 +273,7 @@ def import_drafter(
     if config.reduced_vocab and "t2d" not in tensors and "d2t" in tensors:  # vLLM needs no t2d: some omit it
         ids = torch.arange(tensors["d2t"].numel()) + tensors["d2t"]
         tensors["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
-        if bool(((ids >= 0) & (ids < config.vocab_size)).all()):  # else _check_vocab names the problem
+        if bool(((ids >= 0) & (ids < config.vocab_size)).all()):  # else check_draft_vocab names the problem
             tensors["t2d"][ids] = True
     if not config.reduced_vocab and "d2t" in tensors:  # a full vocabulary written with identity offsets
         if bool(tensors["d2t"].any()):
@@ -294,7 +294,7 @@ def import_drafter(
         if tensors[key].shape != value.shape:
             raise ValueError(f"{export_dir}: {key} has shape {list(tensors[key].shape)}, expected {list(value.shape)}")
     if config.reduced_vocab:
-        _check_vocab(tensors["d2t"], tensors["t2d"], config, export_dir)
+        check_draft_vocab(tensors["d2t"], tensors["t2d"], config, export_dir)
     drafter.load_state_dict(tensors, strict=True)
     if check_head:
         shared = []

@@ -28,6 +28,7 @@ __all__ = [
     "CONFIG_NAME",
     "FORMAT_VERSION",
     "WEIGHTS_NAME",
+    "check_draft_vocab",
     "check_finite_tensors",
     "load_drafter",
     "read_drafter_config",
@@ -160,7 +161,7 @@ def load_drafter(
             )
     check_finite_tensors(tensors, path)
     if config.reduced_vocab:
-        _check_vocab(tensors["d2t"], tensors["t2d"], config, path)
+        check_draft_vocab(tensors["d2t"], tensors["t2d"], config, path)
     drafter.load_state_dict(tensors, strict=True)
     return drafter
 
@@ -182,8 +183,19 @@ def check_finite_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLi
             )
 
 
-def _check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, config: DrafterConfig, path: Path) -> None:
-    """``d2t`` must map the draft ids, in ascending order, onto exactly the ids ``t2d`` marks."""
+def check_draft_vocab(
+    d2t: torch.Tensor, t2d: torch.Tensor, config: DrafterConfig, path: str | os.PathLike
+) -> None:
+    """Refuse (``ValueError``) a reduced draft vocabulary whose two maps disagree.
+
+    ``d2t`` must map the draft ids, in ascending order, onto exactly the ids ``t2d`` marks.
+
+    Args:
+        d2t: ``[draft_vocab]`` int64 offsets, draft id ``i`` -> target id ``i + d2t[i]``.
+        t2d: ``[vocab_size]`` bool, the target ids in the draft vocabulary.
+        config: the drafter's config (``draft_vocab``, ``vocab_size``).
+        path: the file or directory the maps came from, named in the message.
+    """
     if d2t.dtype != torch.long or t2d.dtype != torch.bool:
         raise ValueError(f"{path}: d2t must be int64 and t2d bool, got {d2t.dtype} and {t2d.dtype}")
     ids = torch.arange(config.draft_vocab, device=d2t.device) + d2t

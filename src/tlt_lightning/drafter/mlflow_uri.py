@@ -28,6 +28,7 @@ __all__ = [
     "download_drafter",
     "import_mlflow",
     "is_mlflow_uri",
+    "quote_filter_value",
     "tracking_uri_or_default",
 ]
 
@@ -68,7 +69,8 @@ def _sqlite_missing(uri: str) -> Path | None:
     return None if path.is_file() else path
 
 
-def _quote(value: str) -> str:
+def quote_filter_value(value: str) -> str:
+    """``value`` quoted for an MLflow search filter (``name='...'``), in double quotes if it holds a ``'``."""
     return f'"{value}"' if "'" in value else f"'{value}'"
 
 
@@ -119,7 +121,8 @@ def _version_number(client: Any, name: str, ver: str | None, alias: str | None, 
             raise
         names = sorted(m.name for m in client.search_registered_models())
         raise ValueError(f"no registered model {name!r} in {uri}; registered models: {names or 'none'}") from err
-    versions = sorted(int(v.version) for v in client.search_model_versions(f"name={_quote(name)}"))
+    found = client.search_model_versions(f"name={quote_filter_value(name)}")
+    versions = sorted(int(v.version) for v in found)
     if alias is not None:
         if alias not in registered.aliases:
             raise ValueError(

@@ -17,20 +17,15 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from tlt_lightning.drafter.batches import DrafterBatch, LazyBatches, _split
+from tlt_lightning.drafter.batches import DrafterBatch, LazyBatches, split_rollout
 from tlt_lightning.drafter.config import DrafterConfig
 from tlt_lightning.rollout.types import Rollout
+from tlt_lightning.validation import positive_int
 
 __all__ = ["fill_ratio", "pack_batches", "pack_bins"]
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def pack_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -50,7 +45,7 @@ def pack_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
         >>> pack_bins([5, 3, 4, 2], budget=7)
         [[0, 3], [2, 1]]
     """
-    _positive_int("budget", budget)
+    positive_int("budget", budget)
     bad = [n for n in lengths if not 1 <= n <= budget]
     if bad:
         raise ValueError(f"lengths must lie in 1..budget={budget}, got {bad[:5]}")
@@ -103,9 +98,9 @@ def pack_batches(
         >>> # batches = pack_batches(buffer.sample(64, g), drafter.config, budget=512, rows=8)
         >>> # drafter_train_step(drafter, target, batches[0], optimizer)
     """
-    _positive_int("budget", budget)
-    _positive_int("rows", rows)
-    docs = [chunk for i, r in enumerate(rollouts) for chunk in _split(r, i, config, budget)]
+    positive_int("budget", budget)
+    positive_int("rows", rows)
+    docs = [chunk for i, r in enumerate(rollouts) for chunk in split_rollout(r, i, config, budget)]
     bins = pack_bins([d[0].shape[0] for d in docs], budget)
     if shuffle:
         bins = [bins[i] for i in torch.randperm(len(bins), generator=generator).tolist()]

@@ -49,6 +49,7 @@ from tlt_lightning.efficiency.activation_profile import (
     Gap,
     profile_blocks,
 )
+from tlt_lightning.validation import check, is_int
 
 __all__ = [
     "ActivationCheckpointHandle",
@@ -196,15 +197,13 @@ class DynamicActivationCheckpointing:
                 f"budget_fraction={self.budget_fraction!r}"
             )
         b = self.memory_budget
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
-            raise ValueError(f"memory_budget must be a positive int (bytes), got {b!r}")
+        check(b is None or (is_int(b) and b > 0), "memory_budget", b, "a positive int (bytes)")
         f = self.budget_fraction
         if f is not None and not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1):
             raise ValueError(f"budget_fraction must be a number in (0, 1], got {f!r}")
         for name in ("resolution", "repeats"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            check(is_int(v) and v >= 1, name, v, "an int >= 1")
 
     def budget_bytes(self, profile: ActivationCheckpointProfile) -> int:
         if self.memory_budget is not None:

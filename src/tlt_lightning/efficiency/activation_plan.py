@@ -14,6 +14,7 @@ import logging
 import math
 
 from tlt_lightning.efficiency.activation_profile import ActivationCheckpointPlan, ActivationCheckpointProfile
+from tlt_lightning.validation import check, is_int
 
 __all__ = ["plan_greedy", "plan_optimal", "plan_static"]
 
@@ -21,8 +22,8 @@ log = logging.getLogger(__name__)
 
 
 def _check_budget(profile: ActivationCheckpointProfile, memory_budget: int) -> None:
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0:
-        raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
+    budget = memory_budget
+    check(is_int(budget) and budget > 0, "memory_budget", budget, "a positive int (bytes)")
     if memory_budget < profile.min_peak_bytes:
         raise ValueError(
             f"memory_budget={memory_budget} bytes is below the minimum possible peak "
@@ -36,10 +37,8 @@ def plan_static(profile: ActivationCheckpointProfile | int, every: int = 2, offs
     Args:
         profile: a profile (for the predictions) or just the number of blocks (predictions 0).
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be an int >= 1, got {every!r}")
-    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < every:
-        raise ValueError(f"offset must be an int in [0, every={every}), got {offset!r}")
+    check(is_int(every) and every >= 1, "every", every, "an int >= 1")
+    check(is_int(offset) and 0 <= offset < every, "offset", offset, f"an int in [0, every={every})")
     n = profile if isinstance(profile, int) else len(profile)
     flags = [i % every == offset for i in range(n)]
     if isinstance(profile, int):
@@ -125,8 +124,7 @@ def plan_optimal(
     """
     _check_budget(profile, memory_budget)
     for name, value in (("resolution", resolution), ("max_states", max_states)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check(is_int(value) and value >= 1, name, value, "an int >= 1")
     try:
         mask = _knapsack(profile, memory_budget, 1, max_states)
     except _TooManyStates:

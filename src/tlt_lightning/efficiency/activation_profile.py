@@ -15,7 +15,6 @@ checkpointing and errs high (never low, in our tests) with it: recomputation sto
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from tlt_lightning.efficiency.memory import ActivationMemoryMeter
+from tlt_lightning.validation import check, is_int
 
 __all__ = ["ActivationCheckpointPlan", "ActivationCheckpointProfile", "BlockCost", "Gap", "profile_blocks"]
 
@@ -152,90 +152,146 @@ def profile_blocks(
         >>> len(profile), profile.max_peak_bytes > profile.min_peak_bytes
         (4, True)
     """
+    _check_blocks(blocks, repeats)
+    n = len(blocks)
+    recorder = _Recorder(n)
+    handles = []
+    for i, block in enumerate(blocks):
+        pre = block.register_forward_pre_hook(lambda m, a, k, i=i: recorder.pre(i, a, k), with_kwargs=True)
+        handles.append(pre)
+        handles.append(block.register_forward_hook(lambda m, a, o, i=i: recorder.post(i, o)))
+    runs: list[list[float]] = []
+    try:
+        measured = _metered_run(recorder, forward)
+        for _ in range(repeats):
+            recorder.reset(None)
+            with torch.enable_grad():
+                out = forward()
+                del out
+            recorder.check()
+            runs.append([t[0] for t in recorder.times])
+    finally:
+        for h in handles:
+            h.remove()
+    seconds = [statistics.median(r[i] for r in runs) for i in range(n)]
+    return _profile(measured, seconds)
+
+
+def _check_blocks(blocks: Sequence[nn.Module], repeats: int) -> None:
     if len(blocks) == 0:
         raise ValueError("blocks must hold at least one module, got none")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    check(is_int(repeats) and repeats >= 1, "repeats", repeats, "an int >= 1")
     patched = [i for i, b in enumerate(blocks) if "forward" in b.__dict__]
     if patched:
         raise ValueError(
             f"blocks {patched} have a patched forward (already checkpointed?): remove it before profiling"
         )
-    n = len(blocks)
-    meter: ActivationMemoryMeter | None = None
-    s: dict[str, Any] = {}  # per-run state shared by the hooks
 
-    def pre(i: int, args: Any, kwargs: Any) -> None:
-        if s["active"] is not None:
-            raise ValueError(f"blocks must not be nested: block {i} runs inside block {s['active']}")
-        s["active"], s["calls"][i] = i, s["calls"][i] + 1
-        s["order"].append(i)
+
+class _Measured(NamedTuple):
+    """What the metered run of :func:`profile_blocks` saw, per block (``costs``, ``inputs``, ``output_bytes``)
+    and per gap between blocks (``gaps``); ``transient``: the tensors made before a block and freed
+    before the forward ended."""
+
+    costs: list[tuple[int, int]]
+    inputs: list[set[Any]]
+    output_bytes: list[int]
+    gaps: list[Gap]
+    transient: list[Any]
+
+
+class _Recorder:
+    """The blocks' forward hooks: call counts, order and times of a run, and with a meter its bytes."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.reset(None)
+
+    def reset(self, meter: ActivationMemoryMeter | None) -> None:
+        """Start a run (metered when ``meter`` is given)."""
+        self.meter = meter
+        self.active: int | None = None
+        self.calls, self.times = [0] * self.n, [[] for _ in range(self.n)]
+        self.order: list[int] = []
+        self.gaps: list[Gap] = []
+        self.costs: list[tuple[int, int]] = []
+        self.inputs: list[set[Any]] = []
+        self.outputs: list[set[Any]] = []
+        self.level, self.mark, self.start = 0, 0, 0.0
+
+    def gap(self) -> None:
+        """Close the gap since the last block (metered runs)."""
+        meter = self.meter
+        self.gaps.append(Gap(meter.live_bytes - self.level, meter.peak_bytes - self.level))
+
+    def pre(self, i: int, args: Any, kwargs: Any) -> None:
+        if self.active is not None:
+            raise ValueError(f"blocks must not be nested: block {i} runs inside block {self.active}")
+        self.active, self.calls[i] = i, self.calls[i] + 1
+        self.order.append(i)
+        meter = self.meter
         if meter is not None:
-            s["gaps"].append(Gap(meter.live_bytes - s["level"], meter.peak_bytes - s["level"]))
-            s["level"], s["mark"] = meter.live_bytes, meter.sequence
+            self.gap()
+            self.level, self.mark = meter.live_bytes, meter.sequence
             inputs = (meter.identify(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-            s["inputs"].append({ident for ident in inputs if ident is not None})
+            self.inputs.append({ident for ident in inputs if ident is not None})
             meter.reset_peak()
-        s["start"] = time.perf_counter()
+        self.start = time.perf_counter()
 
-    def post(i: int, output: Any) -> None:
-        s["times"][i].append(time.perf_counter() - s["start"])
-        s["active"] = None
+    def post(self, i: int, output: Any) -> None:
+        self.times[i].append(time.perf_counter() - self.start)
+        self.active = None
+        meter = self.meter
         if meter is not None:
             outputs = (meter.identify(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor))
-            made = {o for o in outputs if o is not None and o[1] >= s["mark"]}
+            made = {o for o in outputs if o is not None and o[1] >= self.mark}
             for ident in made:
                 meter.watch(ident)
-            s["outputs"].append(made)
-            s["costs"].append((meter.live_bytes - s["level"], meter.peak_bytes - s["level"]))
-            s["level"] = meter.live_bytes
+            self.outputs.append(made)
+            self.costs.append((meter.live_bytes - self.level, meter.peak_bytes - self.level))
+            self.level = meter.live_bytes
             meter.reset_peak()
 
-    handles = []
-    for i, block in enumerate(blocks):
-        handles.append(block.register_forward_pre_hook(lambda m, a, k, i=i: pre(i, a, k), with_kwargs=True))
-        handles.append(block.register_forward_hook(lambda m, a, o, i=i: post(i, o)))
-    runs: list[list[float]] = []
-    try:
-        for run in range(repeats + 1):
-            meter = ActivationMemoryMeter() if run == 0 else None
-            s.update(active=None, calls=[0] * n, times=[[] for _ in range(n)], gaps=[], costs=[], inputs=[], outputs=[],
-                     order=[], level=0)
-            with torch.enable_grad():
-                with meter if meter is not None else contextlib.nullcontext():
-                    out = forward()  # held until measured: its graph is the memory kept for backward
-                if meter is not None:
-                    s["gaps"].append(Gap(meter.live_bytes - s["level"], meter.peak_bytes - s["level"]))
-                    measured = dict(s)
-                    # Outputs no later op reads (attention weights next to the attention output) are
-                    # dropped by the caller at once: a checkpointed block does not keep them.
-                    measured["output_bytes"] = [
-                        sum(o[2] for o in outs if meter.was_read(o)) for outs in s["outputs"]
-                    ]
-                    # Inputs made before a block and freed before the forward ended: a checkpoint keeps them.
-                    measured["transient"] = sorted(
-                        {ident for ins in s["inputs"] for ident in ins if not meter.is_alive(ident)}
-                    )
-                del out
-            bad = [i for i, c in enumerate(s["calls"]) if c != 1]
-            if bad:
-                raise ValueError(
-                    f"blocks must each run exactly once per forward; calls per block: {s['calls']} "
-                    f"(blocks {bad} differ)"
-                )
-            if s["order"] != list(range(n)):
-                raise ValueError(f"blocks must be listed in execution order; they ran in the order {s['order']}")
-            if run > 0:
-                runs.append([t[0] for t in s["times"]])
-    finally:
-        for h in handles:
-            h.remove()
-    seconds = [statistics.median(r[i] for r in runs) for i in range(n)]
-    transient = measured["transient"]
-    index = {ident: j for j, ident in enumerate(transient)}
+    def check(self) -> None:
+        """Every block ran exactly once, in the listed order (``ValueError`` otherwise)."""
+        bad = [i for i, c in enumerate(self.calls) if c != 1]
+        if bad:
+            raise ValueError(
+                f"blocks must each run exactly once per forward; calls per block: {self.calls} "
+                f"(blocks {bad} differ)"
+            )
+        if self.order != list(range(self.n)):
+            raise ValueError(f"blocks must be listed in execution order; they ran in the order {self.order}")
+
+
+def _metered_run(recorder: _Recorder, forward: Callable[[], Any]) -> _Measured:
+    """One run of ``forward`` under an :class:`ActivationMemoryMeter`: the bytes of every block and gap."""
+    meter = ActivationMemoryMeter()
+    recorder.reset(meter)
+    with torch.enable_grad():
+        with meter:
+            out = forward()  # held until measured: its graph is the memory kept for backward
+        recorder.gap()
+        measured = _Measured(
+            recorder.costs, recorder.inputs,
+            # Outputs no later op reads (attention weights next to the attention output) are
+            # dropped by the caller at once: a checkpointed block does not keep them.
+            [sum(o[2] for o in outs if meter.was_read(o)) for outs in recorder.outputs],
+            recorder.gaps,
+            # Inputs made before a block and freed before the forward ended: a checkpoint keeps them.
+            sorted({ident for ins in recorder.inputs for ident in ins if not meter.is_alive(ident)}),
+        )
+        del out
+    recorder.check()
+    return measured
+
+
+def _profile(measured: _Measured, seconds: list[float]) -> ActivationCheckpointProfile:
+    """The profile of the metered run's bytes and the timed runs' median ``seconds`` per block."""
+    index = {ident: j for j, ident in enumerate(measured.transient)}
     costs = []
-    for (held, peak), out, sec, ins in zip(measured["costs"], measured["output_bytes"], seconds, measured["inputs"]):
+    for (held, peak), out, sec, ins in zip(measured.costs, measured.output_bytes, seconds, measured.inputs):
         transient_ids = tuple(sorted(index[x] for x in ins if x in index))
         costs.append(BlockCost(held, min(out, held), max(peak, held), sec, transient_ids))
-    gaps = tuple(Gap(g.delta_bytes, max(g.peak_bytes, g.delta_bytes, 0)) for g in measured["gaps"])
-    return ActivationCheckpointProfile(tuple(costs), gaps, tuple(ident[2] for ident in transient))
+    gaps = tuple(Gap(g.delta_bytes, max(g.peak_bytes, g.delta_bytes, 0)) for g in measured.gaps)
+    return ActivationCheckpointProfile(tuple(costs), gaps, tuple(ident[2] for ident in measured.transient))

@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -26,6 +25,8 @@ from typing import Any, Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tlt_lightning.validation import check, is_int, is_number
 
 __all__ = [
     "DistillConfig",
@@ -38,10 +39,6 @@ __all__ = [
 ]
 
 HiddenLoss = Literal["mse", "cosine"]
-
-
-def _number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -72,7 +69,7 @@ def kd_kl_loss(
         >>> float(kd_kl_loss(z, z, temperature=2.0))
         0.0
     """
-    if not _number(temperature) or temperature <= 0:
+    if not is_number(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(
@@ -135,7 +132,7 @@ def proportional_layer_map(
     """
     out: dict[int, int] = {}
     for f in fractions:
-        if not _number(f) or not 0 < f <= 1:
+        if not is_number(f) or not 0 < f <= 1:
             raise ValueError(f"fractions must be numbers in (0, 1], got {f!r}")
         out[max(1, round(f * student_layers))] = max(1, round(f * teacher_layers))
     return out
@@ -181,15 +178,14 @@ class DistillConfig:
             object.__setattr__(self, "layer_map", dict(self.layer_map))
         object.__setattr__(self, "fractions", tuple(self.fractions))
         proportional_layer_map(1, 1, self.fractions)  # validates the fractions
-        if self.hidden_loss not in ("mse", "cosine"):
-            raise ValueError(f"hidden_loss must be 'mse' or 'cosine', got {self.hidden_loss!r}")
+        check(self.hidden_loss in ("mse", "cosine"), "hidden_loss", self.hidden_loss, "'mse' or 'cosine'")
         if not isinstance(self.normalize_hidden, bool):
             raise TypeError(f"normalize_hidden must be a bool, got {self.normalize_hidden!r}")
         for name in ("hidden_weight", "kl_weight"):
             value = getattr(self, name)
-            if not _number(value) or value < 0:
+            if not is_number(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not _number(self.temperature) or self.temperature <= 0:
+        if not is_number(self.temperature) or self.temperature <= 0:
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
 
     @classmethod
@@ -244,8 +240,7 @@ class HierarchicalDistillation(nn.Module):
             raise TypeError(f"config must be a DistillConfig, got {type(config).__name__}")
         for name, value in (("student_layers", student_layers), ("teacher_layers", teacher_layers),
                             ("student_width", student_width), ("teacher_width", teacher_width)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check(is_int(value) and value >= 1, name, value, "an int >= 1")
         self.config = config
         self.student_layers, self.teacher_layers = student_layers, teacher_layers
         mapping = config.layer_map
@@ -335,7 +330,7 @@ def distill_step(
     Returns:
         :class:`DistillLoss`; ``total`` includes the weighted CE.
     """
-    if not _number(ce_weight) or ce_weight < 0:
+    if not is_number(ce_weight) or ce_weight < 0:
         raise ValueError(f"ce_weight must be a finite number >= 0, got {ce_weight!r}")
     hidden = distill.needs_hidden_states
     with torch.no_grad():

@@ -39,6 +39,8 @@ from typing import Any
 
 from torch import nn
 
+from tlt_lightning.validation import check, is_int
+
 __all__ = ["DEFAULT_TARGETS", "DoraConfig", "apply_dora", "merge_dora"]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -80,8 +82,7 @@ class DoraConfig:
     trainable_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"rank must be an int >= 1, got {self.rank!r}")
+        check(is_int(self.rank) and self.rank >= 1, "rank", self.rank, "an int >= 1")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
             raise ValueError(f"alpha must be a positive number, got {self.alpha!r}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from tlt_lightning.validation import check, is_int
+
 __all__ = ["GroupLossScaler", "LayerwisePrecision", "PrecisionConfig", "PrecisionHandle"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,8 +73,7 @@ class PrecisionConfig:
     growth_interval: int = 200
 
     def __post_init__(self) -> None:
-        if self.compute_dtype not in _DTYPES:
-            raise ValueError(f"compute_dtype must be one of {sorted(_DTYPES)}, got {self.compute_dtype!r}")
+        check(self.compute_dtype in _DTYPES, "compute_dtype", self.compute_dtype, f"one of {sorted(_DTYPES)}")
         if not isinstance(self.groups, Mapping) or not self.groups:
             raise ValueError(f"groups must be a non-empty mapping of name -> patterns, got {self.groups!r}")
         groups = {}
@@ -91,8 +92,7 @@ class PrecisionConfig:
         if not (isinstance(self.backoff_factor, (int, float)) and 0 < self.backoff_factor < 1):
             raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
         g = self.growth_interval
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-            raise ValueError(f"growth_interval must be an int >= 1, got {g!r}")
+        check(is_int(g) and g >= 1, "growth_interval", g, "an int >= 1")
 
     @property
     def dtype(self) -> torch.dtype:

@@ -33,6 +33,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tlt_lightning.validation import check, is_int
+
 __all__ = ["Int4QATConfig", "convert_qat", "fake_quantized_modules", "prepare_qat", "quantize_ptq", "quantized_modules"]
 
 
@@ -68,10 +70,9 @@ class Int4QATConfig:
 
     def __post_init__(self) -> None:
         g = self.group_size
-        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
-            raise ValueError(f"group_size must be an int >= 1 or None (per output channel), got {g!r}")
-        if self.activations not in ("none", "int8"):
-            raise ValueError(f"activations must be 'none' or 'int8', got {self.activations!r}")
+        check(g is None or (is_int(g) and g >= 1), "group_size", g,
+              "an int >= 1 or None (per output channel)")
+        check(self.activations in ("none", "int8"), "activations", self.activations, "'none' or 'int8'")
         skip = (self.skip,) if isinstance(self.skip, str) else tuple(self.skip)
         if not all(isinstance(p, str) and p for p in skip):
             raise ValueError(f"skip must be non-empty module-name patterns, got {skip!r}")

@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Sampler
 
+from tlt_lightning.validation import check, is_int, is_number
+
 __all__ = [
     "ImportanceSampler",
     "ImportanceSamplerConfig",
@@ -51,10 +53,6 @@ __all__ = [
     "sample_without_replacement",
     "selection_probabilities",
 ]
-
-
-def _number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -83,15 +81,13 @@ class ImportanceSamplerConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
-        if not _number(self.candidate_factor) or self.candidate_factor < 1:
+        check(is_int(self.batch_size) and self.batch_size >= 1, "batch_size", self.batch_size, "an int >= 1")
+        if not is_number(self.candidate_factor) or self.candidate_factor < 1:
             raise ValueError(f"candidate_factor must be a finite number >= 1, got {self.candidate_factor!r}")
-        if not _number(self.temperature) or self.temperature <= 0:
+        if not is_number(self.temperature) or self.temperature <= 0:
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
         n = self.num_batches
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"num_batches must be an int >= 1 or None, got {n!r}")
+        check(n is None or (is_int(n) and n >= 1), "num_batches", n, "an int >= 1 or None")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
 
@@ -102,7 +98,7 @@ class ImportanceSamplerConfig:
 
 
 def _check_temperature(temperature: float) -> None:
-    if not _number(temperature) or temperature <= 0:
+    if not is_number(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
@@ -213,8 +209,8 @@ class LossScorer:
         self, model: nn.Module, dataset: Any, collate_fn: Callable[[list[Any]], Mapping[str, torch.Tensor]],
         chunk_size: int | None = None,
     ) -> None:
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
+        check(chunk_size is None or (is_int(chunk_size) and chunk_size >= 1), "chunk_size", chunk_size,
+              "an int >= 1 or None")
         self.model, self.dataset, self.collate_fn, self.chunk_size = model, dataset, collate_fn, chunk_size
 
     def losses(self, model: nn.Module, indices: Sequence[int]) -> torch.Tensor:

@@ -24,6 +24,7 @@ from tlt_lightning.drafter import DrafterLoss, evaluate_drafter, load_drafter, m
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.reports import machine_info, write_json
 from tlt_lightning.rollout import Rollout, load_rollouts
+from tlt_lightning.validation import check
 
 __all__ = ["run"]
 
@@ -32,8 +33,7 @@ COLUMNS = ("accept", "accept_step2", "accept_step3", "top1", "top1_step2", "top1
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, low in {"first": 0, "unroll": 1, "max_len": 1, "batch_size": 1}.items():
-        if getattr(args, name) < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+        check(getattr(args, name) >= low, f"--{name.replace('_', '-')}", getattr(args, name), f">= {low}")
     if not Path(args.rollouts).is_file():
         raise FileNotFoundError(f"--rollouts {args.rollouts}: no such file (make one with "
                                 "`drafter warmup --rollouts-cache`)")

@@ -32,6 +32,7 @@ from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.reports import machine_info, write_json
 from tlt_lightning.rl.tasks import task_prompts
 from tlt_lightning.rollout import Rollout, RolloutConfig, RolloutEngine, load_rollouts, save_rollouts
+from tlt_lightning.validation import check
 
 __all__ = ["collect_rollouts", "run"]
 
@@ -114,28 +115,31 @@ def plot(history: list[dict[str, float]], path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _check_args(args: argparse.Namespace) -> None:
     for name in ("prompts", "samples", "max_new_tokens", "steps", "batch_size", "rollout_batch"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.pack < 0:
-        raise ValueError(f"--pack must be >= 0 (0 = pad, no packing), got {args.pack}")
-    if args.save_every < 0:
-        raise ValueError(f"--save-every must be >= 0 (0 = save at the end only), got {args.save_every}")
-    loaded = load_model(args.model)
-    if loaded.tokenizer is None:
-        raise ValueError(f"--model {args.model!r} has no tokenizer: warm-up samples real task prompts")
-    target = HFTarget(loaded.model)
-    if args.init_from:
-        drafter = load_drafter(args.init_from, target, dtype=torch.float32)
-        config = drafter.config
-        if config.kind != args.kind:
-            raise ValueError(f"--init-from {args.init_from} is an {config.kind} drafter, but --kind is {args.kind}")
-    else:
+        check(getattr(args, name) >= 1, f"--{name.replace('_', '-')}", getattr(args, name), ">= 1")
+    check(args.pack >= 0, "--pack", args.pack, ">= 0 (0 = pad, no packing)")
+    check(args.save_every >= 0, "--save-every", args.save_every, ">= 0 (0 = save at the end only)")
+
+
+def _initial_drafter(args: argparse.Namespace, target: HFTarget) -> tuple[DrafterConfig, Drafter | None]:
+    """The drafter's config, with the drafter of ``--init-from`` (``None``: built after sampling)."""
+    if not args.init_from:
         config = DrafterConfig.from_target(target, kind=args.kind, draft_vocab_size=args.draft_vocab or None)
-    prompts = task_prompts(loaded.tokenizer, args.task, args.prompts, seed=args.seed)
-    prompts = [p for p in prompts for _ in range(args.samples)]
-    more = load_more_rollouts(args.more_rollouts, _cache_key(args, config))  # before sampling: fail fast
+        return config, None
+    drafter = load_drafter(args.init_from, target, dtype=torch.float32)
+    config = drafter.config
+    if config.kind != args.kind:
+        raise ValueError(
+            f"--init-from {args.init_from} is an {config.kind} drafter, but --kind is {args.kind}"
+        )
+    return config, drafter
+
+
+def _sample(
+    args: argparse.Namespace, target: HFTarget, config: DrafterConfig, prompts: list[list[int]]
+) -> tuple[list[Rollout], float]:
+    """The rollouts of ``prompts`` and the seconds they took: from ``--rollouts-cache``, completed there."""
     cache = Path(args.rollouts_cache) if args.rollouts_cache else None
     key = _cache_key(args, config)
     done, seconds, chunk = [], 0.0, args.rollout_batch
@@ -164,6 +168,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                None if cache is None else save_chunk)
         rollout_s += seconds
         del sampler, engine
+    return rollouts, rollout_s
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    _check_args(args)
+    loaded = load_model(args.model)
+    if loaded.tokenizer is None:
+        raise ValueError(f"--model {args.model!r} has no tokenizer: warm-up samples real task prompts")
+    target = HFTarget(loaded.model)
+    config, drafter = _initial_drafter(args, target)
+    prompts = task_prompts(loaded.tokenizer, args.task, args.prompts, seed=args.seed)
+    prompts = [p for p in prompts for _ in range(args.samples)]
+    more = load_more_rollouts(args.more_rollouts, _cache_key(args, config))  # before sampling: fail fast
+    rollouts, rollout_s = _sample(args, target, config, prompts)
     lacking = sum(r.features is None for r in rollouts + more)
     if lacking:  # read from tokens-only files
         print(f"[drafter warmup] recomputing target features of {lacking} stored rollouts ...", flush=True)
@@ -173,7 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     train, valid = rollouts[held_out:] + more, rollouts[:held_out]
 
     counts = torch.bincount(torch.cat([r.token_ids for r in train]), minlength=target.info.vocab_size)
-    if not args.init_from:
+    if drafter is None:
         drafter = Drafter(config, target, token_counts=counts if config.reduced_vocab else None)
     loss_cfg = DrafterLoss.for_kind(args.kind, unroll_steps=args.unroll, accept_weight=args.accept_weight)
     valid_batches = make_batches(valid, config, args.batch_size, shuffle=False, max_len=args.max_len)

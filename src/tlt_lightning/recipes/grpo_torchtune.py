@@ -18,7 +18,7 @@ arguments, built with ``torchtune.config.instantiate``. Top-level sections:
 ``tokenizer``    a tokenizer component (``null``: the checkpoint directory's transformers tokenizer)
 ``prompt_source`` component handed to the module as ``prompt_source`` (``null``: the task's)
 ``module``       the LightningModule (with ``model``: a ``TorchtuneGRPOModule``)
-``logger``       component, e.g. ``tlt_lightning.fit.tracking_logger`` (``null``: no logger)
+``logger``       component, e.g. ``tlt_lightning.tracking.tracking_logger`` (``null``: no logger)
 ``callbacks``    list of components
 ``trainer``      ``lightning.pytorch.Trainer``
 ``ckpt_path``    checkpoint to resume from (``null``: a fresh run)
@@ -57,9 +57,12 @@ import lightning as L
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from tlt_lightning.drafter.mlflow_uri import DEFAULT_TRACKING_URI
 from tlt_lightning.models.hardware import training_precision
+from tlt_lightning.tracking.logger import is_tracking_logger
 from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, resumable_run_id
 from tlt_lightning.tracking.run_directory import run_dir, save_run_config
+from tlt_lightning.validation import check
 
 try:  # torchtune.config.parse's own parser and merge, validate's errors
     from omegaconf import DictConfig, OmegaConf
@@ -73,7 +76,8 @@ except ImportError as err:  # the optional extra is not installed
         f"(torchtune==0.6.1, torchao==0.15.0); the import failed with: {err}"
     ) from err
 
-__all__ = ["SECTIONS", "RecipeConfigLogger", "build_module", "check_config", "load_config", "recipe_main", "run"]
+__all__ = ["SECTIONS", "RecipeConfigLogger", "build_module", "check_config", "load_config", "recipe_main", "run",
+           "run_command"]
 
 SECTIONS = ("seed", "threads", "output_dir", "model", "checkpointer", "tokenizer", "prompt_source", "module",
             "logger", "callbacks", "trainer", "ckpt_path")
@@ -222,18 +226,18 @@ def build_module(cfg: DictConfig) -> LightningModule:
 
 def run(cfg: DictConfig) -> tuple[Trainer, LightningModule]:
     """Build everything ``cfg`` names and fit; returns ``(trainer, module)``."""
-    from tlt_lightning.fit import DEFAULT_TRACKING_URI, SaveLastAtTrainEnd, tracking_logger
+    from tlt_lightning.fit import SaveLastAtTrainEnd
 
     plain = check_config(cfg)
     if plain.get("threads") is not None:
-        if not isinstance(plain["threads"], int) or plain["threads"] < 1:
-            raise ValueError(f"threads must be an int >= 1 or null, got {plain['threads']!r}")
+        threads = plain["threads"]
+        check(isinstance(threads, int) and threads >= 1, "threads", threads, "an int >= 1 or null")
         torch.set_num_threads(plain["threads"])
     L.seed_everything(plain.get("seed", 0))
     module = build_module(cfg)
     logger_node = plain.get("logger") if _enabled(plain.get("logger")) else None
     if logger_node and plain.get("ckpt_path") and logger_node.get("run_id") is None:
-        if logger_node["_component_"] == f"{tracking_logger.__module__}.{tracking_logger.__name__}":
+        if is_tracking_logger(logger_node["_component_"]):
             # As `fit --ckpt_path`: continue the MLflow run the checkpoint was saved from.
             uri = logger_node.get("tracking_uri", DEFAULT_TRACKING_URI)
             logger_node = {**logger_node, "run_id": resumable_run_id(plain["ckpt_path"], uri)}
@@ -246,6 +250,18 @@ def run(cfg: DictConfig) -> tuple[Trainer, LightningModule]:
     trainer = config.instantiate(cfg.trainer, logger=logger, callbacks=callbacks, **precision)
     trainer.fit(module, ckpt_path=plain.get("ckpt_path"))
     return trainer, module
+
+
+def run_command(args: Any) -> None:
+    """``tlt-lightning torchtune --config CFG [key=value ...]``: ``args.config`` and ``args.overrides``.
+
+    A misspelt key or a bad override ends the command with one line (``SystemExit``) before anything loads.
+    """
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ValueError as err:
+        raise SystemExit(f"torchtune: {err}") from err
+    run(cfg)
 
 
 @config.parse

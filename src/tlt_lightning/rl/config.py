@@ -28,20 +28,11 @@ from typing import Any, TypeVar
 
 from tlt_lightning.drafter.config import DRAFTER_KINDS
 from tlt_lightning.rl.grpo import AGGREGATIONS
+from tlt_lightning.validation import check, is_int
 
 __all__ = ["OptimConfig", "SpeculativeConfig", "as_config"]
 
 C = TypeVar("C")
-
-
-def check(condition: bool, name: str, value: Any, allowed: str) -> None:
-    """Raise ``ValueError("<name> must be <allowed>, got <value>")`` unless ``condition``."""
-    if not condition:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def as_config(value: C | Mapping[str, Any] | None, cls: type[C], name: str) -> C:

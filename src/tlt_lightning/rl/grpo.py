@@ -19,6 +19,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from tlt_lightning.validation import check, is_int
+
 __all__ = ["AGGREGATIONS", "Aggregation", "GRPOLossOutput", "group_advantages", "grpo_loss", "token_logprobs"]
 
 Aggregation = Literal["token", "sequence"]
@@ -49,8 +51,7 @@ def group_advantages(
         >>> group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), group_size=2)
         tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
     """
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    check(is_int(group_size) and group_size >= 1, "group_size", group_size, "an int >= 1")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [P * G], got shape {list(rewards.shape)}")
     if rewards.numel() % group_size:
@@ -189,8 +190,7 @@ def grpo_loss(
             raise ValueError(f"{name} must have the shape of logprobs {list(shape)}, got {list(t.shape)}")
     if advantages.shape != shape[:1]:
         raise ValueError(f"advantages must be [B] = [{shape[0]}], got shape {list(advantages.shape)}")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    check(aggregation in AGGREGATIONS, "aggregation", aggregation, f"one of {AGGREGATIONS}")
     if not 0 <= clip_eps < 1:
         raise ValueError(f"clip_eps must be in [0, 1), got {clip_eps!r}")
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high

@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from typing import Literal, NamedTuple
 
+from tlt_lightning.validation import check
+
 __all__ = [
     "ANSWER_KINDS",
     "EXPLICIT_SOURCES",
@@ -131,8 +133,7 @@ def find_answer(completion: str, kind: AnswerKind = "number") -> Extraction | No
         >>> find_answer("2 + -1 = 3.")
         Extraction(answer='3', source='equals')
     """
-    if kind not in ANSWER_KINDS:
-        raise ValueError(f"kind must be one of {ANSWER_KINDS}, got {kind!r}")
+    check(kind in ANSWER_KINDS, "kind", kind, f"one of {ANSWER_KINDS}")
     text = _normalise(completion)
     tags = _TAG_RE.findall(text)
     if tags:

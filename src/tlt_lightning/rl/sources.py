@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from tlt_lightning.rl.tasks import Reward, TaskDataset
+from tlt_lightning.validation import check, is_int
 
 __all__ = [
     "SYNTHETIC_REWARDS",
@@ -192,12 +193,10 @@ class SyntheticPromptSource(TokenPromptSource):
         self, reward: str = "even", num_prompts: int = 16, prompt_length: int = 4, vocab_size: int = 128,
         seed: int = 0,
     ) -> None:
-        if reward not in SYNTHETIC_REWARDS:
-            raise ValueError(f"reward must be one of {sorted(SYNTHETIC_REWARDS)}, got {reward!r}")
+        check(reward in SYNTHETIC_REWARDS, "reward", reward, f"one of {sorted(SYNTHETIC_REWARDS)}")
         for name, value, low in (("num_prompts", num_prompts, 1), ("prompt_length", prompt_length, 1),
                                  ("vocab_size", vocab_size, _FIRST_SYNTHETIC_ID + 1), ("seed", seed, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+            check(is_int(value) and value >= low, name, value, f"an int >= {low}")
         generator = torch.Generator().manual_seed(seed)
         shape = (num_prompts, prompt_length)
         prompts = torch.randint(_FIRST_SYNTHETIC_ID, vocab_size, shape, generator=generator)

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from tlt_lightning.rl.rewards import EXPLICIT_SOURCES, AnswerKind, find_answer
+from tlt_lightning.validation import check
 
 __all__ = [
     "ANSWER_DESCRIPTIONS",
@@ -132,8 +133,7 @@ class TaskConfig:
     format_weight: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.name not in SUPPORTED_TASKS:
-            raise ValueError(f"name must be one of {sorted(SUPPORTED_TASKS)}, got {self.name!r}")
+        check(self.name in SUPPORTED_TASKS, "name", self.name, f"one of {sorted(SUPPORTED_TASKS)}")
         for name in ("size", "seed"):
             value, low = getattr(self, name), 1 if name == "size" else 0
             if isinstance(value, bool) or not isinstance(value, int):

@@ -41,11 +41,12 @@ import torch
 from tlt_lightning.drafter.io import CONFIG_NAME, WEIGHTS_NAME, load_drafter
 from tlt_lightning.drafter.mlflow_uri import (
     DEFAULT_TRACKING_URI,
-    _quote,
     download_drafter,
     import_mlflow,
+    quote_filter_value,
 )
 from tlt_lightning.tracking.mlflow_pyfunc import save_drafter_model
+from tlt_lightning.validation import check, is_int
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -101,6 +102,38 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _kind_and_vocab(directory: Path) -> tuple[str, int]:
+    """The drafter kind and draft vocabulary size of a checkpoint directory (``ValueError`` if it is none)."""
+    missing = [f for f in (WEIGHTS_NAME, CONFIG_NAME) if not (directory / f).is_file()]
+    if missing:
+        raise ValueError(f"{directory} is not a drafter checkpoint: {', '.join(missing)} not found")
+    try:
+        config = json.loads((directory / CONFIG_NAME).read_text())["config"]
+        return config["kind"], config.get("draft_vocab_size") or config["vocab_size"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{directory / CONFIG_NAME} is not a drafter config: {err!r}") from err
+
+
+def _ensure_registered_model(client: MlflowClient, name: str) -> None:
+    """Create the registered model ``name`` (with its description) unless it exists."""
+    mlflow = import_mlflow()
+    try:
+        client.get_registered_model(name)
+    except mlflow.exceptions.MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        try:
+            client.create_registered_model(
+                name, tags={"library": "tlt_lightning"}, description=_DESCRIPTION.format(name=name)
+            )
+        except mlflow.exceptions.MlflowException as exists:
+            # Another fit on the same store created it since we looked (both registering their
+            # first drafter at once): use it. Anything else (e.g. a prompt of that name) is raised.
+            if exists.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            client.get_registered_model(name)
+
+
 def log_drafter_version(
     client: MlflowClient,
     run_id: str,
@@ -137,47 +170,25 @@ def log_drafter_version(
         ValueError: ``checkpoint_dir`` is not a drafter checkpoint, or a bad ``rl_step`` / ``name``.
         ModuleNotFoundError: MLflow is not installed (the ``mlflow`` extra).
     """
-    if isinstance(rl_step, bool) or not isinstance(rl_step, int) or rl_step < 0:
-        raise ValueError(f"rl_step must be an int >= 0, got {rl_step!r}")
+    check(is_int(rl_step) and rl_step >= 0, "rl_step", rl_step, "an int >= 0")
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"name must be a non-empty registered-model name, got {name!r}")
     directory = Path(checkpoint_dir)
-    missing = [f for f in (WEIGHTS_NAME, CONFIG_NAME) if not (directory / f).is_file()]
-    if missing:
-        raise ValueError(f"{directory} is not a drafter checkpoint: {', '.join(missing)} not found")
-    try:
-        config = json.loads((directory / CONFIG_NAME).read_text())["config"]
-        kind, vocab = config["kind"], config.get("draft_vocab_size") or config["vocab_size"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"{directory / CONFIG_NAME} is not a drafter config: {err!r}") from err
-    mlflow = import_mlflow()
+    kind, vocab = _kind_and_vocab(directory)
+    import_mlflow()  # ModuleNotFoundError naming the extra, before anything is searched or logged
     artifact_path = f"{DRAFTER_ARTIFACT_PATH}/step-{rl_step:08d}"
     digest = _sha256(directory / WEIGHTS_NAME)
     # The same checkpoint registered before (a resumed fit saving its restored step again, a retry):
     # that version, not a duplicate.
     same = client.search_model_versions(
-        f"name={_quote(name)} and tags.rl_step = '{rl_step}' and tags.sha256 = '{digest}'"
+        f"name={quote_filter_value(name)} and tags.rl_step = '{rl_step}' and tags.sha256 = '{digest}'"
     )
     if same:
         return min(same, key=lambda v: int(v.version))
     with tempfile.TemporaryDirectory(prefix="tlt-drafter-model-") as tmp:
         model = save_drafter_model(directory, Path(tmp) / "model", target_model=target_model, rl_step=rl_step)
         client.log_artifacts(run_id, str(model), artifact_path)
-    try:
-        client.get_registered_model(name)
-    except mlflow.exceptions.MlflowException as err:
-        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
-            raise
-        try:
-            client.create_registered_model(
-                name, tags={"library": "tlt_lightning"}, description=_DESCRIPTION.format(name=name)
-            )
-        except mlflow.exceptions.MlflowException as exists:
-            # Another fit on the same store created it since we looked (both registering their
-            # first drafter at once): use it. Anything else (e.g. a prompt of that name) is raised.
-            if exists.error_code != "RESOURCE_ALREADY_EXISTS":
-                raise
-            client.get_registered_model(name)
+    _ensure_registered_model(client, name)
     return client.create_model_version(
         name,
         source=f"runs:/{run_id}/{artifact_path}",

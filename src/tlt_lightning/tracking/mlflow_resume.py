@@ -4,7 +4,7 @@
   URI) into every Lightning checkpoint, under the key ``"mlflow_run"``.
 * :func:`mlflow_run_in_checkpoint` reads it back from a checkpoint file, before anything is built;
   :func:`resumable_run_id` checks that the run is in the store the resumed fit logs to
-  (``tlt-lightning fit --ckpt_path`` passes it to :func:`~tlt_lightning.fit.tracking_logger`).
+  (``tlt-lightning fit --ckpt_path`` passes it to :func:`~tlt_lightning.tracking.tracking_logger`).
 * :class:`ResumableMLFlowLogger` continues that run: marked ``RUNNING`` again when opened (a run
   whose process was killed stays ``RUNNING`` or ``FAILED`` until then; Lightning marks it
   ``FINISHED`` at the end of the resumed fit), parameters already logged are not logged again, and

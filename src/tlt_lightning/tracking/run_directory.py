@@ -56,7 +56,7 @@ def run_dir(trainer: L.Trainer) -> Path:
     """The run's own output directory (created), resolved once per trainer.
 
     With a logger it is the directory Lightning's ``ModelCheckpoint`` writes ``checkpoints/`` into:
-    for :func:`~tlt_lightning.fit.tracking_logger` on a database store
+    for :func:`~tlt_lightning.tracking.tracking_logger` on a database store
     ``<default_root_dir>/<experiment id>/<run id>/``, for a CSV logger its ``log_dir``. Without a
     logger, ``<default_root_dir>/version_<N>/`` with a fresh ``N`` (two runs started at once get
     two directories).

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from tlt_lightning.rollout.types import RolloutConfig, RolloutResult, RolloutStats
+from tlt_lightning.validation import check, is_int
 from tlt_lightning.vllm.convert import (
     SpecCounters,
     TargetLimits,
@@ -141,14 +142,11 @@ class VLLMBackendConfig:
             raise ValueError(f"method={self.method!r} needs a drafter export directory, got drafter=None")
         for name in ("num_speculative_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check(is_int(value) and value >= 1, name, value, "an int >= 1")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
+        check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {sorted(DTYPES)}")
+        check(self.device in DEVICES, "device", self.device, f"one of {list(DEVICES)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 

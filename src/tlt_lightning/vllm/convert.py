@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tlt_lightning.rollout.types import Rollout, RolloutConfig, validate_prompts
+from tlt_lightning.validation import positive_int
 
 __all__ = [
     "SAMPLING_EPS",
@@ -59,9 +60,7 @@ class TargetLimits:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_model_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            positive_int(name, getattr(self, name))
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
 
     @classmethod

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from tlt_lightning.validation import check
+
 __all__ = [
     "LOAD_FILE",
     "LOAD_TENSORS",
@@ -107,8 +109,7 @@ def component_model(runner: Any, component: str) -> nn.Module:
     ``runner.speculator`` (the second-generation runner); both keep the model at ``.model``. These
     are vLLM internals that have moved between releases, hence the two spellings in one place.
     """
-    if component not in COMPONENTS:
-        raise ValueError(f"component must be one of {COMPONENTS}, got {component!r}")
+    check(component in COMPONENTS, "component", component, f"one of {COMPONENTS}")
     if component == "target":
         get = getattr(runner, "get_model", None)
         return _unwrap(get() if callable(get) else runner.model)

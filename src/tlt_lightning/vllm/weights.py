@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tlt_lightning.validation import check
 from tlt_lightning.vllm.transport import FileTransport, WeightList, WeightTransport
 
 __all__ = [
@@ -153,8 +154,7 @@ class DrafterSpec:
     d2t: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("eagle1", "eagle3"):
-            raise ValueError(f"kind must be 'eagle1' or 'eagle3', got {self.kind!r}")
+        check(self.kind in ("eagle1", "eagle3"), "kind", self.kind, "'eagle1' or 'eagle3'")
 
     @classmethod
     def from_export(cls, directory: str | os.PathLike) -> DrafterSpec:
