@@ -290,7 +290,8 @@ def test_calls_skip_guards_only_into_graphs_compiled_for_their_inputs(tiny_llama
 
 
 def skip_guards_warning(problem: str) -> str:
-    return (f"CompileConfig.skip_guards needs {guards.DEBUG_API}, which {problem} under torch {torch.__version__}; "
+    return (f"CompileConfig.skip_guards needs {guards.DEBUG_API}, which {problem} "
+            f"under torch {torch.__version__}; "
             "compiled graphs keep dynamo's guards (same results, slower calls)")
 
 
@@ -350,7 +351,7 @@ def test_layer_views_are_made_once_per_cache(tiny_llama, monkeypatch):
     [
         ({"batch_buckets": ()}, r"batch_buckets must be a non-empty, strictly increasing tuple of positive ints, got \(\)"),
         ({"batch_buckets": (4, 2)}, r"batch_buckets must be .* got \(4, 2\)"),
-        ({"query_buckets": (1, 128)}, r"query_buckets must be buckets of at most 64 queries .* got \(1, 128\)"),
+        ({"query_buckets": (1, 128)}, r"query_buckets must be buckets of at most 64 queries .*, got \(1, 128\)"),
         ({"kv_step": 0}, "kv_step must be a positive int, got 0"),
         ({"all_slots_ratio": -1.0}, r"all_slots_ratio must be >= 0 \(0: never read all slots\), got -1.0"),
         ({"mode": "fast"}, r"mode must be None or one of \('default', 'reduce-overhead'"),

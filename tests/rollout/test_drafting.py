@@ -13,7 +13,8 @@ from tlt_lightning.speculative import SamplingParams, sampling_probs
 
 def test_drafters_implement_the_draft_model_protocol(tiny_llama):
     """The library's drafter and the tests' oracle (the target drafting for itself) are both DraftModels."""
-    assert isinstance(Drafter(DrafterConfig.from_target(tiny_llama, draft_vocab_size=96), tiny_llama), DraftModel)
+    drafter = Drafter(DrafterConfig.from_target(tiny_llama, draft_vocab_size=96), tiny_llama)
+    assert isinstance(drafter, DraftModel)
     assert isinstance(OracleDrafter(tiny_llama), DraftModel)
     assert not isinstance(SimpleNamespace(config=None, weight_layout="out_in"), DraftModel)
 
