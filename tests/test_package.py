@@ -144,7 +144,7 @@ PUBLIC_API = {
         "ModelNotFoundError", "TargetInfo", "TargetModel", "TargetOutput", "available_models",
         "load_model", "load_tokenizer", "model_dir", "models_with_signature", "resolve_dtype",
         "set_weight_layout", "training_precision", "TorchtuneTarget", "torchtune_from_hf"},
-    "rollout": {"Rollout", "RolloutBackend", "RolloutConfig", "RolloutEngine", "RolloutResult",
+    "rollout": {"DraftModel", "Rollout", "RolloutBackend", "RolloutConfig", "RolloutEngine", "RolloutResult",
         "RolloutStats", "SpeculativeRolloutLoop", "SpeculativeStep", "load_rollouts", "save_rollouts"},
     "drafter": {"DRAFTER_KINDS", "AsyncCheckpointer", "BufferConfig", "CheckpointInfo", "Drafter",
         "DrafterConfig", "DrafterLease", "DrafterLoss", "DrafterPublisher", "DrafterSample",
