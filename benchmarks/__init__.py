@@ -1,0 +1,1 @@
+"""Benchmarks behind `python -m benchmarks ...`: each writes JSON and a PNG."""
