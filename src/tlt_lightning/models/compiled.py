@@ -8,7 +8,7 @@ slots pads its queries to the smallest query bucket ``>= q`` (:class:`CompileCon
   dimensions, so one graph per query bucket serves every batch size and length (plus one for a
   single row, which ``torch.compile`` specialises), rows are not padded and attention reads exactly
   the cached keys (all of the cache's slots where that is cheaper: :attr:`CompileConfig.all_slots_ratio`).
-  Measured side by side on SmolLM2 (bf16, one AMD Zen 5 core, ``scripts/compiled_steps.py``,
+  Measured side by side on SmolLM2 (bf16, one AMD Zen 5 core, ``benchmarks/compiled_steps.py``,
   ``docs/results/compiled_steps_zen5.json``), static against dynamic graphs with the CPU defaults:
   48 rows over 300 keys 238 against 81 ms (the static bucket: 64 rows, 512 keys), 32 rows over 280
   keys 94.6 against 50.4 ms, over 200 keys 64.0 against 49.1 ms, 8 rows of 4 queries 40.5 against 37.2.
@@ -26,7 +26,7 @@ padded key slots masked out, and padded queries attend slot 0 so they stay finit
 On a CPU the linears multiply by oneDNN-packed copies of the weights (:class:`PackedWeight`, what
 the ``"packed"`` layout uses) through :func:`packed_linear`, an op Inductor keeps as it is; the packed
 copies are graph *inputs*, remade when a weight changes in place (an RL update), so graphs never
-freeze weights. Measured (``scripts/decode_paths.py``): compiling pays on a CPU only with packed
+freeze weights. Measured (``benchmarks/decode_paths.py``): compiling pays on a CPU only with packed
 weights. One exception: in bf16 a graph of one row of one token (batch-1 decode) multiplies by the
 plain weights as an Inductor reduction (:func:`row_gemv`), which streams them faster than oneDNN's
 bf16 product for one row on the Zen 4 measured (that product is a matrix-vector one there,
@@ -160,7 +160,7 @@ class CompileConfig:
             (the unused ones masked) when ``S`` is at most this many times the ``kv_len`` keys a forward
             needs (0: never). On a CPU ``torch.bmm`` copies a batch of ``kv_len``-slot slices of the
             cache before multiplying (read, write, read again), while all slots are one contiguous
-            block per row (``scripts/compiled_steps.py``).
+            block per row (``benchmarks/compiled_steps.py``).
         merged_projections: with ``packed_weights``, each layer's q/k/v projections are one product, and
             its gate and up projections another, by a packed copy of their stacked weights (where their
             biases are alike): 7 products a layer become 4, 1.2x faster linears at 8 and 32 rows of
@@ -171,7 +171,7 @@ class CompileConfig:
             :func:`tlt_lightning.kernels.decode_attention` (built on first use; where it does not build,
             as ``matmul_attention`` says). Whole SmolLM2 steps against the batched products over all slots,
             one Zen 5 core: 1.12x at one row, 1.26x at 8 rows, 1.39x at 32 over 280 keys, 1.18x for 4 rows
-            of 4 queries (``scripts/compiled_steps.py``).
+            of 4 queries (``benchmarks/compiled_steps.py``).
         dynamic: rows and key slots as dynamic dimensions of the graphs: one graph per query bucket
             (and one for a single row), no padded rows, attention reads exactly the cached keys.
             ``None``: on unless the graphs are CUDA graphs (they need static shapes).
