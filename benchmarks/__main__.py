@@ -103,7 +103,8 @@ def main(argv: Sequence[str] | None = None, short_errors: bool | None = None) ->
         short_errors = argv is None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may wait on a hub download
     args = parse(sys.argv[1:] if argv is None else argv)
-    wants_traceback = args.traceback or os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    from_env = os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    wants_traceback = args.traceback or from_env
     if not short_errors or wants_traceback:
         return _run(args)
     try:

@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from tlt_lightning.reports import new_figure
-from tlt_lightning.scheduling import BEGMABStrategy, BucketedStrategy, FixedStrategy, SimulatedSDEnvironment, UCBStrategy
+from tlt_lightning.scheduling import (
+    BEGMABStrategy,
+    BucketedStrategy,
+    FixedStrategy,
+    SimulatedSDEnvironment,
+    UCBStrategy,
+)
 from tlt_lightning.scheduling.bucketed import default_arms
 from tlt_lightning.scheduling.heatmap import draw_heatmaps
 from tlt_lightning.scheduling.simulate import run_strategy

@@ -1,4 +1,4 @@
-"""The options of every benchmark, as ``tlt-lightning bench NAME`` took them; torch-free, so ``--help`` is quick.
+"""The options of every benchmark, as ``tlt-lightning bench NAME`` took them; torch-free (quick ``--help``).
 
 One builder per benchmark adds its options to a :class:`tlt_lightning.cli_options.Parser`
 (:mod:`benchmarks.__main__` builds the parser); ``BENCHMARKS`` lists name, help and builder.
@@ -228,7 +228,8 @@ def bench_layout(p: ArgumentParser) -> None:
 def bench_peers(p: ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="both engines")
-    p.add_argument("--weight-layout", default="packed", help="our engine's weight layout (see `python -m benchmarks layout`)")
+    p.add_argument("--weight-layout", default="packed",
+                   help="our engine's weight layout (see `python -m benchmarks layout`)")
     p.add_argument("--decode", default="hf", choices=DECODE_PATHS,
                    help="our engine's decode path (see `rollout --decode`); compile time reported apart")
     p.add_argument("--drafter", default="examples/drafters/smollm2-countdown", help="drafter checkpoint directory")
@@ -277,8 +278,8 @@ BENCHMARKS = (
     ("e2e", "GRPO steps with TLT vs the identical run without it", bench_e2e, "benchmarks.e2e:run"),
     ("spot", "spot drafter training: packing vs padding, preemption latency, 2-rank DDP overhead", bench_spot,
      "benchmarks.spot:run"),
-    ("efficiency", "importance sampling / hierarchical distillation / INT4 QAT vs baselines", bench_efficiency,
-     "benchmarks.efficiency:run"),
+    ("efficiency", "importance sampling / hierarchical distillation / INT4 QAT vs baselines",
+     bench_efficiency, "benchmarks.efficiency:run"),
     ("layout", "weight layouts ([out, in], [in, out], packed) side by side: plain and speculative decoding",
      bench_layout, "benchmarks.layout:run"),
     ("peers", "our engine (plain, speculative) vs vLLM in its own venv, side by side", bench_peers,

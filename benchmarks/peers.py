@@ -264,7 +264,7 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
 
 
 def _worker_env(args: argparse.Namespace, threads: int) -> dict[str, str]:
-    # This checkout's sources, ahead of any installed copy, and its root (the worker is benchmarks.peers_worker).
+    # This checkout's sources, ahead of any installed copy, and its root (the worker is in benchmarks/).
     root = Path(__file__).resolve().parents[1]
     path = os.environ.get("PYTHONPATH")
     paths = os.pathsep.join([str(root / "src"), str(root), *([path] if path else [])])
@@ -321,8 +321,8 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
         "drafter": args.drafter if drafter is not None else None, "k": args.k, "max_new_tokens": args.max_new_tokens,
         "prompt_tokens": {"mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))},
         "machine": machine_info(), "worker_command": command,
-        # As the worker got it, but no machine paths in a result file: PYTHONPATH starts with this checkout's src
-        # and root.
+        # As the worker got it, but no machine paths in a result file: PYTHONPATH starts with this
+        # checkout's src and root.
         "worker_env": {**_worker_env(args, threads), "PYTHONPATH": os.pathsep.join(["src", "."])},
         "vllm": {}, "batches": [],
     }

@@ -88,7 +88,8 @@ def test_command_args_are_flat_with_the_command_and_globals():
     assert tune.config == "c.yaml" and tune.overrides == ["a=1", "b=2"]
 
 
-@pytest.mark.parametrize("argv", [["bench"], ["bench", "rollout", "--json", "x.json"], ["--threads", "1", "bench", "-h"]])
+@pytest.mark.parametrize("argv", [["bench"], ["bench", "rollout", "--json", "x.json"],
+                                  ["--threads", "1", "bench", "-h"]])
 def test_bench_says_in_one_line_where_the_benchmarks_went(capsys, argv):
     assert cli.main(argv) == 2
     out = capsys.readouterr()

@@ -1,5 +1,5 @@
-"""The floors of the package: the library never reaches up into its tools nor into a checkout's benchmarks, nor
-switches matplotlib's backend."""
+"""The floors of the package: the library never reaches up into its tools nor into a checkout's
+benchmarks, nor switches matplotlib's backend."""
 
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ def imported(tree: ast.AST) -> set[str]:
     return names
 
 
+def benchmark_imports(tree: ast.AST) -> list[str]:
+    """The modules of a checkout's ``benchmarks/`` an AST imports."""
+    return sorted(m for m in imported(tree) if m.split(".")[0] == "benchmarks")
+
+
 def upward_imports(path: Path, tree: ast.AST) -> list[str]:
     own = floor_of(path)
     ours = (m.split(".")[1] for m in imported(tree) if m.startswith("tlt_lightning."))
@@ -73,18 +78,17 @@ def test_the_check_sees_an_upward_import():
 
 
 def test_nothing_in_src_imports_the_benchmarks():
-    """``benchmarks/`` sits beside ``src/`` in a checkout and is not in the wheel: the library runs without it."""
+    """``benchmarks/`` sits beside ``src/`` in a checkout, not in the wheel: the library runs without it."""
     src = ROOT.parent
-    users = {str(p.relative_to(src)): sorted(m for m in imported(ast.parse(p.read_text())) if m.split(".")[0] == "benchmarks")
-             for p in sorted(src.rglob("*.py"))}
+    users = {str(p.relative_to(src)): benchmark_imports(ast.parse(p.read_text())) for p in src.rglob("*.py")}
     assert len(users) > 100  # the walk found the package
     found = {path: names for path, names in users.items() if names}
-    assert found == {}, f"modules of src/ import the benchmarks (they use the library, not the other way): {found}"
+    assert found == {}, f"src/ imports the benchmarks (which use the library, not the other way): {found}"
 
 
 def test_the_benchmark_check_sees_an_import():
     tree = ast.parse("def f():\n    from benchmarks.common import timed\n    import benchmarks\n")
-    assert {m for m in imported(tree) if m.split(".")[0] == "benchmarks"} == {"benchmarks", "benchmarks.common"}
+    assert benchmark_imports(tree) == ["benchmarks", "benchmarks.common"]
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))

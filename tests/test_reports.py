@@ -1,4 +1,4 @@
-"""Run reports without matplotlib (the ``plots`` extra): figures name the extra, drawing along the way warns once."""
+"""Run reports without matplotlib (the ``plots`` extra): figures name it, drawing along the way warns once."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import pytest
 from tlt_lightning import reports
 from tlt_lightning.reports import draw_or_skip, new_figure, require_matplotlib
 from tlt_lightning.scheduling import BEGMABStrategy, Segment, WorkerState, plot_timeline
-from tlt_lightning.tracking import plot_accept_lengths  # imported before the block: torchmetrics imports matplotlib
+from tlt_lightning.tracking import plot_accept_lengths  # before the block: torchmetrics imports matplotlib
 
 INSTALL = r"pip install 'tlt-lightning\[plots\]'"
 
 
 @pytest.fixture
 def no_matplotlib(monkeypatch):
-    """``import matplotlib`` fails, as where the plots extra is not installed; the one-time warning is reset."""
+    """``import matplotlib`` fails, as without the plots extra; the one-time warning is reset."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     reports.warn_no_matplotlib.cache_clear()
     yield

@@ -28,7 +28,9 @@ import torch
 
 from tlt_lightning.models.hardware import cpu_bf16_instructions, cpu_info
 
-__all__ = ["draw_or_skip", "machine_info", "median", "new_figure", "require_matplotlib", "save_figure", "write_json"]
+__all__ = [
+    "draw_or_skip", "machine_info", "median", "new_figure", "require_matplotlib", "save_figure", "write_json",
+]
 
 PLOTS_INSTALL = "pip install 'tlt-lightning[plots]'"
 T = TypeVar("T")

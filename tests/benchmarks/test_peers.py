@@ -37,7 +37,8 @@ def _fake_command() -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return {"PYTHONPATH": os.pathsep.join([SRC, str(ROOT), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1",
+    path = os.pathsep.join([SRC, str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
             "OMP_NUM_THREADS": "1"}
 
 
@@ -214,7 +215,7 @@ def test_compare_with_a_fake_worker_writes_json_plot_and_equal_greedy_tokens(tmp
     assert all(v[2] <= 12 for v in lt["lengths_p50_p90_max"].values())
     assert set(lt["warmup_s"]) == set(lt["engines"]) and lt["compile_seconds_in_timed_runs"] == 0
     assert target.info.eos_token_ids == eos  # restored after the EOS-ignoring workloads
-    assert data["worker_env"]["PYTHONPATH"] == os.pathsep.join(["src", "."])  # the result file holds no machine paths
+    assert data["worker_env"]["PYTHONPATH"] == os.pathsep.join(["src", "."])  # no machine paths in the file
 
 
 def test_no_fixed_batches_runs_the_long_tail_alone(tmp_path, monkeypatch):

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from benchmarks.strategies import parse_bandit_spec, standardized_ms_per_token
 from benchmarks.__main__ import main
+from benchmarks.strategies import parse_bandit_spec, standardized_ms_per_token
 from tlt_lightning.drafter import Drafter, DrafterConfig, save_drafter
 from tlt_lightning.models import HFTarget, load_model
 

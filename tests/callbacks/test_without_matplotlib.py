@@ -1,4 +1,4 @@
-"""A fit without matplotlib (no ``plots`` extra): the callbacks warn once, skip their pictures, finish the fit."""
+"""A fit without matplotlib (no ``plots`` extra): the callbacks warn once, skip their pictures, finish."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tlt_lightning.speculative import DraftSpec
 
 
 def test_a_fit_without_matplotlib_skips_the_pictures_with_one_warning(tmp_path, monkeypatch):
-    module = make_module(max_new_tokens=10)  # first: its task settings import reasoning-gym, which needs matplotlib
+    module = make_module(max_new_tokens=10)  # first: its task imports reasoning-gym, which needs matplotlib
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails, as without the extra
     reports.warn_no_matplotlib.cache_clear()
     spot, bandit = SpotDrafterCallback(max_steps_per_rollout=2), BanditCallback()
@@ -53,4 +53,5 @@ def test_the_pictures_are_drawn_with_matplotlib_only(tmp_path, monkeypatch, bloc
         reports.warn_no_matplotlib.cache_clear()
     pictures = sorted(p.name for p in (tmp_path / "version_0").rglob("*.png"))
     warned = any("matplotlib is not installed" in str(w.message) for w in caught)
-    assert (pictures, warned) == (([], True) if blocked else (["accept_length.png", "epoch-000.png", "fit.png"], False))
+    drawn = ["accept_length.png", "epoch-000.png", "fit.png"]
+    assert (pictures, warned) == (([], True) if blocked else (drawn, False))

@@ -156,7 +156,7 @@ class BanditCallback(L.Callback):
             if arm is not _NONE:
                 best[label] = {"arm": arm_key(arm), "index": self.strategy.arms[b].index(arm)}
         summary = directory / f"best_arms{suffix}.json"
-        summary.parent.mkdir(parents=True, exist_ok=True)  # the heat map made it, unless matplotlib is missing
+        summary.parent.mkdir(parents=True, exist_ok=True)  # without matplotlib, no heat map made it
         summary.write_text(json.dumps({"best_arms": best, "counts": self.strategy.counts}, indent=2) + "\n")
         for path in (heatmap, summary):
             if path is not None:  # no heat map without matplotlib (warned once)
