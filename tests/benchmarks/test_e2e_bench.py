@@ -9,7 +9,7 @@ from benchmarks.__main__ import main
 def test_e2e_bench_on_the_real_model(tmp_path):
     """Both runs on SmolLM2 with tiny settings: step records, a breakdown that adds up, the plot."""
     path = tmp_path / "e2e.json"
-    main(["--threads", "1", "bench", "e2e", "--task", "chain_sum", "--steps", "2", "--prompts-per-step", "2",
+    main(["--threads", "1", "e2e", "--task", "chain_sum", "--steps", "2", "--prompts-per-step", "2",
           "--group-size", "2", "--max-new-tokens", "10", "--threshold", "5", "--depth", "2",
           "--drafter-steps", "1", "--drift-every", "2", "--drift-tokens", "8", "--out", str(tmp_path / "runs"), "--json", str(path)])
     data = json.loads(path.read_text())
@@ -31,8 +31,8 @@ def test_e2e_bench_on_the_real_model(tmp_path):
 
 def test_e2e_bench_rejects_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="--group-size must be >= 2"):
-        main(["bench", "e2e", "--group-size", "1"])
+        main(["e2e", "--group-size", "1"])
     with pytest.raises(ValueError, match="--steps must be >= 1, got 0"):
-        main(["bench", "e2e", "--steps", "0"])
+        main(["e2e", "--steps", "0"])
     with pytest.raises(ValueError, match="is not a drafter directory"):
-        main(["bench", "e2e", "--drafter", str(tmp_path / "nowhere")])
+        main(["e2e", "--drafter", str(tmp_path / "nowhere")])
