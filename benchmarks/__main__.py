@@ -33,12 +33,15 @@ from tlt_lightning.cli_options import Parser, plain
 __all__ = ["PROG", "build_parser", "main", "parse"]
 
 PROG = "python -m benchmarks"
+EXPERIMENTS = ("The experiments behind single results run as modules, each with its own --help: "
+               "python -m benchmarks.compiled_steps | .decode_paths | .batch1_rates | .compiled_check | "
+               ".measure_task_reward")
 _RUNS = {name: run for name, _, _, run in BENCHMARKS}
 
 
 def build_parser() -> Parser:
     """Global ``--threads`` and ``--traceback``, then one subcommand per benchmark (``ns.name``)."""
-    parser = Parser(prog=PROG, description=__doc__.split("\n")[0])
+    parser = Parser(prog=PROG, description=__doc__.split("\n")[0], epilog=EXPERIMENTS)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--traceback", action="store_true",
                         help=f"show the full traceback of a ValueError/TypeError (or set {TRACEBACK_ENV}=1)")

@@ -47,6 +47,7 @@ def test_every_benchmark_is_listed_with_plain_help(capsys):
         text = capsys.readouterr().out
         assert text.startswith(f"usage: {PROG}") and all(name in text.splitlines()[0] for name in argv)
         assert "``" not in text and ":class:" not in text, argv
+        assert ("benchmarks.compiled_steps" in text) == (argv == [])  # the experiments run as modules
 
 
 def test_options_are_those_of_the_former_bench_command():
