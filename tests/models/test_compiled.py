@@ -365,7 +365,7 @@ def test_bad_compile_configs_are_rejected(kwargs, match):
 @pytest.mark.slow
 def test_compiled_rollouts_equal_transformers_on_smollm2():
     """SmolLM2-135M, real countdown prompts, fp32 greedy: the compiled path emits the same tokens."""
-    from tlt_lightning.bench.common import task_prompts
+    from tlt_lightning.rl.tasks import task_prompts
 
     loaded = load_model("smollm2-135m", dtype="float32")
     prompts = task_prompts(loaded.tokenizer, "countdown", 4, seed=0)

@@ -26,8 +26,8 @@ class CompileConfig:
     """Shape buckets and mode of :class:`~tlt_lightning.models.compiled.CompiledDecode`.
 
     Every switch below is on by default where it applies; turning one off is for comparing the
-    variants (``scripts/compiled_steps.py``, ``scripts/decode_paths.py``; docs/benchmarks.md has the
-    measurements) or, for ``merged_projections``, for saving memory.
+    variants (``python -m benchmarks.compiled_steps``, ``python -m benchmarks.decode_paths``;
+    docs/benchmarks.md has the measurements) or, for ``merged_projections``, for saving memory.
 
     Attributes:
         batch_buckets: row counts static graphs are compiled for (``n`` rows run in the smallest bucket
