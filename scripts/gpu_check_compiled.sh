@@ -17,7 +17,7 @@ RANDOM_ARGS=()
 [ -n "${RANDOM_WEIGHTS:-}" ] && RANDOM_ARGS=(--random-weights)
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR"
-"$PYTHON" scripts/compiled_check.py --device cuda --model tiny-qwen2 "$@"
+"$PYTHON" -m benchmarks.compiled_check --device cuda --model tiny-qwen2 "$@"
 # One batch bucket for the check (3 graphs), one per timed batch for the speed table (3 more).
-"$PYTHON" scripts/compiled_check.py --device cuda --model "$MODEL" "${RANDOM_ARGS[@]}" --batch-buckets 8 \
+"$PYTHON" -m benchmarks.compiled_check --device cuda --model "$MODEL" "${RANDOM_ARGS[@]}" --batch-buckets 8 \
   --speed 1 8 32 --json "$OUT_DIR/speed.json" "$@"

@@ -9,18 +9,9 @@ import sys
 import pytest
 
 from tlt_lightning import cli
-from tlt_lightning.cli_options import (
-    COMMANDS,
-    DECODE_PATHS,
-    EFFICIENCY_PARTS,
-    GROUPS,
-    SPOT_PARTS,
-    TOP_COMMANDS,
-    WEIGHT_LAYOUTS,
-    build_parser,
-)
+from tlt_lightning.cli_options import BENCH_MOVED, COMMANDS, GROUPS, TOP_COMMANDS, build_parser
 
-HEAVY = ("torch", "transformers", "lightning", "tlt_lightning.bench.rollout")
+HEAVY = ("torch", "transformers", "lightning", "tlt_lightning.recipes.drafter_warmup")
 
 
 def _run(*args: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -28,7 +19,7 @@ def _run(*args: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess
                           timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["bench", "rollout", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["drafter", "warmup", "--help"]])
 def test_help_imports_no_torch_nor_the_implementation(argv):
     probe = ("import sys, runpy\nsys.argv = ['tlt-lightning', *sys.argv[1:]]\n"
              "try:\n    runpy.run_module('tlt_lightning.cli', run_name='__main__')\nexcept SystemExit as e:\n"
@@ -48,7 +39,7 @@ def _help(capsys, argv: list[str]) -> str:
 
 def test_every_help_is_plain_text(capsys):
     commands = [[], *([g] for g in GROUPS), *([g, n] for g, n, _, _ in COMMANDS), *([n] for n, _, _ in TOP_COMMANDS)]
-    assert len(commands) == 1 + 2 + 11 + 3
+    assert len(commands) == 1 + 1 + 2 + 4
     for argv in commands:
         text = _help(capsys, argv)
         assert "usage:" in text
@@ -58,19 +49,19 @@ def test_every_help_is_plain_text(capsys):
 
 def test_a_misspelt_option_is_a_short_error_naming_the_closest(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["bench", "rollout", "--batch-size", "1"])
+        cli.main(["drafter", "warmup", "--batch-sizes", "1"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        "tlt-lightning bench rollout: error: unrecognized arguments: --batch-size 1",
-        "  unknown option --batch-size: did you mean --batch-sizes?",
-        "  see: tlt-lightning bench rollout --help",
+        "tlt-lightning drafter warmup: error: unrecognized arguments: --batch-sizes 1",
+        "  unknown option --batch-sizes: did you mean --batch-size?",
+        "  see: tlt-lightning drafter warmup --help",
     ]
 
 
 @pytest.mark.parametrize(("argv", "flag", "close"), [
     (["--thread", "1", "models"], "--thread", "--threads"),
     (["drafter", "warmup", "--step", "3"], "--step", "--steps"),
-    (["bench", "efficiency", "--part", "qat", "--seed=1", "--kd-temp", "2"], "--kd-temp", "--kd-temperature"),
+    (["export-drafter", "ckpt", "out", "--seed=1", "--engin", "vllm"], "--engin", "--engine"),
 ])
 def test_options_are_never_abbreviated(capsys, argv, flag, close):
     with pytest.raises(SystemExit) as exit_info:
@@ -82,7 +73,7 @@ def test_options_are_never_abbreviated(capsys, argv, flag, close):
 
 def test_a_bad_choice_names_the_allowed_values(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["bench", "rollout", "--dtype", "float64"])
+        cli.main(["drafter", "warmup", "--dtype", "float64"])
     err = capsys.readouterr().err
     assert "float64" in err and "bfloat16" in err and len(err.splitlines()) <= 3
 
@@ -97,13 +88,18 @@ def test_command_args_are_flat_with_the_command_and_globals():
     assert tune.config == "c.yaml" and tune.overrides == ["a=1", "b=2"]
 
 
-def test_choices_match_the_library():
-    from tlt_lightning.bench import efficiency, spot
-    from tlt_lightning.models import DECODE_PATHS as decode_paths
-    from tlt_lightning.models.layout import WEIGHT_LAYOUTS as weight_layouts
+@pytest.mark.parametrize("argv", [["bench"], ["bench", "rollout", "--json", "x.json"],
+                                  ["--threads", "1", "bench", "-h"]])
+def test_bench_says_in_one_line_where_the_benchmarks_went(capsys, argv):
+    assert cli.main(argv) == 2
+    out = capsys.readouterr()
+    assert out.err.splitlines() == [BENCH_MOVED] and out.out == ""
+    assert "python -m benchmarks NAME" in BENCH_MOVED
 
-    assert DECODE_PATHS == decode_paths and WEIGHT_LAYOUTS == weight_layouts
-    assert SPOT_PARTS == spot.PARTS and EFFICIENCY_PARTS == efficiency.PARTS
+
+def test_bench_exits_2_on_the_command_line():
+    out = _run("bench", "rollout")
+    assert out.returncode == 2 and out.stderr.strip() == BENCH_MOVED
 
 
 def test_third_party_warnings_are_filtered_at_the_command_line_only():

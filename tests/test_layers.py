@@ -1,4 +1,5 @@
-"""The floors of the package: the library never reaches up into its tools, nor switches matplotlib's backend."""
+"""The floors of the package: the library never reaches up into its tools nor into a checkout's
+benchmarks, nor switches matplotlib's backend."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import tlt_lightning
 
 ROOT = Path(tlt_lightning.__file__).parent
 # The floors of the package, bottom first (docs/architecture.md): a module imports from its own floor
-# and the ones below, never from above. The top floor holds the tools: benchmarks, recipes (CLI
-# workflows), the CLI and its fit entry point.
+# and the ones below, never from above. The top floor holds the tools: recipes (CLI workflows), the CLI
+# and its fit entry point. The benchmarks live outside the package (a checkout's benchmarks/).
 FLOORS = (
     ("validation",),
     ("speculative", "kernels"),
@@ -22,7 +23,7 @@ FLOORS = (
     ("vllm", "tracking", "spot"),
     ("rl",),
     ("efficiency", "callbacks", "resume"),
-    ("bench", "recipes", "cli", "cli_options", "fit"),
+    ("recipes", "cli", "cli_options", "fit"),
 )
 FLOOR = {name: level for level, names in enumerate(FLOORS) for name in names}
 
@@ -49,6 +50,11 @@ def imported(tree: ast.AST) -> set[str]:
     return names
 
 
+def benchmark_imports(tree: ast.AST) -> list[str]:
+    """The modules of a checkout's ``benchmarks/`` an AST imports."""
+    return sorted(m for m in imported(tree) if m.split(".")[0] == "benchmarks")
+
+
 def upward_imports(path: Path, tree: ast.AST) -> list[str]:
     own = floor_of(path)
     ours = (m.split(".")[1] for m in imported(tree) if m.startswith("tlt_lightning."))
@@ -65,10 +71,24 @@ def test_modules_import_only_their_floor_and_below(path):
 
 
 def test_the_check_sees_an_upward_import():
-    tree = ast.parse("import torch\ndef f():\n    from tlt_lightning.bench.common import timed\n")
-    assert imported(tree) == {"torch", "tlt_lightning.bench.common"}
-    assert upward_imports(ROOT / "drafter" / "model.py", tree) == ["bench"]
+    tree = ast.parse("import torch\ndef f():\n    from tlt_lightning.recipes.drafter_warmup import run\n")
+    assert imported(tree) == {"torch", "tlt_lightning.recipes.drafter_warmup"}
+    assert upward_imports(ROOT / "drafter" / "model.py", tree) == ["recipes"]
     assert upward_imports(ROOT / "cli.py", tree) == []
+
+
+def test_nothing_in_src_imports_the_benchmarks():
+    """``benchmarks/`` sits beside ``src/`` in a checkout, not in the wheel: the library runs without it."""
+    src = ROOT.parent
+    users = {str(p.relative_to(src)): benchmark_imports(ast.parse(p.read_text())) for p in src.rglob("*.py")}
+    assert len(users) > 100  # the walk found the package
+    found = {path: names for path, names in users.items() if names}
+    assert found == {}, f"src/ imports the benchmarks (which use the library, not the other way): {found}"
+
+
+def test_the_benchmark_check_sees_an_import():
+    tree = ast.parse("def f():\n    from benchmarks.common import timed\n    import benchmarks\n")
+    assert benchmark_imports(tree) == ["benchmarks", "benchmarks.common"]
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))

@@ -88,7 +88,7 @@ def test_every_third_party_import_in_src_is_a_declared_dependency():
     assert not undeclared, f"imported in src/ but in no dependency group of pyproject.toml: {undeclared}"
     # The optional integrations stay out of the core: their imports are lazy, each group named in its error.
     for dist, extra in (("reasoning-gym", "tasks"), ("gguf", "smollm2"), ("torchao", "efficiency"),
-                        ("torchtune", "torchtune")):
+                        ("torchtune", "torchtune"), ("matplotlib", "plots")):
         assert "core" not in declared.get(dist, {"core"}) and extra in declared[dist], dist
 
 
@@ -111,6 +111,48 @@ except ImportError as err:
 """
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=300)
     assert "the reasoning-gym tasks need the `tasks` extra: pip install 'tlt-lightning[tasks]'" in out.stdout
+
+
+def test_the_core_imports_without_matplotlib():
+    """No plots extra (matplotlib blocked, and not installed as far as torchmetrics' check sees): the CLI,
+    the fit and the callbacks import; a figure names the extra."""
+    code = """
+import importlib.metadata as metadata, sys
+real = metadata.version
+def version(name):
+    if name == 'matplotlib':
+        raise metadata.PackageNotFoundError(name)
+    return real(name)
+metadata.version = version
+sys.modules['matplotlib'] = None
+import tlt_lightning.cli, tlt_lightning.fit, tlt_lightning.callbacks, tlt_lightning.tracking
+import tlt_lightning.scheduling
+from tlt_lightning.reports import new_figure
+try:
+    new_figure()
+except ImportError as err:
+    print(err)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    expected = "figures need matplotlib (the plots extra): pip install 'tlt-lightning[plots]'"
+    assert out.stdout.strip() == expected
+
+
+def test_the_wheel_holds_no_benchmarks_and_the_core_no_matplotlib():
+    """The benchmarks run from a checkout (``python -m benchmarks``): setuptools packs ``src/`` only, and
+    matplotlib is the ``plots`` extra."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    setuptools = pytest.importorskip("setuptools")
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["tool"]["setuptools"]["packages"]["find"]["where"] == ["src"]
+    packages = setuptools.find_packages(str(ROOT / "src"))
+    assert "tlt_lightning" in packages and "tlt_lightning.callbacks" in packages
+    benchmarks = [p for p in packages if p.split(".")[0] == "benchmarks" or "bench" in p.split(".")[-1]]
+    assert benchmarks == [], packages
+    assert (ROOT / "benchmarks" / "__main__.py").is_file()  # beside src/, not in it
+    declared = _declared()
+    assert declared[_canonical("matplotlib")] == {"plots", "test"}
 
 
 def test_version_is_pyproject_s():
@@ -144,7 +186,7 @@ PUBLIC_API = {
         "ModelNotFoundError", "TargetInfo", "TargetModel", "TargetOutput", "available_models",
         "load_model", "load_tokenizer", "model_dir", "models_with_signature", "resolve_dtype",
         "set_weight_layout", "training_precision", "TorchtuneTarget", "torchtune_from_hf"},
-    "rollout": {"Rollout", "RolloutBackend", "RolloutConfig", "RolloutEngine", "RolloutResult",
+    "rollout": {"DraftModel", "Rollout", "RolloutBackend", "RolloutConfig", "RolloutEngine", "RolloutResult",
         "RolloutStats", "SpeculativeRolloutLoop", "SpeculativeStep", "load_rollouts", "save_rollouts"},
     "drafter": {"DRAFTER_KINDS", "Drafter", "DrafterConfig", "DrafterLoss", "download_drafter",
         "drafter_train_step", "evaluate_drafter", "export_drafter", "export_drafter_model", "import_drafter", "load_drafter",

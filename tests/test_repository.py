@@ -11,7 +11,8 @@ MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|root|home|Users|tmp/tmp)\w*/")
 
 
 def test_published_files_hold_no_machine_paths():
-    roots = [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / d for d in ("docs", "configs", "examples", "scripts"))]
+    folders = ("docs", "configs", "examples", "scripts", "benchmarks")
+    roots = [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / d for d in folders)]
     files = [p for r in roots for p in ([r] if r.is_file() else r.rglob("*"))
              if p.is_file() and p.suffix in {".md", ".json", ".yaml", ".yml", ".sh", ".py", ".txt"}]
     assert len(files) > 50  # the walk found the docs and results

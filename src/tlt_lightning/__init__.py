@@ -2,7 +2,8 @@
 
 Subpackages, bottom floor first (imports only go downward, docs/architecture.md): ``speculative``
 (pure math), ``models``, ``rollout``, ``drafter`` and ``scheduling``, ``vllm`` and ``tracking``, ``rl``,
-``efficiency`` and ``callbacks``; the ``tlt-lightning`` CLI, ``bench`` and ``recipes`` sit on top.
+``efficiency`` and ``callbacks``; the ``tlt-lightning`` CLI and ``recipes`` sit on top (the benchmarks
+run from a checkout, ``python -m benchmarks``, and are not in the package).
 The headline classes are importable from here, loaded on first use, so ``import tlt_lightning``
 itself imports nothing heavy:
 

@@ -1,15 +1,6 @@
-"""``tlt-lightning``: GRPO training, benchmarks and tools on the command line.
+"""``tlt-lightning``: GRPO training and tools on the command line.
 
     tlt-lightning fit --config CONFIG [--model.x=...] [--trainer.x=...]   GRPO training (LightningCLI)
-    tlt-lightning bench rollout [--json PATH] ...   engine vs HF generate, long-tail workload
-    tlt-lightning bench bandit [--json PATH]          BEG-MAB vs UCB vs fixed arms, simulated
-    tlt-lightning bench activation-checkpointing [--json PATH] ...  budgeted vs static activation checkpointing
-    tlt-lightning bench strategies --drafter DIR ...  BEG-MAB vs fixed SD arms on a real long-tail rollout
-    tlt-lightning bench e2e [--drafter DIR] ...       GRPO steps with TLT vs the identical run without it
-    tlt-lightning bench spot [--drafter DIR] ...      spot drafter training: packing, preemption, 2-rank DDP overhead
-    tlt-lightning bench efficiency --part P ...       importance sampling / distillation / INT4 QAT vs baselines
-    tlt-lightning bench layout [--drafter DIR] ...    weight layouts ([out, in], [in, out], packed) side by side
-    tlt-lightning bench peers [--vllm-python PY] ...  our engine (plain, speculative) vs vLLM side by side
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning drafter evaluate --drafter DIR ...  drafters' acceptance on the same stored rollouts
     tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]  drafter checkpoint (dir, models:/ or runs:/ URI)
@@ -17,6 +8,9 @@
     tlt-lightning export-drafter --from-fit RUN OUT   a fit's policy (save_pretrained) + its drafter, for vLLM
     tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune recipe config (= tune run ...)
     tlt-lightning models                              list the registry
+
+The benchmarks are not in the package: from a checkout, ``python -m benchmarks NAME [options]`` (the
+former ``tlt-lightning bench NAME``, which now only says so and exits with status 2).
 
 Every subcommand takes ``--threads`` (torch intra-op threads; on shared 2-core machines one
 thread is often faster than two) before the subcommand name.
@@ -34,7 +28,6 @@ handed to :mod:`tlt_lightning.fit` (LightningCLI, also jsonargparse) before the 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -43,7 +36,7 @@ from collections.abc import Sequence
 from importlib import import_module
 from pathlib import Path
 
-from tlt_lightning.cli_options import GROUPS, build_parser
+from tlt_lightning.cli_options import BENCH_MOVED, GROUPS, build_parser
 
 __all__ = ["TRACEBACK_ENV", "command_args", "main", "short_error"]
 
@@ -51,7 +44,12 @@ TRACEBACK_ENV = "TLT_LIGHTNING_TRACEBACK"
 
 
 def _split_fit(argv: list[str]) -> tuple[list[str], list[str]] | None:
-    """``(global options, ["fit", ...])`` when the subcommand is ``fit``, else ``None``.
+    """``(global options, ["fit", ...])`` when the subcommand is ``fit``, else ``None``."""
+    return _split_command(argv, "fit")
+
+
+def _split_command(argv: list[str], command: str) -> tuple[list[str], list[str]] | None:
+    """``(global options, [command, ...])`` when the subcommand is ``command``, else ``None``.
 
     The global options are ``--threads N`` / ``--threads=N`` and ``--traceback``; anything else
     before the subcommand (``-h``, a typo) is left to argparse.
@@ -64,7 +62,7 @@ def _split_fit(argv: list[str]) -> tuple[list[str], list[str]] | None:
             i += 1
         else:
             break
-    if i < len(argv) and argv[i] == "fit":
+    if i < len(argv) and argv[i] == command:
         return argv[:i], argv[i:]
     return None
 
@@ -143,6 +141,9 @@ def _main(argv: list[str]) -> int:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module=QUIET_WARNING_MODULES)
+    if _split_command(argv, "bench") is not None:  # users' scripts: one line, whatever followed
+        print(BENCH_MOVED, file=sys.stderr)
+        return 2
     fit = _split_fit(argv)
     if fit is not None:
         global_args, fit_args = fit
@@ -170,15 +171,6 @@ def _main(argv: list[str]) -> int:
 
 # Commands, each run by one function of ``args``: grouped ones by (group, name), the others by (name, name).
 _RUNS = {
-    ("bench", "rollout"): "tlt_lightning.bench.rollout:run",
-    ("bench", "bandit"): "tlt_lightning.cli:_bench_bandit",
-    ("bench", "activation-checkpointing"): "tlt_lightning.bench.activation_checkpointing:run",
-    ("bench", "strategies"): "tlt_lightning.bench.strategies:run",
-    ("bench", "e2e"): "tlt_lightning.bench.e2e:run",
-    ("bench", "spot"): "tlt_lightning.bench.spot:run",
-    ("bench", "efficiency"): "tlt_lightning.bench.efficiency:run",
-    ("bench", "layout"): "tlt_lightning.bench.layout:run",
-    ("bench", "peers"): "tlt_lightning.bench.peers:run",
     ("drafter", "warmup"): "tlt_lightning.recipes.drafter_warmup:run",
     ("drafter", "evaluate"): "tlt_lightning.recipes.drafter_evaluate:run",
     ("export-drafter", "export-drafter"): "tlt_lightning.recipes.export_drafter:run",
@@ -192,28 +184,18 @@ def command_args(argv: Sequence[str]) -> argparse.Namespace:
     commands' ``run(args)`` read them.
 
     Example:
-        >>> args = command_args(["--threads", "1", "bench", "bandit", "--steps", "10"])
+        >>> args = command_args(["--threads", "1", "drafter", "warmup", "--steps", "10"])
         >>> args.command, args.name, args.steps, args.threads
-        ('bench', 'bandit', 10, 1)
+        ('drafter', 'warmup', 10, 1)
     """
     parsed = build_parser(description=__doc__.split("\n")[0]).parse_args(list(argv))
     command = name = parsed.command
     options = parsed[command]
-    if command in GROUPS:  # bench rollout: parsed.bench.rollout
+    if command in GROUPS:  # drafter warmup: parsed.drafter.warmup
         name = options[command]
         options = options[name]
     return argparse.Namespace(**options.as_dict(), command=command, name=name, threads=parsed.threads,
                               traceback=parsed.traceback, argv=list(argv))
-
-
-def _bench_bandit(args: argparse.Namespace) -> None:
-    from tlt_lightning.scheduling.simulate import main as bandit_main
-
-    plot = args.plot or str(Path(args.json).with_suffix(".png"))
-    result = bandit_main(args.json, plot, steps=args.steps, seed=args.seed)
-    ratios = {name: round(v["reward_vs_oracle"], 3) for name, v in result["strategies"].items()}
-    print(f"[bench bandit] reward / per-bucket oracle: {json.dumps(ratios)}")
-    print(f"[bench bandit] wrote {args.json} and {plot}")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tlt_lightning.bench.efficiency_data import collate  # noqa: F401  (re-exported for the tests)
-
 VOCAB = 32
+PAD = 0  # the tiny LMs' pad_token_id
+
+
+def collate(examples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad to ``[B, T]``: ``input_ids``, ``labels`` (``-100`` padded), ``attention_mask``."""
+    width = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), width), PAD, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    mask = torch.zeros(len(examples), width, dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = e["input_ids"], e["labels"], 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
 def tiny_lm(hidden: int = 32, layers: int = 2, seed: int = 0, vocab: int = VOCAB) -> LlamaForCausalLM:

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._dynamo import eval_frame
 from torch._dynamo.utils import counters
 from transformers import MistralConfig, MistralForCausalLM
 
@@ -22,7 +22,7 @@ from tlt_lightning import kernels
 from tlt_lightning.drafter import Drafter, DrafterConfig
 from tlt_lightning.models import CompileConfig, HFTarget, load_model
 from tlt_lightning.models import compiled
-from tlt_lightning.models.compiled import Bucket, CompiledDecode
+from tlt_lightning.models.compiled import Bucket, CompiledDecode, forward, guards
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.engine import causal_decode_mask
 from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
@@ -268,7 +268,7 @@ def test_dynamic_graphs_serve_every_row_count_and_length_without_recompiling(tin
     assert counters["stats"]["unique_graphs"] - graphs == 3
     assert compiled._compiled.graph_calls[all_slots] == 3
     guarded = compiled._compiled._guarded.values()
-    assert [len(_debug_get_cache_entry_list(own.__code__)) for own, _ in guarded] == [1, 1, 1]
+    assert [len(guards.cache_entries(own)) for own, _ in guarded] == [1, 1, 1]
     assert len(compiled._compiled._direct) == (3 if skip_guards else 0)
 
 
@@ -287,6 +287,46 @@ def test_calls_skip_guards_only_into_graphs_compiled_for_their_inputs(tiny_llama
         torch.set_num_threads(threads)
     assert len(compiled._compiled._direct) == 3
     assert sum(compiled._compiled.graph_calls.values()) == 4
+
+
+def skip_guards_warning(problem: str) -> str:
+    return (f"CompileConfig.skip_guards needs {guards.DEBUG_API}, which {problem} "
+            f"under torch {torch.__version__}; "
+            "compiled graphs keep dynamo's guards (same results, slower calls)")
+
+
+def test_without_dynamos_debug_api_the_graphs_keep_their_guards(tiny_llama, monkeypatch, caplog):
+    """A torch without the private API guard-free calls read compiled code through: one warning naming it and
+    the torch version, then every call through dynamo's guards, with the eager results."""
+    monkeypatch.delattr(eval_frame, guards.DEBUG_API.rsplit(".", 1)[1])
+    monkeypatch.setattr(guards, "_warned", set())
+    target = HFTarget(tiny_llama.model, decode="compiled", compile_config=DYNAMIC)
+    lens = torch.tensor([5, 9])
+    expected = decode_once(tiny_llama, lens)
+    with caplog.at_level(logging.WARNING, logger="tlt_lightning.models.compiled"):
+        for _ in range(3):
+            torch.testing.assert_close(decode_once(target, lens), expected, rtol=1e-4, atol=1e-5)
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("tlt_lightning")]
+    assert ours == [skip_guards_warning("is missing")]
+    assert not target._compiled._direct and sum(target._compiled.graph_calls.values()) == 3
+    assert len(target._compiled.compile_times) == 1  # guarded calls reuse the graph
+
+
+def takes_a_frame_now(code):
+    raise TypeError("expected a frame")
+
+
+@pytest.mark.parametrize(("api", "problem"), [
+    (takes_a_frame_now, "failed (TypeError: expected a frame)"),
+    (lambda code: (), "returned 'tuple', not a list"),
+    (lambda code: [object()], "returned entries of type 'object' without a code object"),
+], ids=["raises", "no-list", "no-code"])
+def test_a_changed_debug_api_means_guarded_calls_and_one_warning(api, problem, monkeypatch, caplog):
+    monkeypatch.setattr(eval_frame, guards.DEBUG_API.rsplit(".", 1)[1], api)
+    monkeypatch.setattr(guards, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="tlt_lightning.models.compiled"):
+        assert guards.guard_free(random_prompts) is None and guards.guard_free(random_prompts) is None
+    assert [r.getMessage() for r in caplog.records] == [skip_guards_warning(problem)]
 
 
 def test_layer_views_are_made_once_per_cache(tiny_llama, monkeypatch):
@@ -311,7 +351,7 @@ def test_layer_views_are_made_once_per_cache(tiny_llama, monkeypatch):
     [
         ({"batch_buckets": ()}, r"batch_buckets must be a non-empty, strictly increasing tuple of positive ints, got \(\)"),
         ({"batch_buckets": (4, 2)}, r"batch_buckets must be .* got \(4, 2\)"),
-        ({"query_buckets": (1, 128)}, r"query_buckets must not exceed 64"),
+        ({"query_buckets": (1, 128)}, r"query_buckets must be buckets of at most 64 queries .*, got \(1, 128\)"),
         ({"kv_step": 0}, "kv_step must be a positive int, got 0"),
         ({"all_slots_ratio": -1.0}, r"all_slots_ratio must be >= 0 \(0: never read all slots\), got -1.0"),
         ({"mode": "fast"}, r"mode must be None or one of \('default', 'reduce-overhead'"),
@@ -325,7 +365,7 @@ def test_bad_compile_configs_are_rejected(kwargs, match):
 @pytest.mark.slow
 def test_compiled_rollouts_equal_transformers_on_smollm2():
     """SmolLM2-135M, real countdown prompts, fp32 greedy: the compiled path emits the same tokens."""
-    from tlt_lightning.bench.common import task_prompts
+    from tlt_lightning.rl.tasks import task_prompts
 
     loaded = load_model("smollm2-135m", dtype="float32")
     prompts = task_prompts(loaded.tokenizer, "countdown", 4, seed=0)
@@ -387,10 +427,11 @@ def test_row_gemv_is_f_linear():
 
 
 def count_calls(monkeypatch, name: str) -> list[int]:
-    """Wrap ``models.compiled.<name>`` so that each call (each trace, inside a graph) appends to the returned list."""
+    """Wrap ``models.compiled.forward.<name>`` (what the traced function calls) so that each call (each trace,
+    inside a graph) appends to the returned list."""
     calls: list[int] = []
-    real = getattr(compiled, name)
-    monkeypatch.setattr(compiled, name, lambda *a: calls.append(1) or real(*a))
+    real = getattr(forward, name)
+    monkeypatch.setattr(forward, name, lambda *a: calls.append(1) or real(*a))
     return calls
 
 

@@ -126,7 +126,7 @@ def test_bad_decode_settings_are_rejected(tiny_llama, caplog):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lean_rollouts_equal_transformers_on_smollm2(dtype):
     """SmolLM2-135M, real countdown prompts, greedy: the lean path emits the same tokens, in fp32 and bf16."""
-    from tlt_lightning.bench.common import task_prompts
+    from tlt_lightning.rl.tasks import task_prompts
 
     loaded = load_model("smollm2-135m", dtype=dtype)
     prompts = task_prompts(loaded.tokenizer, "countdown", 4, seed=0)

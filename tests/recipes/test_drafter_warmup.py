@@ -3,6 +3,7 @@ import statistics
 
 import pytest
 
+from benchmarks.__main__ import main as bench
 from tlt_lightning.cli import main
 from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
@@ -38,7 +39,8 @@ def test_interrupted_sampling_resumes_to_the_same_rollouts(tiny_llama, tmp_path)
 
 @pytest.mark.slow
 def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
-    """The two commands chained on SmolLM2 with tiny settings: artefacts exist and reload."""
+    """The warm-up and the rollout benchmark (a checkout's ``python -m benchmarks rollout``) chained on
+    SmolLM2 with tiny settings: artefacts exist and reload."""
     out, cache = tmp_path / "drafter", tmp_path / "rollouts.safetensors"
     args = ["--threads", "1", "drafter", "warmup", "--task", "countdown", "--prompts", "12", "--max-new-tokens", "24",
             "--rollout-batch", "6", "--draft-vocab", "2048",
@@ -96,7 +98,7 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
         main([*args, "--steps", "1", "--more-rollouts", str(tmp_path / "missing.pt")])
 
     path = tmp_path / "sd.json"
-    main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "1", "2",
+    bench(["--threads", "1", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "1", "2",
           "--max-new-tokens", "12", "--long-tail-requests", "4", "--long-tail-max-new", "16", "--threshold", "5",
           "--depth", "2", "--topk", "2", "--draft-tokens", "3", "--dtype", "bfloat16", "--repeats", "1", "--json", str(path)])
     data = json.loads(path.read_text())
@@ -115,7 +117,7 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     assert path.with_suffix(".png").stat().st_size > 10_000
 
     # Several arms side by side, each against the same plain runs.
-    main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "1", "2",
+    bench(["--threads", "1", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "1", "2",
           "--max-new-tokens", "12", "--long-tail-requests", "0", "--arms", "chain3", "chain4@0.6", "--dtype",
           "bfloat16", "--repeats", "2", "--assistant-layers", "0", "--json", str(path)])
     data = json.loads(path.read_text())
@@ -128,7 +130,7 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     assert path.with_suffix(".png").stat().st_size > 10_000
 
     # Several temperatures: the fixed batches at each, the HF peers once (at the first).
-    main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "1",
+    bench(["--threads", "1", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "1",
           "--max-new-tokens", "8", "--long-tail-requests", "0", "--arms", "chain2", "--temperature", "1", "0",
           "--dtype", "bfloat16", "--repeats", "1", "--assistant-layers", "0", "--json", str(path)])
     data = json.loads(path.read_text())
@@ -138,25 +140,13 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     assert path.with_suffix(".png").stat().st_size > 10_000
 
     # Two drafters side by side (the first run's and its continuation), against the same plain runs.
-    main(["--threads", "1", "bench", "rollout", "--speculative", "--drafter", str(out), str(more), "--batch-sizes",
+    bench(["--threads", "1", "rollout", "--speculative", "--drafter", str(out), str(more), "--batch-sizes",
           "1", "--max-new-tokens", "8", "--long-tail-requests", "0", "--arms", "chain2", "--dtype", "bfloat16",
           "--repeats", "1", "--assistant-layers", "0", "--json", str(path)])
     data = json.loads(path.read_text())
     assert data["strategies"] == ["drafter/chain2", "continued/chain2"] and data["drafters"] == [str(out), str(more)]
     first, second = data["batches"]
     assert first["runs"]["plain_s"] == second["runs"]["plain_s"] and second["mean_accept_length"] >= 1
-
-
-def test_speculative_bench_rejects_bad_arms(tmp_path):
-    with pytest.raises(ValueError, match="distinct names to label the results"):
-        main(["bench", "rollout", "--speculative", "--drafter", str(tmp_path / "a" / "d"), str(tmp_path / "b" / "d")])
-    bench = ["bench", "rollout", "--speculative", "--drafter", str(tmp_path), "--arms"]
-    with pytest.raises(ValueError, match="leave 'off' out"):
-        main([*bench, "off", "chain4"])
-    with pytest.raises(ValueError, match=r"names an arm twice: \['chain4', 'chain4'\]"):
-        main([*bench, "chain4", "chain4"])
-    with pytest.raises(ValueError, match="arm 'chain4@x' is not"):
-        main([*bench, "chain4@x"])
 
 
 def test_warmup_rejects_bad_counts():

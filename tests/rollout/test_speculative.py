@@ -42,9 +42,15 @@ class OracleDrafter:
     ``BOS``: the prompts of the tests using it start with ``BOS``.
     """
 
+    weight_layout = "out_in"  # its weights are the target's
+
     def __init__(self, target: HFTarget) -> None:
         self.target = target
         self.config = SimpleNamespace(feature_layers=(target.info.num_layers,))
+
+    def set_weight_layout(self, layout):
+        self.weight_layout = layout
+        return 0
 
     def new_cache(self, max_batch, max_len):
         i = self.target.info

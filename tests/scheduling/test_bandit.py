@@ -10,7 +10,7 @@ import pytest
 
 from tlt_lightning.scheduling import BEGMABStrategy, FixedStrategy, SimulatedSDEnvironment, UCBStrategy
 from tlt_lightning.scheduling.bucketed import default_arms
-from tlt_lightning.scheduling.simulate import main, run_bandit_benchmark, run_strategy
+from tlt_lightning.scheduling.simulate import run_strategy
 from tlt_lightning.speculative import DraftSpec, DraftStrategy, arm_key
 
 CHAIN2, CHAIN4 = DraftSpec(2), DraftSpec(4)
@@ -175,18 +175,6 @@ def test_unbounded_statistics_do_not_follow_the_change():
     assert sum(r["arm"] == r["best"] for r in late) / len(late) < 0.5
 
 
-def test_benchmark_reports_and_beats_every_fixed_arm(tmp_path):
-    result = main(tmp_path / "bandit.json", tmp_path / "bandit.png", steps=2000, seed=0)
-    on_disk = json.loads((tmp_path / "bandit.json").read_text())
-    assert on_disk["best_fixed"] == result["best_fixed"]
-    assert (tmp_path / "bandit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    strategies = on_disk["strategies"]
-    assert set(strategies) == {"begmab", "begmab-decay", "ucb"} | {f"fixed:{arm_key(a)}" for a in default_arms()}
-    assert strategies["begmab"]["total_reward_vs_best_fixed"] > 1.0
-    assert strategies["ucb"]["total_reward_vs_best_fixed"] > 1.0
-    assert set(strategies["begmab"]["steps_to_follow_change"]) == {"2-4", "5-20"}
-
-
 # --------------------------------------------------------------------------- state
 @pytest.mark.parametrize(
     "make", [lambda: BEGMABStrategy(epsilon=0.3, window=20, seed=5), lambda: UCBStrategy(window=40)]
@@ -316,9 +304,7 @@ def test_bad_select_and_update(strategy):
     assert strategy.history == []  # nothing was recorded by the rejected calls
 
 
-def test_bad_benchmark_and_environment():
-    with pytest.raises(ValueError, match="steps must be an int >= 1"):
-        run_bandit_benchmark(steps=0)
+def test_bad_environment():
     with pytest.raises(ValueError, match="acceptance must be in \\(0, 1\\)"):
         SimulatedSDEnvironment(acceptance=1.0)
     with pytest.raises(ValueError, match="batch_sizes"):

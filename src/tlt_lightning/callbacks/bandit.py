@@ -26,6 +26,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
+from tlt_lightning.reports import draw_or_skip
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.scheduling import BEGMABStrategy, BucketedStrategy, StepCostModel
 from tlt_lightning.speculative import arm_key
@@ -148,15 +149,18 @@ class BanditCallback(L.Callback):
         rank = trainer.global_rank
         suffix = "" if rank == 0 else f"-rank{rank}"
         directory = self.run_dir / "bandit"
-        heatmap = self.strategy.plot_heatmap(directory / f"heatmap{suffix}.png", self.heatmap_bins)
+        heatmap = draw_or_skip(self.strategy.plot_heatmap, directory / f"heatmap{suffix}.png",
+                               self.heatmap_bins)
         best = {}
         for b, (label, arm) in enumerate(zip(self.strategy.bucket_labels, self._best_per_bucket())):
             if arm is not _NONE:
                 best[label] = {"arm": arm_key(arm), "index": self.strategy.arms[b].index(arm)}
         summary = directory / f"best_arms{suffix}.json"
+        summary.parent.mkdir(parents=True, exist_ok=True)  # without matplotlib, no heat map made it
         summary.write_text(json.dumps({"best_arms": best, "counts": self.strategy.counts}, indent=2) + "\n")
         for path in (heatmap, summary):
-            log_artifact(trainer, path, "bandit")
+            if path is not None:  # no heat map without matplotlib (warned once)
+                log_artifact(trainer, path, "bandit")
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -129,13 +129,14 @@ class DrafterDriftProbe(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero or not self.history:
             return
-        from tlt_lightning.reports import write_json
+        from tlt_lightning.reports import draw_or_skip, write_json
 
         directory = self.run_dir / "drift"
         path = write_json(directory / "drift.json", {"arm": str(self.arm), "history": self.history})
-        figure = plot_drift(self.history, directory / "drift.png", str(self.arm))
+        figure = draw_or_skip(plot_drift, self.history, directory / "drift.png", str(self.arm))
         log_artifact(trainer, path, "drift")
-        log_artifact(trainer, figure, "drift")
+        if figure is not None:  # None: no matplotlib (warned once)
+            log_artifact(trainer, figure, "drift")
 
 
 def plot_drift(history: list[dict[str, float]], path: str | Path, arm: str = "") -> Path:

@@ -27,7 +27,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from tlt_lightning.reports import write_json
+from tlt_lightning.reports import draw_or_skip, write_json
 from tlt_lightning.rl.listeners import RolloutListener
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.rollout import RolloutResult
@@ -274,8 +274,9 @@ class SpotDrafterCallback(L.Callback):
         shown, recovered, paid_per_worker = timeline_view(*self.spot.timeline(since))  # a collective
         if trainer.is_global_zero and shown:
             title = f"{label}: idle recovered {recovered:.0%}, paid training {paid_per_worker:.1f} s/worker"
-            path = plot_timeline(shown, self.run_dir / "drafter" / "timeline" / name, title)
-            log_artifact(trainer, path, "drafter/timeline")
+            path = draw_or_skip(plot_timeline, shown, self.run_dir / "drafter" / "timeline" / name, title)
+            if path is not None:  # None: no matplotlib (warned once), the fit goes on
+                log_artifact(trainer, path, "drafter/timeline")
         return recovered
 
     @override
@@ -309,5 +310,7 @@ class SpotDrafterCallback(L.Callback):
         log_artifact(trainer, path, "drafter")
         if self._accepts:
             steps, means = zip(*self._accepts)
-            figure = plot_accept_lengths(steps, means, self._accept_hist.tolist(), path.parent / "accept_length.png")
-            log_artifact(trainer, figure, "drafter")
+            figure = draw_or_skip(plot_accept_lengths, steps, means, self._accept_hist.tolist(),
+                                  path.parent / "accept_length.png")
+            if figure is not None:
+                log_artifact(trainer, figure, "drafter")

@@ -11,10 +11,11 @@ instead. It is the same attention, with the same kernel: outputs equal ``enable_
 these shapes in bf16 (up to ~1e-6 in fp32, where the kernel splits blocks differently).
 transformers already does this for a single query (``pack_gqa``), not for several.
 
-Measured per call (``scripts/attention_small_q.py``, one AMD Zen 4 core, bf16, SmolLM2's heads,
-600 cached positions; ``enable_gqa`` / ``repeat_kv`` / grouped, microseconds): 1 row x 7 queries
-(a chain-6 verify) 446 / 547 / 313; 4 rows x 7 queries 2054 / 1849 / 1144; 8 rows x 7 queries
-3299 / 11515 / 2397; 1 row x 1 query (a drafter step, which used ``enable_gqa``) 824 / 910 / 172.
+Measured per call (a one-off script, ``scripts/attention_small_q.py`` in git history; one AMD Zen 4
+core, bf16, SmolLM2's heads, 600 cached positions; ``enable_gqa`` / ``repeat_kv`` / grouped,
+microseconds): 1 row x 7 queries (a chain-6 verify) 446 / 547 / 313; 4 rows x 7 queries
+2054 / 1849 / 1144; 8 rows x 7 queries 3299 / 11515 / 2397; 1 row x 1 query (a drafter step, which
+used ``enable_gqa``) 824 / 910 / 172.
 
 :func:`grouped_sdpa` is the pure function; :func:`grouped_sdpa_attention` wraps it as a
 transformers attention function (``AttentionInterface``), registered as :data:`GROUPED_SDPA` by
@@ -113,7 +114,7 @@ def grouped_matmul_attention(
 
     For decoding several rows on a CPU inside a compiled graph, where Inductor fuses the mask and
     softmax; the flash kernel spends most of a call with few queries on fixed work per block. Whole
-    compiled steps of SmolLM2 (bf16, one AMD Zen 5 core, ``scripts/compiled_steps.py``): 8 rows over
+    compiled steps of SmolLM2 (bf16, one AMD Zen 5 core, ``benchmarks/compiled_steps.py``): 8 rows over
     200 keys 23.4 -> 22.8 ms, 32 rows 58.0 -> 54.1 ms, 8 rows of 4 queries over 250 keys 41.0 -> 40.0 ms;
     more where it reads whole cache rows (:attr:`~tlt_lightning.models.compiled.CompileConfig.all_slots_ratio`).
     Arguments and return as :func:`grouped_sdpa`'s.

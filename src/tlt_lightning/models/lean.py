@@ -12,7 +12,7 @@ outputs equal the transformers path bit for bit in fp32 and bf16 on the shapes i
 It takes inference-only calls (no autograd) of ``1..MAX_GROUPED_QUERIES`` new tokens per row with
 a boolean mask: decoding and verifying drafts. Prefill and training keep transformers' forward.
 
-Measured side by side (``scripts/decode_paths.py``, SmolLM2-135M, bf16, packed weights, one thread
+Measured side by side (``benchmarks/decode_paths.py``, SmolLM2-135M, bf16, packed weights, one thread
 of a busy 2-core AMD Zen 4): one forward + head is 1.04-1.12x faster than transformers' path, a
 greedy ``RolloutEngine`` decode step 1.02x (batch 1) and 1.05x (batch 8); most of the step is the
 linears (oneDNN), not dispatch. The same loop through ``torch.compile`` (``--compile

@@ -29,7 +29,7 @@ from tlt_lightning.drafter import (
     warmup_drafter,
 )
 from tlt_lightning.models import HFTarget, load_model
-from tlt_lightning.reports import machine_info, write_json
+from tlt_lightning.reports import draw_or_skip, machine_info, write_json
 from tlt_lightning.rl.tasks import task_prompts
 from tlt_lightning.rollout import Rollout, RolloutConfig, RolloutEngine, load_rollouts, save_rollouts
 from tlt_lightning.validation import check
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "final_train_metrics": history[-1],
     }
     write_json(out / "warmup.json", payload)
-    plot(history, out / "warmup.png")
+    draw_or_skip(plot, history, out / "warmup.png")  # the drafter is saved: a missing matplotlib only warns
     print(f"[drafter warmup] held-out top-1 {before['top1']:.3f} -> {after['top1']:.3f}, acceptance at T=1 "
           f"{before['accept']:.3f} -> {after['accept']:.3f} on the draft vocabulary, {after_sd['accept']:.3f} "
           f"against the target's whole vocabulary (what sampling accepts); saved to {out}", flush=True)

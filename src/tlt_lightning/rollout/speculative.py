@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 
 from tlt_lightning.models.target import TargetModel
+from tlt_lightning.rollout.drafting import DraftModel
 from tlt_lightning.rollout.engine import RolloutEngine
 from tlt_lightning.rollout.speculative_step import SpeculativeStep
 from tlt_lightning.rollout.types import RolloutConfig, RolloutResult
@@ -25,7 +26,8 @@ class SpeculativeRolloutLoop:
 
     Args:
         target: the policy being sampled.
-        drafter: an EAGLE-style drafter for it.
+        drafter: an EAGLE-style drafter for it (a :class:`~tlt_lightning.rollout.drafting.DraftModel`, e.g.
+            :class:`~tlt_lightning.drafter.Drafter`).
         config: sampling and length settings (``feature_layers`` are extended with the drafter's).
         strategy: picks the arm per step (see :class:`SpeculativeStep`); default: a 4-token chain
             whenever speculation is on.
@@ -46,7 +48,7 @@ class SpeculativeRolloutLoop:
     def __init__(
         self,
         target: TargetModel,
-        drafter,
+        drafter: DraftModel,
         config: RolloutConfig | None = None,
         strategy: DraftStrategy | DraftSpec | None = DraftSpec(4),
         threshold: int = 32,

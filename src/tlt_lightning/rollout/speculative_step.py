@@ -25,8 +25,9 @@ import torch
 
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.target import TargetModel
+from tlt_lightning.rollout.drafting import DraftModel, draft_probs
 from tlt_lightning.rollout.engine import ActiveBatch, Emission, PlainStep, causal_decode_mask
-from tlt_lightning.rollout.tree_drafts import TreeDrafts
+from tlt_lightning.rollout.tree_drafts import draft_best_tree, draft_sampled_tree, verify_draft_tree
 from tlt_lightning.rollout.types import RolloutConfig
 from tlt_lightning.speculative import (
     DraftSpec,
@@ -46,13 +47,14 @@ def _mask_from_positions(positions: torch.Tensor, kv_len: int, first: torch.Tens
     return ((slots[None, None, :] <= positions[:, :, None]) & (slots[None, None, :] >= first[:, None, None]))[:, None]
 
 
-class SpeculativeStep(TreeDrafts):
+class SpeculativeStep:
     """Decode step that speculates with ``drafter`` when its strategy says so.
 
     Args:
         target: the model being sampled.
-        drafter: an EAGLE-style drafter for ``target`` (see :class:`~tlt_lightning.drafter.Drafter`);
-            it takes the ``"packed"`` weight layout of a packed target (values unchanged).
+        drafter: an EAGLE-style drafter for ``target`` (a :class:`~tlt_lightning.rollout.drafting.DraftModel`,
+            e.g. :class:`~tlt_lightning.drafter.Drafter`); it takes the ``"packed"`` weight layout of a
+            packed target (values unchanged).
         config: the rollout's sampling settings; ``config.feature_layers`` must start with the
             drafter's ``feature_layers``.
         strategy: picks the arm per step: a :class:`~tlt_lightning.speculative.DraftStrategy` (e.g.
@@ -67,7 +69,7 @@ class SpeculativeStep(TreeDrafts):
     def __init__(
         self,
         target: TargetModel,
-        drafter,
+        drafter: DraftModel,
         config: RolloutConfig,
         strategy: DraftStrategy | DraftSpec | None,
         threshold: int = 32,
@@ -83,7 +85,7 @@ class SpeculativeStep(TreeDrafts):
             )
         if threshold < 1:
             raise ValueError(f"threshold must be >= 1, got {threshold}")
-        if getattr(target, "weight_layout", None) == "packed" and getattr(drafter, "weight_layout", None) == "out_in":
+        if getattr(target, "weight_layout", None) == "packed" and drafter.weight_layout == "out_in":
             drafter.set_weight_layout("packed")  # same values; its drafts on a CPU get cheaper too
         self.target, self.drafter, self.config = target, drafter, config
         self.strategy, self.threshold, self.max_depth = as_strategy(strategy), threshold, max_depth
@@ -119,9 +121,7 @@ class SpeculativeStep(TreeDrafts):
             )
         if arm is None:
             emission = self.plain(batch, generator)
-        elif arm.sampled:
-            emission = self._sampled_tree(batch, arm, generator)
-        elif arm.is_chain:
+        elif arm.is_chain and not arm.sampled:
             emission = self._chain(batch, arm, generator)
         else:
             emission = self._tree(batch, arm, generator)
@@ -131,15 +131,6 @@ class SpeculativeStep(TreeDrafts):
         return emission
 
     # ------------------------------------------------------------------------------------------
-    def _draft_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[n, V_draft]`` drafter logits -> ``[n, V_draft]`` the distribution drafts are sampled from.
-
-        It lives on the draft vocabulary (the target's other tokens have probability 0, so the
-        sampling transforms give the same distribution as on the full one, at a sixth of the cost
-        on SmolLM2); the verifier gets it scattered into the target's with ``to_target_vocab``.
-        """
-        return sampling_probs(logits.float(), self.config.sampling)
-
     def _catch_up(self, batch: ActiveBatch) -> torch.Tensor:
         """Feed the drafter every pair it has not seen; return ``[n, H]`` its output at the last one.
 
@@ -175,15 +166,15 @@ class SpeculativeStep(TreeDrafts):
         L = batch.lengths.clone()
         hidden = self._catch_up(batch)
         first = self._first(batch)
-        drafts, draft_probs = [], []
+        drafts, laws = [], []  # per draft: [n] target ids; [n, V_draft] the law it was drawn from
         confidence = torch.ones(n, device=L.device)
         for k in range(K):
             logits = self.drafter.logits(hidden).float()
-            q = self._draft_probs(logits)
+            q = draft_probs(logits, self.config.sampling)
             d = sample(q, generator)
             token = self.drafter.draft_to_target(d)
             drafts.append(token)
-            draft_probs.append(q)
+            laws.append(q)
             if arm.min_confidence:
                 if self.config.sampling.greedy:  # q is one-hot: rate the argmax by the raw distribution
                     confidence *= logits.softmax(-1).amax(-1)
@@ -204,7 +195,7 @@ class SpeculativeStep(TreeDrafts):
         mask = causal_decode_mask(L, K + 1, int(positions.max()) + 1)
         out = self.target.forward(ids, positions, mask, batch.cache, self.config.feature_layers)
         target_probs = sampling_probs(self.target.lm_head(out.hidden), self.config.sampling)  # [n, K+1, V]
-        q = self.drafter.to_target_vocab(torch.stack(draft_probs, 1))  # [n, K, V]
+        q = self.drafter.to_target_vocab(torch.stack(laws, 1))  # [n, K, V]
         result = verify_chain(target_probs, q, draft_tokens, generator)
         emitted = result.emitted(draft_tokens).clamp(min=0)  # [n, K+1]
         counts = result.num_accepted + 1
@@ -213,3 +204,16 @@ class SpeculativeStep(TreeDrafts):
         if self.config.sampling.greedy:
             logprobs = torch.zeros_like(logprobs)
         return Emission(emitted, counts, logprobs, out.features, arm=arm, draft_depth=K)
+
+    def _tree(self, batch: ActiveBatch, arm: DraftSpec, generator: torch.Generator | None) -> Emission:
+        """Draft a tree (EAGLE-2's best nodes, or sampled chains forking at the root:
+        :mod:`~tlt_lightning.rollout.tree_drafts`) and verify it in one target forward."""
+        lengths = batch.lengths.clone()
+        drafter, cache = self.drafter, self.dcache
+        hidden, first = self._catch_up(batch), self._first(batch)
+        if arm.sampled:
+            sampling = self.config.sampling
+            tree = draft_sampled_tree(drafter, cache, hidden, lengths, first, arm, sampling, generator)
+        else:
+            tree = draft_best_tree(drafter, cache, hidden, lengths, first, arm)
+        return verify_draft_tree(self.target, batch, lengths, tree, self.config, arm, generator)

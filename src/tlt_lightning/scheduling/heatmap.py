@@ -13,12 +13,10 @@ Rows = list[tuple[str, list[str], list[list[float]]]]
 
 def save_heatmaps(edges: list[float], rows: Rows, title: str, path: str | Path) -> Path:
     """Draw ``rows`` (one heat map per bucket) on an Agg canvas and save it as a PNG; returns the path."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from tlt_lightning.reports import new_figure
 
-    fig = Figure(figsize=(4 * len(rows), 3.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    draw_heatmaps(fig.subplots(1, len(rows), squeeze=False)[0], edges, rows)
+    fig, axes = new_figure(1, len(rows), figsize=(4 * len(rows), 3.2), layout="constrained", squeeze=False)
+    draw_heatmaps(axes[0], edges, rows)
     fig.suptitle(title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ class StepCostModel:
     (:class:`~tlt_lightning.scheduling.SimulatedSDEnvironment`): a memory-bound step whose cost grows
     slowly with the tokens it verifies, so deep drafts pay at small batch and lose at large batch.
     Only the ratios between arms matter to the bandit; fit them to a machine with
-    ``tlt-lightning bench strategies`` when the default ranking is wrong for it.
+    ``python -m benchmarks strategies`` (a checkout) when the default ranking is wrong for it.
 
     Args:
         base_time: fixed cost of a target forward (``> 0``).

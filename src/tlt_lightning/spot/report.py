@@ -99,15 +99,14 @@ def plot_timeline(timeline: Sequence[Segment], path: str | Path, title: str | No
     Example:
         >>> # plot_timeline(coord.gather_timeline(since=step_start), "timeline.png")
     """
-    from matplotlib.patches import Patch
-
     from tlt_lightning.reports import new_figure, save_figure
 
     if not timeline:
         raise ValueError("timeline is empty: nothing to plot")
     t0 = min(s.start for s in timeline)
     workers = sorted({s.worker for s in timeline})
-    fig, ax = new_figure(figsize=(10, 0.6 * len(workers) + 1.4))
+    fig, ax = new_figure(figsize=(10, 0.6 * len(workers) + 1.4))  # without matplotlib: names the plots extra
+    from matplotlib.patches import Patch
     for row, worker in enumerate(workers):
         for state in WorkerState:
             spans = [

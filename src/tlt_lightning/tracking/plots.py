@@ -1,4 +1,9 @@
-"""Plots of rollout statistics for run tracking (PNG files a logger can attach as artifacts)."""
+"""Plots of rollout statistics for run tracking (PNG files a logger can attach as artifacts).
+
+They need matplotlib, the ``plots`` extra (:func:`tlt_lightning.reports.new_figure` says how to install
+it); a fit's callbacks draw them through :func:`tlt_lightning.reports.draw_or_skip`, which skips them with
+a warning instead.
+"""
 
 from __future__ import annotations
 

@@ -1,1 +1,0 @@
-"""Benchmarks behind `tlt-lightning bench ...`: each writes JSON and a PNG."""
