@@ -18,7 +18,7 @@ def test_a_fit_without_matplotlib_skips_the_pictures_with_one_warning(tmp_path, 
     module = make_module(max_new_tokens=10)  # first: its task imports reasoning-gym, which needs matplotlib
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails, as without the extra
     reports.warn_no_matplotlib.cache_clear()
-    spot, bandit = SpotDrafterCallback(max_steps_per_rollout=2), BanditCallback()
+    spot, bandit = SpotDrafterCallback({"training": {"max_steps_per_rollout": 2}}), BanditCallback()
     probe = DrafterDriftProbe(num_prompts=2, max_new_tokens=6, arm=DraftSpec(2))
     trainer = make_trainer(2, callbacks=[spot, bandit, probe], default_root_dir=tmp_path)
     try:
@@ -44,7 +44,7 @@ def test_the_pictures_are_drawn_with_matplotlib_only(tmp_path, monkeypatch, bloc
     if blocked:
         monkeypatch.setitem(sys.modules, "matplotlib", None)
     reports.warn_no_matplotlib.cache_clear()
-    spot = SpotDrafterCallback(max_steps_per_rollout=2)
+    spot = SpotDrafterCallback({"training": {"max_steps_per_rollout": 2}})
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
