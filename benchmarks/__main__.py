@@ -33,9 +33,11 @@ from tlt_lightning.cli_options import Parser, plain
 __all__ = ["PROG", "build_parser", "main", "parse"]
 
 PROG = "python -m benchmarks"
-EXPERIMENTS = ("The experiments behind single results run as modules, each with its own --help: "
-               "python -m benchmarks.compiled_steps | .decode_paths | .batch1_rates | .compiled_check | "
-               ".measure_task_reward")
+EXPERIMENTS = (
+    "The experiments behind single results run as modules, each with its own --help: "
+    "python -m benchmarks.compiled_steps | .decode_paths | .batch1_rates | .compiled_check | "
+    ".measure_task_reward"
+)
 _RUNS = {name: run for name, _, _, run in BENCHMARKS}
 
 
@@ -43,8 +45,11 @@ def build_parser() -> Parser:
     """Global ``--threads`` and ``--traceback``, then one subcommand per benchmark (``ns.name``)."""
     parser = Parser(prog=PROG, description=__doc__.split("\n")[0], epilog=EXPERIMENTS)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--traceback", action="store_true",
-                        help=f"show the full traceback of a ValueError/TypeError (or set {TRACEBACK_ENV}=1)")
+    parser.add_argument(
+        "--traceback",
+        action="store_true",
+        help=f"show the full traceback of a ValueError/TypeError (or set {TRACEBACK_ENV}=1)",
+    )
     subcommands = parser.add_subcommands(dest="name", required=True)
     for name, help_, options, _ in BENCHMARKS:
         sub = Parser(prog=f"{PROG} {name}", description=help_)
@@ -63,8 +68,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         ('bandit', 10, 1)
     """
     parsed = build_parser().parse_args(list(argv))
-    return argparse.Namespace(**parsed[parsed.name].as_dict(), name=parsed.name, threads=parsed.threads,
-                              traceback=parsed.traceback, argv=list(argv))
+    return argparse.Namespace(
+        **parsed[parsed.name].as_dict(),
+        name=parsed.name,
+        threads=parsed.threads,
+        traceback=parsed.traceback,
+        argv=list(argv),
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -47,9 +47,15 @@ def build_model(layers: int, hidden: int, vocab: int, attn: str, seed: int = 0) 
     if hidden % 64:
         raise ValueError(f"hidden must be a multiple of 64 (heads of 64), got {hidden}")
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=(hidden * 8 // 3 + 63) // 64 * 64,
-        num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-        max_position_embeddings=8192, tie_word_embeddings=True, attn_implementation=attn,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=(hidden * 8 // 3 + 63) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        attn_implementation=attn,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -61,7 +67,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     model = build_model(args.layers, args.hidden, args.vocab, args.attn, args.seed)
-    ids = torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(args.seed))
+    ids = torch.randint(
+        0, args.vocab, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(args.seed)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def forward() -> torch.Tensor:
@@ -96,8 +104,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for blocks_name, profile in (("layers", layer_profile), ("sublayers", sub_profile)):
             if b >= profile.min_peak_bytes:
                 p = plan_optimal(profile, b)
-                sweep.append({"blocks": blocks_name, "budget_mb": b / 2**20, "checkpointed": len(p.indices),
-                              "predicted_recompute_ms": p.recompute_seconds * 1e3})
+                sweep.append(
+                    {
+                        "blocks": blocks_name,
+                        "budget_mb": b / 2**20,
+                        "checkpointed": len(p.indices),
+                        "predicted_recompute_ms": p.recompute_seconds * 1e3,
+                    }
+                )
     results: dict[str, dict[str, Any]] = {}
     for name, (blocks, plan) in variants.items():
         with apply_activation_checkpointing(blocks, plan):
@@ -112,7 +126,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": [],
             "cpu_s": [],
         }
-        print(f"[bench activation-checkpointing] {name}: checkpointed {plan.indices}, peak {report.peak_bytes / 2**20:.1f} MiB")
+        print(
+            f"[bench activation-checkpointing] {name}: checkpointed {plan.indices}, peak {report.peak_bytes / 2**20:.1f} MiB"
+        )
     for name, (blocks, plan) in variants.items():  # warm-up: allocator and AdamW state
         with apply_activation_checkpointing(blocks, plan):
             train_step()
@@ -136,7 +152,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python -m benchmarks " + " ".join(getattr(args, "argv", [])),
         "machine": machine_info(),
         "model": {
-            "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "attn": args.attn,
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "vocab": args.vocab,
+            "attn": args.attn,
             "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         },
         "batch_size": args.batch_size,
@@ -164,7 +183,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return payload
 
 
-def plot(results: dict[str, dict[str, Any]], sweep: list[dict[str, Any]], path: Path, budget_mb: float) -> Path:
+def plot(
+    results: dict[str, dict[str, Any]], sweep: list[dict[str, Any]], path: Path, budget_mb: float
+) -> Path:
     """Measured peak memory and throughput (CPU time) per variant; the DP's recompute across budgets."""
     names = list(results)
     colors = ["tab:gray", "tab:blue", "tab:green", "tab:olive", "tab:orange", "tab:red"]
@@ -179,10 +200,25 @@ def plot(results: dict[str, dict[str, Any]], sweep: list[dict[str, Any]], path: 
         ax.tick_params(axis="x", rotation=30)
     for kind, marker in (("layers", "o-"), ("sublayers", "s--")):
         pts = [s for s in sweep if s["blocks"] == kind]
-        c.plot([s["budget_mb"] for s in pts], [s["predicted_recompute_ms"] for s in pts], marker,
-               drawstyle="steps-post", label=f"optimal ({kind})")  # a step function of the budget
+        c.plot(
+            [s["budget_mb"] for s in pts],
+            [s["predicted_recompute_ms"] for s in pts],
+            marker,
+            drawstyle="steps-post",
+            label=f"optimal ({kind})",
+        )  # a step function of the budget
     st = results["static"]
-    c.plot([st["measured_peak_mb"]], [st["predicted_recompute_ms"]], "k*", ms=12, label="static every-other-layer")
-    c.set(xlabel="memory budget (MiB)", ylabel="recompute per step (ms, profiled)", title="Optimal plan across budgets")
+    c.plot(
+        [st["measured_peak_mb"]],
+        [st["predicted_recompute_ms"]],
+        "k*",
+        ms=12,
+        label="static every-other-layer",
+    )
+    c.set(
+        xlabel="memory budget (MiB)",
+        ylabel="recompute per step (ms, profiled)",
+        title="Optimal plan across budgets",
+    )
     c.legend()
     return save_figure(fig, path)

@@ -32,7 +32,11 @@ __all__ = ["main", "plot_benchmark", "run", "run_bandit_benchmark"]
 
 
 def _summarise(
-    trace: list[dict[str, Any]], strategy: BucketedStrategy, change_at: int | None, majority: int, burn_in: int
+    trace: list[dict[str, Any]],
+    strategy: BucketedStrategy,
+    change_at: int | None,
+    majority: int,
+    burn_in: int,
 ):
     """Best-arm fractions per bucket and phase, and steps to follow the change (see the benchmark)."""
     end = len(trace) if change_at is None else change_at
@@ -110,8 +114,13 @@ def run_bandit_benchmark(
     strategies: dict[str, BucketedStrategy] = {
         "begmab": BEGMABStrategy(epsilon=epsilon, window=window, seed=seed),
         # Exploration decaying per bucket to a 1% floor: cheaper once known, slower to follow a change.
-        "begmab-decay": BEGMABStrategy(epsilon=epsilon, window=window, seed=seed, epsilon_half_life=window,
-                                       epsilon_floor=min(0.01, epsilon)),
+        "begmab-decay": BEGMABStrategy(
+            epsilon=epsilon,
+            window=window,
+            seed=seed,
+            epsilon_half_life=window,
+            epsilon_floor=min(0.01, epsilon),
+        ),
         "ucb": UCBStrategy(c=ucb_c, window=window),
         **{f"fixed:{arm_key(arm)}": FixedStrategy(arm) for arm in default_arms()},
     }
@@ -129,7 +138,11 @@ def run_bandit_benchmark(
         trace = traces[name] = run_strategy(strategy, SimulatedSDEnvironment(**env_args), steps)
         # Fixed arms have one bucket; judge every strategy on the bandit's buckets.
         fractions, follow = _summarise(
-            trace, strategies["begmab"] if name.startswith("fixed") else strategy, change_at, majority, burn_in
+            trace,
+            strategies["begmab"] if name.startswith("fixed") else strategy,
+            change_at,
+            majority,
+            burn_in,
         )
         results[name] = {
             "total_reward": sum(r["reward"] for r in trace),

@@ -31,8 +31,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=1000, help="countdown prompts (the v8 temperatures run used 1000)")
-    p.add_argument("--temperature", type=float, default=1.0, help="1 as the v8 run; 0: greedy (no sampling step)")
+    p.add_argument(
+        "--seed", type=int, default=1000, help="countdown prompts (the v8 temperatures run used 1000)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="1 as the v8 run; 0: greedy (no sampling step)"
+    )
     p.add_argument("--json", default="runs/bench/batch1_rates.json")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -78,22 +82,33 @@ def main() -> None:
                 "decode_step_cpu_ms": 1000 * median(s.step_cpu_times),
             }.items():
                 rows[name].setdefault(key, []).append(value)
-        print(f"prompt {i}: " + ", ".join(f"{k} {rows[k]['end_to_end_tokens_per_s'][-1]:.1f}/"
-                                          f"{rows[k]['decode_tokens_per_s'][-1]:.1f}" for k in settings), flush=True)
+        print(
+            f"prompt {i}: "
+            + ", ".join(
+                f"{k} {rows[k]['end_to_end_tokens_per_s'][-1]:.1f}/{rows[k]['decode_tokens_per_s'][-1]:.1f}"
+                for k in settings
+            ),
+            flush=True,
+        )
     out = {
         "benchmark": "batch1-rates",
-        "command": "python -m benchmarks.batch1_rates " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "command": "python -m benchmarks.batch1_rates "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "machine": machine_info(),
-        "settings": {k: {"layout": t.weight_layout, "ignore_eos": ig, "short_prompt": sh}
-                     for k, (t, ig, sh) in settings.items()},
+        "settings": {
+            k: {"layout": t.weight_layout, "ignore_eos": ig, "short_prompt": sh}
+            for k, (t, ig, sh) in settings.items()
+        },
         "medians": {k: {m: median(v) for m, v in r.items()} for k, r in rows.items()},
         "runs": rows,
     }
     write_json(args.json, out)
     for k, r in out["medians"].items():
-        print(f"{k}: e2e {r['end_to_end_tokens_per_s']:.1f}, decode {r['decode_tokens_per_s']:.1f} tok/s, "
-              f"prefill {r['prefill_s']:.3f} s ({r['prefill_share']:.0%}), {r['response_tokens']:.0f} tokens, "
-              f"{r['cpu_ms_per_token']:.1f} CPU ms/token, decode step {r['decode_step_cpu_ms']:.1f} CPU ms")
+        print(
+            f"{k}: e2e {r['end_to_end_tokens_per_s']:.1f}, decode {r['decode_tokens_per_s']:.1f} tok/s, "
+            f"prefill {r['prefill_s']:.3f} s ({r['prefill_share']:.0%}), {r['response_tokens']:.0f} tokens, "
+            f"{r['cpu_ms_per_token']:.1f} CPU ms/token, decode step {r['decode_step_cpu_ms']:.1f} CPU ms"
+        )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,14 @@ from tlt_lightning.reports import machine_info, median, new_figure, save_figure,
 from tlt_lightning.rl.tasks import task_prompts
 
 __all__ = [
-    "compile_report", "machine_info", "median", "new_figure", "prompt_groups", "save_figure", "task_prompts", "timed",
+    "compile_report",
+    "machine_info",
+    "median",
+    "new_figure",
+    "prompt_groups",
+    "save_figure",
+    "task_prompts",
+    "timed",
     "write_json",
 ]
 
@@ -19,7 +26,10 @@ __all__ = [
 def prompt_groups(prompts: list[list[int]], size: int, repeats: int) -> list[list[list[int]]]:
     """The ``repeats`` groups of ``size`` prompts the timed runs use: group ``r`` is the ``r``-th slice,
     wrapping around, so small batches average over several prompts."""
-    return [(prompts[r * size % len(prompts):] + prompts[:r * size % len(prompts)])[:size] for r in range(repeats)]
+    return [
+        (prompts[r * size % len(prompts) :] + prompts[: r * size % len(prompts)])[:size]
+        for r in range(repeats)
+    ]
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
@@ -43,6 +53,7 @@ def compile_report(target: Any) -> dict[str, Any]:
     times = getattr(target, "compile_times", {})
     return {
         "compile_seconds": sum(times.values()),
-        "compile_buckets": [{**b._asdict(), "feature_layers": list(b.feature_layers), "seconds": s}
-                            for b, s in times.items()],
+        "compile_buckets": [
+            {**b._asdict(), "feature_layers": list(b.feature_layers), "seconds": s} for b, s in times.items()
+        ],
     }

@@ -44,7 +44,10 @@ from tlt_lightning.speculative import DraftSpec
 def prompts_for(target: HFTarget, n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     high = min(target.info.vocab_size, 1000)
-    return [torch.randint(3, high, (int(k),), generator=g).tolist() for k in torch.randint(4, 40, (n,), generator=g)]
+    return [
+        torch.randint(3, high, (int(k),), generator=g).tolist()
+        for k in torch.randint(4, 40, (n,), generator=g)
+    ]
 
 
 def same_tokens(a, b) -> int:
@@ -54,20 +57,35 @@ def same_tokens(a, b) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--model", default="tiny-llama", help="registry name (tiny-llama, tiny-qwen2, smollm2-135m)")
+    p.add_argument(
+        "--model", default="tiny-llama", help="registry name (tiny-llama, tiny-qwen2, smollm2-135m)"
+    )
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--batch-buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16],
-                   help="compiled batch sizes (fewer buckets, fewer compiles)")
+    p.add_argument(
+        "--batch-buckets",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8, 16],
+        help="compiled batch sizes (fewer buckets, fewer compiles)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--mode", default=None, help="torch.compile mode (default: reduce-overhead on CUDA)")
-    p.add_argument("--random-weights", action="store_true",
-                   help="--model is a directory with a config.json: build it with random weights")
-    p.add_argument("--speed", type=int, nargs="*", default=[], metavar="B", help="time bf16 decoding at these batches")
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="--model is a directory with a config.json: build it with random weights",
+    )
+    p.add_argument(
+        "--speed", type=int, nargs="*", default=[], metavar="B", help="time bf16 decoding at these batches"
+    )
     p.add_argument("--speed-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="write the speed runs here")
-    p.add_argument("--peer-generate", action="store_true",
-                   help="--speed: also time transformers' own generate with a static cache (compiled by transformers on CUDA)")
+    p.add_argument(
+        "--peer-generate",
+        action="store_true",
+        help="--speed: also time transformers' own generate with a static cache (compiled by transformers on CUDA)",
+    )
     p.add_argument("--speed-only", action="store_true", help="skip the exactness checks")
     args = p.parse_args()
     model = build_model(args.model, args.random_weights).to(args.device)
@@ -86,15 +104,20 @@ def main() -> int:
     got = RolloutEngine(compiled, rollout).generate(prompts)  # compiles
     start = time.perf_counter()
     got = RolloutEngine(compiled, rollout).generate(prompts)
-    print(f"plain decode: identical {same_tokens(expected, got)}/{len(prompts)}; decode tok/s hf "
-          f"{expected.stats.decode_tokens_per_s:.1f}, compiled {got.stats.decode_tokens_per_s:.1f} "
-          f"({time.perf_counter() - start:.1f} s)", flush=True)
+    print(
+        f"plain decode: identical {same_tokens(expected, got)}/{len(prompts)}; decode tok/s hf "
+        f"{expected.stats.decode_tokens_per_s:.1f}, compiled {got.stats.decode_tokens_per_s:.1f} "
+        f"({time.perf_counter() - start:.1f} s)",
+        flush=True,
+    )
     if same_tokens(expected, got) != len(prompts):
         failures.append("plain decode")
 
     drafter = Drafter(DrafterConfig.from_target(hf), hf)
     for arm in (DraftSpec(3), DraftSpec(3, 2, 6)):
-        loop = SpeculativeRolloutLoop(compiled, drafter, replace(rollout, feature_layers=()), arm, threshold=1000)
+        loop = SpeculativeRolloutLoop(
+            compiled, drafter, replace(rollout, feature_layers=()), arm, threshold=1000
+        )
         result = loop.generate(prompts)
         print(f"{arm}: identical to plain {same_tokens(expected, result)}/{len(prompts)}", flush=True)
         if same_tokens(expected, result) != len(prompts):
@@ -107,14 +130,19 @@ def main() -> int:
             param.mul_(1.25)  # in place, as an optimizer step
     after, reference = one_step(compiled, lens), one_step(hf, lens)
     followed = torch.allclose(after, reference, rtol=1e-4, atol=1e-4) and not torch.allclose(before, after)
-    print(f"weights changed in place: compiled follows {followed} "
-          f"(max|diff| {(after - reference).abs().max().item():.1e})", flush=True)
+    print(
+        f"weights changed in place: compiled follows {followed} "
+        f"(max|diff| {(after - reference).abs().max().item():.1e})",
+        flush=True,
+    )
     if not followed:
         failures.append("weight update")
 
     for bucket, seconds in compiled.compile_times.items():
         print(f"compiled {tuple(bucket)} in {seconds:.1f} s")
-    print(f"compile total {compiled.compile_seconds:.1f} s, mode {compiled._compiled.mode}, device {args.device}")
+    print(
+        f"compile total {compiled.compile_seconds:.1f} s, mode {compiled._compiled.mode}, device {args.device}"
+    )
     print("OK" if not failures else f"FAILED: {failures}")
     if args.speed:
         speed(model, args)
@@ -153,18 +181,35 @@ def speed(model: torch.nn.Module, args: argparse.Namespace) -> None:
                     end_to_end["generate-static"].append(rate)
         median = {name: statistics.median(r) for name, r in rates.items()}
         median_e2e = {name: statistics.median(r) for name, r in end_to_end.items()}
-        runs.append({"batch": batch, "decode_tokens_per_s": rates, "median": median,
-                     "end_to_end_tokens_per_s": end_to_end, "median_end_to_end": median_e2e})
-        print(f"bf16 batch {batch:3d}: decode tok/s hf {median['hf']:8.1f}, compiled {median['compiled']:8.1f} "
-              f"({median['compiled'] / median['hf']:.2f}x); end to end " +
-              ", ".join(f"{k} {v:.1f}" for k, v in median_e2e.items()), flush=True)
+        runs.append(
+            {
+                "batch": batch,
+                "decode_tokens_per_s": rates,
+                "median": median,
+                "end_to_end_tokens_per_s": end_to_end,
+                "median_end_to_end": median_e2e,
+            }
+        )
+        print(
+            f"bf16 batch {batch:3d}: decode tok/s hf {median['hf']:8.1f}, compiled {median['compiled']:8.1f} "
+            f"({median['compiled'] / median['hf']:.2f}x); end to end "
+            + ", ".join(f"{k} {v:.1f}" for k, v in median_e2e.items()),
+            flush=True,
+        )
     print(f"speed compile total {paths['compiled'].compile_seconds:.1f} s")
     if args.json:
         device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-        result = {"model": args.model, "random_weights": args.random_weights, "device": device,
-                  "torch": torch.__version__, "mode": paths["compiled"]._compiled.mode,
-                  "max_new_tokens": args.speed_tokens, "repeats": args.repeats, "runs": runs,
-                  "compile_times_s": {str(k): v for k, v in paths["compiled"].compile_times.items()}}
+        result = {
+            "model": args.model,
+            "random_weights": args.random_weights,
+            "device": device,
+            "torch": torch.__version__,
+            "mode": paths["compiled"]._compiled.mode,
+            "max_new_tokens": args.speed_tokens,
+            "repeats": args.repeats,
+            "runs": runs,
+            "compile_times_s": {str(k): v for k, v in paths["compiled"].compile_times.items()},
+        }
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 
@@ -179,8 +224,15 @@ def generate_static(model: torch.nn.Module, prompts: list[list[int]], tokens: in
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=tokens, min_new_tokens=tokens,
-                         do_sample=False, cache_implementation="static", pad_token_id=0)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        do_sample=False,
+        cache_implementation="static",
+        pad_token_id=0,
+    )
     sync()
     assert out.shape[1] - width == tokens, out.shape
     return len(prompts) * tokens / (time.perf_counter() - start)
@@ -199,7 +251,9 @@ def one_step(target: HFTarget, lens: torch.Tensor, q: int = 4) -> torch.Tensor:
         cache.lengths[:n] = lens
         positions = lens[:, None] + torch.arange(q, device=device)
         mask = causal_decode_mask(lens, q, int(positions.max()) + 1)
-        return target.forward(ids[:, width:], positions, mask, cache, feature_layers=(target.info.num_layers,)).hidden
+        return target.forward(
+            ids[:, width:], positions, mask, cache, feature_layers=(target.info.num_layers,)
+        ).hidden
 
 
 if __name__ == "__main__":

@@ -29,26 +29,40 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--shapes", nargs="+", default=["1x200x1", "8x200x1", "32x200x1", "48x300x1", "4x150x4"],
-                   help="ROWSxKEYSxQUERIES: rows of QUERIES new tokens each over KEYS key slots")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["1x200x1", "8x200x1", "32x200x1", "48x300x1", "4x150x4"],
+        help="ROWSxKEYSxQUERIES: rows of QUERIES new tokens each over KEYS key slots",
+    )
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--slots", type=int, default=None, help="cache slots per row (default: the most keys + 1)")
     p.add_argument("--json", default=None)
-    variants = {"static": CompileConfig(dynamic=False, matmul_attention=False, cpp_attention=False),
-                "dynamic": CompileConfig(dynamic=True, matmul_attention=False, cpp_attention=False),
-                "dynamic+matmul": CompileConfig(dynamic=True, matmul_attention=True, all_slots_ratio=0,
-                                                cpp_attention=False),
-                "dynamic+matmul+all-slots": CompileConfig(dynamic=True, matmul_attention=True, cpp_attention=False),
-                "cpp-attention+guards": CompileConfig(dynamic=True, skip_guards=False),
-                "cpp-attention": CompileConfig(dynamic=True)}
-    p.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants),
-                   help="the configs to time; speed-ups are over the first")
+    variants = {
+        "static": CompileConfig(dynamic=False, matmul_attention=False, cpp_attention=False),
+        "dynamic": CompileConfig(dynamic=True, matmul_attention=False, cpp_attention=False),
+        "dynamic+matmul": CompileConfig(
+            dynamic=True, matmul_attention=True, all_slots_ratio=0, cpp_attention=False
+        ),
+        "dynamic+matmul+all-slots": CompileConfig(dynamic=True, matmul_attention=True, cpp_attention=False),
+        "cpp-attention+guards": CompileConfig(dynamic=True, skip_guards=False),
+        "cpp-attention": CompileConfig(dynamic=True),
+    }
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(variants),
+        choices=list(variants),
+        help="the configs to time; speed-ups are over the first",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     model = load_model(args.model, dtype=args.dtype).model
-    targets = {name: HFTarget(model, decode="compiled", compile_config=variants[name]) for name in args.variants}
+    targets = {
+        name: HFTarget(model, decode="compiled", compile_config=variants[name]) for name in args.variants
+    }
     for target in targets.values():
         target.set_weight_layout("packed")
     rows, keys = max(s[0] for s in shapes), max(s[1] for s in shapes)
@@ -75,16 +89,36 @@ def main() -> None:
                 for name in targets:
                     runs[name].append(step(name))
             ms = {name: 1000 * statistics.median(r) for name, r in runs.items()}
-            results.append({"rows": n, "keys": kv, "queries": q, "median_ms": ms, "first_call_s": first,
-                            "runs_ms": {k: [1000 * t for t in r] for k, r in runs.items()}})
-            print(f"{n} rows x {q} queries over {kv} keys: " + ", ".join(
-                f"{k} {v:.1f} ms (x{ms[args.variants[0]] / v:.2f})" for k, v in ms.items()), flush=True)
+            results.append(
+                {
+                    "rows": n,
+                    "keys": kv,
+                    "queries": q,
+                    "median_ms": ms,
+                    "first_call_s": first,
+                    "runs_ms": {k: [1000 * t for t in r] for k, r in runs.items()},
+                }
+            )
+            print(
+                f"{n} rows x {q} queries over {kv} keys: "
+                + ", ".join(f"{k} {v:.1f} ms (x{ms[args.variants[0]] / v:.2f})" for k, v in ms.items()),
+                flush=True,
+            )
     for name, t in targets.items():
         print(f"{name}: compiled {len(t.compile_times)} graphs in {t.compile_seconds:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "dtype": args.dtype, "threads": args.threads, "shapes": results,
-                       "compile_seconds": {k: t.compile_seconds for k, t in targets.items()}}, f, indent=1)
+            json.dump(
+                {
+                    "model": args.model,
+                    "dtype": args.dtype,
+                    "threads": args.threads,
+                    "shapes": results,
+                    "compile_seconds": {k: t.compile_seconds for k, t in targets.items()},
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

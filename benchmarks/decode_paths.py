@@ -38,47 +38,79 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--weight-layout", default="packed", choices=["out_in", "in_out", "packed"],
-                   help="layout of the linear weights (the compiled path multiplies by packed copies either way)")
+    p.add_argument(
+        "--weight-layout",
+        default="packed",
+        choices=["out_in", "in_out", "packed"],
+        help="layout of the linear weights (the compiled path multiplies by packed copies either way)",
+    )
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--queries", type=int, nargs="+", default=[1, 7], help="new tokens per row (1 = decode)")
     p.add_argument("--context", type=int, default=300, help="cached positions per row")
-    p.add_argument("--bucket", type=int, default=64, help="compiled path: key length rounded up to a multiple of this")
+    p.add_argument(
+        "--bucket", type=int, default=64, help="compiled path: key length rounded up to a multiple of this"
+    )
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--compile", action="store_true", help="also time the compiled path (HFTarget(decode='compiled'))")
-    p.add_argument("--compile-unpacked", action="store_true",
-                   help="the compiled path multiplies by the parameters (F.linear) instead of oneDNN-packed copies")
-    p.add_argument("--compile-onednn", action="store_true",
-                   help="also time the compiled path without row_gemv (one-row graphs multiply with oneDNN)")
+    p.add_argument(
+        "--compile", action="store_true", help="also time the compiled path (HFTarget(decode='compiled'))"
+    )
+    p.add_argument(
+        "--compile-unpacked",
+        action="store_true",
+        help="the compiled path multiplies by the parameters (F.linear) instead of oneDNN-packed copies",
+    )
+    p.add_argument(
+        "--compile-onednn",
+        action="store_true",
+        help="also time the compiled path without row_gemv (one-row graphs multiply with oneDNN)",
+    )
     p.add_argument("--no-lean", action="store_true", help="leave out the eager lean path")
-    p.add_argument("--engine", type=int, default=0, metavar="N",
-                   help="time greedy RolloutEngine rollouts of N new tokens instead of single forwards")
+    p.add_argument(
+        "--engine",
+        type=int,
+        default=0,
+        metavar="N",
+        help="time greedy RolloutEngine rollouts of N new tokens instead of single forwards",
+    )
     p.add_argument("--repeats", type=int, default=3, help="--engine: alternating runs per path")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=args.dtype)
     model = loaded.model
-    targets = {"hf": HFTarget(model)} if args.no_lean else {"hf": HFTarget(model), "lean": HFTarget(model, decode="lean")}
+    targets = (
+        {"hf": HFTarget(model)}
+        if args.no_lean
+        else {"hf": HFTarget(model), "lean": HFTarget(model, decode="lean")}
+    )
     if args.compile:
         # One bucket per measured shape: batch and query buckets are the measured sizes themselves.
-        config = CompileConfig(batch_buckets=tuple(sorted(set(args.batch))), query_buckets=tuple(sorted(set(args.queries))),
-                               kv_step=args.bucket, packed_weights=not args.compile_unpacked)
+        config = CompileConfig(
+            batch_buckets=tuple(sorted(set(args.batch))),
+            query_buckets=tuple(sorted(set(args.queries))),
+            kv_step=args.bucket,
+            packed_weights=not args.compile_unpacked,
+        )
         targets["compiled"] = HFTarget(model, decode="compiled", compile_config=config)
         if args.compile_onednn:
-            targets["compiled-onednn"] = HFTarget(model, decode="compiled",
-                                                  compile_config=dataclasses.replace(config, row_gemv=False))
+            targets["compiled-onednn"] = HFTarget(
+                model, decode="compiled", compile_config=dataclasses.replace(config, row_gemv=False)
+            )
     targets["hf"].set_weight_layout(args.weight_layout)  # one model: every path sees the layout
     if args.engine:
         engine_rollouts(args, loaded.tokenizer, targets)
         return
-    print(f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads} context={args.context}; "
-          f"ms per forward+head, median of {args.rounds} alternating rounds")
+    print(
+        f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads} context={args.context}; "
+        f"ms per forward+head, median of {args.rounds} alternating rounds"
+    )
     for B in args.batch:
         for q in args.queries:
             med, diffs, compile_s = measure(args, targets, B, q)
-            parts = [f"{k} {m:6.1f} ms ({B * q / m * 1e3:6.0f} tokens fed/s, max|diff| {diffs[k]:.1e})"
-                     for k, m in med.items()]
+            parts = [
+                f"{k} {m:6.1f} ms ({B * q / m * 1e3:6.0f} tokens fed/s, max|diff| {diffs[k]:.1e})"
+                for k, m in med.items()
+            ]
             ratios = "".join(f"; {k}/hf {med['hf'] / m:.2f}x" for k, m in med.items() if k != "hf")
             extra = f", compile {compile_s:.0f} s" if args.compile else ""
             print(f"B={B} q={q}: " + "; ".join(parts) + ratios + extra, flush=True)
@@ -90,8 +122,10 @@ def engine_rollouts(args, tokenizer, targets: dict[str, HFTarget]) -> None:
 
     prompts = task_prompts(tokenizer, "countdown", max(args.batch), seed=0)
     config = RolloutConfig(max_new_tokens=args.engine, temperature=0.0)
-    print(f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads}: greedy RolloutEngine, "
-          f"{args.engine} new tokens per request, median of {args.repeats} alternating runs")
+    print(
+        f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads}: greedy RolloutEngine, "
+        f"{args.engine} new tokens per request, median of {args.repeats} alternating runs"
+    )
     for B in args.batch:
         step_ms: dict[str, list[float]] = {k: [] for k in targets}
         tok_s: dict[str, list[float]] = {k: [] for k in targets}
@@ -111,8 +145,10 @@ def engine_rollouts(args, tokenizer, targets: dict[str, HFTarget]) -> None:
         parts = []
         for k in targets:
             same = sum(a == b for a, b in zip(outputs["hf"], outputs[k]))
-            parts.append(f"{k} {med[k]:.1f} ms/step {tps[k]:.1f} tok/s"
-                         + ("" if k == "hf" else f" ({med['hf'] / med[k]:.2f}x, identical {same}/{B})"))
+            parts.append(
+                f"{k} {med[k]:.1f} ms/step {tps[k]:.1f} tok/s"
+                + ("" if k == "hf" else f" ({med['hf'] / med[k]:.2f}x, identical {same}/{B})")
+            )
         extra = f"; compile {compile_s['compiled']:.0f} s (untimed)" if "compiled" in compile_s else ""
         print(f"B={B}: " + "; ".join(parts) + extra, flush=True)
 

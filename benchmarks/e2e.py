@@ -57,29 +57,42 @@ class StepRecorder(L.Callback):
         self.steps: list[dict[str, float]] = []
         self._start = (0.0, 0.0)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._start = (time.perf_counter(), time.process_time())
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         wall, cpu = time.perf_counter() - self._start[0], time.process_time() - self._start[1]
         m = {k: float(v) for k, v in trainer.callback_metrics.items()}
         stats = pl_module.last_rollout.stats
-        self.steps.append({
-            "step": trainer.global_step, "wall_s": wall, "cpu_s": cpu,
-            "rollout_s": m["time/rollout_s"], "reward_s": m["time/reward_s"], "train_s": m["time/train_s"],
-            "drafter_s": m.get("drafter/paid_seconds", 0.0),
-            "reward_mean": m["reward/mean"], "accuracy": m["reward/accuracy"],
-            "length_mean": m["response/length_mean"], "tokens": stats.generated_tokens,
-            "accept_length": stats.mean_accept_length,
-            "sd_step_fraction": sum(stats.step_speculative) / max(1, stats.num_steps),
-        })
+        self.steps.append(
+            {
+                "step": trainer.global_step,
+                "wall_s": wall,
+                "cpu_s": cpu,
+                "rollout_s": m["time/rollout_s"],
+                "reward_s": m["time/reward_s"],
+                "train_s": m["time/train_s"],
+                "drafter_s": m.get("drafter/paid_seconds", 0.0),
+                "reward_mean": m["reward/mean"],
+                "accuracy": m["reward/accuracy"],
+                "length_mean": m["response/length_mean"],
+                "tokens": stats.generated_tokens,
+                "accept_length": stats.mean_accept_length,
+                "sd_step_fraction": sum(stats.step_speculative) / max(1, stats.num_steps),
+            }
+        )
         if self.verbose:
             s = self.steps[-1]
-            print(f"[bench e2e] {self.name} step {s['step']}/{trainer.max_steps}: {wall:.1f} s (rollout "
-                  f"{s['rollout_s']:.1f}, train {s['train_s']:.1f}, drafter {s['drafter_s']:.1f}), "
-                  f"reward {s['reward_mean']:.3f}, accept {s['accept_length']:.2f}", flush=True)
+            print(
+                f"[bench e2e] {self.name} step {s['step']}/{trainer.max_steps}: {wall:.1f} s (rollout "
+                f"{s['rollout_s']:.1f}, train {s['train_s']:.1f}, drafter {s['drafter_s']:.1f}), "
+                f"reward {s['reward_mean']:.3f}, accept {s['accept_length']:.2f}",
+                flush=True,
+            )
 
 
 def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -88,18 +101,26 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
     tlt = name == "tlt"
     module = GRPOModule(
-        model=args.model, rollout_dtype=args.rollout_dtype, task=TaskConfig(name=args.task),
+        model=args.model,
+        rollout_dtype=args.rollout_dtype,
+        task=TaskConfig(name=args.task),
         rollout=RolloutConfig(max_new_tokens=args.max_new_tokens),
-        optim=OptimConfig(group_size=args.group_size, prompts_per_step=args.prompts_per_step, lr=args.lr,
-                          micro_batch_size=args.micro_batch_size),
+        optim=OptimConfig(
+            group_size=args.group_size,
+            prompts_per_step=args.prompts_per_step,
+            lr=args.lr,
+            micro_batch_size=args.micro_batch_size,
+        ),
         # without --bandit: a fixed chain of this depth
-        speculative=SpeculativeConfig(enabled=tlt, threshold=args.threshold, sd_steps=args.depth), seed=args.seed,
+        speculative=SpeculativeConfig(enabled=tlt, threshold=args.threshold, sd_steps=args.depth),
+        seed=args.seed,
     )
     recorder = StepRecorder(name, verbose=True)
     callbacks: list[L.Callback] = []
     if tlt:
-        training = SpotTrainerConfig(max_steps_per_rollout=args.drafter_steps, max_seconds_per_rollout=None,
-                                     seed=args.seed)
+        training = SpotTrainerConfig(
+            max_steps_per_rollout=args.drafter_steps, max_seconds_per_rollout=None, seed=args.seed
+        )
         config = SpotConfig(training, drafter_path=args.drafter, checkpoint_interval=None)
         callbacks.append(SpotDrafterCallback(config, timeline=False))
         if args.bandit:
@@ -107,12 +128,21 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     # The probe measures after the recorder has closed the step: its time is not the method's.
     probe = None
     if tlt and args.drift_every:
-        probe = DrafterDriftProbe(max_new_tokens=args.drift_tokens, every_n_steps=args.drift_every, seed=args.seed)
+        probe = DrafterDriftProbe(
+            max_new_tokens=args.drift_tokens, every_n_steps=args.drift_every, seed=args.seed
+        )
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=args.steps, precision=args.precision, logger=False,
-        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=args.progress,
+        accelerator="cpu",
+        devices=1,
+        max_steps=args.steps,
+        precision=args.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=args.progress,
         num_sanity_val_steps=0,
-        default_root_dir=str(Path(args.out) / name), callbacks=[*callbacks, recorder, *([probe] if probe else [])],
+        default_root_dir=str(Path(args.out) / name),
+        callbacks=[*callbacks, recorder, *([probe] if probe else [])],
     )
     L.seed_everything(args.seed, verbose=False)
     print(f"[bench e2e] {name}: {args.steps} GRPO steps ...", flush=True)
@@ -123,8 +153,11 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     # The ceiling of any rollout speedup: the share of the step spent generating.
     summary["rollout_share"] = median([s["rollout_s"] / s["wall_s"] for s in steps])
     summary.update(per_token(steps))
-    print(f"[bench e2e] {name}: median step {summary['wall_s']:.1f} s wall, {summary['cpu_s']:.1f} s CPU; "
-          f"rollout share {summary['rollout_share']:.0%}; mean reward {summary['reward_mean']:.3f}", flush=True)
+    print(
+        f"[bench e2e] {name}: median step {summary['wall_s']:.1f} s wall, {summary['cpu_s']:.1f} s CPU; "
+        f"rollout share {summary['rollout_share']:.0%}; mean reward {summary['reward_mean']:.3f}",
+        flush=True,
+    )
     out = {"steps": steps, "median": summary}
     if probe is not None:
         out["drift"] = probe.history
@@ -135,8 +168,10 @@ def per_token(steps: list[dict[str, float]]) -> dict[str, float]:
     """Milliseconds per generated token over all steps: the runs sample responses of different
     lengths (T=1), so per-step times compare different amounts of work; these do not."""
     tokens = max(1, sum(s["tokens"] for s in steps))
-    return {f"{key.removesuffix('_s')}_ms_per_token": 1e3 * sum(s[key] for s in steps) / tokens
-            for key in ("wall_s", "cpu_s", *PARTS)}
+    return {
+        f"{key.removesuffix('_s')}_ms_per_token": 1e3 * sum(s[key] for s in steps) / tokens
+        for key in ("wall_s", "cpu_s", *PARTS)
+    }
 
 
 def plot(payload: dict[str, Any], path: Path) -> Path:
@@ -162,8 +197,10 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
         c.bar(names, values, bottom=bottom, label=part.removesuffix("_s"))
         bottom = [x + y for x, y in zip(bottom, values)]
     ratio = payload["speedup"]
-    c.set(ylabel="median seconds per step",
-          title=f"Breakdown: {ratio['wall']:.2f}x wall, {ratio['cpu']:.2f}x CPU")
+    c.set(
+        ylabel="median seconds per step",
+        title=f"Breakdown: {ratio['wall']:.2f}x wall, {ratio['cpu']:.2f}x CPU",
+    )
     if drift:
         d = axes[3]
         d.plot([h["step"] for h in drift], [h["spot"] for h in drift], marker="o", label="spot-trained")
@@ -175,13 +212,23 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "threshold", "depth", "micro_batch_size"):
+    for name in (
+        "steps",
+        "prompts_per_step",
+        "group_size",
+        "max_new_tokens",
+        "threshold",
+        "depth",
+        "micro_batch_size",
+    ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.drift_every < 0:
         raise ValueError(f"--drift-every must be >= 0, got {args.drift_every}")
     if args.group_size < 2:
-        raise ValueError(f"--group-size must be >= 2 (GRPO compares samples of a group), got {args.group_size}")
+        raise ValueError(
+            f"--group-size must be >= 2 (GRPO compares samples of a group), got {args.group_size}"
+        )
     if args.drafter is not None and not Path(args.drafter).is_dir():
         raise ValueError(f"--drafter {args.drafter!r} is not a drafter directory (from `drafter warmup`)")
     TaskConfig(name=args.task)  # names the supported tasks before anything loads
@@ -193,7 +240,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {k: v for k, v in vars(args).items() if k not in ("argv", "func")},
         "runs": runs,
         "speedup": {
-            "wall": base["wall_s"] / tlt["wall_s"], "cpu": base["cpu_s"] / tlt["cpu_s"],
+            "wall": base["wall_s"] / tlt["wall_s"],
+            "cpu": base["cpu_s"] / tlt["cpu_s"],
             "rollout": base["rollout_s"] / tlt["rollout_s"],
             "per_token_wall": base["wall_ms_per_token"] / tlt["wall_ms_per_token"],
             "per_token_rollout": base["rollout_ms_per_token"] / tlt["rollout_ms_per_token"],
@@ -206,16 +254,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         write_json(args.json, payload)  # our two runs survive whatever happens to the peer's
 
         print(f"[bench e2e] TRL GRPOTrainer peer: {args.steps} steps ...", flush=True)
-        peer = run_trl_grpo(args.model, TaskConfig(name=args.task), args.steps, args.prompts_per_step,
-                            args.group_size, args.max_new_tokens, args.lr, seed=args.seed,
-                            output_dir=Path(args.out) / "trl", bf16_mixed=args.precision == "bf16-mixed",
-                            micro_batch_size=args.micro_batch_size)
+        peer = run_trl_grpo(
+            args.model,
+            TaskConfig(name=args.task),
+            args.steps,
+            args.prompts_per_step,
+            args.group_size,
+            args.max_new_tokens,
+            args.lr,
+            seed=args.seed,
+            output_dir=Path(args.out) / "trl",
+            bf16_mixed=args.precision == "bf16-mixed",
+            micro_batch_size=args.micro_batch_size,
+        )
         payload["peers"] = {"trl": peer}
         payload["speedup"]["tlt_vs_trl_wall"] = peer["median_step_s"] / tlt["wall_s"]
     path = write_json(args.json, payload)
     figure = plot(payload, Path(args.plot) if args.plot else path.with_suffix(".png"))
     s = payload["speedup"]
-    print(f"[bench e2e] TLT vs baseline: {s['wall']:.2f}x wall, {s['cpu']:.2f}x CPU per step "
-          f"(rollout {s['rollout']:.2f}x); per token {s['per_token_wall']:.2f}x (rollout "
-          f"{s['per_token_rollout']:.2f}x); {path}, {figure}", flush=True)
+    print(
+        f"[bench e2e] TLT vs baseline: {s['wall']:.2f}x wall, {s['cpu']:.2f}x CPU per step "
+        f"(rollout {s['rollout']:.2f}x); per token {s['per_token_wall']:.2f}x (rollout "
+        f"{s['per_token_rollout']:.2f}x); {path}, {figure}",
+        flush=True,
+    )
     return payload

@@ -74,18 +74,29 @@ class SFTData:
 
 
 def _pairs(config: TaskConfig) -> list[tuple[str, str]]:
-    source = reasoning_gym().create_dataset(config.name, size=config.size, seed=config.seed, **config.reasoning_gym_kwargs())
+    source = reasoning_gym().create_dataset(
+        config.name, size=config.size, seed=config.seed, **config.reasoning_gym_kwargs()
+    )
     return [(e["question"], str(e["answer"])) for e in source]
 
 
-def build_sft_data(task: str = "basic_arithmetic", train: int = 4096, holdout: int = 1024, eval_size: int = 512,
-                   seed: int = 0, task_kwargs: dict[str, Any] | None = None, unseen_eval: bool = False) -> SFTData:
+def build_sft_data(
+    task: str = "basic_arithmetic",
+    train: int = 4096,
+    holdout: int = 1024,
+    eval_size: int = 512,
+    seed: int = 0,
+    task_kwargs: dict[str, Any] | None = None,
+    unseen_eval: bool = False,
+) -> SFTData:
     """Generate the three splits from far-apart seeds (``unseen_eval``: drop eval questions seen in
     train or holdout; ``task["eval_seen"]`` reports the fraction seen either way)."""
     kwargs = dict(DEFAULT_TASK_KWARGS if task_kwargs is None else task_kwargs)
     # reasoning-gym seeds item i with seed + i: splits get far-apart seeds so they do not overlap.
-    configs = [TaskConfig(name=task, size=n, seed=seed + k * 1_000_003, task_kwargs=kwargs)
-               for k, n in enumerate((train, holdout, 4 * eval_size))]
+    configs = [
+        TaskConfig(name=task, size=n, seed=seed + k * 1_000_003, task_kwargs=kwargs)
+        for k, n in enumerate((train, holdout, 4 * eval_size))
+    ]
     splits = [_pairs(c) for c in configs]
     seen = {q for q, _ in splits[0] + splits[1]}
     if unseen_eval:
@@ -94,9 +105,19 @@ def build_sft_data(task: str = "basic_arithmetic", train: int = 4096, holdout: i
     eval_seen = sum(q in seen for q, _ in splits[2]) / max(len(splits[2]), 1)
     tokenizer = CharTokenizer("".join(q + " " + a for split in splits for q, a in split))
     tokenized = [[tokenizer.encode(q, a) for q, a in split] for split in splits]
-    return SFTData(*tokenized, tokenizer=tokenizer,
-                   task={"name": task, "kwargs": configs[0].reasoning_gym_kwargs(), "train": train,
-                         "holdout": holdout, "eval": len(splits[2]), "eval_seen": eval_seen, "seed": seed})
+    return SFTData(
+        *tokenized,
+        tokenizer=tokenizer,
+        task={
+            "name": task,
+            "kwargs": configs[0].reasoning_gym_kwargs(),
+            "train": train,
+            "holdout": holdout,
+            "eval": len(splits[2]),
+            "eval_seen": eval_seen,
+            "seed": seed,
+        },
+    )
 
 
 def collate(examples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -123,17 +144,27 @@ def make_model(vocab: int, hidden: int, layers: int, seed: int) -> torch.nn.Modu
     if hidden % 32:
         raise ValueError(f"hidden must be a multiple of 32 (heads of 32), got {hidden}")
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=(hidden * 5 // 2 + 31) // 32 * 32,
-        num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=hidden // 32,
-        max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=PAD, bos_token_id=BOS,
-        eos_token_id=EOS, attn_implementation="sdpa",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=(hidden * 5 // 2 + 31) // 32 * 32,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=hidden // 32,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        attn_implementation="sdpa",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(config).train()
 
 
-def uniform_batches(data: Sequence[dict[str, torch.Tensor]], batch_size: int, seed: int) -> Iterator[list[int]]:
+def uniform_batches(
+    data: Sequence[dict[str, torch.Tensor]], batch_size: int, seed: int
+) -> Iterator[list[int]]:
     """Endless uniform batches of indices (reshuffled epochs)."""
     g = torch.Generator().manual_seed(seed)
     while True:
@@ -144,7 +175,9 @@ def uniform_batches(data: Sequence[dict[str, torch.Tensor]], batch_size: int, se
 
 def lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Token-mean cross-entropy on the labelled tokens."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+    ).logits
     counts = (batch["labels"][:, 1:] != -100).sum(-1)
     return (per_example_loss(logits, batch["labels"]) * counts).sum() / counts.sum().clamp(min=1)
 
@@ -166,33 +199,44 @@ def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, fr
     return float(loss.detach())
 
 
-def train_loop(params: Sequence[torch.nn.Parameter], steps: int, lr: float,
-               step_fn: Callable[[int], torch.Tensor]) -> list[float]:
+def train_loop(
+    params: Sequence[torch.nn.Parameter], steps: int, lr: float, step_fn: Callable[[int], torch.Tensor]
+) -> list[float]:
     """``steps`` AdamW steps on ``step_fn(step)`` (the loss) with :func:`lr_factor`; the losses."""
     opt = torch.optim.AdamW(list(params), lr=lr, weight_decay=0.0)
     return [optimizer_step(opt, step_fn(step), lr, step / max(steps, 1)) for step in range(steps)]
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: Sequence[dict[str, torch.Tensor]], batch_size: int = 256,
-             teacher: torch.nn.Module | None = None) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module,
+    data: Sequence[dict[str, torch.Tensor]],
+    batch_size: int = 256,
+    teacher: torch.nn.Module | None = None,
+) -> dict[str, float]:
     """Answer loss (token mean), exact-match accuracy and, with a teacher, the KL to it on answer tokens."""
     was = model.training
     model.eval()
     total_loss = total_tokens = correct = kl_sum = 0.0
     for s in range(0, len(data), batch_size):
         batch = collate(data[s : s + batch_size])
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).logits
         targets = batch["labels"][:, 1:]
         labelled = targets != -100
         logits = logits[:, :-1].float()
-        token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
+        token_loss = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), targets, ignore_index=-100, reduction="none"
+        )
         total_loss += float(token_loss[labelled].sum())
         total_tokens += float(labelled.sum())
         hit = (logits.argmax(-1) == targets) | ~labelled
         correct += float(hit.all(-1).sum())
         if teacher is not None:
-            t = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+            t = teacher(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+            ).logits
             log_p = torch.log_softmax(t[:, :-1].float(), -1)
             kl = (log_p.exp() * (log_p - torch.log_softmax(logits, -1))).sum(-1)
             kl_sum += float(kl[labelled].sum())

@@ -64,15 +64,24 @@ def _since(start: tuple[float, float]) -> dict[str, float]:
     return {"wall_s": time.perf_counter() - start[0], "cpu_s": time.process_time() - start[1]}
 
 
-def _train_uniform(model: torch.nn.Module, data: list[dict[str, torch.Tensor]], steps: int, batch_size: int,
-                   lr: float, seed: int) -> list[float]:
+def _train_uniform(
+    model: torch.nn.Module,
+    data: list[dict[str, torch.Tensor]],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+) -> list[float]:
     batches = uniform_batches(data, batch_size, seed)
-    return train_loop(model.parameters(), steps, lr, lambda _: lm_loss(model, collate([data[i] for i in next(batches)])))
+    return train_loop(
+        model.parameters(), steps, lr, lambda _: lm_loss(model, collate([data[i] for i in next(batches)]))
+    )
 
 
 # ----------------------------------------------------------------------------------------- sampler
-def _sampler_variant(name: str, args: argparse.Namespace, data: SFTData, holdout: torch.nn.Module,
-                     budget: int, seed: int) -> dict[str, Any]:
+def _sampler_variant(
+    name: str, args: argparse.Namespace, data: SFTData, holdout: torch.nn.Module, budget: int, seed: int
+) -> dict[str, Any]:
     vocab = data.tokenizer.vocab_size
     learner = make_model(vocab, args.hidden, args.layers, seed)
     proxy = make_model(vocab, args.proxy_hidden, args.proxy_layers, seed + 1) if name != "uniform" else None
@@ -83,12 +92,19 @@ def _sampler_variant(name: str, args: argparse.Namespace, data: SFTData, holdout
     else:
         scorer = None
     factor = 1 if scorer is None else args.candidate_factor
-    config = ImportanceSamplerConfig(batch_size=args.batch_size, candidate_factor=factor,
-                                     temperature=args.temperature, num_batches=10**9, seed=seed)
+    config = ImportanceSamplerConfig(
+        batch_size=args.batch_size,
+        candidate_factor=factor,
+        temperature=args.temperature,
+        num_batches=10**9,
+        seed=seed,
+    )
     sampler = ImportanceSampler(len(data.train), scorer or (lambda idx: torch.zeros(len(idx))), config)
     batches = iter(sampler)
     opt = torch.optim.AdamW(learner.parameters(), lr=args.lr, weight_decay=0.0)
-    proxy_opt = torch.optim.AdamW(proxy.parameters(), lr=args.lr, weight_decay=0.0) if proxy is not None else None
+    proxy_opt = (
+        torch.optim.AdamW(proxy.parameters(), lr=args.lr, weight_decay=0.0) if proxy is not None else None
+    )
     milestones = [budget * (k + 1) / args.evals for k in range(args.evals)]
     tokens = steps = 0
     select_s = proxy_s = 0.0
@@ -115,13 +131,25 @@ def _sampler_variant(name: str, args: argparse.Namespace, data: SFTData, holdout
             curve.append({"tokens": tokens, "steps": steps, **evaluate(learner, data.eval)})
     timing = _since(start)
     final = curve[-1]
-    print(f"[bench efficiency] sampler {name:10s} seed {seed}: {steps} steps, {tokens} tokens, eval loss "
-          f"{final['loss']:.4f}, accuracy {final['accuracy']:.3f}, {timing['wall_s']:.0f} s", flush=True)
+    print(
+        f"[bench efficiency] sampler {name:10s} seed {seed}: {steps} steps, {tokens} tokens, eval loss "
+        f"{final['loss']:.4f}, accuracy {final['accuracy']:.3f}, {timing['wall_s']:.0f} s",
+        flush=True,
+    )
     return {
-        "variant": name, "seed": seed, "steps": steps, "tokens": tokens, "final": final, "curve": curve,
+        "variant": name,
+        "seed": seed,
+        "steps": steps,
+        "tokens": tokens,
+        "final": final,
+        "curve": curve,
         "mean_selected_tokens_per_example": statistics.fmean(selected_len),
-        "mean_selected_operators": statistics.fmean(selected_ops),  # terms - 1: how hard the chosen problems are
-        "selection_seconds": select_s, "proxy_train_seconds": proxy_s, **timing,
+        "mean_selected_operators": statistics.fmean(
+            selected_ops
+        ),  # terms - 1: how hard the chosen problems are
+        "selection_seconds": select_s,
+        "proxy_train_seconds": proxy_s,
+        **timing,
     }
 
 
@@ -131,13 +159,20 @@ def run_sampler(args: argparse.Namespace, data: SFTData) -> dict[str, Any]:
     budget = int(args.steps * args.batch_size * mean_tokens)
     start = _clock()
     holdout = make_model(vocab, args.proxy_hidden, args.proxy_layers, args.seed + 100)
-    holdout_losses = _train_uniform(holdout, data.holdout, args.holdout_steps, args.batch_size, args.lr, args.seed + 100)
-    holdout_info = {"steps": args.holdout_steps, "final_train_loss": holdout_losses[-1],
-                    "eval": evaluate(holdout, data.eval), **_since(start)}
+    holdout_losses = _train_uniform(
+        holdout, data.holdout, args.holdout_steps, args.batch_size, args.lr, args.seed + 100
+    )
+    holdout_info = {
+        "steps": args.holdout_steps,
+        "final_train_loss": holdout_losses[-1],
+        "eval": evaluate(holdout, data.eval),
+        **_since(start),
+    }
     print(f"[bench efficiency] holdout proxy: eval {holdout_info['eval']}", flush=True)
     runs = [
         _sampler_variant(name, args, data, holdout, budget, args.seed + s)
-        for s in range(args.seeds) for name in ("uniform", "importance", "rho")
+        for s in range(args.seeds)
+        for name in ("uniform", "importance", "rho")
     ]
     summary = {}
     for name in ("uniform", "importance", "rho"):
@@ -149,10 +184,15 @@ def run_sampler(args: argparse.Namespace, data: SFTData) -> dict[str, Any]:
         s["loss_vs_uniform"] = s["loss"] / base["loss"]
         s["accuracy_minus_uniform"] = s["accuracy"] - base["accuracy"]
     return {
-        "token_budget": budget, "mean_tokens_per_example": mean_tokens,
-        "models": {"learner_params_m": _params_m(make_model(vocab, args.hidden, args.layers, 0)),
-                   "proxy_params_m": _params_m(holdout)},
-        "holdout_proxy": holdout_info, "runs": runs, "summary": summary,
+        "token_budget": budget,
+        "mean_tokens_per_example": mean_tokens,
+        "models": {
+            "learner_params_m": _params_m(make_model(vocab, args.hidden, args.layers, 0)),
+            "proxy_params_m": _params_m(holdout),
+        },
+        "holdout_proxy": holdout_info,
+        "runs": runs,
+        "summary": summary,
     }
 
 
@@ -163,14 +203,25 @@ def train_teacher(args: argparse.Namespace, data: SFTData) -> tuple[torch.nn.Mod
     start = _clock()
     losses = _train_uniform(teacher, data.train, args.teacher_steps, args.batch_size, args.lr, args.seed + 7)
     teacher.eval().requires_grad_(False)
-    info = {"params_m": _params_m(teacher), "hidden": args.teacher_hidden, "layers": args.teacher_layers,
-            "steps": args.teacher_steps, "final_train_loss": losses[-1], "eval": evaluate(teacher, data.eval),
-            **_since(start)}
-    print(f"[bench efficiency] teacher ({info['params_m']:.2f}M): eval {info['eval']}, {info['wall_s']:.0f} s", flush=True)
+    info = {
+        "params_m": _params_m(teacher),
+        "hidden": args.teacher_hidden,
+        "layers": args.teacher_layers,
+        "steps": args.teacher_steps,
+        "final_train_loss": losses[-1],
+        "eval": evaluate(teacher, data.eval),
+        **_since(start),
+    }
+    print(
+        f"[bench efficiency] teacher ({info['params_m']:.2f}M): eval {info['eval']}, {info['wall_s']:.0f} s",
+        flush=True,
+    )
     return teacher, info
 
 
-def _distill(student: torch.nn.Module, teacher: torch.nn.Module, config: DistillConfig, seed: int) -> HierarchicalDistillation:
+def _distill(
+    student: torch.nn.Module, teacher: torch.nn.Module, config: DistillConfig, seed: int
+) -> HierarchicalDistillation:
     """The loss with its projections initialised from ``seed`` (torch's global seed is random per process)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 11)
@@ -183,13 +234,26 @@ def _distill_config(name: str, args: argparse.Namespace) -> DistillConfig | None
     if name == "logits-kd":
         return DistillConfig.logits_only(temperature=args.kd_temperature)
     kind = "cosine" if name.endswith("cosine") else "mse"
-    return DistillConfig(hidden_loss=kind, temperature=args.kd_temperature, hidden_weight=args.hidden_weight,
-                         normalize_hidden=not name.endswith("-raw"))
+    return DistillConfig(
+        hidden_loss=kind,
+        temperature=args.kd_temperature,
+        hidden_weight=args.hidden_weight,
+        normalize_hidden=not name.endswith("-raw"),
+    )
 
 
-def _student_run(student: torch.nn.Module, teacher: torch.nn.Module, config: DistillConfig | None,
-                 distill: HierarchicalDistillation | None, args: argparse.Namespace, data: SFTData, steps: int,
-                 lr: float, seed: int, evals: int = 0) -> dict[str, Any]:
+def _student_run(
+    student: torch.nn.Module,
+    teacher: torch.nn.Module,
+    config: DistillConfig | None,
+    distill: HierarchicalDistillation | None,
+    args: argparse.Namespace,
+    data: SFTData,
+    steps: int,
+    lr: float,
+    seed: int,
+    evals: int = 0,
+) -> dict[str, Any]:
     """Train ``student`` for ``steps`` (CE only when ``config`` is None, else CE + distillation)."""
     batches = uniform_batches(data.train, args.batch_size, seed)
     params = [*student.parameters(), *(distill.parameters() if distill is not None else [])]
@@ -212,8 +276,18 @@ def _student_run(student: torch.nn.Module, teacher: torch.nn.Module, config: Dis
     final = evaluate(student, data.eval, teacher=teacher)
     curve.append({"steps": steps, **final})
     tail = parts[-20:]  # the loss terms over the last 20 steps: which one dominates
-    terms = {k: statistics.fmean(p[i] for p in tail) for i, k in enumerate(("ce", "kl", "hidden"))} if tail else {}
-    return {"final": final, "curve": curve, "final_train_loss": losses[-1], "train_terms": terms, **_since(start)}
+    terms = (
+        {k: statistics.fmean(p[i] for p in tail) for i, k in enumerate(("ce", "kl", "hidden"))}
+        if tail
+        else {}
+    )
+    return {
+        "final": final,
+        "curve": curve,
+        "final_train_loss": losses[-1],
+        "train_terms": terms,
+        **_since(start),
+    }
 
 
 def run_distill(args: argparse.Namespace, data: SFTData) -> dict[str, Any]:
@@ -224,17 +298,25 @@ def run_distill(args: argparse.Namespace, data: SFTData) -> dict[str, Any]:
         student = make_model(vocab, args.hidden, args.layers, args.seed)
         config = _distill_config(name, args)
         distill = _distill(student, teacher, config, args.seed) if config is not None else None
-        result = _student_run(student, teacher, config, distill, args, data, args.steps, args.lr, args.seed, args.evals)
+        result = _student_run(
+            student, teacher, config, distill, args, data, args.steps, args.lr, args.seed, args.evals
+        )
         result["layer_map"] = list(distill.layer_map) if distill is not None else []
         variants[name] = result
         f = result["final"]
-        print(f"[bench efficiency] distill {name:20s}: eval loss {f['loss']:.4f}, accuracy {f['accuracy']:.3f}, "
-              f"KL to teacher {f['kl_to_teacher']:.4f}, {result['wall_s']:.0f} s", flush=True)
+        print(
+            f"[bench efficiency] distill {name:20s}: eval loss {f['loss']:.4f}, accuracy {f['accuracy']:.3f}, "
+            f"KL to teacher {f['kl_to_teacher']:.4f}, {result['wall_s']:.0f} s",
+            flush=True,
+        )
     base = variants["logits-kd"]["final"]
     for v in variants.values():
         v["loss_vs_logits_kd"] = v["final"]["loss"] / base["loss"]
-    return {"teacher": teacher_info, "student_params_m": _params_m(make_model(vocab, args.hidden, args.layers, 0)),
-            "variants": variants}
+    return {
+        "teacher": teacher_info,
+        "student_params_m": _params_m(make_model(vocab, args.hidden, args.layers, 0)),
+        "variants": variants,
+    }
 
 
 # --------------------------------------------------------------------------------------------- qat
@@ -254,18 +336,25 @@ def run_qat(args: argparse.Namespace, data: SFTData) -> dict[str, Any]:
     student = make_model(vocab, args.hidden, args.layers, args.seed)
     distill = _distill(student, teacher, config, args.seed)
     phase1 = _student_run(student, teacher, config, distill, args, data, args.steps, args.lr, args.seed)
-    print(f"[bench efficiency] qat: fp32 student after {args.steps} steps: eval {phase1['final']}", flush=True)
+    print(
+        f"[bench efficiency] qat: fp32 student after {args.steps} steps: eval {phase1['final']}", flush=True
+    )
     results: dict[str, Any] = {"fp32-phase1": phase1}
 
     fp32, fp32_distill = copy.deepcopy(student), copy.deepcopy(distill)
-    results["fp32"] = _student_run(fp32, teacher, config, fp32_distill, args, data, args.qat_steps, args.qat_lr,
-                                   args.seed + 1)
+    results["fp32"] = _student_run(
+        fp32, teacher, config, fp32_distill, args, data, args.qat_steps, args.qat_lr, args.seed + 1
+    )
     ptq = quantize_ptq(copy.deepcopy(fp32), qconfig)
-    results["ptq"] = {"final": evaluate(ptq, data.eval, teacher=teacher), "quantized_modules": len(quantized_modules(ptq))}
+    results["ptq"] = {
+        "final": evaluate(ptq, data.eval, teacher=teacher),
+        "quantized_modules": len(quantized_modules(ptq)),
+    }
 
     qat = prepare_qat(copy.deepcopy(student), qconfig)
-    results["qat"] = _student_run(qat, teacher, config, copy.deepcopy(distill), args, data, args.qat_steps,
-                                  args.qat_lr, args.seed + 1)
+    results["qat"] = _student_run(
+        qat, teacher, config, copy.deepcopy(distill), args, data, args.qat_steps, args.qat_lr, args.seed + 1
+    )
     results["qat"]["fake_quant_eval"] = results["qat"].pop("final")
     convert_qat(qat, qconfig)
     results["qat"]["final"] = evaluate(qat, data.eval, teacher=teacher)
@@ -288,8 +377,19 @@ def run_qat(args: argparse.Namespace, data: SFTData) -> dict[str, Any]:
     for name in QAT_VARIANTS:
         if name in results:
             f = results[name]["final"]
-            print(f"[bench efficiency] qat {name:12s}: eval loss {f['loss']:.4f}, accuracy {f['accuracy']:.3f}, "
-                  f"KL to teacher {f['kl_to_teacher']:.4f}", flush=True)
-    return {"teacher": teacher_info, "student_params_m": _params_m(student), "int4": {
-        "group_size": args.group_size or "per-channel", "activations": qconfig.activations, "skip": list(qconfig.skip)},
-        "layer_map": list(distill.layer_map), "variants": results}
+            print(
+                f"[bench efficiency] qat {name:12s}: eval loss {f['loss']:.4f}, accuracy {f['accuracy']:.3f}, "
+                f"KL to teacher {f['kl_to_teacher']:.4f}",
+                flush=True,
+            )
+    return {
+        "teacher": teacher_info,
+        "student_params_m": _params_m(student),
+        "int4": {
+            "group_size": args.group_size or "per-channel",
+            "activations": qconfig.activations,
+            "skip": list(qconfig.skip),
+        },
+        "layer_map": list(distill.layer_map),
+        "variants": results,
+    }

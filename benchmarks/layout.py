@@ -43,8 +43,14 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
         ax.bar([j + offset for j in x], [r[f"{layout}_tokens_per_s"] for r in rows], width, label=layout)
         for j, r in enumerate(rows):
             if i > 0:
-                ax.text(j + offset, r[f"{layout}_tokens_per_s"], f"x{r[f'{layout}_speedup']:.2f}",
-                        ha="center", va="bottom", fontsize=7)
+                ax.text(
+                    j + offset,
+                    r[f"{layout}_tokens_per_s"],
+                    f"x{r[f'{layout}_speedup']:.2f}",
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
     ax.set_xticks(list(x), [r["workload"] for r in rows], fontsize=8)
     title = f"Weight layout, {payload['model']} {payload['dtype']}, T={payload['temperature']:g}"
     ax.set(ylabel="tokens / s", title=title)
@@ -64,46 +70,68 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
     target = HFTarget(loaded.model)
     cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    workloads: list[tuple[str, int, Any]] = [(f"plain, batch {bs}", bs, RolloutEngine(target, cfg))
-                                             for bs in args.batch_sizes]
+    workloads: list[tuple[str, int, Any]] = [
+        (f"plain, batch {bs}", bs, RolloutEngine(target, cfg)) for bs in args.batch_sizes
+    ]
     drafter = None
     if args.drafter:
         drafter = load_drafter(args.drafter, target).eval()
-        workloads += [(f"{arm}, batch 1", 1, SpeculativeRolloutLoop(target, drafter, cfg, arm,
-                                                                      threshold=2)) for arm in arms]
-    prompts = task_prompts(loaded.tokenizer, args.task, max(bs for _, bs, _ in workloads) * args.repeats, args.seed)
+        workloads += [
+            (f"{arm}, batch 1", 1, SpeculativeRolloutLoop(target, drafter, cfg, arm, threshold=2))
+            for arm in arms
+        ]
+    prompts = task_prompts(
+        loaded.tokenizer, args.task, max(bs for _, bs, _ in workloads) * args.repeats, args.seed
+    )
     rows = []
     for name, bs, engine in workloads:
         print(f"[bench layout] {name}, {args.max_new_tokens} new tokens ...", flush=True)
         tps: dict[str, list[float]] = {layout: [] for layout in layouts}
         cpu: dict[str, list[float]] = {layout: [] for layout in layouts}
         for r in range(args.repeats):
-            group = prompts[r * bs:(r + 1) * bs]
+            group = prompts[r * bs : (r + 1) * bs]
             shift = r % len(layouts)
             for layout in layouts[shift:] + layouts[:shift]:
                 target.set_weight_layout(layout)
                 if drafter is not None:
                     drafter.set_weight_layout(layout)
-                out, wall, cpu_s = timed(lambda: engine.generate(group, generator=torch.Generator().manual_seed(r)))
+                out, wall, cpu_s = timed(
+                    lambda: engine.generate(group, generator=torch.Generator().manual_seed(r))
+                )
                 tps[layout].append(out.stats.generated_tokens / wall)
                 cpu[layout].append(cpu_s / out.stats.generated_tokens)
-        row = {"workload": name, "batch_size": bs, **{f"{k}_tokens_per_s": median(v) for k, v in tps.items()},
-               **{f"{k}_cpu_s_per_token": median(v) for k, v in cpu.items()}}
+        row = {
+            "workload": name,
+            "batch_size": bs,
+            **{f"{k}_tokens_per_s": median(v) for k, v in tps.items()},
+            **{f"{k}_cpu_s_per_token": median(v) for k, v in cpu.items()},
+        }
         base = layouts[0]
         for layout in layouts[1:]:
             row[f"{layout}_speedup"] = row[f"{layout}_tokens_per_s"] / row[f"{base}_tokens_per_s"]
-            row[f"{layout}_speedup_cpu_time"] = row[f"{base}_cpu_s_per_token"] / row[f"{layout}_cpu_s_per_token"]
+            row[f"{layout}_speedup_cpu_time"] = (
+                row[f"{base}_cpu_s_per_token"] / row[f"{layout}_cpu_s_per_token"]
+            )
         rows.append(row)
         parts = [f"{base} {row[f'{base}_tokens_per_s']:.1f} tok/s"] + [
             f"{layout} {row[f'{layout}_tokens_per_s']:.1f} tok/s (x{row[f'{layout}_speedup']:.2f}, "
-            f"CPU time x{row[f'{layout}_speedup_cpu_time']:.2f})" for layout in layouts[1:]]
+            f"CPU time x{row[f'{layout}_speedup_cpu_time']:.2f})"
+            for layout in layouts[1:]
+        ]
         print("  " + ", ".join(parts), flush=True)
     payload: dict[str, Any] = {
         "benchmark": "weight-layout",
         "command": "python -m benchmarks " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "task": args.task, "temperature": args.temperature,
-        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "drafter": args.drafter, "layouts": layouts,
-        "machine": machine_info(), "workloads": rows,
+        "model": args.model,
+        "dtype": args.dtype,
+        "task": args.task,
+        "temperature": args.temperature,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "drafter": args.drafter,
+        "layouts": layouts,
+        "machine": machine_info(),
+        "workloads": rows,
     }
     json_path = write_json(args.json, payload)
     payload["plot"] = str(plot(payload, Path(args.plot) if args.plot else json_path.with_suffix(".png")))

@@ -94,11 +94,19 @@ class PeerClient:
         log: file that receives the worker's stderr (vLLM's logs).
     """
 
-    def __init__(self, command: Sequence[str], env: dict[str, str] | None = None, log: str | os.PathLike | None = None):
+    def __init__(
+        self, command: Sequence[str], env: dict[str, str] | None = None, log: str | os.PathLike | None = None
+    ):
         self.log = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            list(command),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         self.spawned_at = t0
 
     def request(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -111,8 +119,10 @@ class PeerClient:
             raise RuntimeError(f"peer worker exited (code {self.proc.poll()}); see its log") from err
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"peer worker exited (code {self.proc.wait()}) without answering {payload.get('op')!r}; "
-                               "see its log")
+            raise RuntimeError(
+                f"peer worker exited (code {self.proc.wait()}) without answering {payload.get('op')!r}; "
+                "see its log"
+            )
         answer = json.loads(line)
         if not answer.get("ok"):
             raise RuntimeError(f"peer worker: {answer.get('error')}\n{answer.get('traceback', '')}")
@@ -126,8 +136,15 @@ class PeerClient:
 
     def engine(self, max_new_tokens: int, temperature: float, ignore_eos: bool) -> Engine:
         def call(prompts: list[list[int]]) -> RunTiming:
-            a = self.request({"op": "generate", "prompts": prompts, "max_new_tokens": max_new_tokens,
-                              "temperature": temperature, "ignore_eos": ignore_eos})
+            a = self.request(
+                {
+                    "op": "generate",
+                    "prompts": prompts,
+                    "max_new_tokens": max_new_tokens,
+                    "temperature": temperature,
+                    "ignore_eos": ignore_eos,
+                }
+            )
             spec = a["spec"]
             accept = 1 + spec["accepted_tokens"] / spec["drafts"] if spec["drafts"] else 0.0
             return RunTiming(a["tokens"], a["total_s"], max(a["first_token_s"]), accept)
@@ -187,7 +204,9 @@ def agreement(a: list[RunTiming], b: list[RunTiming]) -> dict[str, Any]:
     return {"identical": same, "responses": total, "mean_common_prefix": sum(prefix) / max(1, len(prefix))}
 
 
-def summarise(runs: dict[str, list[RunTiming]], pairs: Sequence[tuple[str, str]], greedy: bool) -> dict[str, Any]:
+def summarise(
+    runs: dict[str, list[RunTiming]], pairs: Sequence[tuple[str, str]], greedy: bool
+) -> dict[str, Any]:
     """Medians per engine; ratios (and, if greedy, agreement) for each ``(ours, peer)`` pair."""
     engines = {
         name: {
@@ -228,11 +247,18 @@ def eos_ignored(target: Any) -> Iterator[None]:
 
 def ours(backend: Any, seed: int) -> Engine:
     """Our engine (or speculative loop) as an :data:`Engine`; prefill time = time to the first tokens."""
+
     def call(prompts: list[list[int]]) -> RunTiming:
-        result, seconds, _ = timed(lambda: backend.generate(prompts, generator=torch.Generator().manual_seed(seed)))
+        result, seconds, _ = timed(
+            lambda: backend.generate(prompts, generator=torch.Generator().manual_seed(seed))
+        )
         stats = result.stats
-        return RunTiming([r.token_ids.tolist() for r in result.rollouts], seconds, stats.prefill_time,
-                         stats.mean_accept_length)
+        return RunTiming(
+            [r.token_ids.tolist() for r in result.rollouts],
+            seconds,
+            stats.prefill_time,
+            stats.mean_accept_length,
+        )
 
     return call
 
@@ -244,21 +270,40 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
     names = list(dict.fromkeys((b["phase"] == "sampled", n) for b in batches for n in b["engines"]))
     sizes = list(dict.fromkeys(b["batch_size"] for b in batches))
     width = 0.8 / max(1, len(names))
-    for ax, key, title in zip(axes[0], ("decode_tokens_per_s", "end_to_end_tokens_per_s"),
-                              ("decode (prefill counted out)", "end to end (prefill counted in)")):
+    for ax, key, title in zip(
+        axes[0],
+        ("decode_tokens_per_s", "end_to_end_tokens_per_s"),
+        ("decode (prefill counted out)", "end to end (prefill counted in)"),
+    ):
         for j, (sampled, name) in enumerate(names):
             label = f"{name} T=1" if sampled else name
             for x, n in enumerate(sizes):
-                entry = next((b for b in batches if b["batch_size"] == n and name in b["engines"]
-                              and (b["phase"] == "sampled") == sampled), None)
+                entry = next(
+                    (
+                        b
+                        for b in batches
+                        if b["batch_size"] == n
+                        and name in b["engines"]
+                        and (b["phase"] == "sampled") == sampled
+                    ),
+                    None,
+                )
                 if entry is not None:
-                    ax.bar(x - 0.4 + width * (j + 0.5), entry["engines"][name][key], width=width, color=f"C{j}",
-                           label=label)
+                    ax.bar(
+                        x - 0.4 + width * (j + 0.5),
+                        entry["engines"][name][key],
+                        width=width,
+                        color=f"C{j}",
+                        label=label,
+                    )
                     label = None  # one legend entry per engine
         ax.set_xticks(list(range(len(sizes))), [str(n) for n in sizes])
         ax.set_yscale("log")
-        ax.set(xlabel=f"batch size ({payload['max_new_tokens']} tokens, EOS ignored; greedy unless T=1)",
-               ylabel="tokens / s", title=title)
+        ax.set(
+            xlabel=f"batch size ({payload['max_new_tokens']} tokens, EOS ignored; greedy unless T=1)",
+            ylabel="tokens / s",
+            title=title,
+        )
         ax.legend(fontsize=8)
     return save_figure(fig, path)
 
@@ -268,8 +313,13 @@ def _worker_env(args: argparse.Namespace, threads: int) -> dict[str, str]:
     root = Path(__file__).resolve().parents[1]
     path = os.environ.get("PYTHONPATH")
     paths = os.pathsep.join([str(root / "src"), str(root), *([path] if path else [])])
-    return {"PYTHONPATH": paths, "OMP_NUM_THREADS": str(threads),
-            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "VLLM_CPU_OMP_THREADS_BIND": args.vllm_threads_bind}
+    return {
+        "PYTHONPATH": paths,
+        "OMP_NUM_THREADS": str(threads),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": args.vllm_threads_bind,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -296,8 +346,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return compare(args, target, drafter, prompts, work / "target", drafter_dir)
 
 
-def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[list[int]], target_dir: Path,
-            drafter_dir: Path | None) -> dict[str, Any]:
+def compare(
+    args: argparse.Namespace,
+    target: Any,
+    drafter: Any,
+    prompts: list[list[int]],
+    target_dir: Path,
+    drafter_dir: Path | None,
+) -> dict[str, Any]:
     """The two phases on loaded models (``drafter`` ``None``: no speculative phase); writes JSON and plot.
 
     ``target_dir`` / ``drafter_dir`` are what the worker serves (the same weights, written for vLLM).
@@ -310,21 +366,34 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
     work.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
     command = args.worker_command or [args.vllm_python, "-m", WORKER_MODULE]
-    spec = {"model": str(target_dir), "k": args.k, "dtype": args.dtype, "seed": args.seed,
-            "gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
-            "enforce_eager": args.vllm_eager}
+    spec = {
+        "model": str(target_dir),
+        "k": args.k,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_model_len": args.max_model_len,
+        "enforce_eager": args.vllm_eager,
+    }
     payload: dict[str, Any] = {
         "benchmark": "peers",
         "command": "python -m benchmarks " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "weight_layout": args.weight_layout, "task": args.task,
+        "model": args.model,
+        "dtype": args.dtype,
+        "weight_layout": args.weight_layout,
+        "task": args.task,
         "decode": getattr(target, "decode", "hf"),
-        "drafter": args.drafter if drafter is not None else None, "k": args.k, "max_new_tokens": args.max_new_tokens,
+        "drafter": args.drafter if drafter is not None else None,
+        "k": args.k,
+        "max_new_tokens": args.max_new_tokens,
         "prompt_tokens": {"mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))},
-        "machine": machine_info(), "worker_command": command,
+        "machine": machine_info(),
+        "worker_command": command,
         # As the worker got it, but no machine paths in a result file: PYTHONPATH starts with this
         # checkout's src and root.
         "worker_env": {**_worker_env(args, threads), "PYTHONPATH": os.pathsep.join(["src", "."])},
-        "vllm": {}, "batches": [],
+        "vllm": {},
+        "batches": [],
     }
     greedy = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=0.0)
 
@@ -336,14 +405,20 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
         except RuntimeError:
             client.close()
             raise
-        payload["vllm"][name] = {k: info[k] for k in ("startup_s", "process_s", "vllm", "device", "torch_threads")}
-        print(f"  vLLM {info['vllm']} ready: engine {info['startup_s']:.1f} s, process {info['process_s']:.1f} s",
-              flush=True)
+        payload["vllm"][name] = {
+            k: info[k] for k in ("startup_s", "process_s", "vllm", "device", "torch_threads")
+        }
+        print(
+            f"  vLLM {info['vllm']} ready: engine {info['startup_s']:.1f} s, process {info['process_s']:.1f} s",
+            flush=True,
+        )
         return client
 
     def compile_seconds() -> float:
         """Compile time so far of the target and the drafter (``decode="compiled"``; else 0)."""
-        return getattr(target, "compile_seconds", 0.0) + (drafter.compile_seconds if drafter is not None else 0.0)
+        return getattr(target, "compile_seconds", 0.0) + (
+            drafter.compile_seconds if drafter is not None else 0.0
+        )
 
     def warm_and_time(engines: dict[str, Engine], groups: list[list[list[int]]]) -> dict[str, Any]:
         warm = warm_up(engines, groups)
@@ -351,42 +426,80 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
         runs = alternate(engines, groups)
         return {"runs": runs, "warmup_s": warm, "compile_seconds_in_timed_runs": compile_seconds() - before}
 
-    def fixed(engines: dict[str, Engine], pairs: list[tuple[str, str]], phase_name: str, sizes: list[int],
-              greedy: bool = True) -> None:
+    def fixed(
+        engines: dict[str, Engine],
+        pairs: list[tuple[str, str]],
+        phase_name: str,
+        sizes: list[int],
+        greedy: bool = True,
+    ) -> None:
         with eos_ignored(target):
             for bs in sizes:
                 timing = warm_and_time(engines, prompt_groups(prompts, bs, args.repeats))
                 runs = timing.pop("runs")
-                out = {"phase": phase_name, "batch_size": bs, **timing, **summarise(runs, pairs, greedy=greedy)}
+                out = {
+                    "phase": phase_name,
+                    "batch_size": bs,
+                    **timing,
+                    **summarise(runs, pairs, greedy=greedy),
+                }
                 payload["batches"].append(out)
-                print(f"  batch {bs}: " + ", ".join(
-                    f"{n} decode {e['decode_tokens_per_s']:.1f} / e2e {e['end_to_end_tokens_per_s']:.1f} tok/s"
-                    for n, e in out["engines"].items())
-                    + "".join(f"; {pair} decode x{r['decode']:.2f}, e2e x{r['end_to_end']:.2f}"
-                              + (f", identical {r['agreement']['identical']}/{r['agreement']['responses']}"
-                                 if greedy else "") for pair, r in out["ratios"].items())
-                    + "".join(f", {n} accept {e['mean_accept_length']:.2f}" for n, e in out["engines"].items()
-                              if e["mean_accept_length"]), flush=True)
+                print(
+                    f"  batch {bs}: "
+                    + ", ".join(
+                        f"{n} decode {e['decode_tokens_per_s']:.1f} / e2e {e['end_to_end_tokens_per_s']:.1f} tok/s"
+                        for n, e in out["engines"].items()
+                    )
+                    + "".join(
+                        f"; {pair} decode x{r['decode']:.2f}, e2e x{r['end_to_end']:.2f}"
+                        + (
+                            f", identical {r['agreement']['identical']}/{r['agreement']['responses']}"
+                            if greedy
+                            else ""
+                        )
+                        for pair, r in out["ratios"].items()
+                    )
+                    + "".join(
+                        f", {n} accept {e['mean_accept_length']:.2f}"
+                        for n, e in out["engines"].items()
+                        if e["mean_accept_length"]
+                    ),
+                    flush=True,
+                )
 
     def speculative_loop(cfg: RolloutConfig, threshold: int) -> SpeculativeRolloutLoop:
         return SpeculativeRolloutLoop(target, drafter, cfg, DraftSpec(args.k), threshold=threshold)
 
     with phase("plain", None) as client:
-        engines = {"ours": ours(RolloutEngine(target, greedy), args.seed),
-                   "vllm": client.engine(args.max_new_tokens, 0.0, ignore_eos=True)}
-        print(f"[bench peers] fixed batches {args.batch_sizes}, greedy, {args.max_new_tokens} tokens, EOS ignored",
-              flush=True)
+        engines = {
+            "ours": ours(RolloutEngine(target, greedy), args.seed),
+            "vllm": client.engine(args.max_new_tokens, 0.0, ignore_eos=True),
+        }
+        print(
+            f"[bench peers] fixed batches {args.batch_sizes}, greedy, {args.max_new_tokens} tokens, EOS ignored",
+            flush=True,
+        )
         fixed(engines, [("ours", "vllm")], "plain", args.batch_sizes)
         if args.sampled_batch_sizes:
             sampled = replace(greedy, temperature=1.0)
             engines = {"ours": ours(RolloutEngine(target, sampled), args.seed)}
             if drafter is not None:
-                engines["ours-sd"] = ours(speculative_loop(sampled, max(args.sampled_batch_sizes) + 1), args.seed)
+                engines["ours-sd"] = ours(
+                    speculative_loop(sampled, max(args.sampled_batch_sizes) + 1), args.seed
+                )
             engines["vllm"] = client.engine(args.max_new_tokens, 1.0, ignore_eos=True)
-            print(f"[bench peers] fixed batches {args.sampled_batch_sizes}, T=1, {args.max_new_tokens} tokens, "
-                  "EOS ignored", flush=True)
-            fixed(engines, [(e, "vllm") for e in engines if e != "vllm"], "sampled", args.sampled_batch_sizes,
-                  greedy=False)
+            print(
+                f"[bench peers] fixed batches {args.sampled_batch_sizes}, T=1, {args.max_new_tokens} tokens, "
+                "EOS ignored",
+                flush=True,
+            )
+            fixed(
+                engines,
+                [(e, "vllm") for e in engines if e != "vllm"],
+                "sampled",
+                args.sampled_batch_sizes,
+                greedy=False,
+            )
         if args.long_tail_requests:
             n = args.long_tail_requests
             cfg = RolloutConfig(max_new_tokens=args.long_tail_max_new, temperature=1.0)
@@ -394,24 +507,43 @@ def compare(args: argparse.Namespace, target: Any, drafter: Any, prompts: list[l
             if drafter is not None:
                 engines["ours-sd"] = ours(speculative_loop(cfg, args.threshold), args.seed)
             engines["vllm"] = client.engine(args.long_tail_max_new, 1.0, ignore_eos=False)
-            print(f"[bench peers] long tail: {n} requests, T=1, up to {args.long_tail_max_new} tokens, EOS respected",
-                  flush=True)
+            print(
+                f"[bench peers] long tail: {n} requests, T=1, up to {args.long_tail_max_new} tokens, EOS respected",
+                flush=True,
+            )
             # Every repeat runs the same prompts with the same seed: the one warm-up run covers the buckets.
             timing = warm_and_time(engines, prompt_groups(prompts[:n], n, args.repeats))
             runs = timing.pop("runs")
-            lengths = {name: torch.tensor([len(t) for t in ts[-1].tokens]).float() for name, ts in runs.items()}
-            payload["long_tail"] = {
-                "requests": n, "max_new_tokens": args.long_tail_max_new, "threshold": args.threshold, **timing,
-                **summarise(runs, [(e, "vllm") for e in engines if e != "vllm"], greedy=False),
-                "lengths_p50_p90_max": {k: [float(v.quantile(q)) for q in (0.5, 0.9, 1.0)] for k, v in lengths.items()},
+            lengths = {
+                name: torch.tensor([len(t) for t in ts[-1].tokens]).float() for name, ts in runs.items()
             }
-            print("  " + ", ".join(f"{k} {e['seconds']:.1f} s, e2e {e['end_to_end_tokens_per_s']:.1f} tok/s"
-                                   for k, e in payload["long_tail"]["engines"].items()), flush=True)
+            payload["long_tail"] = {
+                "requests": n,
+                "max_new_tokens": args.long_tail_max_new,
+                "threshold": args.threshold,
+                **timing,
+                **summarise(runs, [(e, "vllm") for e in engines if e != "vllm"], greedy=False),
+                "lengths_p50_p90_max": {
+                    k: [float(v.quantile(q)) for q in (0.5, 0.9, 1.0)] for k, v in lengths.items()
+                },
+            }
+            print(
+                "  "
+                + ", ".join(
+                    f"{k} {e['seconds']:.1f} s, e2e {e['end_to_end_tokens_per_s']:.1f} tok/s"
+                    for k, e in payload["long_tail"]["engines"].items()
+                ),
+                flush=True,
+            )
 
-    if drafter is not None and args.batch_sizes:  # no fixed batches (`--batch-sizes` with none): long tail only
+    if (
+        drafter is not None and args.batch_sizes
+    ):  # no fixed batches (`--batch-sizes` with none): long tail only
         with phase("speculative", drafter_dir) as client:
-            engines = {"ours-sd": ours(speculative_loop(greedy, max(args.batch_sizes) + 1), args.seed),
-                       "vllm-sd": client.engine(args.max_new_tokens, 0.0, ignore_eos=True)}
+            engines = {
+                "ours-sd": ours(speculative_loop(greedy, max(args.batch_sizes) + 1), args.seed),
+                "vllm-sd": client.engine(args.max_new_tokens, 0.0, ignore_eos=True),
+            }
             print(f"[bench peers] speculative (chain{args.k}, greedy), fixed batches", flush=True)
             fixed(engines, [("ours-sd", "vllm-sd")], "speculative", args.batch_sizes)
 

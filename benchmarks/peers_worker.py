@@ -54,10 +54,14 @@ class VLLMPeer:
         from tlt_lightning.vllm.backend import VLLMBackendConfig, VLLMRolloutBackend
 
         config = VLLMBackendConfig(
-            model=spec["model"], drafter=spec.get("drafter"), num_speculative_tokens=int(spec.get("k", 3)),
-            dtype=spec.get("dtype", "bfloat16"), seed=int(spec.get("seed", 0)),
+            model=spec["model"],
+            drafter=spec.get("drafter"),
+            num_speculative_tokens=int(spec.get("k", 3)),
+            dtype=spec.get("dtype", "bfloat16"),
+            seed=int(spec.get("seed", 0)),
             gpu_memory_utilization=float(spec.get("gpu_memory_utilization", 0.2)),
-            max_model_len=spec.get("max_model_len"), enforce_eager=bool(spec.get("enforce_eager", False)),
+            max_model_len=spec.get("max_model_len"),
+            enforce_eager=bool(spec.get("enforce_eager", False)),
             enable_prefix_caching=False,
         )
         self.backend = VLLMRolloutBackend(config)
@@ -79,7 +83,9 @@ def _version() -> str:
         return "none"
 
 
-def handle(state: dict[str, Any], request: dict[str, Any], factory: Callable[[dict[str, Any]], PeerBackend]) -> dict[str, Any]:
+def handle(
+    state: dict[str, Any], request: dict[str, Any], factory: Callable[[dict[str, Any]], PeerBackend]
+) -> dict[str, Any]:
     """Answer one request; ``state["peer"]`` holds the started backend."""
     import torch
 
@@ -91,14 +97,21 @@ def handle(state: dict[str, Any], request: dict[str, Any], factory: Callable[[di
             raise ValueError("start: the worker is started already (one engine per worker)")
         t0 = time.perf_counter()
         state["peer"] = factory(request)
-        return {"ok": True, "startup_s": time.perf_counter() - t0, "vllm": _version(),
-                "device": getattr(state["peer"], "device", "cpu"), "torch_threads": torch.get_num_threads()}
+        return {
+            "ok": True,
+            "startup_s": time.perf_counter() - t0,
+            "vllm": _version(),
+            "device": getattr(state["peer"], "device", "cpu"),
+            "torch_threads": torch.get_num_threads(),
+        }
     if op == "generate":
         if "peer" not in state:
             raise ValueError("generate: send a start request first")
-        config = RolloutConfig(max_new_tokens=int(request["max_new_tokens"]),
-                               temperature=float(request.get("temperature", 0.0)),
-                               top_p=float(request.get("top_p", 1.0)))
+        config = RolloutConfig(
+            max_new_tokens=int(request["max_new_tokens"]),
+            temperature=float(request.get("temperature", 0.0)),
+            top_p=float(request.get("top_p", 1.0)),
+        )
         t0 = time.perf_counter()
         result = state["peer"].generate(request["prompts"], config, bool(request.get("ignore_eos", False)))
         total = time.perf_counter() - t0
@@ -109,8 +122,11 @@ def handle(state: dict[str, Any], request: dict[str, Any], factory: Callable[[di
             "finish_reasons": [r.finish_reason for r in result.rollouts],
             "first_token_s": [float(r.first_token_time) for r in result.rollouts],
             "total_s": total,
-            "spec": {"drafts": int(getattr(spec, "drafts", 0)), "draft_tokens": int(getattr(spec, "draft_tokens", 0)),
-                     "accepted_tokens": int(getattr(spec, "accepted_tokens", 0))},
+            "spec": {
+                "drafts": int(getattr(spec, "drafts", 0)),
+                "draft_tokens": int(getattr(spec, "draft_tokens", 0)),
+                "accepted_tokens": int(getattr(spec, "accepted_tokens", 0)),
+            },
         }
     if op == "stop":
         return {"ok": True}
@@ -127,8 +143,14 @@ def serve(stdin: IO[str], stdout: IO[str], factory: Callable[[dict[str, Any]], P
             request = json.loads(line)
             answer = handle(state, request, factory)
         except Exception as err:  # noqa: BLE001 (every failure goes back to the driver, which raises it)
-            request, answer = {}, {"ok": False, "error": f"{type(err).__name__}: {err}",
-                                   "traceback": traceback.format_exc(limit=6)}
+            request, answer = (
+                {},
+                {
+                    "ok": False,
+                    "error": f"{type(err).__name__}: {err}",
+                    "traceback": traceback.format_exc(limit=6),
+                },
+            )
         stdout.write(json.dumps(answer) + "\n")
         stdout.flush()
         if request.get("op") == "stop":

@@ -35,7 +35,9 @@ from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
 __all__ = ["hf_generate", "length_summary", "run"]
 
 
-def hf_generate(model, tokenizer, prompts: list[list[int]], config: RolloutConfig, seed: int) -> list[list[int]]:
+def hf_generate(
+    model, tokenizer, prompts: list[list[int]], config: RolloutConfig, seed: int
+) -> list[list[int]]:
     """HF ``generate`` on a left-padded batch; returns each response up to and including its EOS."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompts)
@@ -46,15 +48,26 @@ def hf_generate(model, tokenizer, prompts: list[list[int]], config: RolloutConfi
         attention[i, width - len(p) :] = 1
     kwargs: dict[str, Any] = {"do_sample": False}
     if not config.sampling.greedy:
-        kwargs = {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k}
+        kwargs = {
+            "do_sample": True,
+            "temperature": config.temperature,
+            "top_p": config.top_p,
+            "top_k": config.top_k,
+        }
         torch.manual_seed(seed)
     with torch.inference_mode():
         out = model.generate(
-            input_ids=input_ids, attention_mask=attention, max_new_tokens=config.max_new_tokens,
-            pad_token_id=pad, **kwargs,
+            input_ids=input_ids,
+            attention_mask=attention,
+            max_new_tokens=config.max_new_tokens,
+            pad_token_id=pad,
+            **kwargs,
         )
-    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-              else [model.generation_config.eos_token_id])
+    eos = set(
+        model.generation_config.eos_token_id
+        if isinstance(model.generation_config.eos_token_id, list)
+        else [model.generation_config.eos_token_id]
+    )
     responses = []
     for row in out[:, width:].tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
@@ -131,7 +144,9 @@ def plot(long_tail: RolloutResult | None, batches: list[dict[str, Any]], path: P
         order = sorted(range(len(long_tail.rollouts)), key=lambda i: long_tail.rollouts[i].finish_time)
         for y, i in enumerate(order):
             r = long_tail.rollouts[i]
-            b.barh(y, r.finish_time - r.first_token_time, left=r.first_token_time, height=1.0, color="tab:orange")
+            b.barh(
+                y, r.finish_time - r.first_token_time, left=r.first_token_time, height=1.0, color="tab:orange"
+            )
         b.set(xlabel="seconds", ylabel="request (by finish time)", title="Per-request timeline")
     return save_figure(fig, path)
 
@@ -157,32 +172,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out = _compare(greedy, model, tokenizer, prompts[:bs], args.repeats, args.seed)
         out.pop("result")
         batches.append({"batch_size": bs, **out})
-        print(f"  engine {out['tokens_per_s']:.1f} tok/s, HF {out['hf_tokens_per_s']:.1f} tok/s, "
-              f"x{out['speedup_vs_hf']:.2f} (CPU time x{out['speedup_vs_hf_cpu_time']:.2f}), "
-              f"identical {out['identical_outputs']}/{bs}"
-              + (f", compiled in {out['compile_seconds']:.1f} s (untimed)" if out["compile_seconds"] else ""),
-              flush=True)
+        print(
+            f"  engine {out['tokens_per_s']:.1f} tok/s, HF {out['hf_tokens_per_s']:.1f} tok/s, "
+            f"x{out['speedup_vs_hf']:.2f} (CPU time x{out['speedup_vs_hf_cpu_time']:.2f}), "
+            f"identical {out['identical_outputs']}/{bs}"
+            + (f", compiled in {out['compile_seconds']:.1f} s (untimed)" if out["compile_seconds"] else ""),
+            flush=True,
+        )
 
     long_tail = None
     payload: dict[str, Any] = {
         "benchmark": "rollout",
         "command": "python -m benchmarks " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "weight_layout": target.weight_layout, "decode": args.decode,
+        "model": args.model,
+        "dtype": args.dtype,
+        "weight_layout": target.weight_layout,
+        "decode": args.decode,
         "task": args.task,
         "machine": machine_info(),
         "batches": batches,
     }
     if args.long_tail_requests:
         n = args.long_tail_requests
-        sampled = RolloutEngine(target, replace(greedy.config, max_new_tokens=args.long_tail_max_new, temperature=1.0))
-        print(f"[bench rollout] long tail: {n} requests, T=1, up to {args.long_tail_max_new} tokens ...", flush=True)
+        sampled = RolloutEngine(
+            target, replace(greedy.config, max_new_tokens=args.long_tail_max_new, temperature=1.0)
+        )
+        print(
+            f"[bench rollout] long tail: {n} requests, T=1, up to {args.long_tail_max_new} tokens ...",
+            flush=True,
+        )
         out = _compare(sampled, model, tokenizer, prompts[:n], args.repeats, args.seed)
         long_tail = out.pop("result")
         out.pop("identical_outputs")  # sampled with different RNGs: lengths differ, only speed compares
-        payload["long_tail"] = {**out, "lengths": length_summary(long_tail.lengths),
-                                "max_new_tokens": args.long_tail_max_new}
-        print(f"  engine {out['tokens_per_s']:.1f} tok/s, HF {out['hf_tokens_per_s']:.1f} tok/s, "
-              f"x{out['speedup_vs_hf']:.2f}; lengths {payload['long_tail']['lengths']}", flush=True)
+        payload["long_tail"] = {
+            **out,
+            "lengths": length_summary(long_tail.lengths),
+            "max_new_tokens": args.long_tail_max_new,
+        }
+        print(
+            f"  engine {out['tokens_per_s']:.1f} tok/s, HF {out['hf_tokens_per_s']:.1f} tok/s, "
+            f"x{out['speedup_vs_hf']:.2f}; lengths {payload['long_tail']['lengths']}",
+            flush=True,
+        )
 
     payload.update(compile_report(target))
     json_path = write_json(args.json, payload)

@@ -53,8 +53,15 @@ def full_batch_step_time(stats: Any, size: int, speculative: bool) -> float:
     return median([t for t, n, spec in steps if n == size and spec == speculative])
 
 
-def _compare(plain: RolloutEngine, specs: dict[str, SpeculativeRolloutLoop], prompts, size: int, repeats: int,
-             seed: int, warm_up: bool = False) -> list[dict[str, Any]]:
+def _compare(
+    plain: RolloutEngine,
+    specs: dict[str, SpeculativeRolloutLoop],
+    prompts,
+    size: int,
+    repeats: int,
+    seed: int,
+    warm_up: bool = False,
+) -> list[dict[str, Any]]:
     """Alternate plain rollouts of ``size`` prompts with those of each speculative loop (by strategy name).
 
     Repeat ``r`` takes the ``r``-th group of ``size`` prompts (wrapping around), so small batches
@@ -63,7 +70,16 @@ def _compare(plain: RolloutEngine, specs: dict[str, SpeculativeRolloutLoop], pro
     against the same plain runs, with its last result under ``"_last"``. ``warm_up``: every run is
     made once untimed first, so compiled graphs (``--decode compiled``) compile outside the timed runs.
     """
-    keys = ("sd_tps", "sd_decode_tps", "sd_s", "sd_cpu_s", "accept", "draft_depth", "sd_step_fraction", "sd_step_cost")
+    keys = (
+        "sd_tps",
+        "sd_decode_tps",
+        "sd_s",
+        "sd_cpu_s",
+        "accept",
+        "draft_depth",
+        "sd_step_fraction",
+        "sd_step_cost",
+    )
     base: dict[str, list[float]] = {"plain_tps": [], "plain_decode_tps": [], "plain_s": [], "plain_cpu_s": []}
     rows: list[dict[str, list[float]]] = [{k: [] for k in keys} for _ in specs]
     last: list[RolloutResult | None] = [None] * len(specs)
@@ -94,26 +110,28 @@ def _compare(plain: RolloutEngine, specs: dict[str, SpeculativeRolloutLoop], pro
             last[i] = b
     out = []
     for name, row, result in zip(specs, rows, last):
-        out.append({
-            "requests": size,
-            "strategy": name,
-            "plain_tokens_per_s": median(base["plain_tps"]),
-            "sd_tokens_per_s": median(row["sd_tps"]),
-            "speedup_tokens_per_s": median(row["sd_tps"]) / median(base["plain_tps"]),
-            "speedup_cpu_time_per_token": median(base["plain_cpu_s"]) / median(row["sd_cpu_s"]),
-            # Decode steps only: the prefill, the same work in both, left out.
-            "speedup_decode": median(row["sd_decode_tps"]) / median(base["plain_decode_tps"]),
-            "plain_seconds": median(base["plain_s"]),
-            "sd_seconds": median(row["sd_s"]),
-            "mean_accept_length": median(row["accept"]),
-            # Drafts per speculative step: below the depth when a min_confidence chain stops early.
-            "mean_draft_depth": median(row["draft_depth"]),
-            "sd_step_fraction": median(row["sd_step_fraction"]),
-            # A speculative step's time in plain steps (all requests active): speedup ~ accept / cost.
-            "sd_step_cost": median(row["sd_step_cost"]),
-            "runs": base | row,
-            "_last": result,
-        })
+        out.append(
+            {
+                "requests": size,
+                "strategy": name,
+                "plain_tokens_per_s": median(base["plain_tps"]),
+                "sd_tokens_per_s": median(row["sd_tps"]),
+                "speedup_tokens_per_s": median(row["sd_tps"]) / median(base["plain_tps"]),
+                "speedup_cpu_time_per_token": median(base["plain_cpu_s"]) / median(row["sd_cpu_s"]),
+                # Decode steps only: the prefill, the same work in both, left out.
+                "speedup_decode": median(row["sd_decode_tps"]) / median(base["plain_decode_tps"]),
+                "plain_seconds": median(base["plain_s"]),
+                "sd_seconds": median(row["sd_s"]),
+                "mean_accept_length": median(row["accept"]),
+                # Drafts per speculative step: below the depth when a min_confidence chain stops early.
+                "mean_draft_depth": median(row["draft_depth"]),
+                "sd_step_fraction": median(row["sd_step_fraction"]),
+                # A speculative step's time in plain steps (all requests active): speedup ~ accept / cost.
+                "sd_step_cost": median(row["sd_step_cost"]),
+                "runs": base | row,
+                "_last": result,
+            }
+        )
     return out
 
 
@@ -123,13 +141,17 @@ def layer_skip_assistant(model: Any, layers: int) -> Any:
     import copy
 
     if not 1 <= layers < model.config.num_hidden_layers:
-        raise ValueError(f"--assistant-layers must be in [1, {model.config.num_hidden_layers - 1}], got {layers}")
+        raise ValueError(
+            f"--assistant-layers must be in [1, {model.config.num_hidden_layers - 1}], got {layers}"
+        )
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = config.layer_types[:layers]
     assistant = type(model)(config).to(model.dtype).eval()
-    missing, _ = assistant.load_state_dict(model.state_dict(), strict=False)  # the deeper layers are unexpected
+    missing, _ = assistant.load_state_dict(
+        model.state_dict(), strict=False
+    )  # the deeper layers are unexpected
     if missing:
         raise RuntimeError(f"layer-skip assistant: weights missing from the target: {missing[:3]}")
     return assistant
@@ -140,9 +162,16 @@ def _hf_peer(model, prompt: list[int], max_new: int, seed: int, temperature: flo
     torch.manual_seed(seed)
     ids = torch.tensor([prompt])
     # HF refuses temperature 0: greedy is do_sample=False there.
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
-    out, t, _ = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                          **sampling, **kwargs))
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
+    out, t, _ = timed(
+        lambda: model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, **sampling, **kwargs
+        )
+    )
     return (out.shape[1] - len(prompt)) / t
 
 
@@ -158,41 +187,70 @@ def plot(results: dict[str, Any], long_tail: RolloutResult | None, path: Path) -
         a = axes.pop(0)
         for j, (arm, n) in enumerate(itertools.product(arms, dict.fromkeys(b["requests"] for b in batches))):
             points = [b for b in batches if b["strategy"] == arm and b["requests"] == n]
-            a.plot([b["temperature"] for b in points], [b["speedup_tokens_per_s"] for b in points], "o-",
-                   color=f"C{j}", label=f"{arm}, batch {n}")
+            a.plot(
+                [b["temperature"] for b in points],
+                [b["speedup_tokens_per_s"] for b in points],
+                "o-",
+                color=f"C{j}",
+                label=f"{arm}, batch {n}",
+            )
             for b in points:
-                a.annotate(f"{b['mean_accept_length']:.2f}", (b["temperature"], b["speedup_tokens_per_s"]),
-                           textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7, color=f"C{j}")
+                a.annotate(
+                    f"{b['mean_accept_length']:.2f}",
+                    (b["temperature"], b["speedup_tokens_per_s"]),
+                    textcoords="offset points",
+                    xytext=(0, 5),
+                    ha="center",
+                    fontsize=7,
+                    color=f"C{j}",
+                )
         a.axhline(1.0, color="grey", lw=0.8, ls="--")
-        a.set(xlabel="sampling temperature", ylabel="speedup over plain decoding (tokens / s)",
-              title="Speedup against temperature (labels: accept length)")
+        a.set(
+            xlabel="sampling temperature",
+            ylabel="speedup over plain decoding (tokens / s)",
+            title="Speedup against temperature (labels: accept length)",
+        )
         a.legend(fontsize=8)
     elif batches:
         a = axes.pop(0)
         sizes = list(dict.fromkeys(b["requests"] for b in batches))
         width = 0.8 / (len(arms) + 1)
-        a.bar([x - 0.4 + width / 2 for x in range(len(sizes))],
-              [next(b for b in batches if b["requests"] == n)["plain_tokens_per_s"] for n in sizes],
-              width=width, label="plain")
+        a.bar(
+            [x - 0.4 + width / 2 for x in range(len(sizes))],
+            [next(b for b in batches if b["requests"] == n)["plain_tokens_per_s"] for n in sizes],
+            width=width,
+            label="plain",
+        )
         for j, arm in enumerate(arms):
             for x, n in enumerate(sizes):
                 b = next(b for b in batches if b["requests"] == n and b["strategy"] == arm)
                 xb = x - 0.4 + width * (j + 1.5)
                 a.bar(xb, b["sd_tokens_per_s"], width=width, color=f"C{j + 1}", label=arm if x == 0 else None)
-                a.text(xb, b["sd_tokens_per_s"],
-                       f"x{b['speedup_tokens_per_s']:.2f}\nacc {b['mean_accept_length']:.2f}",
-                       ha="center", va="bottom", fontsize=7)
+                a.text(
+                    xb,
+                    b["sd_tokens_per_s"],
+                    f"x{b['speedup_tokens_per_s']:.2f}\nacc {b['mean_accept_length']:.2f}",
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
         a.set_xticks(list(range(len(sizes))), [str(n) for n in sizes])
-        a.set(xlabel="batch size (speculation on every step)", ylabel="tokens / s",
-              title=f"Throughput, T={results['temperature']:g}")
+        a.set(
+            xlabel="batch size (speculation on every step)",
+            ylabel="tokens / s",
+            title=f"Throughput, T={results['temperature']:g}",
+        )
         a.legend(fontsize=8)
     if long_tail is not None:
         stats = long_tail.stats
         b, c = axes
         hist = torch.bincount(stats.accept_lengths).tolist() if stats.accept_lengths.numel() else []
         b.bar(range(len(hist)), hist)
-        b.set(xlabel="tokens emitted per request per speculative step", ylabel="count",
-              title="Long tail: accept-length histogram")
+        b.set(
+            xlabel="tokens emitted per request per speculative step",
+            ylabel="count",
+            title="Long tail: accept-length histogram",
+        )
         times = torch.tensor(stats.step_times).cumsum(0).tolist()
         c.plot(times, stats.step_batch_sizes, lw=1, label="active requests")
         spec_t = [t for t, s in zip(times, stats.step_speculative) if s]
@@ -206,15 +264,20 @@ def plot(results: dict[str, Any], long_tail: RolloutResult | None, path: Path) -
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.drafter:
         raise ValueError("--speculative needs --drafter DIR (train one with `tlt-lightning drafter warmup`)")
-    arms = [parse_arm(name) for name in args.arms] if args.arms else [
-        DraftSpec(args.depth, args.topk, args.draft_tokens, sampled=args.sampled)]
+    arms = (
+        [parse_arm(name) for name in args.arms]
+        if args.arms
+        else [DraftSpec(args.depth, args.topk, args.draft_tokens, sampled=args.sampled)]
+    )
     if None in arms:
         raise ValueError("--arms: every arm is compared with plain decoding already; leave 'off' out")
     if len({str(a) for a in arms}) < len(arms):
         raise ValueError(f"--arms names an arm twice: {args.arms}")
     names = [Path(d).name for d in args.drafter]
     if len(set(names)) < len(names):
-        raise ValueError(f"--drafter: directories need distinct names to label the results, got {args.drafter}")
+        raise ValueError(
+            f"--drafter: directories need distinct names to label the results, got {args.drafter}"
+        )
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
@@ -225,66 +288,104 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for drafter in drafters.values() if compiled else ():
         drafter.use_compiled_steps()  # the drafter's step through the same mechanism as the target's
     # One drafter: results are labelled by arm, as before; several: DIRNAME/ARM.
-    runs = [(f"{name}/{arm}" if len(drafters) > 1 else str(arm), drafter, arm)
-            for name, drafter in drafters.items() for arm in arms]
+    runs = [
+        (f"{name}/{arm}" if len(drafters) > 1 else str(arm), drafter, arm)
+        for name, drafter in drafters.items()
+        for arm in arms
+    ]
     count = max([bs * args.repeats for bs in args.batch_sizes] + [args.long_tail_requests, 1])
     prompts = task_prompts(loaded.tokenizer, args.task, count, seed=args.seed)
     temperatures = list(args.temperature)
     payload: dict[str, Any] = {
         "benchmark": "rollout-speculative",
         "command": "python -m benchmarks " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "weight_layout": target.weight_layout, "task": args.task,
+        "model": args.model,
+        "dtype": args.dtype,
+        "weight_layout": target.weight_layout,
+        "task": args.task,
         "drafter": args.drafter[0],
-        "drafters": args.drafter, "strategy": str(arms[0]), "strategies": [label for label, _, _ in runs],
+        "drafters": args.drafter,
+        "strategy": str(arms[0]),
+        "strategies": [label for label, _, _ in runs],
         # The first temperature is the HF peers' and the long tail's.
-        "temperature": temperatures[0], "temperatures": temperatures,
-        "machine": machine_info(), "batches": [],
+        "temperature": temperatures[0],
+        "temperatures": temperatures,
+        "machine": machine_info(),
+        "batches": [],
     }
     for temperature, bs in itertools.product(temperatures, args.batch_sizes):
-        print(f"[bench speculative] batch {bs}, T={temperature}, {args.max_new_tokens} new tokens ...", flush=True)
+        print(
+            f"[bench speculative] batch {bs}, T={temperature}, {args.max_new_tokens} new tokens ...",
+            flush=True,
+        )
         cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=temperature)
-        specs = {label: SpeculativeRolloutLoop(target, drafter, cfg, arm, threshold=bs + 1)
-                 for label, drafter, arm in runs}
-        for out in _compare(RolloutEngine(target, cfg), specs, prompts, bs, args.repeats, args.seed, compiled):
+        specs = {
+            label: SpeculativeRolloutLoop(target, drafter, cfg, arm, threshold=bs + 1)
+            for label, drafter, arm in runs
+        }
+        for out in _compare(
+            RolloutEngine(target, cfg), specs, prompts, bs, args.repeats, args.seed, compiled
+        ):
             out.pop("_last")
             payload["batches"].append({"temperature": temperature, **out})
-            print(f"  {out['strategy']}: plain {out['plain_tokens_per_s']:.1f} tok/s, SD {out['sd_tokens_per_s']:.1f} "
-                  f"tok/s, x{out['speedup_tokens_per_s']:.2f} (CPU time x{out['speedup_cpu_time_per_token']:.2f}, "
-                  f"decode steps x{out['speedup_decode']:.2f}), "
-                  f"accept {out['mean_accept_length']:.2f} of {out['mean_draft_depth']:.2f} drafts, "
-                  f"step cost {out['sd_step_cost']:.2f}", flush=True)
+            print(
+                f"  {out['strategy']}: plain {out['plain_tokens_per_s']:.1f} tok/s, SD {out['sd_tokens_per_s']:.1f} "
+                f"tok/s, x{out['speedup_tokens_per_s']:.2f} (CPU time x{out['speedup_cpu_time_per_token']:.2f}, "
+                f"decode steps x{out['speedup_decode']:.2f}), "
+                f"accept {out['mean_accept_length']:.2f} of {out['mean_draft_depth']:.2f} drafts, "
+                f"step cost {out['sd_step_cost']:.2f}",
+                flush=True,
+            )
         if bs == 1 and temperature == temperatures[0]:
             peers = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 4}}
             if args.assistant_layers:
-                peers["assisted"] = {"assistant_model": layer_skip_assistant(loaded.model, args.assistant_layers)}
+                peers["assisted"] = {
+                    "assistant_model": layer_skip_assistant(loaded.model, args.assistant_layers)
+                }
             hf = {}
             for r in range(args.repeats):  # alternated, as the pairs above
                 for name, kwargs in peers.items():
-                    hf.setdefault(name, []).append(_hf_peer(loaded.model, prompts[r % len(prompts)],
-                                                            args.max_new_tokens, args.seed + r, temperature,
-                                                            **kwargs))
+                    hf.setdefault(name, []).append(
+                        _hf_peer(
+                            loaded.model,
+                            prompts[r % len(prompts)],
+                            args.max_new_tokens,
+                            args.seed + r,
+                            temperature,
+                            **kwargs,
+                        )
+                    )
             payload["hf_batch1_tokens_per_s"] = {name: median(v) for name, v in hf.items()}
             payload["hf_batch1_assistant_layers"] = args.assistant_layers
-            print("  HF generate (batch 1): " + ", ".join(f"{k} {median(v):.1f} tok/s" for k, v in hf.items()),
-                  flush=True)
+            print(
+                "  HF generate (batch 1): " + ", ".join(f"{k} {median(v):.1f} tok/s" for k, v in hf.items()),
+                flush=True,
+            )
 
     long_tail = None
     if args.long_tail_requests:
         n = args.long_tail_requests
         lt_cfg = RolloutConfig(max_new_tokens=args.long_tail_max_new, temperature=temperatures[0])
-        print(f"[bench speculative] long tail: {n} requests, up to {args.long_tail_max_new} tokens, "
-              f"SD below {args.threshold} active ...", flush=True)
+        print(
+            f"[bench speculative] long tail: {n} requests, up to {args.long_tail_max_new} tokens, "
+            f"SD below {args.threshold} active ...",
+            flush=True,
+        )
         label, drafter, arm = runs[0]
         spec = SpeculativeRolloutLoop(target, drafter, lt_cfg, arm, threshold=args.threshold)
-        [out] = _compare(RolloutEngine(target, lt_cfg), {label: spec}, prompts[:n], n, args.repeats, args.seed,
-                         compiled)
+        [out] = _compare(
+            RolloutEngine(target, lt_cfg), {label: spec}, prompts[:n], n, args.repeats, args.seed, compiled
+        )
         long_tail = out.pop("_last")
         out["speedup_rollout_time"] = out["plain_seconds"] / out["sd_seconds"]
         out["threshold"] = args.threshold
         out["accept_length_histogram"] = torch.bincount(long_tail.stats.accept_lengths).tolist()
         payload["long_tail"] = out
-        print(f"  plain {out['plain_seconds']:.1f} s, SD {out['sd_seconds']:.1f} s, "
-              f"x{out['speedup_rollout_time']:.2f}, accept {out['mean_accept_length']:.2f}", flush=True)
+        print(
+            f"  plain {out['plain_seconds']:.1f} s, SD {out['sd_seconds']:.1f} s, "
+            f"x{out['speedup_rollout_time']:.2f}, accept {out['mean_accept_length']:.2f}",
+            flush=True,
+        )
 
     payload.update(compile_report(target))  # --decode compiled: in untimed warm-up runs
     payload["drafter_compile_seconds"] = sum(d.compile_seconds for d in drafters.values())

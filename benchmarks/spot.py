@@ -60,17 +60,30 @@ def _packing(args: argparse.Namespace) -> dict[str, Any]:
         from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 
         print(f"[bench spot] packing: sampling {args.packing_rollouts} rollouts ...", flush=True)
-        engine = RolloutEngine(HFTarget(load_model(args.model, dtype="bfloat16").model),
-                               RolloutConfig(max_new_tokens=args.packing_budget,
-                                             feature_layers=DrafterConfig.from_target(target).rollout_feature_layers))
+        engine = RolloutEngine(
+            HFTarget(load_model(args.model, dtype="bfloat16").model),
+            RolloutConfig(
+                max_new_tokens=args.packing_budget,
+                feature_layers=DrafterConfig.from_target(target).rollout_feature_layers,
+            ),
+        )
         prompts = task_prompts(loaded.tokenizer, args.task, args.packing_rollouts, seed=args.seed)
         result = engine.generate(prompts, generator=torch.Generator().manual_seed(args.seed), progress=True)
         rollouts = [replace(r, features=r.features.float()) for r in result.rollouts]
     print(f"[bench spot] packing: {len(rollouts)} rollouts, budget {args.packing_budget} ...", flush=True)
-    out = benchmark_packing(budget=args.packing_budget, repeats=args.packing_repeats, seed=args.seed,
-                            target=target, rollouts=rollouts, draft_vocab_size=vocab)
-    print(f"[bench spot] packing: {out['speedup']:.2f}x samples/s over padding (fill "
-          f"{out['padded']['fill_ratio']:.0%} padded vs {out['packed']['fill_ratio']:.0%} packed)", flush=True)
+    out = benchmark_packing(
+        budget=args.packing_budget,
+        repeats=args.packing_repeats,
+        seed=args.seed,
+        target=target,
+        rollouts=rollouts,
+        draft_vocab_size=vocab,
+    )
+    print(
+        f"[bench spot] packing: {out['speedup']:.2f}x samples/s over padding (fill "
+        f"{out['padded']['fill_ratio']:.0%} padded vs {out['packed']['fill_ratio']:.0%} packed)",
+        flush=True,
+    )
     return out
 
 
@@ -79,10 +92,14 @@ def _preemption(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.spot_parts import benchmark_preemption
 
     print(f"[bench spot] preemption: {args.windows} windows, 2 gloo processes ...", flush=True)
-    out = benchmark_preemption(rollouts=args.windows, seed=args.seed,
-                               plot_path=Path(args.out) / "preemption_timeline.png")
-    print(f"[bench spot] preemption latency p50 {out['latency_p50_s'] * 1e3:.1f} ms, p99 "
-          f"{out['latency_p99_s'] * 1e3:.1f} ms ({out['latency_p99_steps']:.2f} drafter steps)", flush=True)
+    out = benchmark_preemption(
+        rollouts=args.windows, seed=args.seed, plot_path=Path(args.out) / "preemption_timeline.png"
+    )
+    print(
+        f"[bench spot] preemption latency p50 {out['latency_p50_s'] * 1e3:.1f} ms, p99 "
+        f"{out['latency_p99_s'] * 1e3:.1f} ms ({out['latency_p99_steps']:.2f} drafter steps)",
+        flush=True,
+    )
     return out
 
 
@@ -92,12 +109,22 @@ def _checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     from tlt_lightning.models import load_model
 
     info = load_model(args.model).model.config
-    print(f"[bench spot] checkpoint: {args.checkpoint_repeats} sync / async saves, hidden {info.hidden_size} ...",
-          flush=True)
-    out = benchmark_checkpoint(hidden_size=info.hidden_size, vocab_size=info.vocab_size,
-                               repeats=args.checkpoint_repeats, directory=args.out, seed=args.seed)
-    print(f"[bench spot] checkpoint: the loop blocks {out['async_blocking_s'] * 1e3:.0f} ms (async) vs "
-          f"{out['sync_s'] * 1e3:.0f} ms (sync), {out['checkpoint_mb']:.0f} MB", flush=True)
+    print(
+        f"[bench spot] checkpoint: {args.checkpoint_repeats} sync / async saves, hidden {info.hidden_size} ...",
+        flush=True,
+    )
+    out = benchmark_checkpoint(
+        hidden_size=info.hidden_size,
+        vocab_size=info.vocab_size,
+        repeats=args.checkpoint_repeats,
+        directory=args.out,
+        seed=args.seed,
+    )
+    print(
+        f"[bench spot] checkpoint: the loop blocks {out['async_blocking_s'] * 1e3:.0f} ms (async) vs "
+        f"{out['sync_s'] * 1e3:.0f} ms (sync), {out['checkpoint_mb']:.0f} MB",
+        flush=True,
+    )
     return out
 
 
@@ -110,15 +137,20 @@ class _RankRecorder(StepRecorder):
         super().__init__()
         self.directory, self.spot, self.spot_steps = directory, spot, []
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.spot is not None:
-            self.spot_steps.append({**self.spot.spot.local_stats, **{f"all/{k}": v for k, v in
-                                                                    self.spot.last_metrics.items()}})
+            self.spot_steps.append(
+                {**self.spot.spot.local_stats, **{f"all/{k}": v for k, v in self.spot.last_metrics.items()}}
+            )
         s = self.steps[-1]
-        print(f"[bench spot] rank {trainer.global_rank} step {s['step']}: {s['wall_s']:.1f} s (rollout "
-              f"{s['rollout_s']:.1f}, train {s['train_s']:.1f}), {s['tokens']} tokens", flush=True)
+        print(
+            f"[bench spot] rank {trainer.global_rank} step {s['step']}: {s['wall_s']:.1f} s (rollout "
+            f"{s['rollout_s']:.1f}, train {s['train_s']:.1f}), {s['tokens']} tokens",
+            flush=True,
+        )
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         record = {"steps": self.steps, "spot_steps": self.spot_steps}
@@ -140,13 +172,18 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     module = GRPOModule(
-        model=args.model, rollout_dtype="bfloat16", task=TaskConfig(name=args.task),
+        model=args.model,
+        rollout_dtype="bfloat16",
+        task=TaskConfig(name=args.task),
         rollout=RolloutConfig(max_new_tokens=args.max_new_tokens),
-        optim=OptimConfig(group_size=args.group_size, prompts_per_step=args.prompts_per_step, lr=2e-5,
-                          micro_batch_size=4),
+        optim=OptimConfig(
+            group_size=args.group_size, prompts_per_step=args.prompts_per_step, lr=2e-5, micro_batch_size=4
+        ),
         # Off: the same drafter, frozen. On: the callback loads it and trains it.
         speculative=SpeculativeConfig(
-            threshold=args.threshold, sd_steps=args.depth, drafter_path=None if spot_on else args.drafter,
+            threshold=args.threshold,
+            sd_steps=args.depth,
+            drafter_path=None if spot_on else args.drafter,
             drafter_kind=None if spot_on or args.drafter else "eagle1",
         ),
         seed=args.seed,
@@ -154,9 +191,17 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     config = SpotConfig(SpotTrainerConfig(seed=args.seed), drafter_path=args.drafter)
     spot = SpotDrafterCallback(config) if spot_on else None
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo", start_method="spawn"),
-        max_steps=args.steps, precision="bf16-mixed", logger=False, enable_checkpointing=False,
-        enable_model_summary=False, enable_progress_bar=False, num_sanity_val_steps=0, default_root_dir=str(root),
+        accelerator="cpu",
+        devices=2,
+        strategy=DDPStrategy(process_group_backend="gloo", start_method="spawn"),
+        max_steps=args.steps,
+        precision="bf16-mixed",
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(root),
         callbacks=[*([spot] if spot else []), _RankRecorder(root, spot)],
     )
     print(f"[bench spot] ddp {name}: 2 processes x {args.steps} GRPO steps ...", flush=True)
@@ -165,8 +210,12 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     # A DDP step ends together on both ranks (gradient all-reduce): the step is the slower rank's.
     # The module's time/* metrics are already averaged over ranks (sync_dist); tokens are per rank.
     steps = [
-        {**a, "wall_s": max(a["wall_s"], b["wall_s"]), "cpu_s": a["cpu_s"] + b["cpu_s"],
-         "tokens": a["tokens"] + b["tokens"]}
+        {
+            **a,
+            "wall_s": max(a["wall_s"], b["wall_s"]),
+            "cpu_s": a["cpu_s"] + b["cpu_s"],
+            "tokens": a["tokens"] + b["tokens"],
+        }
         for a, b in zip(ranks[0]["steps"], ranks[1]["steps"])
     ]
     timed = steps[1:] if len(steps) > 1 else steps  # step 0 also pays one-time warm-up
@@ -180,8 +229,11 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         latencies = sorted(x for r in ranks for x in r["latencies_s"])
         # No latency when no rank was preempted while training (a tail shorter than min_idle_s).
         p50, p99 = (
-            torch.tensor(latencies, dtype=torch.float64).quantile(torch.tensor([0.5, 0.99], dtype=torch.float64))
-            .tolist() if latencies else (None, None)
+            torch.tensor(latencies, dtype=torch.float64)
+            .quantile(torch.tensor([0.5, 0.99], dtype=torch.float64))
+            .tolist()
+            if latencies
+            else (None, None)
         )
         step_s = [s["tail_s"] / s["tail_steps"] for r in ranks for s in r["spot_steps"] if s["tail_steps"]]
         out["spot_training"] = {
@@ -199,8 +251,10 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
             "timeline": str(run / "drafter" / "timeline" / "fit.png"),
         }
     m = out["median"]
-    print(f"[bench spot] ddp {name}: median step {m['wall_s']:.1f} s, {m['wall_ms_per_token']:.1f} ms per token",
-          flush=True)
+    print(
+        f"[bench spot] ddp {name}: median step {m['wall_s']:.1f} s, {m['wall_ms_per_token']:.1f} ms per token",
+        flush=True,
+    )
     return out
 
 
@@ -225,10 +279,18 @@ def plot(payload: dict[str, Any], path: Path) -> Path | None:
     for name in ("frozen", "spot"):
         steps = ddp[name]["steps"]
         a.plot([s["step"] for s in steps], [s["wall_s"] for s in steps], marker="o", label=f"drafter {name}")
-        b.plot([s["step"] for s in steps], [s["accept_length"] for s in steps], marker="o", label=f"drafter {name}")
+        b.plot(
+            [s["step"] for s in steps],
+            [s["accept_length"] for s in steps],
+            marker="o",
+            label=f"drafter {name}",
+        )
     o = ddp["overhead"]
-    a.set(xlabel="RL step", ylabel="step seconds (2 DDP ranks)",
-          title=f"spot training overhead: {o['per_step']:+.1%} per step, {o['per_token']:+.1%} per token")
+    a.set(
+        xlabel="RL step",
+        ylabel="step seconds (2 DDP ranks)",
+        title=f"spot training overhead: {o['per_step']:+.1%} per step, {o['per_token']:+.1%} per token",
+    )
     b.set(xlabel="RL step", ylabel="mean accept length (rank 0 rollout)", title="speculative rollouts")
     for ax in (a, b):
         ax.legend(fontsize=8)
@@ -236,13 +298,24 @@ def plot(payload: dict[str, Any], path: Path) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    for name in ("packing_rollouts", "packing_budget", "packing_repeats", "windows", "checkpoint_repeats", "steps",
-                 "prompts_per_step",
-                 "max_new_tokens", "threshold", "depth"):
+    for name in (
+        "packing_rollouts",
+        "packing_budget",
+        "packing_repeats",
+        "windows",
+        "checkpoint_repeats",
+        "steps",
+        "prompts_per_step",
+        "max_new_tokens",
+        "threshold",
+        "depth",
+    ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.prompts_per_step % 2:
-        raise ValueError(f"--prompts-per-step is split over 2 ranks: it must be even, got {args.prompts_per_step}")
+        raise ValueError(
+            f"--prompts-per-step is split over 2 ranks: it must be even, got {args.prompts_per_step}"
+        )
     if args.drafter is not None and not Path(args.drafter).is_dir():
         raise ValueError(f"--drafter {args.drafter!r} is not a drafter directory (from `drafter warmup`)")
     if args.rollouts_cache is not None and not Path(args.rollouts_cache).is_file():
@@ -253,7 +326,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_info(),
         "config": {k: v for k, v in vars(args).items() if k not in ("argv", "func")},
     }
-    for part, fn in (("packing", _packing), ("preemption", _preemption), ("checkpoint", _checkpoint), ("ddp", _ddp)):
+    for part, fn in (
+        ("packing", _packing),
+        ("preemption", _preemption),
+        ("checkpoint", _checkpoint),
+        ("ddp", _ddp),
+    ):
         if part in args.parts:
             payload[part] = fn(args)
             write_json(args.json, payload)  # what is measured so far survives a later crash
@@ -261,8 +339,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     figure = plot(payload, Path(args.plot) if args.plot else path.with_suffix(".png"))
     if "ddp" in payload:
         o, s = payload["ddp"]["overhead"], payload["ddp"]["spot"]["spot_training"]
-        print(f"[bench spot] overhead {o['per_step']:+.1%} per step, {o['per_token']:+.1%} per token; idle "
-              f"recovered {s['idle_fraction_recovered']:.0%}; preemption p50 "
-              f"{(s['preemption_latency_p50_s'] or float('nan')) * 1e3:.0f} ms", flush=True)
+        print(
+            f"[bench spot] overhead {o['per_step']:+.1%} per step, {o['per_token']:+.1%} per token; idle "
+            f"recovered {s['idle_fraction_recovered']:.0%}; preemption p50 "
+            f"{(s['preemption_latency_p50_s'] or float('nan')) * 1e3:.0f} ms",
+            flush=True,
+        )
     print(f"[bench spot] wrote {path}" + (f" and {figure}" if figure else ""), flush=True)
     return payload

@@ -131,8 +131,10 @@ def benchmark_packing(
             num_rollouts, drafter.config, median_length, sigma, min_length, max_length, seed
         )
     elif max(r.length for r in rollouts) - 1 > budget:
-        raise ValueError(f"budget must hold the longest rollout's samples "
-                         f"({max(r.length for r in rollouts) - 1}), got {budget}")
+        raise ValueError(
+            f"budget must hold the longest rollout's samples "
+            f"({max(r.length for r in rollouts) - 1}), got {budget}"
+        )
     loss_cfg = DrafterLoss.for_kind(kind, unroll_steps)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(seed)

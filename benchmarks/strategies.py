@@ -108,11 +108,16 @@ def _add_rollout(acc: dict[str, Any], result, wall: float, cpu: float) -> None:
         cell = acc["by_batch_size"].setdefault(b, [0.0, 0])
         cell[0] += sec
         cell[1] += tok
-    acc["groups"].append({
-        "seconds": wall, "cpu_seconds": cpu, "tokens": stats.generated_tokens,
-        "steps": stats.num_steps, "sd_steps": sum(stats.step_speculative),
-        "mean_accept_length": stats.mean_accept_length,
-    })
+    acc["groups"].append(
+        {
+            "seconds": wall,
+            "cpu_seconds": cpu,
+            "tokens": stats.generated_tokens,
+            "steps": stats.num_steps,
+            "sd_steps": sum(stats.step_speculative),
+            "mean_accept_length": stats.mean_accept_length,
+        }
+    )
 
 
 def _summarize(acc: dict[str, Any]) -> dict[str, Any]:
@@ -137,16 +142,19 @@ def plot(payload: dict[str, Any], bandit: BEGMABStrategy, path: Path) -> Path:
     fig, _ = new_figure(0, figsize=(6 + 3.2 * len(rows), 4.2), layout="constrained")
     grid = fig.add_gridspec(1, 1 + len(rows), width_ratios=[2] + [1] * len(rows))
     a = fig.add_subplot(grid[0])
-    colors = ["tab:red" if n.startswith("BEG-MAB") else "tab:gray" if n.startswith("off") else "tab:blue"
-              for n in names]
+    colors = [
+        "tab:red" if n.startswith("BEG-MAB") else "tab:gray" if n.startswith("off") else "tab:blue"
+        for n in names
+    ]
     a.barh(names, [runs[n]["std_ms_per_token"] for n in names], color=colors)
     for i, n in enumerate(names):
         label = f" {runs[n]['speedup_vs_off']:.2f}x (raw {runs[n]['cpu_ms_per_token']:.2f})"
         a.text(runs[n]["std_ms_per_token"], i, label, va="center", fontsize=8)
     a.invert_yaxis()
-    a.set(xlabel="decode ms per token on the off runs' batch-size mix (lower is better)",
-          title=f"{payload['groups']} x {payload['requests']} requests, SD below {payload['threshold']} "
-                "active")
+    a.set(
+        xlabel="decode ms per token on the off runs' batch-size mix (lower is better)",
+        title=f"{payload['groups']} x {payload['requests']} requests, SD below {payload['threshold']} active",
+    )
     draw_heatmaps([fig.add_subplot(grid[1 + i]) for i in range(len(rows))], edges, rows)
     return save_figure(fig, path)
 
@@ -159,14 +167,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--warm-rollouts must be >= 0, got {args.warm_rollouts}")
     arms = default_arms() if args.arms is None else tuple(dict.fromkeys(parse_arm(a) for a in args.arms))
     if None not in arms:
-        raise ValueError(f"--arms must include 'off' (the baseline every arm is compared with), "
-                         f"got {args.arms}")
+        raise ValueError(
+            f"--arms must include 'off' (the baseline every arm is compared with), got {args.arms}"
+        )
     bandits: dict[str, BEGMABStrategy] = {}
     for spec in dict.fromkeys(args.bandits):
         per_request, thresholds = parse_bandit_spec(spec)
-        bandits[f"BEG-MAB {spec}"] = BEGMABStrategy(arms, thresholds, epsilon=args.epsilon, seed=args.seed,
-                                                    epsilon_half_life=args.epsilon_half_life,
-                                                    per_request=per_request)
+        bandits[f"BEG-MAB {spec}"] = BEGMABStrategy(
+            arms,
+            thresholds,
+            epsilon=args.epsilon,
+            seed=args.seed,
+            epsilon_half_life=args.epsilon_half_life,
+            per_request=per_request,
+        )
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
@@ -199,8 +213,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _add_rollout(acc[name], *rollout(strategy, group, args.seed + 1000 * k))
     runs = {name: _summarize(a) for name, a in acc.items()}
     for name, r in runs.items():
-        print(f"  {name}: {r['seconds']:.1f} s, {r['cpu_ms_per_token']:.2f} CPU ms/token raw, "
-              f"accept {r['mean_accept_length']:.2f}", flush=True)
+        print(
+            f"  {name}: {r['seconds']:.1f} s, {r['cpu_ms_per_token']:.2f} CPU ms/token raw, "
+            f"accept {r['mean_accept_length']:.2f}",
+            flush=True,
+        )
 
     mix = {b: tok for b, (_, tok) in runs["off"]["by_batch_size"].items()}  # both off runs decode the same
     for r in runs.values():
@@ -213,11 +230,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload = {
         "benchmark": "strategies-long-tail",
         "command": "python -m benchmarks " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "weight_layout": target.weight_layout, "task": args.task,
+        "model": args.model,
+        "dtype": args.dtype,
+        "weight_layout": target.weight_layout,
+        "task": args.task,
         "drafter": str(args.drafter),
-        "requests": n, "groups": g, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "threshold": args.threshold, "warm_rollouts": args.warm_rollouts, "machine": machine_info(),
-        "best_fixed": best, "worst_fixed": worst,
+        "requests": n,
+        "groups": g,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "threshold": args.threshold,
+        "warm_rollouts": args.warm_rollouts,
+        "machine": machine_info(),
+        "best_fixed": best,
+        "worst_fixed": worst,
         # How far apart the two identical "SD off" runs came out: the timing noise of this run.
         "off_runs_ratio": runs["off (again)"]["std_ms_per_token"] / runs["off"]["std_ms_per_token"],
         "bandits": {
@@ -241,8 +267,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload["plot"] = str(plot(payload, bandits[next(iter(bandits))], plot_path))  # the first one's heat map
     write_json(json_path, payload)
     for name, b in payload["bandits"].items():
-        print(f"[bench strategies] {name}: {b['vs_best_fixed']:.3f}x of the best fixed arm ({best}), "
-              f"{b['vs_worst_fixed']:.2f}x of the worst ({worst}), standardised ms/token", flush=True)
-    print(f"[bench strategies] the two SD-off runs differ by {payload['off_runs_ratio']:.3f}x; "
-          f"wrote {json_path}", flush=True)
+        print(
+            f"[bench strategies] {name}: {b['vs_best_fixed']:.3f}x of the best fixed arm ({best}), "
+            f"{b['vs_worst_fixed']:.2f}x of the worst ({worst}), standardised ms/token",
+            flush=True,
+        )
+    print(
+        f"[bench strategies] the two SD-off runs differ by {payload['off_runs_ratio']:.3f}x; "
+        f"wrote {json_path}",
+        flush=True,
+    )
     return payload

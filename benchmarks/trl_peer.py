@@ -85,17 +85,30 @@ def _is_real(value: Any) -> bool:
 
 
 def _validate(
-    model: Any, task: Any, steps: Any, prompts_per_step: Any, group_size: Any, max_new_tokens: Any, lr: Any,
-    temperature: Any, seed: Any, dtype: Any, output_dir: Any,
+    model: Any,
+    task: Any,
+    steps: Any,
+    prompts_per_step: Any,
+    group_size: Any,
+    max_new_tokens: Any,
+    lr: Any,
+    temperature: Any,
+    seed: Any,
+    dtype: Any,
+    output_dir: Any,
 ) -> None:
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty registry name or model directory, got {model!r}")
     if not isinstance(task, TaskConfig):
         # ValueError for every bad argument, type or value, so callers catch one kind.
         raise ValueError(f"task must be a TaskConfig, got {type(task).__name__}")  # noqa: TRY004
-    for name, value, low in (("steps", steps, 1), ("prompts_per_step", prompts_per_step, 1),
-                             ("group_size", group_size, 2), ("max_new_tokens", max_new_tokens, 1),
-                             ("seed", seed, 0)):
+    for name, value, low in (
+        ("steps", steps, 1),
+        ("prompts_per_step", prompts_per_step, 1),
+        ("group_size", group_size, 2),
+        ("max_new_tokens", max_new_tokens, 1),
+        ("seed", seed, 0),
+    ):
         if not is_int(value) or value < low:
             extra = " (GRPO needs 2 completions per prompt for an advantage)" if name == "group_size" else ""
             raise ValueError(f"{name} must be an int >= {low}{extra}, got {value!r}")
@@ -193,13 +206,26 @@ def run_trl_grpo(
     Side effects: TRL seeds Python's, NumPy's and torch's global random generators; their states
     are restored when the run ends.
     """
-    _validate(model, task, steps, prompts_per_step, group_size, max_new_tokens, lr, temperature, seed, dtype,
-              output_dir)
+    _validate(
+        model,
+        task,
+        steps,
+        prompts_per_step,
+        group_size,
+        max_new_tokens,
+        lr,
+        temperature,
+        seed,
+        dtype,
+        output_dir,
+    )
     batch = prompts_per_step * group_size
     micro = batch if micro_batch_size is None else micro_batch_size
     if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or batch % micro:
-        raise ValueError(f"micro_batch_size must be an int >= 1 dividing prompts_per_step * group_size = {batch} "
-                         f"(or None), got {micro_batch_size!r}")
+        raise ValueError(
+            f"micro_batch_size must be an int >= 1 dividing prompts_per_step * group_size = {batch} "
+            f"(or None), got {micro_batch_size!r}"
+        )
     trl = _import_trl()
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -334,8 +360,15 @@ def run_trl_grpo(
 
     step_records = [records[k] for k in sorted(records)]
     for record in step_records:
-        for key in ("wall_s", "cpu_s", "reward_mean", "reward_std", "frac_reward_zero_std",
-                    "correctness_mean", "completion_length_mean"):
+        for key in (
+            "wall_s",
+            "cpu_s",
+            "reward_mean",
+            "reward_std",
+            "frac_reward_zero_std",
+            "correctness_mean",
+            "completion_length_mean",
+        ):
             record.setdefault(key, None)
     walls = [r["wall_s"] for r in step_records if r["wall_s"] is not None]
     cpus = [r["cpu_s"] for r in step_records if r["cpu_s"] is not None]

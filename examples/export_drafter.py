@@ -54,9 +54,11 @@ def main(argv: list[str] | None = None) -> Path:
     config = json.loads((out / "config.json").read_text())
     print(f"exported an {drafter.config.kind} drafter for {model} to {out}: {config['architectures']}")
     method = "eagle3" if drafter.config.kind == "eagle3" else "eagle"
-    print("serve it in vLLM beside the target (a transformers directory of the same model):\n"
-          f"  LLM(model=TARGET_DIR, speculative_config={{'method': '{method}', 'model': '{out}', "
-          "'num_speculative_tokens': 3})")
+    print(
+        "serve it in vLLM beside the target (a transformers directory of the same model):\n"
+        f"  LLM(model=TARGET_DIR, speculative_config={{'method': '{method}', 'model': '{out}', "
+        "'num_speculative_tokens': 3})"
+    )
     return out
 
 

@@ -34,8 +34,10 @@ def main(drafter_dir: str, max_new_tokens: int = 256) -> None:
     loop = SpeculativeRolloutLoop(target, drafter, config, DraftSpec(6), threshold=8)
     spec = loop.generate(prompts, generator=torch.Generator().manual_seed(0), progress=True)
     print(f"plain:       {plain.stats.tokens_per_s:6.1f} tokens/s")
-    print(f"speculative: {spec.stats.tokens_per_s:6.1f} tokens/s, mean accept length "
-          f"{spec.stats.mean_accept_length:.2f}")
+    print(
+        f"speculative: {spec.stats.tokens_per_s:6.1f} tokens/s, mean accept length "
+        f"{spec.stats.mean_accept_length:.2f}"
+    )
     print(loaded.tokenizer.decode(spec.rollouts[0].token_ids))
 
 

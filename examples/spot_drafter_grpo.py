@@ -39,15 +39,22 @@ class RewardLog(L.Callback):
 def build_module(tiny: bool) -> GRPOModule:
     """The main job's settings on SmolLM2 (configs/grpo_smollm2.yaml), or a tiny random model."""
     if tiny:  # tiny-llama has no tokenizer: token-id prompts, reward = share of even ids
-        return GRPOModule(model="tiny-llama", prompt_source=SyntheticPromptSource("even", num_prompts=8),
-                          rollout={"max_new_tokens": 16},
-                          optim={"group_size": 4, "prompts_per_step": 2, "lr": 1e-2},
-                          speculative={"enabled": True})
-    return GRPOModule(model="smollm2-135m", rollout_dtype="auto",
-                      task={"name": "chain_sum", "easy": True, "format_weight": 0.1},
-                      rollout={"max_new_tokens": 96, "temperature": 1.0},
-                      optim={"group_size": 4, "prompts_per_step": 8, "lr": 2e-5},
-                      speculative={"enabled": True, "threshold": 8}, rollout_progress=True)
+        return GRPOModule(
+            model="tiny-llama",
+            prompt_source=SyntheticPromptSource("even", num_prompts=8),
+            rollout={"max_new_tokens": 16},
+            optim={"group_size": 4, "prompts_per_step": 2, "lr": 1e-2},
+            speculative={"enabled": True},
+        )
+    return GRPOModule(
+        model="smollm2-135m",
+        rollout_dtype="auto",
+        task={"name": "chain_sum", "easy": True, "format_weight": 0.1},
+        rollout={"max_new_tokens": 96, "temperature": 1.0},
+        optim={"group_size": 4, "prompts_per_step": 8, "lr": 2e-5},
+        speculative={"enabled": True, "threshold": 8},
+        rollout_progress=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -60,10 +67,17 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     L.seed_everything(0, verbose=False)
 
     spot, log = SpotDrafterCallback(), RewardLog()
-    trainer = L.Trainer(callbacks=[spot, log], max_steps=args.steps or (2 if args.tiny else 8),
-                        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_model_summary=False, enable_progress_bar=not args.tiny,
-                        default_root_dir=args.out)
+    trainer = L.Trainer(
+        callbacks=[spot, log],
+        max_steps=args.steps or (2 if args.tiny else 8),
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=not args.tiny,
+        default_root_dir=args.out,
+    )
     trainer.fit(build_module(args.tiny))
 
     print("mean reward per step:", " ".join(f"{r:.2f}" for r in log.rewards))

@@ -30,9 +30,11 @@ needs_mlflow = pytest.mark.skipif(not mlflow_available(), reason="the mlflow ext
 
 def tmp_args(tmp_path: Path) -> list[str]:
     """Overrides that keep a run's files (MLflow store, checkpoints, config) inside ``tmp_path``."""
-    return [f"--trainer.logger.init_args.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
-            f"--trainer.logger.init_args.fallback_dir={tmp_path}/csv",
-            f"--trainer.default_root_dir={tmp_path}/fit"]
+    return [
+        f"--trainer.logger.init_args.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        f"--trainer.logger.init_args.fallback_dir={tmp_path}/csv",
+        f"--trainer.default_root_dir={tmp_path}/fit",
+    ]
 
 
 def mlflow_runs(tmp_path: Path, experiment: str) -> tuple:
@@ -48,10 +50,13 @@ def mlflow_runs(tmp_path: Path, experiment: str) -> tuple:
 # ---------------------------------------------------------------------------------- parsing
 
 
-@pytest.mark.parametrize("argv", [
-    ["fit", "--model.no_such_key=1"],
-    ["--threads", "1", "fit", "--config", TINY, "--model.no_such_key=1"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["fit", "--model.no_such_key=1"],
+        ["--threads", "1", "fit", "--config", TINY, "--model.no_such_key=1"],
+    ],
+)
 def test_fit_rejects_a_bad_key_naming_it(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
@@ -92,9 +97,13 @@ def test_default_config_is_the_real_model_on_the_default_task(capsys):
     assert trainer["logger"]["init_args"]["tracking_uri"] == "sqlite:///runs/mlflow.db"
     callbacks = {c["class_path"] for c in trainer["callbacks"]}
     assert "lightning.pytorch.callbacks.ModelCheckpoint" in callbacks
-    assert "tlt_lightning.callbacks.GRPOProgressBar" not in callbacks  # the CLI's default bar (enable_progress_bar)
+    assert (
+        "tlt_lightning.callbacks.GRPOProgressBar" not in callbacks
+    )  # the CLI's default bar (enable_progress_bar)
     assert model["rollout_dtype"] == "auto"
-    (bandit,) = [c for c in trainer["callbacks"] if c["class_path"] == "tlt_lightning.callbacks.BanditCallback"]
+    (bandit,) = [
+        c for c in trainer["callbacks"] if c["class_path"] == "tlt_lightning.callbacks.BanditCallback"
+    ]
     assert bandit["init_args"]["reproducible"] is False  # the switch is there, off: wall-time rewards
 
 
@@ -106,8 +115,10 @@ def test_reproducible_bandit_is_a_config_switch(tmp_path, monkeypatch):
     bandit["init_args"]["cost_model"] = {"base_time": 0.05}  # a typed dataclass in the config
     path = tmp_path / "reproducible.yaml"
     path.write_text(yaml.safe_dump(config))
-    fit = GRPOCLI(args=["--config", str(path), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"],
-                  run=False)
+    fit = GRPOCLI(
+        args=["--config", str(path), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"],
+        run=False,
+    )
     from tlt_lightning.callbacks import BanditCallback
     from tlt_lightning.scheduling import StepCostModel
 
@@ -149,8 +160,9 @@ def test_other_subcommands_still_work(capsys):
 
 def test_tracking_logger_falls_back_to_csv_without_mlflow(tmp_path, monkeypatch, caplog):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "mlflow" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a)
+    )
     assert not mlflow_available()
     with caplog.at_level(logging.WARNING, logger="tlt_lightning.tracking.logger"):
         logger = tracking_logger(fallback_dir=str(tmp_path / "csv"))
@@ -184,11 +196,21 @@ def test_fit_tiny_config_logs_metrics_and_params_to_mlflow(tmp_path, monkeypatch
     assert run.info.run_name.startswith("fit-")
     history = client.get_metric_history(run.info.run_id, "reward/mean")
     assert sorted(m.step for m in history) == [0, 1]
-    expected = {"reward/mean", "reward/accuracy", "response/length_mean", "rollout/accept_length",
-                "rollout/tokens_per_s", "train/loss", "train/grad_norm", "time/rollout_s"}
+    expected = {
+        "reward/mean",
+        "reward/accuracy",
+        "response/length_mean",
+        "rollout/accept_length",
+        "rollout/tokens_per_s",
+        "train/loss",
+        "train/grad_norm",
+        "time/rollout_s",
+    }
     assert expected <= set(run.data.metrics)
     params = run.data.params
-    assert params["model"] == "tiny-llama" and params["optim/lr"] == "0.01" and params["optim/group_size"] == "4"
+    assert (
+        params["model"] == "tiny-llama" and params["optim/lr"] == "0.01" and params["optim/group_size"] == "4"
+    )
     assert params["prompt_source/init_args/reward"] == "even"
     assert params["trainer/max_steps"] == "2" and params["threads"] == "None"
     # The resolved config, as an MLflow artifact and beside the run's checkpoints.
@@ -229,8 +251,14 @@ def test_fit_plain_mlflow_logger_without_arguments_logs_to_the_sqlite_store(tmp_
     assert experiment.name == "lightning_logs"  # Lightning's default experiment, in our store
     assert experiment.artifact_location == (tmp_path / "runs" / "mlartifacts").resolve().as_uri()
     assert not (tmp_path / "mlruns").exists()
-    given = GRPOCLI(args=[*args, "--trainer.logger=MLFlowLogger",
-                          f"--trainer.logger.init_args.tracking_uri=sqlite:///{tmp_path}/other.db"], run=False)
+    given = GRPOCLI(
+        args=[
+            *args,
+            "--trainer.logger=MLFlowLogger",
+            f"--trainer.logger.init_args.tracking_uri=sqlite:///{tmp_path}/other.db",
+        ],
+        run=False,
+    )
     assert given.trainer.logger._tracking_uri == f"sqlite:///{tmp_path}/other.db"  # a given URI is kept
 
 
@@ -238,8 +266,11 @@ def test_fit_plain_mlflow_logger_without_arguments_logs_to_the_sqlite_store(tmp_
 def test_fit_reports_a_broken_store_as_a_store_error_not_a_config_error(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mlflow.db").write_bytes(b"\x00garbage" * 512)  # not a sqlite database
-    with pytest.raises(SystemExit, match=r"tlt-lightning fit: MLflow tracking store 'sqlite:///.*mlflow.db' "
-                                         r"could not be opened \(opening the tracking store\): DatabaseError"):
+    with pytest.raises(
+        SystemExit,
+        match=r"tlt-lightning fit: MLflow tracking store 'sqlite:///.*mlflow.db' "
+        r"could not be opened \(opening the tracking store\): DatabaseError",
+    ):
         cli.main(["fit", "--config", TINY, "--trainer.max_steps=1", *tmp_args(tmp_path)])
     assert "Does not validate" not in capsys.readouterr().err
 
@@ -267,12 +298,18 @@ def resume_config(tmp_path: Path, name: str, stop: dict | None = None) -> str:
     config = yaml.safe_load(Path(TINY).read_text())
     config["model"]["rollout_progress"] = False
     config["trainer"]["callbacks"] = [
-        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-         "init_args": {"every_n_train_steps": 1, "save_top_k": 0, "save_last": True}},
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"every_n_train_steps": 1, "save_top_k": 0, "save_last": True},
+        },
         *([{"class_path": f"{__name__}.StopAt", "init_args": stop}] if stop is not None else []),
-        {"class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
-         "init_args": {"config": {"checkpoint_interval": 1, "training": {"max_steps_per_rollout": 1}},
-                       "timeline": False}},
+        {
+            "class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
+            "init_args": {
+                "config": {"checkpoint_interval": 1, "training": {"max_steps_per_rollout": 1}},
+                "timeline": False,
+            },
+        },
     ]
     path = tmp_path / name
     path.write_text(yaml.safe_dump(config))
@@ -291,9 +328,20 @@ def drafter_versions(client, run_id: str) -> dict[int, str]:
 @needs_mlflow
 def test_fit_resumed_after_a_kill_continues_the_same_mlflow_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+
     def fit(config: str, *args: str) -> int:
-        return cli.main(["--threads", "1", "fit", "--config", config, "--trainer.enable_progress_bar=false",
-                         *tmp_args(tmp_path), *args])
+        return cli.main(
+            [
+                "--threads",
+                "1",
+                "fit",
+                "--config",
+                config,
+                "--trainer.enable_progress_bar=false",
+                *tmp_args(tmp_path),
+                *args,
+            ]
+        )
 
     with pytest.raises(RuntimeError, match="simulated kill at step 3"):
         fit(resume_config(tmp_path, "first.yaml", stop={"step": 3}), "--trainer.max_steps=3")
@@ -316,15 +364,29 @@ def test_fit_resumed_after_a_kill_continues_the_same_mlflow_run(tmp_path, monkey
     run_dir = last.parent.parent
     assert {"config.yaml", "config-resume-1.yaml"} <= {p.name for p in run_dir.iterdir()}
     assert sorted(p.name for p in (run_dir / "drafter" / "checkpoints").iterdir()) == [
-        "step-00000003", "step-00000004"]
+        "step-00000003",
+        "step-00000004",
+    ]
 
 
 @needs_mlflow
 def test_fit_resumed_after_a_kill_at_the_end_registers_the_final_drafter(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+
     def fit(config: str, *args: str) -> int:
-        return cli.main(["--threads", "1", "fit", "--config", config, "--trainer.enable_progress_bar=false",
-                         "--trainer.max_steps=2", *tmp_args(tmp_path), *args])
+        return cli.main(
+            [
+                "--threads",
+                "1",
+                "fit",
+                "--config",
+                config,
+                "--trainer.enable_progress_bar=false",
+                "--trainer.max_steps=2",
+                *tmp_args(tmp_path),
+                *args,
+            ]
+        )
 
     with pytest.raises(RuntimeError, match="simulated kill at the end of training"):
         fit(resume_config(tmp_path, "first.yaml", stop={"at_train_end": True}))
@@ -346,9 +408,22 @@ def test_fit_resumed_after_a_kill_at_the_end_registers_the_final_drafter(tmp_pat
 def test_fit_saves_last_ckpt_at_the_final_step_whatever_the_interval(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
     # The tiny config checkpoints every 5 steps: Lightning alone leaves last.ckpt at step 5 of 7.
-    assert cli.main(["--threads", "1", "fit", "--config", TINY, "--trainer.max_steps=7",
-                     "--trainer.logger=false", "--model.rollout_progress=false",
-                     f"--trainer.default_root_dir={tmp_path}"]) == 0
+    assert (
+        cli.main(
+            [
+                "--threads",
+                "1",
+                "fit",
+                "--config",
+                TINY,
+                "--trainer.max_steps=7",
+                "--trainer.logger=false",
+                "--model.rollout_progress=false",
+                f"--trainer.default_root_dir={tmp_path}",
+            ]
+        )
+        == 0
+    )
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 7
 
 
@@ -363,8 +438,14 @@ def test_fit_without_mlflow_logs_to_csv(tmp_path, monkeypatch):
 
 def test_cli_builds_the_module_progress_bar_and_trainer_from_the_tiny_config(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["tlt-lightning"])  # args only (LightningCLI warns about both)
-    args = ["--config", TINY, "--trainer.max_steps=2", "--trainer.logger=false",
-            f"--trainer.default_root_dir={tmp_path}", "--model.prompt_source.init_args.reward=copy"]
+    args = [
+        "--config",
+        TINY,
+        "--trainer.max_steps=2",
+        "--trainer.logger=false",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--model.prompt_source.init_args.reward=copy",
+    ]
     fit = GRPOCLI(args=args, run=False)
     assert isinstance(fit.model, GRPOModule)
     assert isinstance(fit.model.prompt_source, SyntheticPromptSource)
@@ -381,14 +462,19 @@ def test_cli_builds_the_module_progress_bar_and_trainer_from_the_tiny_config(tmp
     assert float(shown["accept"]) >= 1.0  # the config attaches a fresh drafter: speculative rollouts
 
 
-@pytest.mark.parametrize(("flags", "bar"), [
-    (["--trainer.enable_progress_bar=false"], None),
-    (["--trainer.callbacks+=lightning.pytorch.callbacks.RichProgressBar"], "RichProgressBar"),
-])
+@pytest.mark.parametrize(
+    ("flags", "bar"),
+    [
+        (["--trainer.enable_progress_bar=false"], None),
+        (["--trainer.callbacks+=lightning.pytorch.callbacks.RichProgressBar"], "RichProgressBar"),
+    ],
+)
 def test_the_grpo_bar_is_the_default_bar_only(tmp_path, monkeypatch, flags, bar):
     monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
     args = ["--config", TINY, "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", *flags]
-    fit = GRPOCLI(args=args, run=False)  # a listed bar beside the default one, or any with the bar off, would raise
+    fit = GRPOCLI(
+        args=args, run=False
+    )  # a listed bar beside the default one, or any with the bar off, would raise
     assert type(fit.trainer.progress_bar_callback).__name__ == (bar or "NoneType")
     assert not any(isinstance(c, GRPOProgressBar) for c in fit.trainer.callbacks)
 
@@ -397,8 +483,16 @@ def test_threads_inside_fit_sets_torch_threads(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    GRPOCLI(args=["--config", TINY, "--threads=1", "--trainer.logger=false",
-                  f"--trainer.default_root_dir={tmp_path}"], run=False)
+    GRPOCLI(
+        args=[
+            "--config",
+            TINY,
+            "--threads=1",
+            "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        run=False,
+    )
     assert calls == [1]
 
 
@@ -409,8 +503,12 @@ def test_threads_inside_fit_sets_torch_threads(tmp_path, monkeypatch):
 @needs_mlflow
 def test_fit_default_config_one_small_step_on_smollm2(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    small = ["--trainer.max_steps=1", "--model.optim.prompts_per_step=2", "--model.optim.group_size=2",
-             "--model.rollout.max_new_tokens=16"]
+    small = [
+        "--trainer.max_steps=1",
+        "--model.optim.prompts_per_step=2",
+        "--model.optim.group_size=2",
+        "--model.rollout.max_new_tokens=16",
+    ]
     assert cli.main(["--threads", "1", "fit", "--config", SMOLLM2, *small, *tmp_args(tmp_path)]) == 0
     client, (run,) = mlflow_runs(tmp_path, "tlt-lightning")
     assert run.info.status == "FINISHED"
@@ -434,8 +532,14 @@ def test_fit_default_config_one_small_step_on_smollm2(tmp_path, monkeypatch):
 
 def test_user_input_errors_print_one_short_screen_on_the_command_line(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
-    argv = ["fit", "--config", TINY, "--model.optim.group_size=1", "--trainer.logger=false",
-            f"--trainer.default_root_dir={tmp_path}"]
+    argv = [
+        "fit",
+        "--config",
+        TINY,
+        "--model.optim.group_size=1",
+        "--trainer.logger=false",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
     assert cli.main(argv, short_errors=True) == 1
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
@@ -447,8 +551,14 @@ def test_user_input_errors_print_one_short_screen_on_the_command_line(tmp_path, 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_traceback_flag_or_env_var_gives_the_exception(tmp_path, monkeypatch, how):
-    argv = ["fit", "--config", TINY, "--model.optim.group_size=1", "--trainer.logger=false",
-            f"--trainer.default_root_dir={tmp_path}"]
+    argv = [
+        "fit",
+        "--config",
+        TINY,
+        "--model.optim.group_size=1",
+        "--trainer.logger=false",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
     if how == "flag":
         argv = ["--traceback", "--threads", "1", *argv]
     else:
@@ -472,12 +582,27 @@ def test_console_script_prints_a_short_error(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     env.pop(cli.TRACEBACK_ENV, None)
     out = subprocess.run(
-        [sys.executable, "-m", "tlt_lightning.cli", "fit", "--config", TINY, "--model.max_abs_reward=-1",
-         "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "tlt_lightning.cli",
+            "fit",
+            "--config",
+            TINY,
+            "--model.max_abs_reward=-1",
+            "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert out.returncode == 1
-    assert "tlt-lightning: error: ValueError: max_abs_reward must be a finite number > 0, got -1" in out.stderr
+    assert (
+        "tlt-lightning: error: ValueError: max_abs_reward must be a finite number > 0, got -1" in out.stderr
+    )
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 6
 
 
@@ -488,15 +613,22 @@ def test_a_command_line_error_is_one_line_without_third_party_warnings(tmp_path)
     import sys
 
     missing = tmp_path / "none"
-    out = subprocess.run([sys.executable, "-m", "tlt_lightning.cli", "export-drafter", str(missing), str(tmp_path / "x")],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = subprocess.run(
+        [sys.executable, "-m", "tlt_lightning.cli", "export-drafter", str(missing), str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == [f"export-drafter: {missing}/drafter_config.json not found: {missing} is "
-                                               "not a drafter checkpoint"]
+    assert out.stderr.strip().splitlines() == [
+        f"export-drafter: {missing}/drafter_config.json not found: {missing} is not a drafter checkpoint"
+    ]
 
 
 def test_flags_are_never_abbreviated(capsys):
     with pytest.raises(SystemExit):
         cli.main(["export-drafter", "ckpt", "out", "--engin", "sglang"])
     assert "unrecognized arguments: --engin sglang\n  unknown option --engin: did you mean --engine?" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )

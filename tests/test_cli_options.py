@@ -15,15 +15,22 @@ HEAVY = ("torch", "transformers", "lightning", "tlt_lightning.recipes.drafter_wa
 
 
 def _run(*args: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *flags, "-m", "tlt_lightning.cli", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [sys.executable, *flags, "-m", "tlt_lightning.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["drafter", "warmup", "--help"]])
 def test_help_imports_no_torch_nor_the_implementation(argv):
-    probe = ("import sys, runpy\nsys.argv = ['tlt-lightning', *sys.argv[1:]]\n"
-             "try:\n    runpy.run_module('tlt_lightning.cli', run_name='__main__')\nexcept SystemExit as e:\n"
-             f"    assert e.code in (0, None), e.code\n    print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))\n")
+    probe = (
+        "import sys, runpy\nsys.argv = ['tlt-lightning', *sys.argv[1:]]\n"
+        "try:\n    runpy.run_module('tlt_lightning.cli', run_name='__main__')\nexcept SystemExit as e:\n"
+        f"    assert e.code in (0, None), e.code\n    print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
     out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "usage: tlt-lightning" in out.stdout
@@ -32,13 +39,20 @@ def test_help_imports_no_torch_nor_the_implementation(argv):
 
 def _help(capsys, argv: list[str]) -> str:
     with pytest.raises(SystemExit) as exit_info:
-        build_parser("``tlt-lightning``: see :class:`~tlt_lightning.fit.GRPOCLI`").parse_args([*argv, "--help"])
+        build_parser("``tlt-lightning``: see :class:`~tlt_lightning.fit.GRPOCLI`").parse_args(
+            [*argv, "--help"]
+        )
     assert exit_info.value.code in (0, None)
     return capsys.readouterr().out
 
 
 def test_every_help_is_plain_text(capsys):
-    commands = [[], *([g] for g in GROUPS), *([g, n] for g, n, _, _ in COMMANDS), *([n] for n, _, _ in TOP_COMMANDS)]
+    commands = [
+        [],
+        *([g] for g in GROUPS),
+        *([g, n] for g, n, _, _ in COMMANDS),
+        *([n] for n, _, _ in TOP_COMMANDS),
+    ]
     assert len(commands) == 1 + 1 + 2 + 4
     for argv in commands:
         text = _help(capsys, argv)
@@ -58,11 +72,14 @@ def test_a_misspelt_option_is_a_short_error_naming_the_closest(capsys):
     ]
 
 
-@pytest.mark.parametrize(("argv", "flag", "close"), [
-    (["--thread", "1", "models"], "--thread", "--threads"),
-    (["drafter", "warmup", "--step", "3"], "--step", "--steps"),
-    (["export-drafter", "ckpt", "out", "--seed=1", "--engin", "vllm"], "--engin", "--engine"),
-])
+@pytest.mark.parametrize(
+    ("argv", "flag", "close"),
+    [
+        (["--thread", "1", "models"], "--thread", "--threads"),
+        (["drafter", "warmup", "--step", "3"], "--step", "--steps"),
+        (["export-drafter", "ckpt", "out", "--seed=1", "--engin", "vllm"], "--engin", "--engine"),
+    ],
+)
 def test_options_are_never_abbreviated(capsys, argv, flag, close):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
@@ -79,17 +96,25 @@ def test_a_bad_choice_names_the_allowed_values(capsys):
 
 
 def test_command_args_are_flat_with_the_command_and_globals():
-    args = cli.command_args(["--threads", "1", "drafter", "warmup", "--steps", "3", "--more-rollouts", "a", "b"])
+    args = cli.command_args(
+        ["--threads", "1", "drafter", "warmup", "--steps", "3", "--more-rollouts", "a", "b"]
+    )
     assert (args.command, args.name, args.threads, args.traceback) == ("drafter", "warmup", 1, False)
     assert args.steps == 3 and args.more_rollouts == ["a", "b"] and args.max_new_tokens == 256
     export = cli.command_args(["export-drafter", "--from-fit", "run", "out"])
-    assert (export.name, export.from_fit, export.checkpoint, export.out) == ("export-drafter", "run", "out", None)
+    assert (export.name, export.from_fit, export.checkpoint, export.out) == (
+        "export-drafter",
+        "run",
+        "out",
+        None,
+    )
     tune = cli.command_args(["torchtune", "--config", "c.yaml", "a=1", "b=2"])
     assert tune.config == "c.yaml" and tune.overrides == ["a=1", "b=2"]
 
 
-@pytest.mark.parametrize("argv", [["bench"], ["bench", "rollout", "--json", "x.json"],
-                                  ["--threads", "1", "bench", "-h"]])
+@pytest.mark.parametrize(
+    "argv", [["bench"], ["bench", "rollout", "--json", "x.json"], ["--threads", "1", "bench", "-h"]]
+)
 def test_bench_says_in_one_line_where_the_benchmarks_went(capsys, argv):
     assert cli.main(argv) == 2
     out = capsys.readouterr()
@@ -106,6 +131,10 @@ def test_third_party_warnings_are_filtered_at_the_command_line_only():
     out = _run("models", flags=("-W", "default"))
     assert out.returncode == 0 and "tiny-llama" in out.stdout
     assert out.stderr == ""  # torchao's deprecated import paths and missing kernels, quieted
-    library = subprocess.run([sys.executable, "-W", "default", "-c", "import tlt_lightning.models"],
-                             capture_output=True, text=True, timeout=300)
+    library = subprocess.run(
+        [sys.executable, "-W", "default", "-c", "import tlt_lightning.models"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert library.returncode == 0 and "torchao" in library.stderr  # a library user keeps every warning

@@ -51,8 +51,13 @@ def test_export_drafter_tiny(tmp_path, capsys):
 def test_torchtune_recipe_with_overrides(tmp_path):
     pytest.importorskip("torchtune")
     main = example("torchtune_grpo.py")["main"]
-    overrides = ["logger=null", f"output_dir={tmp_path / 'tt'}", "module.rollout_progress=false",
-                 "trainer.max_steps=1", "module.optim.lr=0.05"]
+    overrides = [
+        "logger=null",
+        f"output_dir={tmp_path / 'tt'}",
+        "module.rollout_progress=false",
+        "trainer.max_steps=1",
+        "module.optim.lr=0.05",
+    ]
     assert main(["--tiny", *overrides]) == 0
     assert (tmp_path / "tt").is_dir()
 
@@ -65,8 +70,11 @@ def public_names(module_name: str) -> set[str]:
 def test_examples_import_only_public_names(path):
     """``from tlt_lightning... import X`` in an example names an ``__all__`` entry of that module."""
     tree = ast.parse(path.read_text())
-    imports = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-               and (node.module or "").split(".")[0] == "tlt_lightning"]
+    imports = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tlt_lightning"
+    ]
     assert imports, f"{path.name} imports nothing from tlt_lightning"
     for node in imports:
         if importlib.util.find_spec(node.module) is None:

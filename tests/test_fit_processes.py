@@ -43,15 +43,36 @@ def tlt_config(tmp_path: Path) -> Path:
     config["model"]["speculative"]["drafter_kind"] = None  # the callback builds and trains the drafter
     config["trainer"]["enable_progress_bar"] = False
     config["trainer"]["callbacks"] = [
-        {"class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
-         "init_args": {"config": {"training": {"max_steps_per_rollout": 2, "max_seconds_per_rollout": None},
-                                  "draft_vocab_size": None, "checkpoint_interval": 1}, "timeline": False}},
-        {"class_path": "tlt_lightning.callbacks.BanditCallback",
-         "init_args": {"reproducible": True,
-                       "strategy": {"class_path": "tlt_lightning.scheduling.BEGMABStrategy",
-                                   "init_args": {"epsilon": 0.3, "seed": 1}}}},
-        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-         "init_args": {"every_n_train_steps": 2, "save_top_k": -1, "filename": "{step}", "save_last": True}},
+        {
+            "class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
+            "init_args": {
+                "config": {
+                    "training": {"max_steps_per_rollout": 2, "max_seconds_per_rollout": None},
+                    "draft_vocab_size": None,
+                    "checkpoint_interval": 1,
+                },
+                "timeline": False,
+            },
+        },
+        {
+            "class_path": "tlt_lightning.callbacks.BanditCallback",
+            "init_args": {
+                "reproducible": True,
+                "strategy": {
+                    "class_path": "tlt_lightning.scheduling.BEGMABStrategy",
+                    "init_args": {"epsilon": 0.3, "seed": 1},
+                },
+            },
+        },
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {
+                "every_n_train_steps": 2,
+                "save_top_k": -1,
+                "filename": "{step}",
+                "save_last": True,
+            },
+        },
     ]
     path = tmp_path / "tlt.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -65,9 +86,19 @@ class Fit:
         path = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
         env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         self.log = tmp_path / f"{name}.log"
-        argv = [sys.executable, "-m", "tlt_lightning.cli", "--threads", "1", "fit", "--config", str(config),
-                f"--trainer.default_root_dir={root}",
-                f"--trainer.logger.init_args.tracking_uri=sqlite:///{store}", *args]
+        argv = [
+            sys.executable,
+            "-m",
+            "tlt_lightning.cli",
+            "--threads",
+            "1",
+            "fit",
+            "--config",
+            str(config),
+            f"--trainer.default_root_dir={root}",
+            f"--trainer.logger.init_args.tracking_uri=sqlite:///{store}",
+            *args,
+        ]
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -90,8 +121,9 @@ class Fit:
         deadline = time.monotonic() + TIMEOUT_S
         while not condition():
             if self.proc.poll() is not None:
-                pytest.fail(f"{self.log.stem} exited ({self.proc.returncode}) before {what}:\n"
-                            f"{self.output()}")
+                pytest.fail(
+                    f"{self.log.stem} exited ({self.proc.returncode}) before {what}:\n{self.output()}"
+                )
             if time.monotonic() > deadline:
                 self.proc.kill()
                 pytest.fail(f"no {what} after {TIMEOUT_S} s:\n{self.output()}")
@@ -144,9 +176,13 @@ def test_fit_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path):
 
     # Kill once the Lightning checkpoint of step 2 exists and the run has moved on: the drafter of
     # step 3 is saved (its Lightning checkpoint is written after the callbacks' hooks of that step).
-    victim.wait_for(lambda: any(root.glob("*/*/checkpoints/step=2.ckpt"))
-                    and any(root.glob("*/*/drafter/checkpoints/step-00000003")),
-                    "the checkpoint of step 2 and the drafter of step 3")
+    victim.wait_for(
+        lambda: (
+            any(root.glob("*/*/checkpoints/step=2.ckpt"))
+            and any(root.glob("*/*/drafter/checkpoints/step-00000003"))
+        ),
+        "the checkpoint of step 2 and the drafter of step 3",
+    )
     victim.proc.send_signal(signal.SIGKILL)
     assert victim.wait() == -signal.SIGKILL, f"it ended before the kill; make it longer:\n{victim.output()}"
     full.succeed()
@@ -160,8 +196,9 @@ def test_fit_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path):
     killed_at = torch.load(last, weights_only=False, mmap=True)["global_step"]
     assert killed_at in (2, 4, 6)
 
-    resumed = Fit(tmp_path, "resumed", config, root, store, f"--trainer.max_steps={steps}",
-                  f"--ckpt_path={last}")
+    resumed = Fit(
+        tmp_path, "resumed", config, root, store, f"--trainer.max_steps={steps}", f"--ckpt_path={last}"
+    )
     resumed.succeed()
 
     # MLflow: the same run, finished; every step's reward is the uninterrupted run's (steps logged
@@ -207,9 +244,19 @@ def test_fit_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path):
 def test_two_fits_at_once_on_one_root_dir_and_one_store(tmp_path):
     config = tlt_config(tmp_path)
     root, store = tmp_path / "fit", tmp_path / "mlflow.db"  # both fresh: created by the racing fits
-    fits = {steps: Fit(tmp_path, f"fit-{steps}", config, root, store, f"--trainer.max_steps={steps}",
-                       f"--seed_everything={seed}", f"--model.seed={seed}")
-            for steps, seed in ((3, 1), (4, 2))}
+    fits = {
+        steps: Fit(
+            tmp_path,
+            f"fit-{steps}",
+            config,
+            root,
+            store,
+            f"--trainer.max_steps={steps}",
+            f"--seed_everything={seed}",
+            f"--model.seed={seed}",
+        )
+        for steps, seed in ((3, 1), (4, 2))
+    }
     for fit in fits.values():
         fit.succeed()
 
@@ -226,8 +273,12 @@ def test_two_fits_at_once_on_one_root_dir_and_one_store(tmp_path):
         drafters = sorted((run_dir / "drafter" / "checkpoints").iterdir())
         assert [p.name for p in drafters] == [f"step-{s:08d}" for s in (steps - 1, steps)]
         for path in drafters:
-            assert {p.name for p in path.iterdir()} == {"model.safetensors", "drafter_config.json",
-                                                        "optimizer.pt", "meta.json"}
+            assert {p.name for p in path.iterdir()} == {
+                "model.safetensors",
+                "drafter_config.json",
+                "optimizer.pt",
+                "meta.json",
+            }
         summary = json.loads((run_dir / "drafter" / "summary.json").read_text())
         assert Path(summary["run_dir"]) == run_dir and Path(summary["checkpoint"]) == drafters[-1]
         # Its own registered drafter versions, one per save, the last one its final drafter.

@@ -65,8 +65,14 @@ def upward_imports(path: Path, tree: ast.AST) -> list[str]:
 def test_modules_import_only_their_floor_and_below(path):
     tree = ast.parse(path.read_text())
     upward = upward_imports(path, tree)
-    assert upward == [], f"{path.relative_to(ROOT)} imports {upward} from a higher floor: move what it needs down"
-    switches = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "matplotlib.use"]
+    assert upward == [], (
+        f"{path.relative_to(ROOT)} imports {upward} from a higher floor: move what it needs down"
+    )
+    switches = [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "matplotlib.use"
+    ]
     assert switches == [], f"{path.relative_to(ROOT)} switches matplotlib's backend at lines {switches}"
 
 

@@ -32,8 +32,10 @@ def test_headline_classes_are_the_subpackages_own():
 
 
 def test_importing_the_package_imports_nothing_heavy():
-    code = ("import sys, tlt_lightning; heavy = [m for m in ('torch', 'lightning', 'transformers') if m in sys.modules];"
-            " print(heavy)")
+    code = (
+        "import sys, tlt_lightning; heavy = [m for m in ('torch', 'lightning', 'transformers') if m in sys.modules];"
+        " print(heavy)"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]"
 
@@ -87,8 +89,13 @@ def test_every_third_party_import_in_src_is_a_declared_dependency():
             undeclared[module] = (sorted(dists), sorted(files)[:3])
     assert not undeclared, f"imported in src/ but in no dependency group of pyproject.toml: {undeclared}"
     # The optional integrations stay out of the core: their imports are lazy, each group named in its error.
-    for dist, extra in (("reasoning-gym", "tasks"), ("gguf", "smollm2"), ("torchao", "efficiency"),
-                        ("torchtune", "torchtune"), ("matplotlib", "plots")):
+    for dist, extra in (
+        ("reasoning-gym", "tasks"),
+        ("gguf", "smollm2"),
+        ("torchao", "efficiency"),
+        ("torchtune", "torchtune"),
+        ("matplotlib", "plots"),
+    ):
         assert "core" not in declared.get(dist, {"core"}) and extra in declared[dist], dist
 
 
@@ -109,7 +116,9 @@ try:
 except ImportError as err:
     print(err)
 """
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=300
+    )
     assert "the reasoning-gym tasks need the `tasks` extra: pip install 'tlt-lightning[tasks]'" in out.stdout
 
 
@@ -172,7 +181,9 @@ metadata.version = missing
 import tlt_lightning
 print(tlt_lightning.__version__)
 """
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=300
+    )
     assert out.stdout.strip() == "0+unknown"
 
 
@@ -180,42 +191,182 @@ print(tlt_lightning.__version__)
 # Each subpackage's ``__all__``, pinned: a new export (or a dropped one) is a conscious change here.
 # Internals are imported from their defining module (``from tlt_lightning.drafter.train import drafter_losses``).
 PUBLIC_API = {
-    "speculative": {"Arm", "DraftSpec", "DraftStrategy", "SamplingParams", "VerifyResult", "arm_key",
-        "as_strategy", "parse_arm", "sample", "sampling_probs", "verify_chain", "verify_tree"},
-    "models": {"DECODE_PATHS", "WEIGHT_LAYOUTS", "CompileConfig", "HFTarget", "KVCache", "LoadedModel",
-        "ModelNotFoundError", "TargetInfo", "TargetModel", "TargetOutput", "available_models",
-        "load_model", "load_tokenizer", "model_dir", "models_with_signature", "resolve_dtype",
-        "set_weight_layout", "training_precision", "TorchtuneTarget", "torchtune_from_hf"},
-    "rollout": {"DraftModel", "Rollout", "RolloutBackend", "RolloutConfig", "RolloutEngine", "RolloutResult",
-        "RolloutStats", "SpeculativeRolloutLoop", "SpeculativeStep", "load_rollouts", "save_rollouts"},
-    "drafter": {"DRAFTER_KINDS", "Drafter", "DrafterConfig", "DrafterLoss", "download_drafter",
-        "drafter_train_step", "evaluate_drafter", "export_drafter", "export_drafter_model", "import_drafter", "load_drafter",
-        "make_batches", "pack_batches", "read_drafter_config", "save_drafter", "target_features",
-        "warmup_drafter"},
-    "scheduling": {"BEGMABStrategy", "BucketedStrategy", "FixedStrategy", "SimulatedSDEnvironment",
-        "StepCostModel", "UCBStrategy"},
-    "tracking": {"AcceptanceRate", "CheckpointRegistrar", "MLflowRunCheckpoint", "MeanAcceptLength",
-        "ResumableMLFlowLogger", "RolloutTokensPerSecond", "TrackingStoreError", "drafter_model_name",
-        "load_drafter_from_mlflow", "log_artifact", "log_drafter_version", "mlflow_loggers",
-        "mlflow_available", "plot_accept_lengths", "run_dir", "save_run_config", "tracking_logger"},
-    "rl": {"DEFAULT_SYSTEM_PROMPT", "SUPPORTED_TASKS", "GRPOModule", "NonFiniteLossError", "OptimConfig", "Prompt",
-        "PromptSource", "Reward", "RewardError", "RewardFn", "RolloutListener", "SpeculativeConfig",
-        "SyntheticPromptSource", "TaskConfig",
-        "TaskDataset", "TaskPromptSource", "TokenPromptSource", "TorchtuneGRPOModule", "group_advantages",
-        "grpo_loss"},
-    "efficiency": {"ActivationCheckpointPlan", "ActivationCheckpointProfile",
-        "ActivationCheckpointingCallback", "ActivationMemoryMeter", "DistillConfig", "DistillationModule",
-        "DoraConfig", "DynamicActivationCheckpointing", "HierarchicalDistillation", "ImportanceSampler",
-        "ImportanceSamplerConfig", "ImportanceSamplingCallback", "Int4QATConfig", "LayerwisePrecision",
-        "LayerwisePrecisionCallback", "LossScorer", "MemoryReport", "PrecisionConfig", "QATCallback",
-        "RhoLossScorer", "Scorer", "apply_activation_checkpointing", "apply_dora", "convert_qat",
-        "distill_step", "find_blocks", "grpo_policy_loss", "grpo_profile_batch", "measure_step",
-        "merge_dora", "prepare_qat", "profile_blocks", "quantize_ptq"},
+    "speculative": {
+        "Arm",
+        "DraftSpec",
+        "DraftStrategy",
+        "SamplingParams",
+        "VerifyResult",
+        "arm_key",
+        "as_strategy",
+        "parse_arm",
+        "sample",
+        "sampling_probs",
+        "verify_chain",
+        "verify_tree",
+    },
+    "models": {
+        "DECODE_PATHS",
+        "WEIGHT_LAYOUTS",
+        "CompileConfig",
+        "HFTarget",
+        "KVCache",
+        "LoadedModel",
+        "ModelNotFoundError",
+        "TargetInfo",
+        "TargetModel",
+        "TargetOutput",
+        "available_models",
+        "load_model",
+        "load_tokenizer",
+        "model_dir",
+        "models_with_signature",
+        "resolve_dtype",
+        "set_weight_layout",
+        "training_precision",
+        "TorchtuneTarget",
+        "torchtune_from_hf",
+    },
+    "rollout": {
+        "DraftModel",
+        "Rollout",
+        "RolloutBackend",
+        "RolloutConfig",
+        "RolloutEngine",
+        "RolloutResult",
+        "RolloutStats",
+        "SpeculativeRolloutLoop",
+        "SpeculativeStep",
+        "load_rollouts",
+        "save_rollouts",
+    },
+    "drafter": {
+        "DRAFTER_KINDS",
+        "Drafter",
+        "DrafterConfig",
+        "DrafterLoss",
+        "download_drafter",
+        "drafter_train_step",
+        "evaluate_drafter",
+        "export_drafter",
+        "export_drafter_model",
+        "import_drafter",
+        "load_drafter",
+        "make_batches",
+        "pack_batches",
+        "read_drafter_config",
+        "save_drafter",
+        "target_features",
+        "warmup_drafter",
+    },
+    "scheduling": {
+        "BEGMABStrategy",
+        "BucketedStrategy",
+        "FixedStrategy",
+        "SimulatedSDEnvironment",
+        "StepCostModel",
+        "UCBStrategy",
+    },
+    "tracking": {
+        "AcceptanceRate",
+        "CheckpointRegistrar",
+        "MLflowRunCheckpoint",
+        "MeanAcceptLength",
+        "ResumableMLFlowLogger",
+        "RolloutTokensPerSecond",
+        "TrackingStoreError",
+        "drafter_model_name",
+        "load_drafter_from_mlflow",
+        "log_artifact",
+        "log_drafter_version",
+        "mlflow_loggers",
+        "mlflow_available",
+        "plot_accept_lengths",
+        "run_dir",
+        "save_run_config",
+        "tracking_logger",
+    },
+    "rl": {
+        "DEFAULT_SYSTEM_PROMPT",
+        "SUPPORTED_TASKS",
+        "GRPOModule",
+        "NonFiniteLossError",
+        "OptimConfig",
+        "Prompt",
+        "PromptSource",
+        "Reward",
+        "RewardError",
+        "RewardFn",
+        "RolloutListener",
+        "SpeculativeConfig",
+        "SyntheticPromptSource",
+        "TaskConfig",
+        "TaskDataset",
+        "TaskPromptSource",
+        "TokenPromptSource",
+        "TorchtuneGRPOModule",
+        "group_advantages",
+        "grpo_loss",
+    },
+    "efficiency": {
+        "ActivationCheckpointPlan",
+        "ActivationCheckpointProfile",
+        "ActivationCheckpointingCallback",
+        "ActivationMemoryMeter",
+        "DistillConfig",
+        "DistillationModule",
+        "DoraConfig",
+        "DynamicActivationCheckpointing",
+        "HierarchicalDistillation",
+        "ImportanceSampler",
+        "ImportanceSamplerConfig",
+        "ImportanceSamplingCallback",
+        "Int4QATConfig",
+        "LayerwisePrecision",
+        "LayerwisePrecisionCallback",
+        "LossScorer",
+        "MemoryReport",
+        "PrecisionConfig",
+        "QATCallback",
+        "RhoLossScorer",
+        "Scorer",
+        "apply_activation_checkpointing",
+        "apply_dora",
+        "convert_qat",
+        "distill_step",
+        "find_blocks",
+        "grpo_policy_loss",
+        "grpo_profile_batch",
+        "measure_step",
+        "merge_dora",
+        "prepare_qat",
+        "profile_blocks",
+        "quantize_ptq",
+    },
     "callbacks": {"BanditCallback", "DrafterDriftProbe", "GRPOProgressBar", "SpotDrafterCallback"},
-    "spot": {"STEP_STATS", "AsyncCheckpointer", "BufferConfig", "CheckpointInfo", "CoordinatorConfig",
-        "DrafterLease", "DrafterPublisher", "DrafterSample", "RolloutBuffer", "Segment", "SpotConfig",
-        "SpotDrafter", "SpotTrainer", "SpotTrainerConfig", "WorkerCoordinator", "WorkerState",
-        "idle_fraction_recovered", "initial_drafter", "plot_timeline", "step_metrics", "timeline_view"},
+    "spot": {
+        "STEP_STATS",
+        "AsyncCheckpointer",
+        "BufferConfig",
+        "CheckpointInfo",
+        "CoordinatorConfig",
+        "DrafterLease",
+        "DrafterPublisher",
+        "DrafterSample",
+        "RolloutBuffer",
+        "Segment",
+        "SpotConfig",
+        "SpotDrafter",
+        "SpotTrainer",
+        "SpotTrainerConfig",
+        "WorkerCoordinator",
+        "WorkerState",
+        "idle_fraction_recovered",
+        "initial_drafter",
+        "plot_timeline",
+        "step_metrics",
+        "timeline_view",
+    },
     "vllm": {"VLLMBackendConfig", "VLLMRolloutBackend", "VLLMRolloutStats"},
 }
 
@@ -232,8 +383,12 @@ def test_subpackage_exports_its_public_api_only(package):
 def _defined_in(package: str) -> dict[str, str]:
     """Name -> the module its ``__init__`` imports it from."""
     init = ROOT / "src" / "tlt_lightning" / package / "__init__.py"
-    return {alias.name: node.module for node in ast.parse(init.read_text()).body
-            if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+    return {
+        alias.name: node.module
+        for node in ast.parse(init.read_text()).body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
 
 
 def _attribute_docstring(module: str, name: str) -> str | None:

@@ -31,22 +31,30 @@ def test_conflicts_compare_saved_settings_with_the_config():
     assert resume_conflicts({"task": {"name": "chain_sum", "size": 256}}, {"task": None}) == {}
     # Groups compare field by field, defaults filled in, as saved dicts or as configs.
     assert resume_conflicts({"optim": {"lr": 0.01, "kl_coef": 0.0}}, {"optim": OptimConfig(lr=0.5)}) == {
-        "optim.lr": (0.01, 0.5)}
+        "optim.lr": (0.01, 0.5)
+    }
 
 
 def test_check_resume_refuses_listing_every_key_and_the_ways_on():
-    saved, current = {"lr": 0.01, "seed": 0, "rollout_progress": True}, {"lr": 0.5, "seed": 3,
-                                                                       "rollout_progress": False}
-    match = (r"settings that differ from the checkpoint's \(checkpoint -> now\):\n  model.lr: 0.01 -> 0.5\n"
-             r"  model.seed: 0 -> 3\nTo continue .* exactly, drop these overrides.*--resume_overrides=apply.*"
-             r"--resume_overrides=checkpoint")
+    saved, current = (
+        {"lr": 0.01, "seed": 0, "rollout_progress": True},
+        {"lr": 0.5, "seed": 3, "rollout_progress": False},
+    )
+    match = (
+        r"settings that differ from the checkpoint's \(checkpoint -> now\):\n  model.lr: 0.01 -> 0.5\n"
+        r"  model.seed: 0 -> 3\nTo continue .* exactly, drop these overrides.*--resume_overrides=apply.*"
+        r"--resume_overrides=checkpoint"
+    )
     with pytest.raises(ValueError, match=match):
         check_resume("x.ckpt", saved, current)
     # Display / check settings change nothing that is learned: taken without asking.
     assert check_resume("x.ckpt", {"rollout_progress": True}, {"rollout_progress": False}) == {
-        "rollout_progress": (True, False)}
+        "rollout_progress": (True, False)
+    }
     assert set(check_resume("x.ckpt", saved, current, "apply")) == {"lr", "seed", "rollout_progress"}
-    with pytest.raises(ValueError, match=r"resume_overrides must be one of \('refuse', 'apply', 'checkpoint'\), got 'yes'"):
+    with pytest.raises(
+        ValueError, match=r"resume_overrides must be one of \('refuse', 'apply', 'checkpoint'\), got 'yes'"
+    ):
         check_resume("x.ckpt", saved, current, "yes")
 
 
@@ -54,7 +62,9 @@ def test_read_checkpoint_names_missing_empty_and_corrupt_files(tmp_path):
     with pytest.raises(ValueError, match=r"ckpt_path '.*nope.ckpt' is not a file"):
         read_checkpoint(tmp_path / "nope.ckpt")
     (tmp_path / "empty.ckpt").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"'.*empty.ckpt' is empty \(0 bytes\).*resume from an older checkpoint"):
+    with pytest.raises(
+        ValueError, match=r"'.*empty.ckpt' is empty \(0 bytes\).*resume from an older checkpoint"
+    ):
         read_checkpoint(tmp_path / "empty.ckpt")
     (tmp_path / "bad.ckpt").write_bytes(b"PK\x03\x04 not really a zip" * 4)
     with pytest.raises(ValueError, match=r"'.*bad.ckpt' is corrupt or not a Lightning checkpoint"):
@@ -72,12 +82,27 @@ def tlt_config(tmp_path: Path) -> Path:
     config = yaml.safe_load(TINY.read_text())
     config["model"]["rollout_progress"] = False
     config["trainer"]["callbacks"][1:1] = [
-        {"class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
-         "init_args": {"config": {"training": {"max_steps_per_rollout": 2, "max_seconds_per_rollout": None},
-                                  "draft_vocab_size": None, "checkpoint_interval": None}, "timeline": False}},
-        {"class_path": "tlt_lightning.callbacks.BanditCallback",
-         "init_args": {"reproducible": True, "strategy": {"class_path": "tlt_lightning.scheduling.BEGMABStrategy",
-                                                         "init_args": {"epsilon": 0.3, "seed": 1}}}},
+        {
+            "class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
+            "init_args": {
+                "config": {
+                    "training": {"max_steps_per_rollout": 2, "max_seconds_per_rollout": None},
+                    "draft_vocab_size": None,
+                    "checkpoint_interval": None,
+                },
+                "timeline": False,
+            },
+        },
+        {
+            "class_path": "tlt_lightning.callbacks.BanditCallback",
+            "init_args": {
+                "reproducible": True,
+                "strategy": {
+                    "class_path": "tlt_lightning.scheduling.BEGMABStrategy",
+                    "init_args": {"epsilon": 0.3, "seed": 1},
+                },
+            },
+        },
     ]
     config["model"]["speculative"]["drafter_kind"] = None  # the callback builds and trains the drafter
     path = tmp_path / "tlt.yaml"
@@ -87,8 +112,16 @@ def tlt_config(tmp_path: Path) -> Path:
 
 def fit(tmp_path: Path, config: Path, name: str, *extra: str) -> tuple[list[float], dict]:
     """Run ``tlt-lightning fit`` to a CSV logger; ``(reward/mean per step, the last checkpoint)``."""
-    argv = ["--threads", "1", "fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path / name}",
-            f"--trainer.logger.init_args.fallback_dir={tmp_path / name}", *extra]
+    argv = [
+        "--threads",
+        "1",
+        "fit",
+        "--config",
+        str(config),
+        f"--trainer.default_root_dir={tmp_path / name}",
+        f"--trainer.logger.init_args.fallback_dir={tmp_path / name}",
+        *extra,
+    ]
     assert cli.main(argv) == 0
     (metrics,) = (tmp_path / name).rglob("metrics.csv")
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("reward/mean")]
@@ -98,20 +131,30 @@ def fit(tmp_path: Path, config: Path, name: str, *extra: str) -> tuple[list[floa
 
 def test_fit_resumed_from_a_checkpoint_is_the_uninterrupted_run(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
-    monkeypatch.setattr("tlt_lightning.tracking.logger.mlflow_available", lambda uri=None: False)  # CSV: metrics per step
+    monkeypatch.setattr(
+        "tlt_lightning.tracking.logger.mlflow_available", lambda uri=None: False
+    )  # CSV: metrics per step
     monkeypatch.chdir(tmp_path)
     config = tlt_config(tmp_path)
     rewards, full = fit(tmp_path, config, "full", "--trainer.max_steps=4")
     first, half = fit(tmp_path, config, "half", "--trainer.max_steps=2")
     assert half["global_step"] == 2 and first == rewards[:2]
-    second, resumed = fit(tmp_path, config, "resumed", "--trainer.max_steps=4",
-                          f"--ckpt_path={next((tmp_path / 'half').rglob('last.ckpt'))}")
+    second, resumed = fit(
+        tmp_path,
+        config,
+        "resumed",
+        "--trainer.max_steps=4",
+        f"--ckpt_path={next((tmp_path / 'half').rglob('last.ckpt'))}",
+    )
     assert resumed["global_step"] == 4 and len(rewards) == 4
     assert second == rewards[2:]  # identical rewards after the resume, exactly
     assert_same(resumed["state_dict"], full["state_dict"], "policy")
     assert_same(resumed["optimizer_states"], full["optimizer_states"], "optimizer")
     # The drafter (weights, optimizer, buffer) and the reproducible bandit continued exactly too.
-    spot_full, spot_resumed = callback_state(full, "SpotDrafterCallback"), callback_state(resumed, "SpotDrafterCallback")
+    spot_full, spot_resumed = (
+        callback_state(full, "SpotDrafterCallback"),
+        callback_state(resumed, "SpotDrafterCallback"),
+    )
     assert_same(spot_resumed["drafter"], spot_full["drafter"], "drafter")
     assert spot_full["buffer"]["items"]  # the buffer is in the checkpoint by default
     bandit_full = callback_state(full, "BanditCallback")
@@ -122,12 +165,20 @@ def test_fit_resumed_from_a_checkpoint_is_the_uninterrupted_run(tmp_path, monkey
 def test_resume_with_other_settings_is_refused_listing_the_keys(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
     monkeypatch.chdir(tmp_path)
-    base = ["fit", "--config", str(TINY), "--trainer.logger=false", "--model.rollout_progress=false",
-            f"--trainer.default_root_dir={tmp_path}"]
+    base = [
+        "fit",
+        "--config",
+        str(TINY),
+        "--trainer.logger=false",
+        "--model.rollout_progress=false",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
     assert cli.main([*base, "--trainer.max_steps=1"]) == 0
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     resume = [*base, "--trainer.max_steps=2", f"--ckpt_path={ckpt}"]
-    with pytest.raises(ValueError, match=r"(?s)model.optim.lr: 0.01 -> 0.5\n  model.seed: 0 -> 3\n.*--resume_overrides=apply"):
+    with pytest.raises(
+        ValueError, match=r"(?s)model.optim.lr: 0.01 -> 0.5\n  model.seed: 0 -> 3\n.*--resume_overrides=apply"
+    ):
         cli.main([*resume, "--model.optim.lr=0.5", "--model.seed=3"])
     # On the command line: a short error with the keys, exit status 1, nothing trained.
     assert cli.main([*resume, "--model.optim.lr=0.5"], short_errors=True) == 1
@@ -141,8 +192,18 @@ def test_resume_with_other_settings_is_refused_listing_the_keys(tmp_path, monkey
     assert after["global_step"] == 2 and after["hyper_parameters"]["optim"]["lr"] == 0.5
     assert after["optimizer_states"][0]["param_groups"][0]["lr"] == 0.5
     # Or the checkpoint's values (Lightning's behaviour), now said out loud.
-    assert cli.main([*base, "--trainer.max_steps=3", f"--ckpt_path={ckpt}", "--model.optim.lr=0.1",
-                     "--resume_overrides=checkpoint"]) == 0
+    assert (
+        cli.main(
+            [
+                *base,
+                "--trainer.max_steps=3",
+                f"--ckpt_path={ckpt}",
+                "--model.optim.lr=0.1",
+                "--resume_overrides=checkpoint",
+            ]
+        )
+        == 0
+    )
     assert torch.load(ckpt, weights_only=False)["hyper_parameters"]["optim"]["lr"] == 0.5
 
 
@@ -156,8 +217,14 @@ def test_resume_overrides_takes_only_its_three_values(capsys):
 def test_resume_from_an_empty_checkpoint_is_a_short_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
     (tmp_path / "last.ckpt").write_bytes(b"")
-    argv = ["fit", "--config", str(TINY), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}",
-            f"--ckpt_path={tmp_path / 'last.ckpt'}"]
+    argv = [
+        "fit",
+        "--config",
+        str(TINY),
+        "--trainer.logger=false",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--ckpt_path={tmp_path / 'last.ckpt'}",
+    ]
     assert cli.main(argv, short_errors=True) == 1
     err = capsys.readouterr().err
     assert "ValueError: ckpt_path" in err and "is empty (0 bytes)" in err and "EOFError" not in err

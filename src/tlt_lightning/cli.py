@@ -100,7 +100,7 @@ def short_error(err: BaseException) -> str:
     if tb is not None:
         path = Path(tb.tb_frame.f_code.co_filename)
         parts = path.parts
-        shown = str(Path(*parts[parts.index("tlt_lightning"):])) if "tlt_lightning" in parts else path.name
+        shown = str(Path(*parts[parts.index("tlt_lightning") :])) if "tlt_lightning" in parts else path.name
         lines.append(f"  (raised in {shown}:{tb.tb_lineno})")
     lines.append(f"  full traceback: tlt-lightning --traceback ... or {TRACEBACK_ENV}=1")
     return "\n".join(lines)
@@ -194,8 +194,14 @@ def command_args(argv: Sequence[str]) -> argparse.Namespace:
     if command in GROUPS:  # drafter warmup: parsed.drafter.warmup
         name = options[command]
         options = options[name]
-    return argparse.Namespace(**options.as_dict(), command=command, name=name, threads=parsed.threads,
-                              traceback=parsed.traceback, argv=list(argv))
+    return argparse.Namespace(
+        **options.as_dict(),
+        command=command,
+        name=name,
+        threads=parsed.threads,
+        traceback=parsed.traceback,
+        argv=list(argv),
+    )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ from jsonargparse import ArgumentParser
 __all__ = ["BENCH_MOVED", "COMMANDS", "GROUPS", "TOP_COMMANDS", "Parser", "build_parser", "plain"]
 
 # What `tlt-lightning bench ...` answers (exit status 2): the benchmarks are not in the package.
-BENCH_MOVED = ("tlt-lightning bench: the benchmarks moved out of the package; from a checkout run "
-               "`python -m benchmarks NAME [options]` (python -m benchmarks --help lists them)")
+BENCH_MOVED = (
+    "tlt-lightning bench: the benchmarks moved out of the package; from a checkout run "
+    "`python -m benchmarks NAME [options]` (python -m benchmarks --help lists them)"
+)
 
 
 def plain(text: str) -> str:
@@ -75,8 +77,12 @@ class Parser(ArgumentParser):
 
 def drafter_warmup(p: ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="target dtype while sampling the rollouts (bfloat16 is much faster on CPUs with AMX)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="target dtype while sampling the rollouts (bfloat16 is much faster on CPUs with AMX)",
+    )
     p.add_argument("--task", default="basic_arithmetic", help="reasoning-gym task for the prompts")
     p.add_argument("--prompts", type=int, default=256, help="task prompts to sample")
     p.add_argument("--samples", type=int, default=1, help="responses per prompt")
@@ -87,80 +93,163 @@ def drafter_warmup(p: ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=8, help="sequences (with --pack: packed rows) per step")
     p.add_argument("--max-len", type=int, default=256, help="samples per sequence (longer ones are cut)")
-    p.add_argument("--pack", type=int, default=0, metavar="BUDGET",
-                   help="pack the training sequences into rows of BUDGET samples (no padding; 0 = pad)")
+    p.add_argument(
+        "--pack",
+        type=int,
+        default=0,
+        metavar="BUDGET",
+        help="pack the training sequences into rows of BUDGET samples (no padding; 0 = pad)",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--train-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="bfloat16: autocast the training steps (the drafter keeps fp32 weights; ~2x faster "
-                        "on CPUs with bf16 matrix instructions)")
-    p.add_argument("--lr-warmup", type=int, default=0,
-                   help="steps of linear learning-rate warm-up (use ~50 with --init-from)")
+    p.add_argument(
+        "--train-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="bfloat16: autocast the training steps (the drafter keeps fp32 weights; ~2x faster "
+        "on CPUs with bf16 matrix instructions)",
+    )
+    p.add_argument(
+        "--lr-warmup",
+        type=int,
+        default=0,
+        help="steps of linear learning-rate warm-up (use ~50 with --init-from)",
+    )
     p.add_argument("--unroll", type=int, default=1, help="multi-step unroll during training")
-    p.add_argument("--accept-weight", type=float, default=0.0,
-                   help="weight of the total-variation term 1 - sum(min(p, q)), which trains for the "
-                        "acceptance of sampled drafts (0 = EAGLE's objective only)")
-    p.add_argument("--save-every", type=int, default=0, metavar="N",
-                   help="also save the drafter to --out every N steps (a crash keeps the last save; 0 = at the end only)")
+    p.add_argument(
+        "--accept-weight",
+        type=float,
+        default=0.0,
+        help="weight of the total-variation term 1 - sum(min(p, q)), which trains for the "
+        "acceptance of sampled drafts (0 = EAGLE's objective only)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also save the drafter to --out every N steps (a crash keeps the last save; 0 = at the end only)",
+    )
     p.add_argument("--rollout-batch", type=int, default=64, help="requests per rollout call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/drafter/warmup", help="output directory")
-    p.add_argument("--init-from", default=None,
-                   help="drafter checkpoint directory to continue training (its kind and draft vocabulary win)")
-    p.add_argument("--rollouts-cache", default=None,
-                   help="file to reuse rollouts from (and save them to, after every --rollout-batch): retrain "
-                        "without resampling, or resume an interrupted sampling where it stopped (a safetensors "
-                        "rollout file, with the target features unless --cache-tokens-only)")
-    p.add_argument("--cache-tokens-only", action="store_true",
-                   help="keep only tokens in --rollouts-cache (1.1 MB instead of 197 MB for 640 countdown "
-                        "rollouts; the features are recomputed when it is read, at ~2x the sampling rate)")
-    p.add_argument("--more-rollouts", nargs="+", default=[], metavar="CACHE",
-                   help="rollout caches of other warm-ups (same model, dtype, task, sampling; other prompts or "
-                        "--seed) added to the training set; the held-out tenth stays this run's own")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="drafter checkpoint directory to continue training (its kind and draft vocabulary win)",
+    )
+    p.add_argument(
+        "--rollouts-cache",
+        default=None,
+        help="file to reuse rollouts from (and save them to, after every --rollout-batch): retrain "
+        "without resampling, or resume an interrupted sampling where it stopped (a safetensors "
+        "rollout file, with the target features unless --cache-tokens-only)",
+    )
+    p.add_argument(
+        "--cache-tokens-only",
+        action="store_true",
+        help="keep only tokens in --rollouts-cache (1.1 MB instead of 197 MB for 640 countdown "
+        "rollouts; the features are recomputed when it is read, at ~2x the sampling rate)",
+    )
+    p.add_argument(
+        "--more-rollouts",
+        nargs="+",
+        default=[],
+        metavar="CACHE",
+        help="rollout caches of other warm-ups (same model, dtype, task, sampling; other prompts or "
+        "--seed) added to the training set; the held-out tenth stays this run's own",
+    )
 
 
 def drafter_evaluate(p: ArgumentParser) -> None:
-    p.add_argument("--drafter", nargs="+", required=True, metavar="DIR",
-                   help="drafter checkpoint directories (from `drafter warmup`), evaluated on the same positions")
-    p.add_argument("--rollouts", required=True, metavar="FILE",
-                   help="a rollout file (`drafter warmup --rollouts-cache`); tokens-only files get their "
-                        "target features recomputed")
-    p.add_argument("--first", type=int, default=0, metavar="N",
-                   help="evaluate on the file's first N rollouts (0 = its first tenth: the held-out set of a "
-                        "warm-up that sampled this file)")
+    p.add_argument(
+        "--drafter",
+        nargs="+",
+        required=True,
+        metavar="DIR",
+        help="drafter checkpoint directories (from `drafter warmup`), evaluated on the same positions",
+    )
+    p.add_argument(
+        "--rollouts",
+        required=True,
+        metavar="FILE",
+        help="a rollout file (`drafter warmup --rollouts-cache`); tokens-only files get their "
+        "target features recomputed",
+    )
+    p.add_argument(
+        "--first",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate on the file's first N rollouts (0 = its first tenth: the held-out set of a "
+        "warm-up that sampled this file)",
+    )
     p.add_argument("--model", default=None, help="the target (default: the model the file was sampled with)")
     p.add_argument("--unroll", type=int, default=3, help="draft steps evaluated per position")
     p.add_argument("--max-len", type=int, default=256, help="positions per rollout (the warm-up's default)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--renormalise", action="store_true",
-                   help="acceptance against the target renormalised on the draft vocabulary (the warm-up's "
-                        "metric, an upper bound) instead of what speculative sampling accepts")
+    p.add_argument(
+        "--renormalise",
+        action="store_true",
+        help="acceptance against the target renormalised on the draft vocabulary (the warm-up's "
+        "metric, an upper bound) instead of what speculative sampling accepts",
+    )
     p.add_argument("--json", default=None, help="where to write the results")
 
 
 def _export_drafter(p: ArgumentParser) -> None:
-    p.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
-                   help="drafter checkpoint directory (from `drafter warmup` or save_drafter), or an MLflow URI "
-                   "of one: models:/NAME/VERSION, models:/NAME@ALIAS, runs:/RUN_ID/PATH; not with --from-fit")
-    p.add_argument("out", nargs="?", metavar="OUT",
-                   help="output directory (config.json, model.safetensors, README.md; with --from-fit: "
-                   "target/ (the policy, save_pretrained), drafter/, README.md, export.json)")
-    p.add_argument("--from-fit", default=None, metavar="RUN_DIR_OR_CKPT",
-                   help="export the RL policy of a fit (its run directory or a .ckpt) and the drafter trained "
-                   "with it, together, as vLLM loads them (OUT/target, OUT/drafter)")
-    p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
-                   help="the serving engine that loads the export as it is (default: vllm)")
-    p.add_argument("--kind", default=None, choices=["eagle1", "eagle3"],
-                   help="require this drafter kind (default: the checkpoint's; a checkpoint is never converted)")
-    p.add_argument("--model", default=None,
-                   help="the target the drafter drafts for: registry name or local HF directory "
-                   "(default: the checkpoint's warmup.json, else the registry model of its target's shape; "
-                   "with --from-fit: the policy's architecture and tokenizer, default the run's model)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weight dtype of the export (default: the target's; with --from-fit, the run's)")
+    p.add_argument(
+        "checkpoint",
+        nargs="?",
+        metavar="CHECKPOINT",
+        help="drafter checkpoint directory (from `drafter warmup` or save_drafter), or an MLflow URI "
+        "of one: models:/NAME/VERSION, models:/NAME@ALIAS, runs:/RUN_ID/PATH; not with --from-fit",
+    )
+    p.add_argument(
+        "out",
+        nargs="?",
+        metavar="OUT",
+        help="output directory (config.json, model.safetensors, README.md; with --from-fit: "
+        "target/ (the policy, save_pretrained), drafter/, README.md, export.json)",
+    )
+    p.add_argument(
+        "--from-fit",
+        default=None,
+        metavar="RUN_DIR_OR_CKPT",
+        help="export the RL policy of a fit (its run directory or a .ckpt) and the drafter trained "
+        "with it, together, as vLLM loads them (OUT/target, OUT/drafter)",
+    )
+    p.add_argument(
+        "--engine",
+        default="vllm",
+        choices=["vllm", "sglang"],
+        help="the serving engine that loads the export as it is (default: vllm)",
+    )
+    p.add_argument(
+        "--kind",
+        default=None,
+        choices=["eagle1", "eagle3"],
+        help="require this drafter kind (default: the checkpoint's; a checkpoint is never converted)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the target the drafter drafts for: registry name or local HF directory "
+        "(default: the checkpoint's warmup.json, else the registry model of its target's shape; "
+        "with --from-fit: the policy's architecture and tokenizer, default the run's model)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="weight dtype of the export (default: the target's; with --from-fit, the run's)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of a tiny registry model's random weights")
-    p.add_argument("--tracking-uri", default=None,
-                   help="MLflow store of a models:/ or runs:/ CHECKPOINT (default: $MLFLOW_TRACKING_URI, "
-                   "else sqlite:///runs/mlflow.db, the store of `tlt-lightning fit`)")
+    p.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="MLflow store of a models:/ or runs:/ CHECKPOINT (default: $MLFLOW_TRACKING_URI, "
+        "else sqlite:///runs/mlflow.db, the store of `tlt-lightning fit`)",
+    )
 
 
 def _torchtune(p: ArgumentParser) -> None:
@@ -174,10 +263,22 @@ COMMANDS = (
     ("drafter", "evaluate", "compare drafters' acceptance on the same stored rollouts", drafter_evaluate),
 )
 TOP_COMMANDS = (
-    ("export-drafter", ("write a drafter checkpoint in the EAGLE format of vLLM / SGLang; with --from-fit, "
-                        "a fit's policy and drafter together"), _export_drafter),
-    ("torchtune", ("GRPO from a torchtune recipe config, as `tune run tlt_lightning.recipes.grpo_torchtune` "
-                   "(needs the torchtune extra)"), _torchtune),
+    (
+        "export-drafter",
+        (
+            "write a drafter checkpoint in the EAGLE format of vLLM / SGLang; with --from-fit, "
+            "a fit's policy and drafter together"
+        ),
+        _export_drafter,
+    ),
+    (
+        "torchtune",
+        (
+            "GRPO from a torchtune recipe config, as `tune run tlt_lightning.recipes.grpo_torchtune` "
+            "(needs the torchtune extra)"
+        ),
+        _torchtune,
+    ),
     ("models", "list registry model names", None),
     ("bench", "moved: the benchmarks run from a checkout, `python -m benchmarks NAME`", None),
 )
@@ -192,12 +293,19 @@ def build_parser(description: str = "") -> ArgumentParser:
     """
     parser = Parser(prog="tlt-lightning", description=description)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--traceback", action="store_true",
-                        help="show the full traceback of a ValueError/TypeError (or set TLT_LIGHTNING_TRACEBACK=1)")
+    parser.add_argument(
+        "--traceback",
+        action="store_true",
+        help="show the full traceback of a ValueError/TypeError (or set TLT_LIGHTNING_TRACEBACK=1)",
+    )
     top = parser.add_subcommands(dest="command", required=True)
     # Listed for --help only: cli.main() hands `fit` to LightningCLI before this parser runs.
-    top.add_subcommand("fit", Parser(prog="tlt-lightning fit", add_help=False),
-                       help="GRPO training from a YAML config (LightningCLI; tlt-lightning fit --help)")
+    top.add_subcommand(
+        "fit",
+        Parser(prog="tlt-lightning fit", add_help=False),
+        help="GRPO training from a YAML config (LightningCLI; tlt-lightning fit --help)",
+    )
+
     def command(group: str | None, name: str, help_: str, options: Any = None) -> Parser:
         sub = Parser(prog=" ".join(["tlt-lightning", *([group] if group else []), name]), description=help_)
         if options is not None:

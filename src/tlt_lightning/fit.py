@@ -107,10 +107,16 @@ class TrackingSaveConfig(SaveConfigCallback):
         ...); the prompt source is not among them (a source may not serialise).
         """
         config = self.config.as_dict()
-        trainer = {k: v for k, v in config.get("trainer", {}).items()
-                   if k not in self._UNLOGGED_TRAINER_KEYS and v is not None}
-        params: dict[str, Any] = {"trainer": trainer, "seed_everything": config.get("seed_everything"),
-                                  "threads": config.get("threads")}
+        trainer = {
+            k: v
+            for k, v in config.get("trainer", {}).items()
+            if k not in self._UNLOGGED_TRAINER_KEYS and v is not None
+        }
+        params: dict[str, Any] = {
+            "trainer": trainer,
+            "seed_everything": config.get("seed_everything"),
+            "threads": config.get("threads"),
+        }
         source = config.get("model", {}).get("prompt_source")
         if source is not None:
             params["prompt_source"] = source
@@ -200,13 +206,17 @@ class GRPOCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
-            "--threads", type=int | None, default=None,
+            "--threads",
+            type=int | None,
+            default=None,
             help="torch intra-op threads (on shared 2-core machines 1 is often faster than 2)",
         )
         parser.add_argument(
-            "--resume_overrides", type=Literal["refuse", "apply", "checkpoint"], default="refuse",
+            "--resume_overrides",
+            type=Literal["refuse", "apply", "checkpoint"],
+            default="refuse",
             help="with --ckpt_path, module settings that differ from the checkpoint's: 'refuse' (default: "
-                 "list them and stop), 'apply' them, or keep the 'checkpoint' values",
+            "list them and stop), 'apply' them, or keep the 'checkpoint' values",
         )
         # Unless a config or flag says otherwise, train in the precision that pays on this machine:
         # bf16 autocast where bf16 products are native (AMX / AVX512-BF16 CPUs, GPUs), else fp32.
@@ -243,8 +253,9 @@ class GRPOCLI(LightningCLI):
         logger = _tracking_logger_args(config)
         # The store is prepared here, not inside the logger factory: jsonargparse would report a failure
         # while it instantiates the logger as a config that "does not validate against" the logger type.
-        if logger is not None and prepare_logger_store(logger.tracking_uri, logger.experiment_name,
-                                                       logger.artifact_location):
+        if logger is not None and prepare_logger_store(
+            logger.tracking_uri, logger.experiment_name, logger.artifact_location
+        ):
             if config.get("ckpt_path") and logger.get("run_id") is None:
                 logger.run_id = resumable_run_id(str(config.ckpt_path), logger.tracking_uri)
 

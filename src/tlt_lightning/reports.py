@@ -29,7 +29,13 @@ import torch
 from tlt_lightning.models.hardware import cpu_bf16_instructions, cpu_info
 
 __all__ = [
-    "draw_or_skip", "machine_info", "median", "new_figure", "require_matplotlib", "save_figure", "write_json",
+    "draw_or_skip",
+    "machine_info",
+    "median",
+    "new_figure",
+    "require_matplotlib",
+    "save_figure",
+    "write_json",
 ]
 
 PLOTS_INSTALL = "pip install 'tlt-lightning[plots]'"
@@ -100,12 +106,20 @@ def draw_or_skip(draw: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
 @functools.cache
 def warn_no_matplotlib() -> None:
     """The ``UserWarning`` of :func:`draw_or_skip`, once per process however many pictures it skips."""
-    warnings.warn(f"matplotlib is not installed: pictures (PNG) are skipped; {PLOTS_INSTALL} draws them",
-                  UserWarning, stacklevel=3)
+    warnings.warn(
+        f"matplotlib is not installed: pictures (PNG) are skipped; {PLOTS_INSTALL} draws them",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def new_figure(
-    nrows: int = 1, ncols: int = 1, figsize: tuple[float, float] = (6.5, 4), *, layout: str | None = None, **subplots: Any
+    nrows: int = 1,
+    ncols: int = 1,
+    figsize: tuple[float, float] = (6.5, 4),
+    *,
+    layout: str | None = None,
+    **subplots: Any,
 ) -> tuple[Any, Any]:
     """A figure on its own Agg canvas and its axes (as ``plt.subplots`` returns them), without pyplot.
 

@@ -86,7 +86,12 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return dict(checkpoint)
 
 
-_GROUPS = {"task": TaskConfig, "rollout": RolloutConfig, "optim": OptimConfig, "speculative": SpeculativeConfig}
+_GROUPS = {
+    "task": TaskConfig,
+    "rollout": RolloutConfig,
+    "optim": OptimConfig,
+    "speculative": SpeculativeConfig,
+}
 """GRPOModule's grouped settings: compared field by field (``optim.lr``), their defaults filled in."""
 
 
@@ -122,8 +127,11 @@ def resume_conflicts(saved: Mapping[str, Any], current: Mapping[str, Any]) -> di
     has (a setting added in a later version, the prompt source) are not conflicts.
     """
     saved, current = _settings(saved), _settings(current)
-    return {key: (old, current[key]) for key, old in saved.items()
-            if key not in _KEYS_NOT_SETTINGS and key in current and old != current[key]}
+    return {
+        key: (old, current[key])
+        for key, old in saved.items()
+        if key not in _KEYS_NOT_SETTINGS and key in current and old != current[key]
+    }
 
 
 def check_resume(

@@ -26,7 +26,9 @@ def test_benchmark_reports_and_beats_every_fixed_arm(tmp_path):
     assert on_disk["best_fixed"] == result["best_fixed"]
     assert (tmp_path / "bandit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     strategies = on_disk["strategies"]
-    assert set(strategies) == {"begmab", "begmab-decay", "ucb"} | {f"fixed:{arm_key(a)}" for a in default_arms()}
+    assert set(strategies) == {"begmab", "begmab-decay", "ucb"} | {
+        f"fixed:{arm_key(a)}" for a in default_arms()
+    }
     assert strategies["begmab"]["total_reward_vs_best_fixed"] > 1.0
     assert strategies["ucb"]["total_reward_vs_best_fixed"] > 1.0
     assert set(strategies["begmab"]["steps_to_follow_change"]) == {"2-4", "5-20"}

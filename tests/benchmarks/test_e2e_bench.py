@@ -9,9 +9,37 @@ from benchmarks.__main__ import main
 def test_e2e_bench_on_the_real_model(tmp_path):
     """Both runs on SmolLM2 with tiny settings: step records, a breakdown that adds up, the plot."""
     path = tmp_path / "e2e.json"
-    main(["--threads", "1", "e2e", "--task", "chain_sum", "--steps", "2", "--prompts-per-step", "2",
-          "--group-size", "2", "--max-new-tokens", "10", "--threshold", "5", "--depth", "2",
-          "--drafter-steps", "1", "--drift-every", "2", "--drift-tokens", "8", "--out", str(tmp_path / "runs"), "--json", str(path)])
+    main(
+        [
+            "--threads",
+            "1",
+            "e2e",
+            "--task",
+            "chain_sum",
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--threshold",
+            "5",
+            "--depth",
+            "2",
+            "--drafter-steps",
+            "1",
+            "--drift-every",
+            "2",
+            "--drift-tokens",
+            "8",
+            "--out",
+            str(tmp_path / "runs"),
+            "--json",
+            str(path),
+        ]
+    )
     data = json.loads(path.read_text())
     assert set(data["runs"]) == {"baseline", "tlt"} and data["config"]["rollout_dtype"] == "bfloat16"
     for name, run in data["runs"].items():
@@ -24,8 +52,11 @@ def test_e2e_bench_on_the_real_model(tmp_path):
             assert (s["sd_step_fraction"] > 0) == (name == "tlt") and (s["drafter_s"] > 0) == (name == "tlt")
         assert 0 < run["median"]["rollout_share"] < 1 and run["median"]["wall_ms_per_token"] > 0
     assert data["speedup"]["wall"] == pytest.approx(
-        data["runs"]["baseline"]["median"]["wall_s"] / data["runs"]["tlt"]["median"]["wall_s"])
-    assert [h["step"] for h in data["runs"]["tlt"]["drift"]] == [0, 2] and "drift" not in data["runs"]["baseline"]
+        data["runs"]["baseline"]["median"]["wall_s"] / data["runs"]["tlt"]["median"]["wall_s"]
+    )
+    assert [h["step"] for h in data["runs"]["tlt"]["drift"]] == [0, 2] and "drift" not in data["runs"][
+        "baseline"
+    ]
     assert path.with_suffix(".png").stat().st_size > 10_000
 
 

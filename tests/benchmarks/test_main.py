@@ -25,12 +25,15 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("argv", [["--help"], ["rollout", "--help"]])
 def test_help_imports_no_torch_nor_the_benchmark(argv):
-    probe = ("import sys, runpy\nsys.argv = ['benchmarks', *sys.argv[1:]]\n"
-             "try:\n    runpy.run_module('benchmarks', run_name='__main__')\nexcept SystemExit as e:\n"
-             f"    assert e.code in (0, None), e.code\n"
-             f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
+    probe = (
+        "import sys, runpy\nsys.argv = ['benchmarks', *sys.argv[1:]]\n"
+        "try:\n    runpy.run_module('benchmarks', run_name='__main__')\nexcept SystemExit as e:\n"
+        f"    assert e.code in (0, None), e.code\n"
+        f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr
     assert f"usage: {PROG}" in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "HEAVY []"
@@ -38,8 +41,17 @@ def test_help_imports_no_torch_nor_the_benchmark(argv):
 
 def test_every_benchmark_is_listed_with_plain_help(capsys):
     names = [name for name, *_ in BENCHMARKS]
-    assert names == ["rollout", "bandit", "activation-checkpointing", "strategies", "e2e", "spot",
-                     "efficiency", "layout", "peers"]
+    assert names == [
+        "rollout",
+        "bandit",
+        "activation-checkpointing",
+        "strategies",
+        "e2e",
+        "spot",
+        "efficiency",
+        "layout",
+        "peers",
+    ]
     for argv in [[], *([name] for name, *_ in BENCHMARKS)]:
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args([*argv, "--help"])
@@ -70,10 +82,13 @@ def test_a_misspelt_option_is_a_short_error_naming_the_closest(capsys):
     ]
 
 
-@pytest.mark.parametrize(("argv", "flag", "close"), [
-    (["--thread", "1", "bandit"], "--thread", "--threads"),
-    (["efficiency", "--part", "qat", "--seed=1", "--kd-temp", "2"], "--kd-temp", "--kd-temperature"),
-])
+@pytest.mark.parametrize(
+    ("argv", "flag", "close"),
+    [
+        (["--thread", "1", "bandit"], "--thread", "--threads"),
+        (["efficiency", "--part", "qat", "--seed=1", "--kd-temp", "2"], "--kd-temp", "--kd-temperature"),
+    ],
+)
 def test_options_are_never_abbreviated(capsys, argv, flag, close):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -29,7 +29,9 @@ FAKE_WORKER = Path(__file__).with_name("fake_peer_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 SRC = str(ROOT / "src")
 # $TLT_VLLM_PYTHON, else the checkout's .venv-vllm (`make setup-vllm`), as tests/vllm/test_backend.py.
-VLLM_PYTHON = Path(os.environ.get("TLT_VLLM_PYTHON") or Path(__file__).resolve().parents[2] / ".venv-vllm/bin/python")
+VLLM_PYTHON = Path(
+    os.environ.get("TLT_VLLM_PYTHON") or Path(__file__).resolve().parents[2] / ".venv-vllm/bin/python"
+)
 
 
 def _fake_command() -> list[str]:
@@ -38,8 +40,7 @@ def _fake_command() -> list[str]:
 
 def _env() -> dict[str, str]:
     path = os.pathsep.join([SRC, str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
-            "OMP_NUM_THREADS": "1"}
+    return {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _prompts(n: int, seed: int = 0, high: int = 120) -> list[list[int]]:
@@ -62,6 +63,7 @@ def test_alternate_runs_engines_in_turn_on_the_same_groups():
         def call(prompts):
             calls.append((name, [p[0] for p in prompts]))
             return RunTiming([[0]] * len(prompts), 1.0, 0.1)
+
         return call
 
     prompts = [[i] for i in range(5)]
@@ -69,7 +71,9 @@ def test_alternate_runs_engines_in_turn_on_the_same_groups():
     assert calls == [("a", [0, 1]), ("b", [0, 1]), ("a", [2, 3]), ("b", [2, 3]), ("a", [4, 0]), ("b", [4, 0])]
     assert [len(v) for v in runs.values()] == [3, 3]
     calls.clear()
-    warm = warm_up({"a": engine("a")}, prompt_groups(prompts, size=2, repeats=3) + prompt_groups(prompts, 2, 1))
+    warm = warm_up(
+        {"a": engine("a")}, prompt_groups(prompts, size=2, repeats=3) + prompt_groups(prompts, 2, 1)
+    )
     assert calls == [("a", [0, 1]), ("a", [2, 3]), ("a", [4, 0])] and set(warm) == {"a"}  # each group once
 
 
@@ -83,7 +87,10 @@ def test_summarise_medians_ratios_and_agreement():
     assert ratio["decode"] == pytest.approx((4 / 1.5) / (4 / 3.5))
     assert ratio["agreement"]["identical"] == 3 and ratio["agreement"]["responses"] == 6
     assert ratio["agreement"]["mean_common_prefix"] == pytest.approx((1 + 1 / 3) / 2)
-    assert "agreement" not in summarise({"ours": a, "vllm": b}, [("ours", "vllm")], greedy=False)["ratios"]["ours/vllm"]
+    assert (
+        "agreement"
+        not in summarise({"ours": a, "vllm": b}, [("ours", "vllm")], greedy=False)["ratios"]["ours/vllm"]
+    )
 
 
 def test_agreement_of_different_lengths():
@@ -129,15 +136,27 @@ def _serve(lines):
 
 def test_worker_protocol_start_generate_stop():
     prompts = _prompts(2)
-    answers = _serve([
-        {"op": "generate", "prompts": prompts, "max_new_tokens": 4},  # before start: an error, not a crash
-        {"op": "start", "model": "x"},
-        {"op": "start", "model": "x"},  # twice: refused
-        {"op": "generate", "prompts": prompts, "max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
-        {"op": "nonsense"},
-        {"op": "stop"},
-        {"op": "generate", "prompts": prompts, "max_new_tokens": 4},  # after stop: never read
-    ])
+    answers = _serve(
+        [
+            {
+                "op": "generate",
+                "prompts": prompts,
+                "max_new_tokens": 4,
+            },  # before start: an error, not a crash
+            {"op": "start", "model": "x"},
+            {"op": "start", "model": "x"},  # twice: refused
+            {
+                "op": "generate",
+                "prompts": prompts,
+                "max_new_tokens": 6,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+            {"op": "nonsense"},
+            {"op": "stop"},
+            {"op": "generate", "prompts": prompts, "max_new_tokens": 4},  # after stop: never read
+        ]
+    )
     assert len(answers) == 6
     assert answers[0]["ok"] is False and "send a start request first" in answers[0]["error"]
     assert answers[1]["ok"] and answers[1]["startup_s"] >= 0 and answers[1]["torch_threads"] >= 1
@@ -146,8 +165,9 @@ def test_worker_protocol_start_generate_stop():
     assert gen["ok"] and [len(t) for t in gen["tokens"]] == [6, 6] and gen["finish_reasons"] == ["length"] * 2
     assert gen["total_s"] > 0 and len(gen["first_token_s"]) == 2
     assert gen["spec"] == {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
-    ours = RolloutEngine(HFTarget(load_model("tiny-llama", seed=0).model),
-                         RolloutConfig(max_new_tokens=6, temperature=0.0))
+    ours = RolloutEngine(
+        HFTarget(load_model("tiny-llama", seed=0).model), RolloutConfig(max_new_tokens=6, temperature=0.0)
+    )
     with eos_ignored(ours.target):
         assert gen["tokens"] == [r.token_ids.tolist() for r in ours.generate(prompts).rollouts]
     assert answers[4]["ok"] is False and "op must be one of" in answers[4]["error"]
@@ -171,10 +191,34 @@ def test_peer_client_reports_a_failed_start(tmp_path):
 
 # ------------------------------------------------------------------------- the whole comparison, fake vLLM
 def _args(tmp_path, **kw) -> Namespace:
-    args = parse(["peers", "--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "peers.json"),
-                  "--dtype", "float32", "--model", "tiny-llama", "--batch-sizes", "1", "3",
-                  "--max-new-tokens", "8", "--long-tail-requests", "4", "--long-tail-max-new", "12",
-                  "--repeats", "2", "--k", "2", "--worker-command", *_fake_command()])
+    args = parse(
+        [
+            "peers",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--json",
+            str(tmp_path / "peers.json"),
+            "--dtype",
+            "float32",
+            "--model",
+            "tiny-llama",
+            "--batch-sizes",
+            "1",
+            "3",
+            "--max-new-tokens",
+            "8",
+            "--long-tail-requests",
+            "4",
+            "--long-tail-max-new",
+            "12",
+            "--repeats",
+            "2",
+            "--k",
+            "2",
+            "--worker-command",
+            *_fake_command(),
+        ]
+    )
     vars(args).update(kw)
     return args
 
@@ -194,7 +238,12 @@ def test_compare_with_a_fake_worker_writes_json_plot_and_equal_greedy_tokens(tmp
     assert set(data["vllm"]) == {"plain", "speculative"} and data["vllm"]["plain"]["startup_s"] >= 0
     assert data["decode"] == "hf" and data["compile_seconds"] == 0 and data["compile_buckets"] == []
     assert [(b["phase"], b["batch_size"]) for b in data["batches"]] == [
-        ("plain", 1), ("plain", 3), ("sampled", 1), ("speculative", 1), ("speculative", 3)]
+        ("plain", 1),
+        ("plain", 3),
+        ("sampled", 1),
+        ("speculative", 1),
+        ("speculative", 3),
+    ]
     (sampled,) = [b for b in data["batches"] if b["phase"] == "sampled"]
     # T=1: ours and ours-sd against vLLM's plain engine, the tokens fixed (EOS ignored), no agreement counted.
     assert set(sampled["engines"]) == {"ours", "ours-sd", "vllm"}
@@ -211,7 +260,10 @@ def test_compare_with_a_fake_worker_writes_json_plot_and_equal_greedy_tokens(tmp
             assert engine["tokens"] == 8 * b["batch_size"]  # EOS ignored: exactly max_new_tokens each
             assert len(engine["runs_decode_tokens_per_s"]) == 2
     lt = data["long_tail"]
-    assert set(lt["engines"]) == {"ours", "ours-sd", "vllm"} and set(lt["ratios"]) == {"ours/vllm", "ours-sd/vllm"}
+    assert set(lt["engines"]) == {"ours", "ours-sd", "vllm"} and set(lt["ratios"]) == {
+        "ours/vllm",
+        "ours-sd/vllm",
+    }
     assert all(v[2] <= 12 for v in lt["lengths_p50_p90_max"].values())
     assert set(lt["warmup_s"]) == set(lt["engines"]) and lt["compile_seconds_in_timed_runs"] == 0
     assert target.info.eos_token_ids == eos  # restored after the EOS-ignoring workloads
@@ -226,7 +278,14 @@ def test_no_fixed_batches_runs_the_long_tail_alone(tmp_path, monkeypatch):
     loaded.model.save_pretrained(tmp_path / "target")
     target = HFTarget(loaded.model)
     drafter = Drafter(DrafterConfig.from_target(target), target).eval()
-    compare(_args(tmp_path, batch_sizes=[], sampled_batch_sizes=[]), target, drafter, _prompts(4), tmp_path / "target", tmp_path / "unused")
+    compare(
+        _args(tmp_path, batch_sizes=[], sampled_batch_sizes=[]),
+        target,
+        drafter,
+        _prompts(4),
+        tmp_path / "target",
+        tmp_path / "unused",
+    )
     data = json.loads((tmp_path / "peers.json").read_text())
     assert data["batches"] == [] and set(data["vllm"]) == {"plain"}
     assert set(data["long_tail"]["engines"]) == {"ours", "ours-sd", "vllm"}
@@ -244,7 +303,9 @@ def test_compiled_engines_compile_nothing_inside_the_timed_runs(tmp_path, monkey
     drafter = Drafter(DrafterConfig.from_target(target), target).eval().use_compiled_steps(config)
     args = _args(tmp_path, batch_sizes=[3], repeats=3, long_tail_requests=3, long_tail_max_new=20)
     data = compare(args, target, drafter, _prompts(9), tmp_path / "target", tmp_path / "unused-drafter")
-    assert data["decode"] == "compiled" and data["compile_seconds"] > 0 and data["drafter_compile_seconds"] > 0
+    assert (
+        data["decode"] == "compiled" and data["compile_seconds"] > 0 and data["drafter_compile_seconds"] > 0
+    )
     for b in data["batches"]:
         assert b["compile_seconds_in_timed_runs"] == 0, b["phase"]
         assert set(b["warmup_s"]) == set(b["engines"])
@@ -253,12 +314,17 @@ def test_compiled_engines_compile_nothing_inside_the_timed_runs(tmp_path, monkey
 
 def test_cli_lists_peers():
     args = parse(["peers", "--batch-sizes", "1", "--long-tail-requests", "0"])
-    assert args.name == "peers" and args.vllm_python == ".venv-vllm/bin/python" and args.long_tail_requests == 0
+    assert (
+        args.name == "peers" and args.vllm_python == ".venv-vllm/bin/python" and args.long_tail_requests == 0
+    )
 
 
 # -------------------------------------------------------------------------------------------- real vLLM
 @pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON} (make setup-vllm, or set TLT_VLLM_PYTHON)")
+@pytest.mark.skipif(
+    not VLLM_PYTHON.exists(),
+    reason=f"no vLLM environment at {VLLM_PYTHON} (make setup-vllm, or set TLT_VLLM_PYTHON)",
+)
 def test_real_vllm_worker_greedy_equals_ours(tmp_path):
     from tlt_lightning.recipes.vllm_stages import greedy_agreement
 
@@ -269,13 +335,23 @@ def test_real_vllm_worker_greedy_equals_ours(tmp_path):
     config = RolloutConfig(max_new_tokens=16, temperature=0.0)
     env = {**_env(), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     with PeerClient([str(VLLM_PYTHON), "-m", "benchmarks.peers_worker"], env, log=tmp_path / "w.log") as c:
-        info = c.start({"model": str(tmp_path / "target"), "dtype": "float32", "gpu_memory_utilization": 0.1,
-                        "max_model_len": 512, "enforce_eager": True})
+        info = c.start(
+            {
+                "model": str(tmp_path / "target"),
+                "dtype": "float32",
+                "gpu_memory_utilization": 0.1,
+                "max_model_len": 512,
+                "enforce_eager": True,
+            }
+        )
         assert info["vllm"] != "none" and info["device"] == "cpu" and info["startup_s"] > 0
         got = c.engine(16, 0.0, ignore_eos=True)(prompts)
     assert [len(t) for t in got.tokens] == [16, 16] and got.first_s <= got.total_s
     with eos_ignored(target):
         ref = RolloutEngine(target, config).generate(prompts).rollouts
-    other = [type("R", (), {"prompt_ids": r.prompt_ids, "token_ids": torch.tensor(t)}) for r, t in zip(ref, got.tokens)]
+    other = [
+        type("R", (), {"prompt_ids": r.prompt_ids, "token_ids": torch.tensor(t)})
+        for r, t in zip(ref, got.tokens)
+    ]
     verdict = greedy_agreement(ref, other, loaded.model, tie_tolerance=0.05)
     assert verdict["ok"], verdict

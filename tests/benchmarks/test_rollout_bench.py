@@ -22,8 +22,25 @@ def test_length_summary_idle_fraction():
 @pytest.mark.slow
 def test_bench_rollout_cli_writes_json_and_plot(tmp_path):
     path = tmp_path / "rollout.json"
-    main(["--threads", "1", "rollout", "--batch-sizes", "2", "--max-new-tokens", "8",
-          "--long-tail-requests", "4", "--long-tail-max-new", "16", "--repeats", "1", "--json", str(path)])
+    main(
+        [
+            "--threads",
+            "1",
+            "rollout",
+            "--batch-sizes",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--long-tail-requests",
+            "4",
+            "--long-tail-max-new",
+            "16",
+            "--repeats",
+            "1",
+            "--json",
+            str(path),
+        ]
+    )
     data = json.loads(path.read_text())
     batch = data["batches"][0]
     assert batch["batch_size"] == 2 and batch["identical_outputs"] == 2  # greedy: same tokens as HF
@@ -38,8 +55,25 @@ def test_bench_rollout_cli_writes_json_and_plot(tmp_path):
 @pytest.mark.slow
 def test_bench_rollout_compiled_decode_reports_compile_time_apart(tmp_path, fresh_compile):
     path = tmp_path / "rollout.json"
-    main(["--threads", "1", "rollout", "--decode", "compiled", "--batch-sizes", "1", "--max-new-tokens", "8",
-          "--long-tail-requests", "0", "--repeats", "1", "--json", str(path)])
+    main(
+        [
+            "--threads",
+            "1",
+            "rollout",
+            "--decode",
+            "compiled",
+            "--batch-sizes",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--long-tail-requests",
+            "0",
+            "--repeats",
+            "1",
+            "--json",
+            str(path),
+        ]
+    )
     data = json.loads(path.read_text())
     batch = data["batches"][0]
     assert data["decode"] == "compiled" and batch["identical_outputs"] == 1  # fp32 greedy: HF's tokens
@@ -52,8 +86,14 @@ def test_compile_report_lists_buckets_and_their_seconds():
     target = SimpleNamespace(compile_times={Bucket(1, 1, 256, ()): 2.0, Bucket(8, 4, 512, (30,)): 3.5})
     report = compile_report(target)
     assert report["compile_seconds"] == 5.5
-    assert report["compile_buckets"][1] == {"batch": 8, "queries": 4, "kv_len": 512, "feature_layers": [30],
-                                            "all_slots": False, "seconds": 3.5}
+    assert report["compile_buckets"][1] == {
+        "batch": 8,
+        "queries": 4,
+        "kv_len": 512,
+        "feature_layers": [30],
+        "all_slots": False,
+        "seconds": 3.5,
+    }
     assert compile_report(object()) == {"compile_seconds": 0, "compile_buckets": []}
 
 
@@ -77,8 +117,11 @@ def test_full_batch_step_time_compares_steps_with_every_request_active():
 
     from benchmarks.speculative import full_batch_step_time
 
-    stats = SimpleNamespace(step_times=[0.5, 0.1, 0.3, 0.2, 0.9], step_batch_sizes=[4, 4, 4, 4, 3],
-                            step_speculative=[False, True, True, True, True])
+    stats = SimpleNamespace(
+        step_times=[0.5, 0.1, 0.3, 0.2, 0.9],
+        step_batch_sizes=[4, 4, 4, 4, 3],
+        step_speculative=[False, True, True, True, True],
+    )
     assert full_batch_step_time(stats, 4, True) == pytest.approx(0.2)  # not the prefill-like 0.5, not batch 3
     assert full_batch_step_time(stats, 4, False) == 0.5
     assert math.isnan(full_batch_step_time(stats, 8, True))
@@ -98,7 +141,7 @@ def test_hf_peer_samples_and_decodes_greedily(monkeypatch, temperature):
 
     def timed(fn):
         out = real(fn)
-        outputs.append(out[0][0, len(prompt):].tolist())
+        outputs.append(out[0][0, len(prompt) :].tolist())
         return out
 
     monkeypatch.setattr(bench, "timed", timed)
@@ -122,18 +165,36 @@ def test_speculative_plot_has_a_panel_per_workload_kind(monkeypatch, tmp_path, w
     from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
 
     target = HFTarget(load_model("tiny-llama", seed=0).model.eval())
-    loop = SpeculativeRolloutLoop(target, Drafter(DrafterConfig.from_target(target), target),
-                                  RolloutConfig(max_new_tokens=6, temperature=1.0), threshold=4)
+    loop = SpeculativeRolloutLoop(
+        target,
+        Drafter(DrafterConfig.from_target(target), target),
+        RolloutConfig(max_new_tokens=6, temperature=1.0),
+        threshold=4,
+    )
     long_tail = loop.generate([[5, 6, 7], [8, 9]], generator=torch.Generator().manual_seed(0))
-    batches = [{"requests": 1, "strategy": "chain4", "plain_tokens_per_s": 10.0, "sd_tokens_per_s": 15.0,
-                "speedup_tokens_per_s": 1.5, "mean_accept_length": 2.0}] if with_batches else []
+    batches = (
+        [
+            {
+                "requests": 1,
+                "strategy": "chain4",
+                "plain_tokens_per_s": 10.0,
+                "sd_tokens_per_s": 15.0,
+                "speedup_tokens_per_s": 1.5,
+                "mean_accept_length": 2.0,
+            }
+        ]
+        if with_batches
+        else []
+    )
     figures = []
     monkeypatch.setattr(bench, "save_figure", lambda fig, path: figures.append(fig) or path)
     results = {"batches": batches, "strategies": ["chain4"], "temperature": 1.0}
     bench.plot(results, long_tail, tmp_path / "p.png")
     titles = [ax.get_title() for ax in figures[0].axes]
-    assert titles == ["Throughput, T=1"] * with_batches + ["Long tail: accept-length histogram",
-                                                           "Long tail: batch over time (SD run)"]
+    assert titles == ["Throughput, T=1"] * with_batches + [
+        "Long tail: accept-length histogram",
+        "Long tail: batch over time (SD run)",
+    ]
     with pytest.raises(ValueError, match="nothing to plot"):
         bench.plot({**results, "batches": []}, None, tmp_path / "q.png")
 
@@ -141,17 +202,39 @@ def test_speculative_plot_has_a_panel_per_workload_kind(monkeypatch, tmp_path, w
 def test_speculative_plot_of_several_temperatures_draws_speedup_against_temperature(monkeypatch, tmp_path):
     from benchmarks import speculative as bench
 
-    batches = [{"temperature": t, "requests": n, "strategy": arm, "speedup_tokens_per_s": s, "mean_accept_length": 2.0}
-               for t, s in ((1.0, 1.5), (0.0, 2.5)) for n in (1, 4) for arm in ("chain3", "chain6")]
+    batches = [
+        {
+            "temperature": t,
+            "requests": n,
+            "strategy": arm,
+            "speedup_tokens_per_s": s,
+            "mean_accept_length": 2.0,
+        }
+        for t, s in ((1.0, 1.5), (0.0, 2.5))
+        for n in (1, 4)
+        for arm in ("chain3", "chain6")
+    ]
     figures = []
     monkeypatch.setattr(bench, "save_figure", lambda fig, path: figures.append(fig) or path)
-    bench.plot({"batches": batches, "strategies": ["chain3", "chain6"], "temperature": 1.0,
-                "temperatures": [1.0, 0.0]}, None, tmp_path / "p.png")
+    bench.plot(
+        {
+            "batches": batches,
+            "strategies": ["chain3", "chain6"],
+            "temperature": 1.0,
+            "temperatures": [1.0, 0.0],
+        },
+        None,
+        tmp_path / "p.png",
+    )
     [ax] = figures[0].axes
     assert ax.get_title().startswith("Speedup against temperature")
     lines = [line for line in ax.get_lines() if not line.get_label().startswith("_")]  # not the y = 1 rule
-    assert [line.get_label() for line in lines] == ["chain3, batch 1", "chain3, batch 4", "chain6, batch 1",
-                                                    "chain6, batch 4"]
+    assert [line.get_label() for line in lines] == [
+        "chain3, batch 1",
+        "chain3, batch 4",
+        "chain6, batch 1",
+        "chain6, batch 4",
+    ]
     assert all(list(line.get_ydata()) == [1.5, 2.5] for line in lines)
 
 
@@ -168,12 +251,17 @@ def test_speculative_compare_warms_up_on_every_group_it_times():
     target = HFTarget(load_model("tiny-llama", seed=0).model)
     drafter = Drafter(DrafterConfig.from_target(target), target).eval()
     cfg = RolloutConfig(max_new_tokens=4, temperature=1.0)
-    plain, spec = RolloutEngine(target, cfg), SpeculativeRolloutLoop(target, drafter, cfg, DraftSpec(2), threshold=3)
+    plain, spec = (
+        RolloutEngine(target, cfg),
+        SpeculativeRolloutLoop(target, drafter, cfg, DraftSpec(2), threshold=3),
+    )
     calls = []
     for name, loop in (("plain", plain), ("sd", spec)):
         generate = loop.generate
         loop.generate = lambda group, generator, name=name, generate=generate: (
-            calls.append((name, group[0][0], generator.initial_seed())) or generate(group, generator=generator))
+            calls.append((name, group[0][0], generator.initial_seed()))
+            or generate(group, generator=generator)
+        )
     prompts = [[i + 3, 7, 8] for i in range(3)]
     [out] = _compare(plain, {"chain2": spec}, prompts, size=2, repeats=2, seed=10, warm_up=True)
     runs = [("plain", 3, 10), ("sd", 3, 10), ("plain", 5, 11), ("sd", 5, 11)]

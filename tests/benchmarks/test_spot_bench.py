@@ -11,10 +11,41 @@ def test_spot_bench_on_the_real_model(tmp_path):
     """Every part on SmolLM2 with tiny settings: packing fills rows, latencies are measured, the two
     DDP fits both ran, the spot-trained one trained in the tail and drew its timeline."""
     path = tmp_path / "spot.json"
-    main(["--threads", "1", "spot", "--task", "chain_sum", "--packing-rollouts", "6",
-          "--packing-budget", "64", "--packing-repeats", "1", "--windows", "4", "--checkpoint-repeats", "1", "--steps", "2",
-          "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "12", "--threshold", "4",
-          "--depth", "2", "--out", str(tmp_path / "runs"), "--json", str(path)])
+    main(
+        [
+            "--threads",
+            "1",
+            "spot",
+            "--task",
+            "chain_sum",
+            "--packing-rollouts",
+            "6",
+            "--packing-budget",
+            "64",
+            "--packing-repeats",
+            "1",
+            "--windows",
+            "4",
+            "--checkpoint-repeats",
+            "1",
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--threshold",
+            "4",
+            "--depth",
+            "2",
+            "--out",
+            str(tmp_path / "runs"),
+            "--json",
+            str(path),
+        ]
+    )
     data = json.loads(path.read_text())
     packing = data["packing"]
     assert packing["settings"]["num_rollouts"] == 6 and packing["settings"]["vocab_size"] == 49152
@@ -32,7 +63,8 @@ def test_spot_bench_on_the_real_model(tmp_path):
     assert 0 <= spot["idle_fraction_recovered"] <= 1
     assert len(spot["tail_steps_per_rank"]) == 2
     assert ddp["overhead"]["per_step"] == pytest.approx(
-        ddp["spot"]["median"]["wall_s"] / ddp["frozen"]["median"]["wall_s"] - 1)
+        ddp["spot"]["median"]["wall_s"] / ddp["frozen"]["median"]["wall_s"] - 1
+    )
     assert torch.tensor(spot["preemption_latency_s"]).ge(0).all()
     assert path.with_suffix(".png").stat().st_size > 10_000
 

@@ -14,19 +14,52 @@ def test_bench_strategies_runs_every_arm_and_the_bandit(tmp_path):
     drafter = tmp_path / "drafter"
     save_drafter(Drafter(DrafterConfig.from_target(target, draft_vocab_size=512), target), drafter)
     path = tmp_path / "strategies.json"
-    main(["--threads", "1", "strategies", "--drafter", str(drafter), "--requests", "3",
-          "--groups", "2", "--max-new-tokens", "6", "--threshold", "4", "--warm-rollouts", "1",
-          "--json", str(path), "--bandits", "batch/1,2,5,21", "request/1,2,3"])
+    main(
+        [
+            "--threads",
+            "1",
+            "strategies",
+            "--drafter",
+            str(drafter),
+            "--requests",
+            "3",
+            "--groups",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--threshold",
+            "4",
+            "--warm-rollouts",
+            "1",
+            "--json",
+            str(path),
+            "--bandits",
+            "batch/1,2,5,21",
+            "request/1,2,3",
+        ]
+    )
     data = json.loads(path.read_text())
     runs = data["runs"]
-    assert set(runs) == {"off", "off (again)", "chain2", "chain4", "chain6", "tree4x2/8", "tree5x4/16",
-                         "BEG-MAB batch/1,2,5,21", "BEG-MAB request/1,2,3"}
+    assert set(runs) == {
+        "off",
+        "off (again)",
+        "chain2",
+        "chain4",
+        "chain6",
+        "tree4x2/8",
+        "tree5x4/16",
+        "BEG-MAB batch/1,2,5,21",
+        "BEG-MAB request/1,2,3",
+    }
     assert runs["off"]["sd_steps"] == 0 and runs["chain4"]["sd_steps"] == runs["chain4"]["steps"]
     # Random drafter, yet every fixed run emits 2 groups x 3 requests x 6 tokens. The bandit's runs
     # depend on timing (its rewards are measured), so they sample other tokens and may end early.
     bandit_runs = {"BEG-MAB batch/1,2,5,21", "BEG-MAB request/1,2,3"}
-    assert all(r["tokens"] == 36 and [g["tokens"] for g in r["groups"]] == [18, 18]
-               for name, r in runs.items() if name not in bandit_runs)
+    assert all(
+        r["tokens"] == 36 and [g["tokens"] for g in r["groups"]] == [18, 18]
+        for name, r in runs.items()
+        if name not in bandit_runs
+    )
     assert all(0 < runs[name]["tokens"] <= 36 for name in bandit_runs)
     assert all(r["cpu_ms_per_token"] > 0 and r["std_ms_per_token"] > 0 for r in runs.values())
     off_mix = {b: tok for b, (_, tok) in runs["off"]["by_batch_size"].items()}

@@ -80,7 +80,10 @@ def test_two_trl_grpo_steps_on_smollm2(tmp_path):
     # and AdamW moves the policy; a group with equal rewards has none.
     assert any(s["frac_reward_zero_std"] < 1.0 for s in steps)
     assert out["weights_changed"] is True
-    assert out["config"]["per_device_train_batch_size"] == 2 and out["config"]["gradient_accumulation_steps"] == 2
+    assert (
+        out["config"]["per_device_train_batch_size"] == 2
+        and out["config"]["gradient_accumulation_steps"] == 2
+    )
     # Nothing is saved: no checkpoints.
     assert not list((tmp_path / "trl").glob("checkpoint-*"))
 

@@ -21,6 +21,7 @@ def _in_tmp_path(tmp_path, monkeypatch):
     """Trainers default to the working directory for their outputs (plots, drafter checkpoints)."""
     monkeypatch.chdir(tmp_path)
 
+
 def test_both_callbacks_fit_two_steps(tmp_path):
     bandit, spot = BanditCallback(), SpotDrafterCallback()
     module = make_module(max_new_tokens=12)
@@ -45,8 +46,10 @@ def test_both_callbacks_fit_two_steps(tmp_path):
     assert bandit.run_dir == spot.run_dir == tmp_path / "version_0"
     assert (bandit.run_dir / "bandit" / "heatmap.png").stat().st_size > 0
     best = json.loads((bandit.run_dir / "bandit" / "best_arms.json").read_text())["best_arms"]
-    assert best == {label: {"arm": arm_key(arm), "index": strategy.arms[0].index(arm)}
-                    for label, arm in strategy.best_arms().items()}
+    assert best == {
+        label: {"arm": arm_key(arm), "index": strategy.arms[0].index(arm)}
+        for label, arm in strategy.best_arms().items()
+    }
 
 
 def test_strategy_state_survives_checkpoint_and_resume(tmp_path):
@@ -64,7 +67,8 @@ def test_strategy_state_survives_checkpoint_and_resume(tmp_path):
             at_load.update(resumed.strategy.state_dict())
 
     make_trainer(2, callbacks=[resumed, AtStart()]).fit(
-        make_module(drafter_kind="eagle1"), ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
+        make_module(drafter_kind="eagle1"), ckpt_path=tmp_path / "epoch=0-step=1.ckpt"
+    )
     assert at_load == saved  # counts, windows, RNG state and history, exactly
     assert resumed.strategy.state_dict()["num_updates"] > saved["num_updates"]  # and it kept learning
 
@@ -107,7 +111,9 @@ def test_reproducible_mode_gives_identical_runs_and_exact_resume(tmp_path):
 
 def test_resuming_a_wall_time_bandit_in_reproducible_mode_is_refused(tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
-    make_trainer(1, callbacks=[BanditCallback(), ckpt], enable_checkpointing=True).fit(make_module(drafter_kind="eagle1"))
+    make_trainer(1, callbacks=[BanditCallback(), ckpt], enable_checkpointing=True).fit(
+        make_module(drafter_kind="eagle1")
+    )
     with pytest.raises(ValueError, match="learned with wall time but this strategy uses modelled cost"):
         reproducible_fit(2, ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
 
@@ -124,8 +130,10 @@ def test_other_strategies_and_no_speculation(tmp_path):
 
 def test_begmab_is_not_a_lightning_strategy():
     assert not isinstance(BEGMABStrategy(), Strategy)
-    assert not any("begmab" in name.lower() or "bandit" in name.lower()
-                   for name in StrategyRegistry.available_strategies())
+    assert not any(
+        "begmab" in name.lower() or "bandit" in name.lower()
+        for name in StrategyRegistry.available_strategies()
+    )
     assert "not** a Lightning ``Strategy``" in BEGMABStrategy.__doc__
 
 
@@ -148,17 +156,30 @@ def test_bad_arguments():
 def test_mlflow_logger_gets_the_plots_and_the_drafter(tmp_path):
     from lightning.pytorch.loggers import MLFlowLogger
 
-    logger = MLFlowLogger(experiment_name="callbacks", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
-                          artifact_location=str(tmp_path / "artifacts"))
+    logger = MLFlowLogger(
+        experiment_name="callbacks",
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        artifact_location=str(tmp_path / "artifacts"),
+    )
     spot, bandit = SpotDrafterCallback({"training": {"max_steps_per_rollout": 1}}), BanditCallback()
-    trainer = make_trainer(1, callbacks=[spot, bandit], logger=logger, default_root_dir=tmp_path / "run",
-                           log_every_n_steps=1)
+    trainer = make_trainer(
+        1, callbacks=[spot, bandit], logger=logger, default_root_dir=tmp_path / "run", log_every_n_steps=1
+    )
     trainer.fit(make_module())
     client, run = logger.experiment, logger.run_id
     # The final drafter checkpoint is a registered model version: a directory that load_drafter reads.
-    listed = {a.path for folder in ("bandit", "drafter", "drafter/timeline", "drafter/model/step-00000001")
-              for a in client.list_artifacts(run, folder)}
-    assert {"bandit/heatmap.png", "bandit/best_arms.json", "drafter/summary.json", "drafter/accept_length.png",
-            "drafter/timeline/fit.png", "drafter/model/step-00000001/model.safetensors",
-            "drafter/model/step-00000001/drafter_config.json"} <= listed
+    listed = {
+        a.path
+        for folder in ("bandit", "drafter", "drafter/timeline", "drafter/model/step-00000001")
+        for a in client.list_artifacts(run, folder)
+    }
+    assert {
+        "bandit/heatmap.png",
+        "bandit/best_arms.json",
+        "drafter/summary.json",
+        "drafter/accept_length.png",
+        "drafter/timeline/fit.png",
+        "drafter/model/step-00000001/model.safetensors",
+        "drafter/model/step-00000001/drafter_config.json",
+    } <= listed
     assert client.get_metric_history(run, "drafter/loss")

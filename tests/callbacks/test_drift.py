@@ -26,8 +26,9 @@ def test_probe_compares_spot_and_frozen_drafters(tmp_path):
     # The spot drafter trained (its final checkpoint) while the frozen copy did not.
     assert probe.run_dir == spot.run_dir == tmp_path / "version_0"
     trained = load_drafter(next((spot.run_dir / "drafter" / "checkpoints").iterdir()), module.rollout_target)
-    assert not all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(),
-                                                     probe._frozen.state_dict().values()))
+    assert not all(
+        torch.equal(a, b) for a, b in zip(trained.state_dict().values(), probe._frozen.state_dict().values())
+    )
     assert {"drift/accept_length_spot", "drift/accept_length_frozen"} <= set(trainer.callback_metrics)
     saved = json.loads((probe.run_dir / "drift" / "drift.json").read_text())
     assert saved["history"] == probe.history and saved["arm"] == "chain2"
@@ -38,7 +39,8 @@ def test_probe_needs_a_spot_callback_and_enough_prompts(tmp_path):
     with pytest.raises(TypeError, match="needs a GRPOModule and a SpotDrafterCallback"):
         make_trainer(1, callbacks=[DrafterDriftProbe()], default_root_dir=tmp_path).fit(make_module())
     with pytest.raises(ValueError, match="num_prompts=9 is more than the 4 prompts"):
-        make_trainer(1, callbacks=[SpotDrafterCallback(), DrafterDriftProbe(num_prompts=9)],
-                     default_root_dir=tmp_path).fit(make_module())
+        make_trainer(
+            1, callbacks=[SpotDrafterCallback(), DrafterDriftProbe(num_prompts=9)], default_root_dir=tmp_path
+        ).fit(make_module())
     with pytest.raises(ValueError, match="every_n_steps must be an int >= 1, got 0"):
         DrafterDriftProbe(every_n_steps=0)

@@ -61,11 +61,11 @@ class Watch(L.Callback, RolloutListener):
         self.tokens.append(sum(r.length for r in outputs["rollout"].rollouts if r.length >= 2))
 
 
-
 @pytest.fixture(autouse=True)
 def _in_tmp_path(tmp_path, monkeypatch):
     """Trainers default to the working directory for their outputs (plots, drafter checkpoints)."""
     monkeypatch.chdir(tmp_path)
+
 
 # ---------------------------------------------------------------------------------- defaults
 
@@ -206,8 +206,9 @@ def test_fp32_drafter_training_with_bf16_rollouts():
 
 def test_two_runs_on_one_root_dir_keep_each_others_drafter_checkpoints(tmp_path):
     """The reported loss: a 2-step run after a 4-step run on one default_root_dir (keep=2 each)."""
-    long_run, short_run = (SpotDrafterCallback(budget(1, checkpoint_interval=1), timeline=False)
-                           for _ in range(2))
+    long_run, short_run = (
+        SpotDrafterCallback(budget(1, checkpoint_interval=1), timeline=False) for _ in range(2)
+    )
     make_trainer(4, callbacks=[long_run], default_root_dir=tmp_path).fit(make_module())
     make_trainer(2, callbacks=[short_run], default_root_dir=tmp_path).fit(make_module())
     assert (long_run.run_dir, short_run.run_dir) == (tmp_path / "version_0", tmp_path / "version_1")
@@ -258,8 +259,9 @@ def test_resume_restores_the_drafter_exactly(tmp_path):
                 after_1.update(spot_state(full))
 
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
-    make_trainer(2, callbacks=[full, Keep(), ckpt], enable_checkpointing=True,
-                 default_root_dir=tmp_path / "full").fit(make_module())
+    make_trainer(
+        2, callbacks=[full, Keep(), ckpt], enable_checkpointing=True, default_root_dir=tmp_path / "full"
+    ).fit(make_module())
 
     # Resumed from step 1: restored exactly at load time, then step 2 gives the same drafter.
     resumed, at_load = SpotDrafterCallback(config), {}
@@ -269,7 +271,8 @@ def test_resume_restores_the_drafter_exactly(tmp_path):
             at_load.update(spot_state(resumed))
 
     make_trainer(2, callbacks=[resumed, AtStart()], default_root_dir=tmp_path / "resumed").fit(
-        make_module(), ckpt_path=tmp_path / "ckpt" / "epoch=0-step=1.ckpt")
+        make_module(), ckpt_path=tmp_path / "ckpt" / "epoch=0-step=1.ckpt"
+    )
     assert_same_state(at_load, after_1)
     assert resumed.spot.publisher.version == full.spot.publisher.version == 2
     assert_same(weights(resumed.spot.drafter), weights(full.spot.drafter))
@@ -285,8 +288,12 @@ def test_load_state_dict_tolerates_missing_keys():
         def on_train_start(self, trainer, pl_module):
             before = weights(callback.spot.drafter)
             callback.load_state_dict({"publisher": {"version": 10}})
-            seen.update(version=callback.spot.publisher.version, steps=callback.spot.steps, before=before,
-                        same=weights(callback.spot.drafter))
+            seen.update(
+                version=callback.spot.publisher.version,
+                steps=callback.spot.steps,
+                before=before,
+                same=weights(callback.spot.drafter),
+            )
 
     make_trainer(1, callbacks=[callback, DuringFit()]).fit(make_module())
     assert seen["version"] == 11 and seen["steps"] == 5  # version restored (and republished), rest kept
@@ -320,12 +327,18 @@ class SaveRank(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         spot = self.callback.spot
-        torch.save({"drafter": weights(spot.drafter), "optimizer": spot.optimizer.state_dict(),
-                    "tail": self.tail, "version": spot.publisher.version,
-                    "latencies": list(spot.coordinator.latencies),
-                    "timeline": [(w, str(st.value), a, b) for w, st, a, b in spot.coordinator.timeline()],
-                    "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
-                   self.directory / f"rank{trainer.global_rank}.pt")
+        torch.save(
+            {
+                "drafter": weights(spot.drafter),
+                "optimizer": spot.optimizer.state_dict(),
+                "tail": self.tail,
+                "version": spot.publisher.version,
+                "latencies": list(spot.coordinator.latencies),
+                "timeline": [(w, str(st.value), a, b) for w, st, a, b in spot.coordinator.timeline()],
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            },
+            self.directory / f"rank{trainer.global_rank}.pt",
+        )
 
 
 @pytest.mark.slow  # 25-45 s here: two spawned processes import torch, lightning and transformers
@@ -336,8 +349,13 @@ def test_ddp_tail_training_ends_identical_on_both_ranks(tmp_path, monkeypatch):
     # straggler does not start a step; with 0 it could run one before it sees that the tail is over.
     callback = SpotDrafterCallback()
     strategy = DDPStrategy(process_group_backend="gloo", start_method="spawn")
-    trainer = make_trainer(2, devices=2, strategy=strategy, default_root_dir=tmp_path,
-                           callbacks=[callback, SaveRank(tmp_path, callback)])
+    trainer = make_trainer(
+        2,
+        devices=2,
+        strategy=strategy,
+        default_root_dir=tmp_path,
+        callbacks=[callback, SaveRank(tmp_path, callback)],
+    )
     trainer.fit(module)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     # The early finisher trained in the other's tail, the straggler did not (and paid nothing) ...
@@ -374,15 +392,24 @@ def test_ddp_tail_training_ends_identical_on_both_ranks(tmp_path, monkeypatch):
         (dict(training=dict(packing_budget=1)), "packing_budget must be an int >= 2, got 1"),
         (dict(checkpoint_interval=0), "checkpoint_interval must be an int >= 1 or None, got 0"),
         (dict(min_idle_s=-1), "min_idle_s must be a finite number >= 0, got -1"),
-        (dict(training=dict(max_steps_per_rollout=-1)),
-         "max_steps_per_rollout must be an int >= 0 or None, got -1"),
-        (dict(training=dict(max_seconds_per_rollout=0)),
-         "max_seconds_per_rollout must be a finite number > 0 or None"),
-        (dict(training=dict(max_steps_per_rollout=None, max_seconds_per_rollout=None)),
-         "max_steps_per_rollout and max_seconds_per_rollout are both None"),
+        (
+            dict(training=dict(max_steps_per_rollout=-1)),
+            "max_steps_per_rollout must be an int >= 0 or None, got -1",
+        ),
+        (
+            dict(training=dict(max_seconds_per_rollout=0)),
+            "max_seconds_per_rollout must be a finite number > 0 or None",
+        ),
+        (
+            dict(training=dict(max_steps_per_rollout=None, max_seconds_per_rollout=None)),
+            "max_steps_per_rollout and max_seconds_per_rollout are both None",
+        ),
         (dict(kind="eagle2"), r"kind must be one of \('eagle1', 'eagle3'\), got 'eagle2'"),
         (dict(draft_vocab_size=0), "draft_vocab_size must be an int >= 1 or None, got 0"),
-        (dict(drafter_path=3), "drafter_path must be a directory path, a models:/ or runs:/ URI, or None, got 3"),
+        (
+            dict(drafter_path=3),
+            "drafter_path must be a directory path, a models:/ or runs:/ URI, or None, got 3",
+        ),
         (dict(recency_decay=0.0), r"recency_decay must be in \(0, 1\], got 0.0"),
         (dict(training=dict(weight_decay=-1)), "weight_decay must be a number >= 0, got -1"),
         (dict(training=dict(max_grad_norm=0)), "max_grad_norm must be a number > 0 or None, got 0"),

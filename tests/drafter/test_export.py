@@ -104,8 +104,10 @@ def test_third_party_vocabulary_layouts_load(tmp_path, llama):
     """Full vocabulary written with identity ``d2t``; a reduced one without ``t2d`` (vLLM needs none)."""
     d, out = export(tmp_path, llama, "eagle3", None)
     weights = load_file(out / "model.safetensors")
-    save_file({**weights, "d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool)},
-              out / "model.safetensors")
+    save_file(
+        {**weights, "d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool)},
+        out / "model.safetensors",
+    )
     assert torch.equal(logits_of(import_drafter(out, llama)), logits_of(d))
     save_file({**weights, "d2t": torch.ones(V, dtype=torch.long)}, out / "model.safetensors")
     with pytest.raises(ValueError, match="d2t is not all zero, but the draft vocabulary is the full one"):
@@ -191,9 +193,14 @@ def test_names_shapes_and_dtypes_follow_the_eagle_format(tmp_path, target, kind,
         files |= {"draft_vocab"}
         side = load_file(out / "draft_vocab" / "draft_vocab.safetensors")
         assert {k: (list(v.shape), v.dtype) for k, v in side.items()} == {
-            "d2t": ([draft_vocab], torch.int64), "t2d": ([V], torch.bool)}
+            "d2t": ([draft_vocab], torch.int64),
+            "t2d": ([V], torch.bool),
+        }
         assert torch.equal(torch.load(out / "draft_vocab" / "hot_token_ids.pt"), d.draft_ids)
-        assert sorted(p.name for p in (out / "draft_vocab").iterdir()) == ["draft_vocab.safetensors", "hot_token_ids.pt"]
+        assert sorted(p.name for p in (out / "draft_vocab").iterdir()) == [
+            "draft_vocab.safetensors",
+            "hot_token_ids.pt",
+        ]
     assert {p.name for p in out.iterdir()} == files
     for path in out.rglob("*"):  # readable by a server's user
         assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path
@@ -227,13 +234,20 @@ def test_config_json_is_what_vllm_and_sglang_read(tmp_path, target, kind, engine
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (HEADS, KV, HEAD_DIM)
     assert config.vocab_size == V and config.hidden_act == "silu" and not config.tie_word_embeddings
     assert config.attention_bias is (target.info.model_type == "qwen2")
-    assert config.rope_parameters["rope_theta"] == raw["rope_theta"] == target.hf_config.rope_parameters["rope_theta"]
+    assert (
+        config.rope_parameters["rope_theta"]
+        == raw["rope_theta"]
+        == target.hf_config.rope_parameters["rope_theta"]
+    )
     assert config.rms_norm_eps == target.hf_config.rms_norm_eps
     if kind == "eagle3":
         assert config.draft_vocab_size == DRAFT_VOCAB and config.norm_before_residual is False
         # vLLM taps the stream entering layer i, SGLang the output of layer i: (1, 2, 3) vs (0, 1, 2).
         assert config.eagle_aux_hidden_state_layer_ids == [1, 2, 3]
-        assert config.eagle_config == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+        assert config.eagle_config == {
+            "use_aux_hidden_state": True,
+            "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+        }
     else:
         assert "draft_vocab_size" not in raw and "eagle_config" not in raw
 
@@ -304,9 +318,12 @@ def test_a_target_architecture_without_eagle_drafters_is_refused(tmp_path, llama
     meta = json.loads((ckpt / CONFIG_NAME).read_text())
     meta["config"]["model_type"] = "gpt2"
     (ckpt / CONFIG_NAME).write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"cannot export a drafter for target architecture 'gpt2': vLLM and SGLang "
-                       r"load EAGLE drafters only for targets of Llama layout; supported target architectures: "
-                       r"\('llama', 'qwen2'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot export a drafter for target architecture 'gpt2': vLLM and SGLang "
+        r"load EAGLE drafters only for targets of Llama layout; supported target architectures: "
+        r"\('llama', 'qwen2'\)",
+    ):
         export_drafter(ckpt, tmp_path / "eagle", llama)
     assert not (tmp_path / "eagle").exists()
 
@@ -322,20 +339,27 @@ def test_configs_the_engines_cannot_run_are_refused(tmp_path, llama):
     final = Drafter(dataclasses.replace(d.config, feature_layers=(1, 2, 4)), llama)
     with pytest.raises(ValueError, match=r"must lie in \[1, 3\]"):
         export_drafter_model(final, tmp_path / "c")
-    with pytest.raises(ValueError, match=r"dtype must be one of \['bfloat16', 'float16', 'float32'\], got 'int8'"):
+    with pytest.raises(
+        ValueError, match=r"dtype must be one of \['bfloat16', 'float16', 'float32'\], got 'int8'"
+    ):
         export_drafter_model(d, tmp_path / "d", dtype="int8")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_sglang_refuses_an_eagle3_drafter_with_attention_biases(tmp_path, qwen2, llama):
     d = trained_drafter(qwen2, "eagle3", None)
-    with pytest.raises(ValueError, match=r"cannot export for SGLang: this eagle3 drafter has attention biases.*"
-                       r"engine='vllm', or use an eagle1 drafter"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot export for SGLang: this eagle3 drafter has attention biases.*"
+        r"engine='vllm', or use an eagle1 drafter",
+    ):
         export_drafter_model(d, tmp_path / "a", engine="sglang")
     with pytest.raises(ValueError, match=r"engine must be one of \['sglang', 'vllm'\], got 'trtllm'"):
         export_drafter_model(trained_drafter(llama, "eagle1", None), tmp_path / "b", engine="trtllm")
     assert list(tmp_path.iterdir()) == []
-    export_drafter_model(trained_drafter(qwen2, "eagle1", None), tmp_path / "c", engine="sglang")  # EAGLE-1 is fine
+    export_drafter_model(
+        trained_drafter(qwen2, "eagle1", None), tmp_path / "c", engine="sglang"
+    )  # EAGLE-1 is fine
 
 
 def test_export_replaces_an_export_but_not_other_directories(tmp_path, llama):
@@ -351,7 +375,9 @@ def test_export_replaces_an_export_but_not_other_directories(tmp_path, llama):
     assert (other / "keep.txt").read_text() == "important"
     # A user's file inside an earlier export is never deleted by re-exporting over it.
     (first / "notes.md").write_text("my benchmark notes")
-    with pytest.raises(ValueError, match=r"also holds files an export does not write: \['notes.md'\].*move them away"):
+    with pytest.raises(
+        ValueError, match=r"also holds files an export does not write: \['notes.md'\].*move them away"
+    ):
         export_drafter_model(trained_drafter(llama, "eagle1", None, seed=2), first)
     assert (first / "notes.md").read_text() == "my benchmark notes"
     assert torch.equal(logits_of(import_drafter(first, llama)), logits_of(second))  # untouched
@@ -365,7 +391,12 @@ def test_an_export_with_the_side_file_at_the_top_level_still_imports(tmp_path, l
     (out / "draft_vocab").rmdir()
     assert torch.equal(logits_of(import_drafter(out, llama)), logits_of(d))
     export_drafter_model(d, out)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "draft_vocab", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "config.json",
+        "draft_vocab",
+        "model.safetensors",
+    ]
 
 
 def test_import_refuses_what_it_cannot_load_exactly(tmp_path, llama, qwen2):
@@ -404,13 +435,20 @@ def test_import_refuses_what_it_cannot_load_exactly(tmp_path, llama, qwen2):
 
 
 def test_cli_export_drafter_writes_a_loadable_export(tmp_path, llama, capsys):
-    d = trained_drafter(llama, "eagle3", DRAFT_VOCAB)  # llama fixture = tiny-llama, seed 0, as the CLI loads it
+    d = trained_drafter(
+        llama, "eagle3", DRAFT_VOCAB
+    )  # llama fixture = tiny-llama, seed 0, as the CLI loads it
     ckpt = save_drafter(d, tmp_path / "ckpt")
     out = tmp_path / "eagle"
     assert cli.main(["--threads", "1", "export-drafter", str(ckpt), str(out), "--model", "tiny-llama"]) == 0
-    assert f"wrote a eagle3 drafter ({DRAFT_VOCAB} of {V} tokens) for tiny-llama to {out}" in capsys.readouterr().out
+    assert (
+        f"wrote a eagle3 drafter ({DRAFT_VOCAB} of {V} tokens) for tiny-llama to {out}"
+        in capsys.readouterr().out
+    )
     assert torch.equal(logits_of(import_drafter(out, llama)), logits_of(load_drafter(ckpt, llama)))
-    assert cli.main(["export-drafter", str(ckpt), str(out), "--model", "tiny-llama", "--dtype", "bfloat16"]) == 0
+    assert (
+        cli.main(["export-drafter", str(ckpt), str(out), "--model", "tiny-llama", "--dtype", "bfloat16"]) == 0
+    )
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     with pytest.raises(SystemExit, match=r"export-drafter: .*drafter_config.json not found"):
         cli.main(["export-drafter", str(tmp_path / "missing"), str(tmp_path / "x"), "--model", "tiny-llama"])
@@ -424,8 +462,11 @@ def test_cli_export_drafter_infers_the_target_and_checks_the_kind(tmp_path, llam
     assert cli.main(["export-drafter", str(ckpt), str(out), "--engine", "sglang"]) == 0  # no --model
     assert f"for tiny-llama to {out}, for sglang" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
-    with pytest.raises(SystemExit, match=r"is an eagle1 drafter and --kind is eagle3: a checkpoint is never converted; "
-                       r"train an eagle3 drafter \(`tlt-lightning drafter warmup --kind eagle3`\)"):
+    with pytest.raises(
+        SystemExit,
+        match=r"is an eagle1 drafter and --kind is eagle3: a checkpoint is never converted; "
+        r"train an eagle3 drafter \(`tlt-lightning drafter warmup --kind eagle3`\)",
+    ):
         cli.main(["export-drafter", str(ckpt), str(tmp_path / "x"), "--kind", "eagle3"])
     (ckpt / "warmup.json").write_text(json.dumps({"model": "tiny-qwen2"}))  # the recorded target wins
     with pytest.raises(SystemExit, match="drafter config does not match the target: model_type is 'llama'"):
@@ -434,6 +475,9 @@ def test_cli_export_drafter_infers_the_target_and_checks_the_kind(tmp_path, llam
     meta = json.loads((ckpt / CONFIG_NAME).read_text())
     meta["config"]["hidden_size"] = 96
     (ckpt / CONFIG_NAME).write_text(json.dumps(meta))
-    with pytest.raises(SystemExit, match=r"cannot tell the target of .*a llama model with hidden size 96, 4 layers and "
-                       r"128 tokens, and no registry model matches; pass --model NAME_OR_HF_DIR"):
+    with pytest.raises(
+        SystemExit,
+        match=r"cannot tell the target of .*a llama model with hidden size 96, 4 layers and "
+        r"128 tokens, and no registry model matches; pass --model NAME_OR_HF_DIR",
+    ):
         cli.main(["export-drafter", str(ckpt), str(tmp_path / "z")])

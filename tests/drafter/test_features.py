@@ -8,7 +8,9 @@ from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_recomputed_features_match_those_recorded_while_sampling(tiny_target, batch_size):
     layers = (1, 3, tiny_target.info.num_layers)
-    engine = RolloutEngine(tiny_target, RolloutConfig(max_new_tokens=12, temperature=1.0, feature_layers=layers))
+    engine = RolloutEngine(
+        tiny_target, RolloutConfig(max_new_tokens=12, temperature=1.0, feature_layers=layers)
+    )
     prompts = [[5, 6, 7], [9], [3, 4, 8, 10, 11], [12, 13]]
     rollouts = engine.generate(prompts, generator=torch.Generator().manual_seed(1)).rollouts
     stripped = [r.__class__(**{**r.__dict__, "features": None}) for r in rollouts]

@@ -135,10 +135,12 @@ def test_corrupted_data_bytes_giving_nan_weights_raise(saved, qwen2):
     # The header and sizes stay valid (safetensors parses the file): only values are damaged.
     data = bytearray((saved / WEIGHTS_NAME).read_bytes())
     size = int.from_bytes(data[:8], "little")
-    entries = json.loads(data[8: 8 + size])
+    entries = json.loads(data[8 : 8 + size])
     key = next(k for k, v in sorted(entries.items()) if k != "__metadata__" and v["dtype"] == "F32")
     start = 8 + size + entries[key]["data_offsets"][0]
-    data[start: start + 16] = b"\xff" * 16  # 0xffffffff is a float32 NaN
+    data[start : start + 16] = b"\xff" * 16  # 0xffffffff is a float32 NaN
     (saved / WEIGHTS_NAME).write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=r"model.safetensors: tensor '.*' has 4 non-finite value\(s\).*corrupt"):
+    with pytest.raises(
+        ValueError, match=r"model.safetensors: tensor '.*' has 4 non-finite value\(s\).*corrupt"
+    ):
         load_drafter(saved, qwen2)

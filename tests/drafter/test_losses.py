@@ -85,10 +85,14 @@ def test_acceptance_rate_is_what_speculative_sampling_accepts():
     target_probs = p.repeat(n, 1)[:, None].expand(-1, 2, -1)  # [n * B, K + 1 = 2, V]
     result = verify_chain(target_probs, qs[:, None], drafts[:, None], g)
     empirical = result.num_accepted.float().view(n, B).mean(0)  # [B]
-    expected = torch.stack([acceptance_rate(draft_logits[i : i + 1], target_logits[i : i + 1]) for i in range(B)])
+    expected = torch.stack(
+        [acceptance_rate(draft_logits[i : i + 1], target_logits[i : i + 1]) for i in range(B)]
+    )
     # Binomial standard error <= 0.5 / sqrt(n) = 0.0035: allow 5 of them.
     torch.testing.assert_close(empirical, expected, atol=0.018, rtol=0)
-    assert acceptance_rate(draft_logits, target_logits).item() == pytest.approx(float(expected.mean()), rel=1e-6)
+    assert acceptance_rate(draft_logits, target_logits).item() == pytest.approx(
+        float(expected.mean()), rel=1e-6
+    )
 
 
 def test_with_the_vocab_mass_acceptance_is_what_sampling_accepts_from_a_reduced_vocabulary():
@@ -106,14 +110,21 @@ def test_with_the_vocab_mass_acceptance_is_what_sampling_accepts_from_a_reduced_
     qs = q.repeat(n, 1)
     drafts = sample(qs, g)
     target_probs = target_logits.softmax(-1).repeat(n, 1)[:, None].expand(-1, 2, -1)
-    empirical = verify_chain(target_probs, qs[:, None], drafts[:, None], g).num_accepted.float().view(n, B).mean(0)
-    expected = torch.stack([
-        acceptance_rate(draft_logits[i : i + 1], target_logits[i : i + 1], t2d=t2d, vocab_mass=mass[i : i + 1])
-        for i in range(B)
-    ])
+    empirical = (
+        verify_chain(target_probs, qs[:, None], drafts[:, None], g).num_accepted.float().view(n, B).mean(0)
+    )
+    expected = torch.stack(
+        [
+            acceptance_rate(
+                draft_logits[i : i + 1], target_logits[i : i + 1], t2d=t2d, vocab_mass=mass[i : i + 1]
+            )
+            for i in range(B)
+        ]
+    )
     torch.testing.assert_close(empirical, expected, atol=0.018, rtol=0)
-    renormalised = torch.stack([acceptance_rate(draft_logits[i : i + 1], target_logits[i : i + 1], t2d=t2d)
-                                for i in range(B)])
+    renormalised = torch.stack(
+        [acceptance_rate(draft_logits[i : i + 1], target_logits[i : i + 1], t2d=t2d) for i in range(B)]
+    )
     assert bool((expected < renormalised - 0.02).all())
     assert draft_vocab_mass(target_logits, None).tolist() == [1.0] * B
 

@@ -148,7 +148,9 @@ def test_mismatched_target_raises_at_construction(llama, qwen2):
         ValueError, match=r"feature_layers must lie in \[0, num_target_layers=4\], got \(1, 2, 7\)"
     ):
         Drafter(dataclasses.replace(cfg, kind="eagle3", feature_layers=(1, 2, 7)), llama)
-    with pytest.raises(TypeError, match=r"supported adapters: HFTarget and TorchtuneTarget \(torchtune extra\), got Fake"):
+    with pytest.raises(
+        TypeError, match=r"supported adapters: HFTarget and TorchtuneTarget \(torchtune extra\), got Fake"
+    ):
         Drafter(cfg, type("Fake", (), {"info": llama.info})())  # type: ignore[arg-type]
 
 

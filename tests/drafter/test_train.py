@@ -178,8 +178,15 @@ def test_warmup_learns_the_target(llama, qwen2, name, kind, unroll, pack):
     batches = make_batches(rollouts, d.config, 8, shuffle=False)
     initial = evaluate_drafter(d, target, batches, loss_cfg)
     history = warmup_drafter(
-        d, target, rollouts, steps=100, lr=3e-3, batch_size=8 if pack is None else 4, progress=False,
-        loss_cfg=loss_cfg, pack_budget=pack,
+        d,
+        target,
+        rollouts,
+        steps=100,
+        lr=3e-3,
+        batch_size=8 if pack is None else 4,
+        progress=False,
+        loss_cfg=loss_cfg,
+        pack_budget=pack,
     )
     final = evaluate_drafter(d, target, batches, loss_cfg)
     assert len(history) == 100 and history[-1]["loss"] < history[0]["loss"]
@@ -194,8 +201,14 @@ def test_on_step_sees_every_step_and_the_drafter_as_trained_so_far(llama):
     d = make_drafter(llama)
     rollouts = generate_rollouts(llama, d.config, prompts=4, tokens=8)
     seen = []
-    history = warmup_drafter(d, llama, rollouts, steps=4, progress=False,
-                             on_step=lambda step, metrics: seen.append((step, metrics, d.fc.weight.clone())))
+    history = warmup_drafter(
+        d,
+        llama,
+        rollouts,
+        steps=4,
+        progress=False,
+        on_step=lambda step, metrics: seen.append((step, metrics, d.fc.weight.clone())),
+    )
     assert [step for step, _, _ in seen] == [1, 2, 3, 4] and [m for _, m, _ in seen] == history
     assert not torch.equal(seen[0][2], seen[1][2]) and torch.equal(seen[-1][2], d.fc.weight)
 
@@ -214,7 +227,9 @@ def test_bf16_autocast_trains_the_fp32_drafter(llama, monkeypatch):
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(train_module, "drafter_train_step", step)
-    history = warmup_drafter(d, llama, rollouts, steps=100, lr=3e-3, progress=False, autocast_dtype=torch.bfloat16)
+    history = warmup_drafter(
+        d, llama, rollouts, steps=100, lr=3e-3, progress=False, autocast_dtype=torch.bfloat16
+    )
     final = evaluate_drafter(d, llama, batches)
     assert autocast == [torch.bfloat16] * 100 and not torch.is_autocast_enabled("cpu")
     assert all(p.dtype == torch.float32 for p in d.parameters())
@@ -242,8 +257,9 @@ def test_lr_warmup_scales_the_first_steps(llama):
         torch.manual_seed(0)
         d = make_drafter(llama)
         before = [p.detach().clone() for p in d.parameters() if p.requires_grad]
-        warmup_drafter(d, llama, rollouts, steps=1, lr=1e-3, progress=False, lr_warmup=lr_warmup,
-                       max_grad_norm=None)
+        warmup_drafter(
+            d, llama, rollouts, steps=1, lr=1e-3, progress=False, lr_warmup=lr_warmup, max_grad_norm=None
+        )
         after = [p for p in d.parameters() if p.requires_grad]
         return max(float((a - b).abs().max()) for a, b in zip(after, before))
 
@@ -272,7 +288,11 @@ def test_warmup_stops_early_on_keyboard_interrupt(monkeypatch, llama):
 
     drafter = Drafter(DrafterConfig.from_target(llama), llama)
     config = RolloutConfig(max_new_tokens=8, feature_layers=drafter.config.rollout_feature_layers)
-    rollouts = RolloutEngine(llama, config).generate([[5, 6, 7]] * 4, generator=torch.Generator().manual_seed(0)).rollouts
+    rollouts = (
+        RolloutEngine(llama, config)
+        .generate([[5, 6, 7]] * 4, generator=torch.Generator().manual_seed(0))
+        .rollouts
+    )
     real_step, calls = train_module.drafter_train_step, []
 
     def step(*args, **kwargs):

@@ -25,9 +25,17 @@ def collate(examples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 
 def tiny_lm(hidden: int = 32, layers: int = 2, seed: int = 0, vocab: int = VOCAB) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -45,5 +53,3 @@ def toy_dataset(n: int = 40, seed: int = 0) -> list[dict[str, torch.Tensor]]:
         labels[-3:] = ids[-3:]
         out.append({"input_ids": ids, "labels": labels})
     return out
-
-

@@ -60,7 +60,9 @@ def test_checkpointing_changes_no_gradient(llama, patterns):
 
 def test_checkpointing_replays_dropout():
     torch.manual_seed(0)
-    blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.3), nn.GELU()) for _ in range(3)).train()
+    blocks = nn.ModuleList(
+        nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.3), nn.GELU()) for _ in range(3)
+    ).train()
     x = torch.randn(8, 16)
 
     def forward():
@@ -135,14 +137,21 @@ def _random_profile(rng: random.Random, n: int, transients: int) -> ActivationCh
         out = rng.randint(0, 4)
         held = out + rng.randint(0, 12)
         blocks.append(
-            BlockCost(held, out, held + rng.randint(0, 5), rng.choice([0.5, 1.0, 1.5, 2.0, 3.0]),
-                      tuple(j for j in range(transients) if rng.random() < 0.4))
+            BlockCost(
+                held,
+                out,
+                held + rng.randint(0, 5),
+                rng.choice([0.5, 1.0, 1.5, 2.0, 3.0]),
+                tuple(j for j in range(transients) if rng.random() < 0.4),
+            )
         )
     gaps = []
     for _ in range(n + 1):
         delta = rng.randint(-3, 4)
         gaps.append(Gap(delta, max(delta, 0) + rng.randint(0, 3)))
-    return ActivationCheckpointProfile(tuple(blocks), tuple(gaps), tuple(rng.randint(1, 3) for _ in range(transients)))
+    return ActivationCheckpointProfile(
+        tuple(blocks), tuple(gaps), tuple(rng.randint(1, 3) for _ in range(transients))
+    )
 
 
 def _brute_force(profile: ActivationCheckpointProfile, budget: int) -> float:
@@ -172,7 +181,12 @@ def test_dp_matches_brute_force(seed):
 
 def test_dp_beats_static_on_a_hand_made_instance():
     # Block 1 is cheap to recompute and big; static (0, 2) pays for two expensive blocks.
-    blocks = (BlockCost(10, 1, 10, 2.0), BlockCost(30, 1, 30, 0.5), BlockCost(10, 1, 10, 2.0), BlockCost(10, 1, 10, 2.0))
+    blocks = (
+        BlockCost(10, 1, 10, 2.0),
+        BlockCost(30, 1, 30, 0.5),
+        BlockCost(10, 1, 10, 2.0),
+        BlockCost(10, 1, 10, 2.0),
+    )
     profile = ActivationCheckpointProfile(blocks, (Gap(0, 0),) * 5)
     static = plan_static(profile)
     assert static.checkpointed == (True, False, True, False) and static.peak_bytes == 42
@@ -191,13 +205,17 @@ def test_shared_transient_input_is_paid_once():
 # ------------------------------------------------------------------------------- errors
 def test_budget_below_minimum_names_memory_budget_and_minimum():
     profile = ActivationCheckpointProfile((BlockCost(10, 2, 12, 1.0),) * 3, (Gap(0, 0),) * 4)
-    with pytest.raises(ValueError, match=r"memory_budget=10 bytes is below the minimum possible peak 16 bytes"):
+    with pytest.raises(
+        ValueError, match=r"memory_budget=10 bytes is below the minimum possible peak 16 bytes"
+    ):
         plan_optimal(profile, 10)
     with pytest.raises(ValueError, match="memory_budget"):
         plan_greedy(profile, 10)
     with pytest.raises(ValueError, match="memory_budget must be a positive int"):
         plan_optimal(profile, 0)
-    with pytest.raises(ValueError, match=r"budget_fraction=0.1 gives memory_budget=3 bytes, below the minimum"):
+    with pytest.raises(
+        ValueError, match=r"budget_fraction=0.1 gives memory_budget=3 bytes, below the minimum"
+    ):
         DynamicActivationCheckpointing(budget_fraction=0.1).plan(profile)
 
 
@@ -266,6 +284,10 @@ def test_find_blocks():
     with pytest.raises(ValueError, match=r"patterns \['model.nothing.\*'\] match no module"):
         find_blocks(model, ["model.layers.*", "model.nothing.*"])
     with pytest.raises(ValueError, match="patterns=None is ambiguous"):
-        find_blocks(nn.ModuleDict({"a": nn.ModuleList([nn.Linear(1, 1)] * 2), "b": nn.ModuleList([nn.Linear(1, 1)] * 2)}))
+        find_blocks(
+            nn.ModuleDict(
+                {"a": nn.ModuleList([nn.Linear(1, 1)] * 2), "b": nn.ModuleList([nn.Linear(1, 1)] * 2)}
+            )
+        )
     with pytest.raises(ValueError, match="patterns=None needs an nn.ModuleList"):
         find_blocks(nn.Linear(2, 2))

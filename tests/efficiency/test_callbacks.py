@@ -32,8 +32,13 @@ class TinyLM(L.LightningModule):
 def _fit(module: L.LightningModule, callback: L.Callback, steps: int = 3) -> L.Trainer:
     data = torch.randint(3, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
     return trainer
@@ -60,7 +65,9 @@ def test_dynamic_checkpointing_callback_profiles_applies_and_removes():
 
 def test_dynamic_checkpointing_callback_budget_holds():
     module = TinyLM()
-    callback = ActivationCheckpointingCallback(budget_fraction=0.5, repeats=1)  # blocks: the longest ModuleList
+    callback = ActivationCheckpointingCallback(
+        budget_fraction=0.5, repeats=1
+    )  # blocks: the longest ModuleList
     _fit(module, callback, steps=1)
     from tlt_lightning.efficiency.activation_checkpointing import apply_activation_checkpointing
 

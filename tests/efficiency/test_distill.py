@@ -65,8 +65,12 @@ def test_normalized_hidden_state_loss_ignores_scale_by_hand():
     # layer_norm over features: [1, 3] and [0, 8] both become [-1, 1]; [4, 0] becomes [1, -1].
     s = torch.tensor([[[1.0, 3.0]]])
     assert float(hidden_state_loss(s, torch.tensor([[[0.0, 8.0]]]), "mse")) == pytest.approx(13.0)
-    assert float(hidden_state_loss(s, torch.tensor([[[0.0, 8.0]]]), "mse", normalize=True)) == pytest.approx(0.0, abs=1e-4)
-    assert float(hidden_state_loss(s, torch.tensor([[[4.0, 0.0]]]), "mse", normalize=True)) == pytest.approx(4.0, rel=1e-4)
+    assert float(hidden_state_loss(s, torch.tensor([[[0.0, 8.0]]]), "mse", normalize=True)) == pytest.approx(
+        0.0, abs=1e-4
+    )
+    assert float(hidden_state_loss(s, torch.tensor([[[4.0, 0.0]]]), "mse", normalize=True)) == pytest.approx(
+        4.0, rel=1e-4
+    )
     big = torch.tensor([[[5.0, -3.0, 9.0]]])
     assert float(hidden_state_loss(big, 100 * big, "mse", normalize=True)) == pytest.approx(0.0, abs=1e-4)
 
@@ -78,9 +82,13 @@ def test_proportional_layer_map():
 
 
 def test_a_layer_map_to_a_missing_layer_raises_naming_it():
-    with pytest.raises(ValueError, match=r"layer_map entry 2: 9 points to teacher layer 9, which does not exist"):
+    with pytest.raises(
+        ValueError, match=r"layer_map entry 2: 9 points to teacher layer 9, which does not exist"
+    ):
         HierarchicalDistillation(DistillConfig(layer_map={2: 9}), 4, 8, 32, 64)
-    with pytest.raises(ValueError, match=r"layer_map entry 5: 8 points to student layer 5, which does not exist"):
+    with pytest.raises(
+        ValueError, match=r"layer_map entry 5: 8 points to student layer 5, which does not exist"
+    ):
         HierarchicalDistillation(DistillConfig(layer_map={5: 8}), 4, 8, 32, 64)
     with pytest.raises(ValueError, match=r"layer_map entries must be ints >= 0, got -1: 2"):
         DistillConfig(layer_map={-1: 2})
@@ -103,15 +111,25 @@ def test_config_rejects_bad_values(kwargs, message):
 
 
 def test_total_loss_by_hand_with_known_projections():
-    d = HierarchicalDistillation(DistillConfig(layer_map={1: 2, 2: 4}, hidden_weight=0.5, kl_weight=2.0,
-                                               temperature=2.0, normalize_hidden=False), 2, 4, 2, 3)
+    d = HierarchicalDistillation(
+        DistillConfig(
+            layer_map={1: 2, 2: 4}, hidden_weight=0.5, kl_weight=2.0, temperature=2.0, normalize_hidden=False
+        ),
+        2,
+        4,
+        2,
+        3,
+    )
     assert all(isinstance(p, torch.nn.Linear) for p in d.projections)
     with torch.no_grad():  # projection 0 pads with a zero, projection 1 is zero
         d.projections[0].weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
         d.projections[1].weight.zero_()
     s_hidden = [torch.zeros(1, 1, 2), torch.tensor([[[1.0, 2.0]]]), torch.ones(1, 1, 2)]
-    t_hidden = [torch.zeros(1, 1, 3)] * 2 + [torch.tensor([[[1.0, 0.0, 3.0]]]), torch.zeros(1, 1, 3),
-                                             torch.tensor([[[3.0, 0.0, 0.0]]])]
+    t_hidden = [torch.zeros(1, 1, 3)] * 2 + [
+        torch.tensor([[[1.0, 0.0, 3.0]]]),
+        torch.zeros(1, 1, 3),
+        torch.tensor([[[3.0, 0.0, 0.0]]]),
+    ]
     s_logits, t_logits = torch.zeros(1, 1, 2), torch.tensor([[[math.log(9), 0.0]]])
     with torch.no_grad():
         out = d(s_logits, t_logits, s_hidden, t_hidden)
@@ -155,7 +173,9 @@ def test_distill_step_trains_student_and_projections_not_the_teacher():
     assert out.hidden.item() > 0 and out.kl.item() > 0
     # The CE part is the token-mean label loss: HF's own loss on the same labels.
     with torch.no_grad():
-        hf = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        hf = student(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        ).loss
     assert out.ce.item() == pytest.approx(hf.item(), rel=1e-5)
     assert out.total.item() == pytest.approx((out.kl + out.hidden + 0.7 * out.ce).item(), rel=1e-6)
     out.total.backward()

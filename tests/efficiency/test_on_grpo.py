@@ -25,7 +25,9 @@ class StepRecord(L.Callback):
         self.tokens, self.grads, self.grad_norms = [], [], []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.grads.append({k: p.grad.clone() for k, p in pl_module.policy.named_parameters() if p.grad is not None})
+        self.grads.append(
+            {k: p.grad.clone() for k, p in pl_module.policy.named_parameters() if p.grad is not None}
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.tokens.append([r.token_ids.tolist() for r in outputs["rollout"].rollouts])
@@ -33,7 +35,9 @@ class StepRecord(L.Callback):
 
 
 def _norm(tensors) -> float:
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))
+    return float(
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors]))
+    )
 
 
 # ---------------------------------------------------------------------------------- dynamic checkpointing
@@ -67,8 +71,11 @@ class TrainingCalls(L.Callback):
 
 def test_dynamic_checkpointing_wraps_policy_blocks_and_keeps_the_gradients():
     callback = ActivationCheckpointingCallback(
-        budget_fraction=0.6, blocks="policy.model.layers.*", repeats=1,
-        forward_fn=grpo_policy_loss, profile_batch_fn=grpo_profile_batch,
+        budget_fraction=0.6,
+        blocks="policy.model.layers.*",
+        repeats=1,
+        forward_fn=grpo_policy_loss,
+        profile_batch_fn=grpo_profile_batch,
     )
     calls, record = TrainingCalls(), StepRecord()
     module = make_module(max_grad_norm=None)
@@ -105,7 +112,9 @@ def test_dynamic_checkpointing_errors_name_the_argument():
     with pytest.raises(TypeError, match="profile_batch_fn must be callable"):
         ActivationCheckpointingCallback(budget_fraction=0.5, profile_batch_fn="first rollout")
     callback = ActivationCheckpointingCallback(budget_fraction=0.5, blocks="policy.model.layers.*")
-    with pytest.raises(ValueError, match="forward_fn=None profiles training_step, but GRPOModule uses manual"):
+    with pytest.raises(
+        ValueError, match="forward_fn=None profiles training_step, but GRPOModule uses manual"
+    ):
         make_trainer(1, callbacks=[callback]).fit(make_module())
 
 
@@ -120,8 +129,12 @@ class OutputDtypes(L.Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         policy = pl_module.policy
-        modules = {"q_proj": policy.model.layers[0].self_attn.q_proj, "down_proj": policy.model.layers[1].mlp.down_proj,
-                   "embed_tokens": policy.model.embed_tokens, "lm_head": policy.lm_head}
+        modules = {
+            "q_proj": policy.model.layers[0].self_attn.q_proj,
+            "down_proj": policy.model.layers[1].mlp.down_proj,
+            "embed_tokens": policy.model.embed_tokens,
+            "lm_head": policy.lm_head,
+        }
         for name, m in modules.items():
             m.register_forward_hook(lambda mod, a, out, name=name: self._record(name, out))
 
@@ -132,10 +145,16 @@ class OutputDtypes(L.Callback):
 
 def test_layerwise_precision_bf16_on_the_policy_trains():
     callback, dtypes, record = LayerwisePrecisionCallback(module="policy"), OutputDtypes(), StepRecord()
-    module = make_module(logprob_tolerance=0.2)  # 16-bit compute: rollout and training forward differ a little
+    module = make_module(
+        logprob_tolerance=0.2
+    )  # 16-bit compute: rollout and training forward differ a little
     make_trainer(2, callbacks=[callback, dtypes, record]).fit(module)
-    assert dtypes.dtypes == {"q_proj": {torch.bfloat16}, "down_proj": {torch.bfloat16},
-                             "embed_tokens": {torch.float32}, "lm_head": {torch.float32}}
+    assert dtypes.dtypes == {
+        "q_proj": {torch.bfloat16},
+        "down_proj": {torch.bfloat16},
+        "embed_tokens": {torch.float32},
+        "lm_head": {torch.float32},
+    }
     assert all(math.isfinite(n) and n > 0 for n in record.grad_norms)
     before = initial_params()
     after = params(module)
@@ -162,7 +181,11 @@ class TrueAndClippedNorms(L.Callback):
 
 def test_layerwise_precision_fp16_unscales_before_grpo_clips():
     config = PrecisionConfig(compute_dtype="float16", init_scale=2.0**12)
-    callback, norms, record = LayerwisePrecisionCallback(config, module="policy"), TrueAndClippedNorms(), StepRecord()
+    callback, norms, record = (
+        LayerwisePrecisionCallback(config, module="policy"),
+        TrueAndClippedNorms(),
+        StepRecord(),
+    )
     module = make_module(logprob_tolerance=0.2, max_grad_norm=1e-3)
     trainer = make_trainer(2, callbacks=[callback, norms, record])
     trainer.fit(module)
@@ -215,7 +238,9 @@ def test_dora_on_the_policy_trains_only_adapters_and_merges_exactly():
         initial = initial_model_logits(ids)
     assert (adapted - initial).abs().max() > 1e-3  # the fit changed the model
     module.policy = merge_dora(module.policy)
-    assert type(module.policy).__name__ == "LlamaForCausalLM" and list(module.policy.state_dict()) == plain_keys
+    assert (
+        type(module.policy).__name__ == "LlamaForCausalLM" and list(module.policy.state_dict()) == plain_keys
+    )
     with torch.no_grad():
         torch.testing.assert_close(module.policy(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-4)
         out = module.rollout_target.model(input_ids=ids).logits  # the rollout adapter sees the merged weights
@@ -240,8 +265,12 @@ def test_dora_on_the_drafter_trains_with_drafter_train_step_and_merges_exactly()
     drafter = Drafter(DrafterConfig.from_target(target, "eagle1"), target)
     keys = list(drafter.state_dict())
     prompts = torch.randint(3, 128, (4, 4), generator=torch.Generator().manual_seed(0)).tolist()
-    config = RolloutConfig(max_new_tokens=12, temperature=1.0, feature_layers=drafter.config.rollout_feature_layers)
-    rollouts = RolloutEngine(target, config).generate(prompts, generator=torch.Generator().manual_seed(0)).rollouts
+    config = RolloutConfig(
+        max_new_tokens=12, temperature=1.0, feature_layers=drafter.config.rollout_feature_layers
+    )
+    rollouts = (
+        RolloutEngine(target, config).generate(prompts, generator=torch.Generator().manual_seed(0)).rollouts
+    )
     (batch,) = make_batches(rollouts, drafter.config, batch_size=4, shuffle=False)
 
     model = apply_dora(drafter, DoraConfig(rank=4, trainable_modules=("fc",)))

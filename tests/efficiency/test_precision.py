@@ -70,6 +70,7 @@ def _output_dtypes(model: nn.Module, names: list[str], run) -> dict[str, torch.d
     seen, handles = {}, []
     for name in names:
         module = model.get_submodule(name)
+
         def hook(m, a, o, name=name) -> None:  # returns None: the output is left alone
             seen[name] = (o[0] if isinstance(o, tuple) else o).dtype
 
@@ -85,8 +86,15 @@ def test_layer_types_run_in_their_precision(ambient):
     model = load_model("tiny-llama").model
     handle = LayerwisePrecision(PrecisionConfig()).apply(model)
     ids = torch.randint(3, 128, (2, 8))
-    names = ["model.embed_tokens", "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj",
-             "model.layers.0.self_attn", "model.layers.0.mlp", "model.norm", "lm_head"]
+    names = [
+        "model.embed_tokens",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.self_attn",
+        "model.layers.0.mlp",
+        "model.norm",
+        "lm_head",
+    ]
 
     def run():
         # Lightning's "bf16-mixed" would put the whole step under autocast: head and embeddings opt out.
@@ -94,8 +102,16 @@ def test_layer_types_run_in_their_precision(ambient):
             model(input_ids=ids, use_cache=False)
 
     dtypes = _output_dtypes(model, names, run)
-    assert dtypes["model.layers.0.self_attn.q_proj"] == dtypes["model.layers.0.mlp.down_proj"] == torch.bfloat16
-    for name in ("model.embed_tokens", "model.layers.0.self_attn", "model.layers.0.mlp", "model.norm", "lm_head"):
+    assert (
+        dtypes["model.layers.0.self_attn.q_proj"] == dtypes["model.layers.0.mlp.down_proj"] == torch.bfloat16
+    )
+    for name in (
+        "model.embed_tokens",
+        "model.layers.0.self_attn",
+        "model.layers.0.mlp",
+        "model.norm",
+        "lm_head",
+    ):
         assert dtypes[name] == torch.float32, name
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
     handle.remove()
@@ -116,8 +132,13 @@ class _TwoGroups(nn.Module):
 def test_group_scalers_back_off_independently():
     torch.manual_seed(0)
     model = _TwoGroups()
-    config = PrecisionConfig(compute_dtype="float16", groups={"a": ("a",), "b": ("b",)}, full_precision=(),
-                             init_scale=2.0**14, growth_interval=100)
+    config = PrecisionConfig(
+        compute_dtype="float16",
+        groups={"a": ("a",), "b": ("b",)},
+        full_precision=(),
+        init_scale=2.0**14,
+        growth_interval=100,
+    )
     handle = LayerwisePrecision(config).apply(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     before = [p.detach().clone() for p in model.parameters()]
@@ -143,7 +164,9 @@ def test_scaled_gradients_equal_fp32_after_unscale():
     model(x).square().sum().backward()
     reference = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    config = PrecisionConfig(compute_dtype="float16", groups={"a": ("a",), "b": ("b",)}, full_precision=(), init_scale=64.0)
+    config = PrecisionConfig(
+        compute_dtype="float16", groups={"a": ("a",), "b": ("b",)}, full_precision=(), init_scale=64.0
+    )
     handle = LayerwisePrecision(config).apply(model)
     model(x).square().sum().backward()
     assert handle.unscale_()

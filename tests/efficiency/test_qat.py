@@ -107,7 +107,9 @@ def test_ptq_changes_outputs_and_skips_the_head():
 
 
 def test_bad_arguments_raise_naming_them():
-    with pytest.raises(ValueError, match=r"group_size must be an int >= 1 or None \(per output channel\), got 0"):
+    with pytest.raises(
+        ValueError, match=r"group_size must be an int >= 1 or None \(per output channel\), got 0"
+    ):
         Int4QATConfig(group_size=0)
     with pytest.raises(ValueError, match="activations must be 'none' or 'int8', got 'int4'"):
         Int4QATConfig(activations="int4")

@@ -93,8 +93,12 @@ def test_bad_arguments_raise_naming_them():
         ImportanceSampler(4, lambda idx: torch.zeros(len(idx)), ImportanceSamplerConfig(batch_size=8))
     with pytest.raises(ValueError, match="chunk_size must be an int >= 1"):
         LossScorer(tiny_lm(), [], collate, chunk_size=0)
-    with pytest.raises(ValueError, match=r"rank must be an int >= 0 or None \(the torch.distributed rank\), got -1"):
-        ImportanceSampler(8, lambda idx: torch.zeros(len(idx)), ImportanceSamplerConfig(batch_size=2), rank=-1)
+    with pytest.raises(
+        ValueError, match=r"rank must be an int >= 0 or None \(the torch.distributed rank\), got -1"
+    ):
+        ImportanceSampler(
+            8, lambda idx: torch.zeros(len(idx)), ImportanceSamplerConfig(batch_size=2), rank=-1
+        )
 
 
 def test_per_example_loss_matches_cross_entropy_by_hand():
@@ -117,7 +121,10 @@ def test_loss_scorer_matches_the_model_and_chunking():
     with torch.no_grad():
         for i, value in zip(idx, got):
             ex = collate([data[i]])
-            assert abs(float(model.eval()(input_ids=ex["input_ids"], labels=ex["labels"]).loss) - float(value)) < 1e-5
+            assert (
+                abs(float(model.eval()(input_ids=ex["input_ids"], labels=ex["labels"]).loss) - float(value))
+                < 1e-5
+            )
     model.train()
     torch.testing.assert_close(LossScorer(model, data, collate, chunk_size=2)(idx), got, atol=1e-5, rtol=0)
     assert model.training  # restored after scoring in eval mode
@@ -156,7 +163,9 @@ def test_candidate_factor_one_is_uniform_and_never_scores():
     def scorer(idx):
         raise AssertionError("no choice to make: the scorer must not run")
 
-    sampler = ImportanceSampler(10, scorer, ImportanceSamplerConfig(batch_size=5, candidate_factor=1, num_batches=3))
+    sampler = ImportanceSampler(
+        10, scorer, ImportanceSamplerConfig(batch_size=5, candidate_factor=1, num_batches=3)
+    )
     assert [len(b) for b in sampler] == [5, 5, 5]
 
 
@@ -170,7 +179,9 @@ def test_sampler_feeds_a_dataloader_with_a_real_proxy():
 
 
 def _ddp_sampler(rank=None, seed=0):
-    config = ImportanceSamplerConfig(batch_size=4, candidate_factor=3, temperature=1.0, num_batches=5, seed=seed)
+    config = ImportanceSamplerConfig(
+        batch_size=4, candidate_factor=3, temperature=1.0, num_batches=5, seed=seed
+    )
     return ImportanceSampler(100, lambda idx: torch.tensor(idx, dtype=torch.float32) / 50, config, rank=rank)
 
 

@@ -22,15 +22,22 @@ class SFTModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         self.seen.append(batch["input_ids"])
-        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        return self.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        ).loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 def _trainer(steps: int, callbacks: list[L.Callback], **kwargs) -> L.Trainer:
-    args = {"accelerator": "cpu", "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-            "enable_model_summary": False}
+    args = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
     return L.Trainer(max_steps=steps, callbacks=callbacks, **{**args, **kwargs})
 
 
@@ -56,7 +63,9 @@ def test_importance_sampler_as_a_lightning_data_hook_trains_the_proxy():
 def test_callback_rejects_an_optimizer_without_a_proxy():
     sampler = ImportanceSampler(8, lambda idx: torch.zeros(len(idx)), ImportanceSamplerConfig(batch_size=2))
     with pytest.raises(ValueError, match="proxy_optimizer was given without a proxy"):
-        ImportanceSamplingCallback(sampler, proxy_optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1))
+        ImportanceSamplingCallback(
+            sampler, proxy_optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1)
+        )
 
 
 def test_distillation_module_with_qat_callback_converts_at_the_end():
@@ -72,7 +81,9 @@ def test_distillation_module_with_qat_callback_converts_at_the_end():
     trainer.fit(module, DataLoader(toy_dataset(12), batch_size=4, collate_fn=collate))
     assert callback.converted and fake_quantized_modules(student) == []
     assert len(quantized_modules(student)) == 14
-    assert not teacher.training and all(torch.equal(v, teacher.state_dict()[k]) for k, v in teacher_state.items())
+    assert not teacher.training and all(
+        torch.equal(v, teacher.state_dict()[k]) for k, v in teacher_state.items()
+    )
     assert not torch.equal(projection, module.distill.projections[0].weight)  # projections train too
     assert {"distill/kl", "distill/hidden", "distill/ce"} <= set(trainer.callback_metrics)
 
@@ -81,7 +92,9 @@ def test_qat_callback_names_a_missing_module():
     pytest.importorskip("torchao")
     module = DistillationModule(tiny_lm(), tiny_lm(hidden=64, layers=4), DistillConfig.logits_only())
     with pytest.raises(ValueError, match="module='policy' is not a submodule of DistillationModule"):
-        _trainer(1, [QATCallback(module="policy")]).fit(module, DataLoader(toy_dataset(4), batch_size=2, collate_fn=collate))
+        _trainer(1, [QATCallback(module="policy")]).fit(
+            module, DataLoader(toy_dataset(4), batch_size=2, collate_fn=collate)
+        )
 
 
 class StudentAtStart(L.Callback):
@@ -103,10 +116,15 @@ def test_distillation_checkpoints_hold_no_teacher_and_resume(tmp_path):
     keys = list(saved["state_dict"])
     assert not any(k.startswith("teacher.") for k in keys)
     assert any(k.startswith("student.") for k in keys) and any(k.startswith("distill.") for k in keys)
-    assert not teacher.training and all(torch.equal(v, teacher.state_dict()[k]) for k, v in teacher_state.items())
+    assert not teacher.training and all(
+        torch.equal(v, teacher.state_dict()[k]) for k, v in teacher_state.items()
+    )
 
     # Resume: a fresh module with the same teacher, the student and projections from the checkpoint.
-    resumed, start = DistillationModule(tiny_lm(seed=9), teacher, DistillConfig(hidden_loss="cosine")), StudentAtStart()
+    resumed, start = (
+        DistillationModule(tiny_lm(seed=9), teacher, DistillConfig(hidden_loss="cosine")),
+        StudentAtStart(),
+    )
     trainer = _trainer(3, [start])
     trainer.fit(resumed, loader, ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
     assert trainer.global_step == 3

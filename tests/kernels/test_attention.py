@@ -13,7 +13,9 @@ from tlt_lightning.models.attention import grouped_sdpa
 pytestmark = pytest.mark.skipif(not available(), reason="the C++ kernel did not build here")
 
 
-def case(n: int, heads: int, kv_heads: int, q: int, kv: int, dim: int, dtype: torch.dtype, slots: int | None = None):
+def case(
+    n: int, heads: int, kv_heads: int, q: int, kv: int, dim: int, dtype: torch.dtype, slots: int | None = None
+):
     """Queries, keys and values as views of a larger cache (``slots`` per row), and a mask with holes."""
     g = torch.Generator().manual_seed(n * 1000 + q * 100 + dim)
     query = torch.randn(n, heads, q, dim, generator=g).to(dtype)
@@ -23,14 +25,17 @@ def case(n: int, heads: int, kv_heads: int, q: int, kv: int, dim: int, dtype: to
     return query, cache[0, :, :, :kv], cache[1, :, :, :kv], mask
 
 
-@pytest.mark.parametrize(("n", "heads", "kv_heads", "q", "kv", "dim", "dtype"), [
-    (4, 9, 3, 1, 50, 64, torch.bfloat16),  # SmolLM2's heads, a decode step: the vectorised bf16 path
-    (3, 9, 3, 4, 37, 64, torch.bfloat16),  # a verify forward of 4 tokens (12 queries per key/value head)
-    (2, 4, 2, 3, 33, 128, torch.bfloat16),  # head dim 128 (Qwen2, Llama)
-    (2, 4, 4, 2, 21, 64, torch.bfloat16),  # no grouping
-    (2, 4, 2, 3, 20, 16, torch.bfloat16),  # a head dim of the plain loop
-    (2, 6, 2, 3, 20, 64, torch.float32),  # fp32: the plain loop
-])
+@pytest.mark.parametrize(
+    ("n", "heads", "kv_heads", "q", "kv", "dim", "dtype"),
+    [
+        (4, 9, 3, 1, 50, 64, torch.bfloat16),  # SmolLM2's heads, a decode step: the vectorised bf16 path
+        (3, 9, 3, 4, 37, 64, torch.bfloat16),  # a verify forward of 4 tokens (12 queries per key/value head)
+        (2, 4, 2, 3, 33, 128, torch.bfloat16),  # head dim 128 (Qwen2, Llama)
+        (2, 4, 4, 2, 21, 64, torch.bfloat16),  # no grouping
+        (2, 4, 2, 3, 20, 16, torch.bfloat16),  # a head dim of the plain loop
+        (2, 6, 2, 3, 20, 64, torch.float32),  # fp32: the plain loop
+    ],
+)
 def test_equals_grouped_attention_in_fp32(n, heads, kv_heads, q, kv, dim, dtype):
     query, key, value, mask = case(n, heads, kv_heads, q, kv, dim, dtype)
     assert not key.is_contiguous()  # a view of the cache, read in place
@@ -53,8 +58,12 @@ def without_bf16_dots():
         yield torch.ops.tlt_lightning.decode_attention
         return
     library = torch.library.Library("tlt_lightning_test_nobf16", "DEF")
-    library.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor")
-    module.build("tlt_decode_attention_test", ("-mno-avx512bf16", "-DTLT_NAMESPACE=tlt_lightning_test_nobf16"))
+    library.define(
+        "decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor"
+    )
+    module.build(
+        "tlt_decode_attention_test", ("-mno-avx512bf16", "-DTLT_NAMESPACE=tlt_lightning_test_nobf16")
+    )
     yield torch.ops.tlt_lightning_test_nobf16.decode_attention
     del library
 
@@ -73,9 +82,13 @@ def test_long_rows_and_masked_tails():
     mask[:] = True
     mask[1, ..., 17:] = False
     mask[2, ..., 251:] = False
-    query = query.transpose(1, 2).contiguous().transpose(1, 2)  # [n, q, H, D] storage, as the rotary output is
+    query = (
+        query.transpose(1, 2).contiguous().transpose(1, 2)
+    )  # [n, q, H, D] storage, as the rotary output is
     expected = grouped_sdpa(query.float(), key.float(), value.float(), mask)
-    torch.testing.assert_close(decode_attention(query, key, value, mask, 0.125).float(), expected, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        decode_attention(query, key, value, mask, 0.125).float(), expected, atol=1e-2, rtol=1e-2
+    )
 
 
 def test_a_query_that_may_attend_no_key_gets_zeros():
@@ -98,12 +111,15 @@ def test_rows_run_on_several_threads_as_on_one():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ("heads", "multiple of key/value heads"),
-    ("mask", "mask must be bool"),
-    ("dtype", "share a dtype"),
-    ("value", "key and value must be"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("heads", "multiple of key/value heads"),
+        ("mask", "mask must be bool"),
+        ("dtype", "share a dtype"),
+        ("value", "key and value must be"),
+    ],
+)
 def test_bad_inputs_raise_with_the_expected_shapes(change, message):
     query, key, value, mask = case(2, 6, 2, 1, 10, 64, torch.bfloat16)
     if change == "heads":

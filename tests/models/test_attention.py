@@ -9,8 +9,7 @@ import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tlt_lightning import kernels
-from tlt_lightning.models import HFTarget, load_model
-from tlt_lightning.models import attention
+from tlt_lightning.models import HFTarget, attention, load_model
 from tlt_lightning.models.attention import (
     GROUPED_SDPA,
     MAX_GROUPED_QUERIES,
@@ -29,8 +28,11 @@ def test_grouped_sdpa_takes_outputs_of_any_strides(monkeypatch):
     mask[..., 0] = True
     expected = grouped_sdpa(query, key, value, mask)
     sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda *a, **k: sdpa(*a, **k).transpose(1, 2).contiguous().transpose(1, 2))
+    monkeypatch.setattr(
+        F,
+        "scaled_dot_product_attention",
+        lambda *a, **k: sdpa(*a, **k).transpose(1, 2).contiguous().transpose(1, 2),
+    )
     torch.testing.assert_close(grouped_sdpa(query, key, value, mask), expected)
 
 
@@ -61,7 +63,9 @@ def test_grouped_matmul_attention_equals_grouped_sdpa(dtype, atol, n, q, kv):
     mask[..., 0] = True
     got = grouped_matmul_attention(query, key, value, mask, scale=0.3)
     assert got.shape == query.shape and got.dtype == dtype
-    torch.testing.assert_close(got.float(), grouped_sdpa(query, key, value, mask, scale=0.3).float(), atol=atol, rtol=0)
+    torch.testing.assert_close(
+        got.float(), grouped_sdpa(query, key, value, mask, scale=0.3).float(), atol=atol, rtol=0
+    )
 
 
 def test_grouped_sdpa_per_row_masks_are_not_mixed():
@@ -71,17 +75,29 @@ def test_grouped_sdpa_per_row_masks_are_not_mixed():
     mask = torch.ones(2, 1, 3, 5, dtype=torch.bool)
     mask[1, :, :, 1:] = False
     out = grouped_sdpa(query, key, value, mask)
-    expected_row1 = value[1, :, 0].repeat_interleave(2, 0)[:, None].expand(4, 3, 8)  # head h reads kv head h // 2
+    expected_row1 = (
+        value[1, :, 0].repeat_interleave(2, 0)[:, None].expand(4, 3, 8)
+    )  # head h reads kv head h // 2
     torch.testing.assert_close(out[1], expected_row1)
 
 
 def test_grouped_sdpa_rejects_bad_shapes():
     with pytest.raises(ValueError, match=r"query heads \(5\) must be a multiple of key/value heads \(2\)"):
-        grouped_sdpa(torch.randn(1, 5, 2, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8),
-                     torch.ones(1, 1, 2, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"mask must be \[n, 1, q, kv\] = \[1, 1, 2, 4\], got \[1, 4, 2, 4\]"):
-        grouped_sdpa(torch.randn(1, 4, 2, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8),
-                     torch.ones(1, 4, 2, 4, dtype=torch.bool))
+        grouped_sdpa(
+            torch.randn(1, 5, 2, 8),
+            torch.randn(1, 2, 4, 8),
+            torch.randn(1, 2, 4, 8),
+            torch.ones(1, 1, 2, 4, dtype=torch.bool),
+        )
+    with pytest.raises(
+        ValueError, match=r"mask must be \[n, 1, q, kv\] = \[1, 1, 2, 4\], got \[1, 4, 2, 4\]"
+    ):
+        grouped_sdpa(
+            torch.randn(1, 4, 2, 8),
+            torch.randn(1, 2, 4, 8),
+            torch.randn(1, 2, 4, 8),
+            torch.ones(1, 4, 2, 4, dtype=torch.bool),
+        )
 
 
 def test_hf_target_switches_sdpa_models_only():
@@ -100,8 +116,12 @@ def _verify_forward(target):
     """A 4-token verify forward over a 6-token cached context for 2 rows, like a chain step."""
     cache = target.new_cache(2, 16)
     prompt = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
-    target.forward(prompt, torch.arange(6).expand(2, 6), causal_decode_mask(torch.zeros(2, dtype=torch.long), 6, 6),
-                   cache)
+    target.forward(
+        prompt,
+        torch.arange(6).expand(2, 6),
+        causal_decode_mask(torch.zeros(2, dtype=torch.long), 6, 6),
+        cache,
+    )
     L = torch.tensor([6, 6])
     ids = torch.tensor([[20, 21, 22, 23], [30, 31, 32, 33]])
     return target.forward(ids, L[:, None] + torch.arange(4), causal_decode_mask(L, 4, 10), cache, (2,))
@@ -117,7 +137,9 @@ def _spy(monkeypatch):
 
     calls = []
     original = attention.grouped_sdpa
-    monkeypatch.setattr(attention, "grouped_sdpa", lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
+    monkeypatch.setattr(
+        attention, "grouped_sdpa", lambda *a, **k: calls.append(a[0].shape) or original(*a, **k)
+    )
     return calls
 
 
@@ -161,7 +183,9 @@ def test_long_queries_and_single_queries_take_transformers_path(monkeypatch):
     cache = grouped.new_cache(1, n + 2)
     zero = torch.zeros(1, dtype=torch.long)
     with torch.no_grad():
-        grouped.forward(torch.randint(3, 128, (1, n)), torch.arange(n)[None], causal_decode_mask(zero, n, n), cache)
+        grouped.forward(
+            torch.randint(3, 128, (1, n)), torch.arange(n)[None], causal_decode_mask(zero, n, n), cache
+        )
         L = torch.tensor([n])
         grouped.forward(torch.tensor([[5]]), L[:, None], causal_decode_mask(L, 1, n + 1), cache)
     assert calls == []
@@ -180,15 +204,24 @@ def test_a_switched_model_runs_in_a_process_that_unpickles_it(tmp_path):
         "with torch.no_grad():\n"
         "    print(model(torch.tensor([[3, 4, 5]]), attention_mask=torch.tensor([[0, 1, 1]])).logits.shape)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "torch.Size([1, 3, 128])" in out.stdout
 
 
 def head_dim_64_qwen2() -> Qwen2ForCausalLM:
     """A small random Qwen2 in bf16 whose heads (64) the C++ kernel has vector code for (seeded: always the same)."""
-    config = Qwen2Config(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = Qwen2Config(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
 
@@ -203,7 +236,9 @@ def test_bf16_inference_attends_by_the_cpp_kernel(monkeypatch):
     reference.model.set_attn_implementation("sdpa")
     calls = []
     original = kernels.decode_attention
-    monkeypatch.setattr(kernels, "decode_attention", lambda q, *a: calls.append(tuple(q.shape)) or original(q, *a))
+    monkeypatch.setattr(
+        kernels, "decode_attention", lambda q, *a: calls.append(tuple(q.shape)) or original(q, *a)
+    )
     n = MAX_GROUPED_QUERIES + 6
     ids = torch.randint(3, 128, (2, n + 1), generator=torch.Generator().manual_seed(0))
 
@@ -213,7 +248,9 @@ def test_bf16_inference_attends_by_the_cpp_kernel(monkeypatch):
         with torch.no_grad():
             target.forward(ids[:, :n], torch.arange(n).expand(2, n), causal_decode_mask(zero, n, n), cache)
             cache.lengths[:] = L
-            return target.forward(ids[:, n:], L[:, None], causal_decode_mask(L, 1, n + 1), cache).hidden.float()
+            return target.forward(
+                ids[:, n:], L[:, None], causal_decode_mask(L, 1, n + 1), cache
+            ).hidden.float()
 
     got, expected = prefill_and_step(ours), prefill_and_step(reference)
     assert calls == [(2, 4, n, 64)] * 2 + [(2, 4, 1, 64)] * 2

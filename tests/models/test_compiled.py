@@ -20,8 +20,7 @@ from tests.models.test_attention import head_dim_64_qwen2
 from tests.rollout.test_engine import random_prompts
 from tlt_lightning import kernels
 from tlt_lightning.drafter import Drafter, DrafterConfig
-from tlt_lightning.models import CompileConfig, HFTarget, load_model
-from tlt_lightning.models import compiled
+from tlt_lightning.models import CompileConfig, HFTarget, compiled, load_model
 from tlt_lightning.models.compiled import Bucket, CompiledDecode, forward, guards
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.engine import causal_decode_mask
@@ -46,7 +45,9 @@ def expected_graphs(target: HFTarget, features: tuple[int, ...]) -> set[Bucket]:
 
 
 def features_of(target: HFTarget) -> tuple[int, ...]:
-    return (target.info.num_layers,)  # what an EAGLE-1 drafter reads: plain and speculative steps share a graph
+    return (
+        target.info.num_layers,
+    )  # what an EAGLE-1 drafter reads: plain and speculative steps share a graph
 
 
 def no_warnings(caplog) -> None:
@@ -65,7 +66,9 @@ def test_plain_greedy_decode_equals_transformers(compiled_pair, caplog):
         assert a.token_ids.tolist() == b.token_ids.tolist()
         torch.testing.assert_close(a.features, b.features, rtol=1e-4, atol=1e-5)
     assert set(compiled.compile_times) <= expected_graphs(compiled, features_of(hf))
-    assert compiled._compiled.graph_calls[compiled._compiled.graph(compiled._compiled.bucket(12, 1, 30, features_of(hf)))]
+    assert compiled._compiled.graph_calls[
+        compiled._compiled.graph(compiled._compiled.bucket(12, 1, 30, features_of(hf)))
+    ]
     no_warnings(caplog)
 
 
@@ -85,8 +88,14 @@ def test_chain_and_tree_verification_equal_plain_greedy(compiled_pair, arm, capl
     no_warnings(caplog)
 
 
-def decode_once(target: HFTarget, lens: torch.Tensor, q: int = 3, grad: bool = False, max_len: int = 32,
-                rows: int | None = None) -> torch.Tensor:
+def decode_once(
+    target: HFTarget,
+    lens: torch.Tensor,
+    q: int = 3,
+    grad: bool = False,
+    max_len: int = 32,
+    rows: int | None = None,
+) -> torch.Tensor:
     """One forward of ``q`` tokens per row after a prefill of ``lens`` tokens (cache of ``rows``, default one
     per row, of ``max_len``); ``[n, q, H]``."""
     n, width = lens.numel(), int(lens.max())
@@ -95,7 +104,9 @@ def decode_once(target: HFTarget, lens: torch.Tensor, q: int = 3, grad: bool = F
     mask = (slots[None, None, :] <= slots[None, :, None]) & (slots[None, None, :] < lens[:, None, None])
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        target.forward(torch.randint(3, 128, (n, width), generator=g), slots.expand(n, width), mask[:, None], cache)
+        target.forward(
+            torch.randint(3, 128, (n, width), generator=g), slots.expand(n, width), mask[:, None], cache
+        )
     cache.lengths[:n] = lens
     positions = lens[:, None] + torch.arange(q)
     mask = causal_decode_mask(lens, q, int(positions.max()) + 1)
@@ -135,7 +146,9 @@ def test_graphs_never_serve_another_model_of_the_same_shapes(tiny_llama, config)
         compiled = HFTarget(model, decode="compiled", compile_config=config)
         torch.testing.assert_close(decode_once(compiled, lens), expected, rtol=1e-4, atol=1e-5)
         assert sum(compiled._compiled.graph_calls.values()) == 1
-    assert not torch.allclose(decode_once(HFTarget(other), lens), decode_once(HFTarget(tiny_llama.model), lens))
+    assert not torch.allclose(
+        decode_once(HFTarget(other), lens), decode_once(HFTarget(tiny_llama.model), lens)
+    )
 
 
 @pytest.mark.parametrize("change", ["dtype", "layout"])
@@ -177,7 +190,9 @@ def test_merged_projections_are_one_product_of_the_stacked_weights(merge, monkey
     model = load_model("tiny-qwen2", seed=0).model
     target = HFTarget(model, decode="compiled", compile_config=replace(DYNAMIC, merged_projections=merge))
     lens = torch.tensor([5, 9])
-    torch.testing.assert_close(decode_once(target, lens), decode_once(HFTarget(model), lens), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        decode_once(target, lens), decode_once(HFTarget(model), lens), rtol=1e-4, atol=1e-5
+    )
     assert len(calls) == (4 if merge else 7) * len(model.model.layers)  # one trace
 
 
@@ -188,12 +203,16 @@ def test_shapes_outside_the_buckets_fall_back_with_one_warning(tiny_llama, caplo
     lens = torch.tensor([4, 7])
     with caplog.at_level(logging.WARNING, logger="tlt_lightning.models.compiled"):
         for _ in range(2):
-            torch.testing.assert_close(decode_once(compiled, lens), decode_once(tiny_llama, lens), rtol=0, atol=0)
+            torch.testing.assert_close(
+                decode_once(compiled, lens), decode_once(tiny_llama, lens), rtol=0, atol=0
+            )
         out = decode_once(compiled, lens[:1], grad=True)
     assert out.requires_grad
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2, messages
-    assert "2 rows x 3 new tokens is outside the buckets (batch_buckets=(1,), query_buckets=(1,))" in messages[0]
+    assert (
+        "2 rows x 3 new tokens is outside the buckets (batch_buckets=(1,), query_buckets=(1,))" in messages[0]
+    )
     assert "the graphs run without autograd" in messages[1]
     assert compiled.compile_seconds == 0 and not compiled._compiled.compile_times
 
@@ -210,16 +229,26 @@ def test_a_cache_without_spare_room_falls_back(tiny_llama, caplog):
 
 
 def test_unsupported_models_decode_eagerly_with_a_warning(tiny_llama, caplog):
-    small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-             "num_attention_heads": 2, "num_key_value_heads": 1}
+    small = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
     with caplog.at_level(logging.WARNING):
         mistral = HFTarget(MistralForCausalLM(MistralConfig(**small)), decode="compiled")
     assert mistral.decode == "hf" and mistral.compile_seconds == 0
-    assert "decode='compiled' is not available for this model (decode='lean' supports decoder layers" in caplog.text
+    assert (
+        "decode='compiled' is not available for this model (decode='lean' supports decoder layers"
+        in caplog.text
+    )
     model = copy.deepcopy(tiny_llama.model)
     layer = model.model.layers[0].mlp
-    layer.up_proj = type("WrappedLinear", (torch.nn.Linear,), {})(layer.up_proj.in_features, layer.up_proj.out_features,
-                                                                   bias=False)
+    layer.up_proj = type("WrappedLinear", (torch.nn.Linear,), {})(
+        layer.up_proj.in_features, layer.up_proj.out_features, bias=False
+    )
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         wrapped = HFTarget(model, decode="compiled")
@@ -245,7 +274,9 @@ def test_new_cache_has_room_for_the_buckets(tiny_llama):
 
 
 @pytest.mark.parametrize("skip_guards", [False, True], ids=["guarded", "skip-guards"])
-def test_dynamic_graphs_serve_every_row_count_and_length_without_recompiling(tiny_llama, fresh_compile, skip_guards):
+def test_dynamic_graphs_serve_every_row_count_and_length_without_recompiling(
+    tiny_llama, fresh_compile, skip_guards
+):
     """One graph for every row count above one, key length and cache size (and one for a single row), and
     one more reading all of the cache's slots where it is at most all_slots_ratio times the keys; any
     recompile would show in dynamo's count of graphs, and in compile_times.
@@ -255,13 +286,25 @@ def test_dynamic_graphs_serve_every_row_count_and_length_without_recompiling(tin
     config = CompileConfig(query_buckets=(4,), skip_guards=skip_guards)
     compiled = HFTarget(tiny_llama.model, decode="compiled", compile_config=config)
     graphs = counters["stats"]["unique_graphs"]
-    cases = (([5, 9], 32, None), ([3, 4, 6, 2, 7], 20, 8), ([12] * 9, 40, None), ([4], 32, 3), ([4], 9, None),
-             ([5, 9], 28, 6), ([20, 1, 1], 24, None), ([5, 9], 16, 3),
-             ([9, 2, 4, 1], 13, None))  # the last three read all slots (25 for 23 keys...)
+    cases = (
+        ([5, 9], 32, None),
+        ([3, 4, 6, 2, 7], 20, 8),
+        ([12] * 9, 40, None),
+        ([4], 32, 3),
+        ([4], 9, None),
+        ([5, 9], 28, 6),
+        ([20, 1, 1], 24, None),
+        ([5, 9], 16, 3),
+        ([9, 2, 4, 1], 13, None),
+    )  # the last three read all slots (25 for 23 keys...)
     for lens, max_len, rows in cases:
         lens = torch.tensor(lens)
-        torch.testing.assert_close(decode_once(compiled, lens, max_len=max_len, rows=rows),
-                                   decode_once(tiny_llama, lens), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            decode_once(compiled, lens, max_len=max_len, rows=rows),
+            decode_once(tiny_llama, lens),
+            rtol=1e-4,
+            atol=1e-5,
+        )
     features = features_of(tiny_llama)
     all_slots = Bucket(0, 4, 0, features, all_slots=True)
     assert set(compiled.compile_times) == {Bucket(0, 4, 0, features), Bucket(1, 4, 0, features), all_slots}
@@ -282,7 +325,9 @@ def test_calls_skip_guards_only_into_graphs_compiled_for_their_inputs(tiny_llama
     try:
         for max_len, n_threads in ((32, 1), (32, 1), (300, 1), (32, 2)):
             torch.set_num_threads(n_threads)
-            torch.testing.assert_close(decode_once(compiled, lens, max_len=max_len), expected, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                decode_once(compiled, lens, max_len=max_len), expected, rtol=1e-4, atol=1e-5
+            )
     finally:
         torch.set_num_threads(threads)
     assert len(compiled._compiled._direct) == 3
@@ -290,9 +335,11 @@ def test_calls_skip_guards_only_into_graphs_compiled_for_their_inputs(tiny_llama
 
 
 def skip_guards_warning(problem: str) -> str:
-    return (f"CompileConfig.skip_guards needs {guards.DEBUG_API}, which {problem} "
-            f"under torch {torch.__version__}; "
-            "compiled graphs keep dynamo's guards (same results, slower calls)")
+    return (
+        f"CompileConfig.skip_guards needs {guards.DEBUG_API}, which {problem} "
+        f"under torch {torch.__version__}; "
+        "compiled graphs keep dynamo's guards (same results, slower calls)"
+    )
 
 
 def test_without_dynamos_debug_api_the_graphs_keep_their_guards(tiny_llama, monkeypatch, caplog):
@@ -316,11 +363,15 @@ def takes_a_frame_now(code):
     raise TypeError("expected a frame")
 
 
-@pytest.mark.parametrize(("api", "problem"), [
-    (takes_a_frame_now, "failed (TypeError: expected a frame)"),
-    (lambda code: (), "returned 'tuple', not a list"),
-    (lambda code: [object()], "returned entries of type 'object' without a code object"),
-], ids=["raises", "no-list", "no-code"])
+@pytest.mark.parametrize(
+    ("api", "problem"),
+    [
+        (takes_a_frame_now, "failed (TypeError: expected a frame)"),
+        (lambda code: (), "returned 'tuple', not a list"),
+        (lambda code: [object()], "returned entries of type 'object' without a code object"),
+    ],
+    ids=["raises", "no-list", "no-code"],
+)
 def test_a_changed_debug_api_means_guarded_calls_and_one_warning(api, problem, monkeypatch, caplog):
     monkeypatch.setattr(eval_frame, guards.DEBUG_API.rsplit(".", 1)[1], api)
     monkeypatch.setattr(guards, "_warned", set())
@@ -349,9 +400,15 @@ def test_layer_views_are_made_once_per_cache(tiny_llama, monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"batch_buckets": ()}, r"batch_buckets must be a non-empty, strictly increasing tuple of positive ints, got \(\)"),
+        (
+            {"batch_buckets": ()},
+            r"batch_buckets must be a non-empty, strictly increasing tuple of positive ints, got \(\)",
+        ),
         ({"batch_buckets": (4, 2)}, r"batch_buckets must be .* got \(4, 2\)"),
-        ({"query_buckets": (1, 128)}, r"query_buckets must be buckets of at most 64 queries .*, got \(1, 128\)"),
+        (
+            {"query_buckets": (1, 128)},
+            r"query_buckets must be buckets of at most 64 queries .*, got \(1, 128\)",
+        ),
         ({"kv_step": 0}, "kv_step must be a positive int, got 0"),
         ({"all_slots_ratio": -1.0}, r"all_slots_ratio must be >= 0 \(0: never read all slots\), got -1.0"),
         ({"mode": "fast"}, r"mode must be None or one of \('default', 'reduce-overhead'"),
@@ -371,7 +428,9 @@ def test_compiled_rollouts_equal_transformers_on_smollm2():
     prompts = task_prompts(loaded.tokenizer, "countdown", 4, seed=0)
     config = RolloutConfig(max_new_tokens=48, temperature=0.0)
     hf = HFTarget(loaded.model)
-    compiled = HFTarget(loaded.model, decode="compiled", compile_config=CompileConfig(batch_buckets=(4,), query_buckets=(1,)))
+    compiled = HFTarget(
+        loaded.model, decode="compiled", compile_config=CompileConfig(batch_buckets=(4,), query_buckets=(1,))
+    )
     results = [RolloutEngine(t, config).generate(prompts) for t in (hf, compiled)]
     for a, b in zip(*(r.rollouts for r in results)):
         assert a.token_ids.tolist() == b.token_ids.tolist()
@@ -404,8 +463,9 @@ def test_compiled_drafter_steps_change_no_emitted_token(compiled_pair, kind, cap
 
 
 @pytest.mark.parametrize("config", [SHARED, DYNAMIC], ids=["static", "dynamic"])
-@pytest.mark.parametrize(("name", "dtype", "tolerance"),
-                         [("tiny-llama", "float32", 1e-5), ("tiny-qwen2", "bfloat16", 5e-2)])
+@pytest.mark.parametrize(
+    ("name", "dtype", "tolerance"), [("tiny-llama", "float32", 1e-5), ("tiny-qwen2", "bfloat16", 5e-2)]
+)
 def test_hidden_states_within_the_documented_tolerance(name, dtype, tolerance, config):
     """models.compiled's documented tolerance: largest difference / largest |hidden| (decode, 3 rows of 3 tokens)."""
     model = load_model(name, dtype=dtype, seed=0).model
@@ -418,7 +478,9 @@ def test_hidden_states_within_the_documented_tolerance(name, dtype, tolerance, c
 
 def test_row_gemv_is_f_linear():
     g = torch.Generator().manual_seed(0)
-    x, weight, bias = (torch.randn(*s, generator=g, dtype=torch.bfloat16) for s in ((1, 1, 64), (48, 64), (48,)))
+    x, weight, bias = (
+        torch.randn(*s, generator=g, dtype=torch.bfloat16) for s in ((1, 1, 64), (48, 64), (48,))
+    )
     expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
     for b, extra in ((bias, 0), (None, bias.float())):
         got = compiled.row_gemv(x, weight, b)
@@ -474,10 +536,15 @@ def test_bf16_graphs_attend_by_the_cpp_kernel_within_the_tolerance(cpp_attention
     compile_config = CompileConfig(query_buckets=(4,), cpp_attention=cpp_attention)
     hf, target = HFTarget(model), HFTarget(model, decode="compiled", compile_config=compile_config)
     for lens in (torch.tensor([7]), torch.tensor([7, 3, 9])):
-        expected, got = decode_once(hf, lens).float(), decode_once(target, lens).float()  # the latter compiles
+        expected, got = (
+            decode_once(hf, lens).float(),
+            decode_once(target, lens).float(),
+        )  # the latter compiles
         assert (got - expected).abs().max() <= 5e-2 * expected.abs().max()
         with torch.profiler.profile() as prof:
-            decode_once(target, lens)  # an eager prefill (which attends by the kernel: models.attention), a graph call
+            decode_once(
+                target, lens
+            )  # an eager prefill (which attends by the kernel: models.attention), a graph call
         kernel_calls = [e for e in prof.events() if e.name == "tlt_lightning::decode_attention"]
         assert len(kernel_calls) == model.config.num_hidden_layers * (2 if cpp_attention else 1)
     assert len(target.compile_times) == 2

@@ -6,7 +6,8 @@ from tlt_lightning.models.hardware import has_fast_bf16
 
 
 @pytest.mark.parametrize(
-    ("flags", "fast"), [("fpu avx512f avx512_bf16", True), ("fpu amx_tile amx_bf16", True), ("fpu avx512f", False)]
+    ("flags", "fast"),
+    [("fpu avx512f avx512_bf16", True), ("fpu amx_tile amx_bf16", True), ("fpu avx512f", False)],
 )
 def test_bf16_pays_only_with_native_bf16_instructions(monkeypatch, flags, fast):
     monkeypatch.setattr(hardware, "cpu_info", lambda field: flags if field == "flags" else "")
@@ -26,7 +27,9 @@ def test_this_machine_is_described():
 
 def test_cpu_info_matches_whole_field_names(monkeypatch, tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 26\nmodel\t\t: 2\nflags\t\t: fpu avx512_bf16\n")
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 26\nmodel\t\t: 2\nflags\t\t: fpu avx512_bf16\n"
+    )
     real_path = hardware.Path
     monkeypatch.setattr(hardware, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
     assert hardware.cpu_info("model") == "2"  # not "model name"'s value, nor the reverse

@@ -46,7 +46,9 @@ class _BrokenOps:
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 def test_changed_private_ops_fall_back_to_f_linear_with_a_warning():
-    with pytest.warns(UserWarning, match=r"private oneDNN ops failed a check \(RuntimeError: _linear_pointwise"):
+    with pytest.warns(
+        UserWarning, match=r"private oneDNN ops failed a check \(RuntimeError: _linear_pointwise"
+    ):
         assert _packable_dtypes(_BrokenOps()) == ()
 
     class WrongFloat32(_BrokenOps):
@@ -58,7 +60,9 @@ def test_changed_private_ops_fall_back_to_f_linear_with_a_warning():
 
 
 def test_unknown_layouts_are_rejected():
-    with pytest.raises(ValueError, match=r"weight layout must be one of \('out_in', 'in_out', 'packed'\), got 'auto'"):
+    with pytest.raises(
+        ValueError, match=r"weight layout must be one of \('out_in', 'in_out', 'packed'\), got 'auto'"
+    ):
         set_weight_layout(nn.Linear(2, 3), "auto")
 
 

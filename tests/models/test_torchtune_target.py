@@ -72,7 +72,9 @@ def test_forward_matches_hf_with_tree_slots_and_features(pair):
                 m[r, 0, L] = True
                 m[r, 1, [L, L + 1]] = True
                 m[r, 2, [L, L + 2]] = True
-            second = target(torch.tensor([[11, 12, 13], [14, 15, 16]]), pos, m[:, None], cache, (3,), tree_slots)
+            second = target(
+                torch.tensor([[11, 12, 13], [14, 15, 16]]), pos, m[:, None], cache, (3,), tree_slots
+            )
         outs.append((first, second, target.lm_head(second.hidden)))
     (f1, s1, l1), (f2, s2, l2) = outs
     for x, y in ((f1.hidden, f2.hidden), (f1.features, f2.features), (s1.features, s2.features), (l1, l2)):
@@ -96,8 +98,12 @@ def test_grouped_query_layers_attend_without_expanding_the_cache(pair, tt, monke
     pos = torch.arange(q + 7).expand(n, -1)
     causal = pos[:, :, None] >= pos[:, None, :]
     outs = {}
-    for name, target, grad in (("hf", hf, False), ("grouped", tune, False), ("torchtune", tune, True),
-                               ("switched off", tune, False)):
+    for name, target, grad in (
+        ("hf", hf, False),
+        ("grouped", tune, False),
+        ("torchtune", tune, True),
+        ("switched off", tune, False),
+    ):
         cache = target.new_cache(n, q + 7)
         tune.grouped_attention = name != "switched off"
         with torch.set_grad_enabled(grad):
@@ -114,6 +120,7 @@ def test_grouped_query_layers_attend_without_expanding_the_cache(pair, tt, monke
     for name in ("torchtune", "switched off"):
         torch.testing.assert_close(outs["grouped"], outs[name], rtol=1e-5, atol=1e-5)
     tune.grouped_attention = True
+
     def boom(x):
         raise RuntimeError("boom")
 
@@ -148,17 +155,30 @@ def test_mismatches_and_unsupported_models_are_refused(tt):
     model = load_model("tiny-llama").model
     decoder = tt.torchtune_from_hf(model)
     wrong = LlamaConfig(**{**model.config.to_dict(), "num_hidden_layers": 5})
-    with pytest.raises(ValueError, match="hf_config does not match the decoder: num_hidden_layers is 5, decoder has 4"):
+    with pytest.raises(
+        ValueError, match="hf_config does not match the decoder: num_hidden_layers is 5, decoder has 4"
+    ):
         tt.TorchtuneTarget(decoder, wrong)
-    with pytest.raises(TypeError, match="decoder must be a torchtune TransformerDecoder, got LlamaForCausalLM"):
+    with pytest.raises(
+        TypeError, match="decoder must be a torchtune TransformerDecoder, got LlamaForCausalLM"
+    ):
         tt.TorchtuneTarget(model, model.config)
-    cached = llama3(vocab_size=128, num_layers=4, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=64,
-                    intermediate_dim=128)
+    cached = llama3(
+        vocab_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        embed_dim=64,
+        max_seq_len=64,
+        intermediate_dim=128,
+    )
     cached.setup_caches(batch_size=1, dtype=torch.float32)
     with pytest.raises(ValueError, match="KV caches set up; build it without setup_caches"):
         tt.TorchtuneTarget(cached, model.config)
     gelu = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), "hidden_act": "gelu"}))
-    with pytest.raises(ValueError, match="hidden_act must be 'silu' to convert a llama model to torchtune, got 'gelu'"):
+    with pytest.raises(
+        ValueError, match="hidden_act must be 'silu' to convert a llama model to torchtune, got 'gelu'"
+    ):
         tt.torchtune_from_hf(gelu)
     biased = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), "attention_bias": True}))
     with pytest.raises(ValueError, match="attention_bias must be False"):
@@ -166,7 +186,9 @@ def test_mismatches_and_unsupported_models_are_refused(tt):
     target = tt.TorchtuneTarget(decoder, model.config)
     cache = target.new_cache(1, 8)
     with pytest.raises(ValueError, match=r"attention_mask must be \[n, 1, q, kv_len\] = \[1, 1, 2, 2\]"):
-        target(torch.tensor([[3, 4]]), torch.tensor([[0, 1]]), torch.ones(1, 1, 2, 3, dtype=torch.bool), cache)
+        target(
+            torch.tensor([[3, 4]]), torch.tensor([[0, 1]]), torch.ones(1, 1, 2, 3, dtype=torch.bool), cache
+        )
 
 
 def test_missing_extra_names_it(monkeypatch):

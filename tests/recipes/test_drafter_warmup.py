@@ -42,9 +42,28 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     """The warm-up and the rollout benchmark (a checkout's ``python -m benchmarks rollout``) chained on
     SmolLM2 with tiny settings: artefacts exist and reload."""
     out, cache = tmp_path / "drafter", tmp_path / "rollouts.safetensors"
-    args = ["--threads", "1", "drafter", "warmup", "--task", "countdown", "--prompts", "12", "--max-new-tokens", "24",
-            "--rollout-batch", "6", "--draft-vocab", "2048",
-            "--dtype", "bfloat16", "--rollouts-cache", str(cache), "--out", str(out)]
+    args = [
+        "--threads",
+        "1",
+        "drafter",
+        "warmup",
+        "--task",
+        "countdown",
+        "--prompts",
+        "12",
+        "--max-new-tokens",
+        "24",
+        "--rollout-batch",
+        "6",
+        "--draft-vocab",
+        "2048",
+        "--dtype",
+        "bfloat16",
+        "--rollouts-cache",
+        str(cache),
+        "--out",
+        str(out),
+    ]
     main([*args, "--steps", "2"])
     main([*args, "--steps", "15"])  # same rollouts, read back from the cache
     assert "reusing 12 rollouts" in capsys.readouterr().out
@@ -71,7 +90,21 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
 
     # Continue training the saved drafter with an unroll: it starts where the first run ended.
     more = tmp_path / "continued"
-    main([*args, "--steps", "2", "--unroll", "2", "--init-from", str(out), "--out", str(more), "--save-every", "1"])
+    main(
+        [
+            *args,
+            "--steps",
+            "2",
+            "--unroll",
+            "2",
+            "--init-from",
+            str(out),
+            "--out",
+            str(more),
+            "--save-every",
+            "1",
+        ]
+    )
     resumed = json.loads((more / "warmup.json").read_text())
     assert resumed["held_out_before"]["top1"] == pytest.approx(report["held_out_after"]["top1"], abs=1e-6)
     assert "top1_step2" in resumed["held_out_after"] and resumed["unroll"] == 2
@@ -84,8 +117,21 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     main([*other_args, "--steps", "1", "--seed", "5", "--cache-tokens-only", "--out", str(tmp_path / "o")])
     assert all(r.features is None for r in load_rollouts(other)[0])
     capsys.readouterr()
-    main([*args, "--steps", "1", "--pack", "64", "--train-dtype", "bfloat16", "--more-rollouts", str(other),
-          "--out", str(tmp_path / "merged")])
+    main(
+        [
+            *args,
+            "--steps",
+            "1",
+            "--pack",
+            "64",
+            "--train-dtype",
+            "bfloat16",
+            "--more-rollouts",
+            str(other),
+            "--out",
+            str(tmp_path / "merged"),
+        ]
+    )
     assert "recomputing target features of 6 stored rollouts" in capsys.readouterr().out
     merged = json.loads((tmp_path / "merged" / "warmup.json").read_text())
     assert merged["rollouts"] == 12 and merged["more_rollouts"] == 6 and merged["pack"] == 64
@@ -98,41 +144,134 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
         main([*args, "--steps", "1", "--more-rollouts", str(tmp_path / "missing.pt")])
 
     path = tmp_path / "sd.json"
-    bench(["--threads", "1", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "1", "2",
-          "--max-new-tokens", "12", "--long-tail-requests", "4", "--long-tail-max-new", "16", "--threshold", "5",
-          "--depth", "2", "--topk", "2", "--draft-tokens", "3", "--dtype", "bfloat16", "--repeats", "1", "--json", str(path)])
+    bench(
+        [
+            "--threads",
+            "1",
+            "rollout",
+            "--speculative",
+            "--drafter",
+            str(out),
+            "--batch-sizes",
+            "1",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--long-tail-requests",
+            "4",
+            "--long-tail-max-new",
+            "16",
+            "--threshold",
+            "5",
+            "--depth",
+            "2",
+            "--topk",
+            "2",
+            "--draft-tokens",
+            "3",
+            "--dtype",
+            "bfloat16",
+            "--repeats",
+            "1",
+            "--json",
+            str(path),
+        ]
+    )
     data = json.loads(path.read_text())
     batch = data["batches"][1]
     assert batch["requests"] == 2 and batch["sd_step_fraction"] == 1.0 and batch["mean_accept_length"] >= 1
-    assert batch["sd_step_cost"] > 0.5  # a 3-token tree verify plus 2 drafter steps: not cheaper than half a step
+    assert (
+        batch["sd_step_cost"] > 0.5
+    )  # a 3-token tree verify plus 2 drafter steps: not cheaper than half a step
     runs = batch["runs"]
     assert batch["speedup_decode"] == pytest.approx(
-        statistics.median(runs["sd_decode_tps"]) / statistics.median(runs["plain_decode_tps"]))
-    assert runs["plain_decode_tps"][0] > runs["plain_tps"][0]  # 12 tokens: the prefill weighs on the whole run
+        statistics.median(runs["sd_decode_tps"]) / statistics.median(runs["plain_decode_tps"])
+    )
+    assert (
+        runs["plain_decode_tps"][0] > runs["plain_tps"][0]
+    )  # 12 tokens: the prefill weighs on the whole run
     assert data["strategy"] == "tree2x2/3" and data["dtype"] == "bfloat16"
     # The batch-1 peers: HF generate plain, with the 6-layer layer-skip assistant, with prompt lookup.
     assert set(data["hf_batch1_tokens_per_s"]) == {"plain", "assisted", "prompt_lookup"}
-    assert all(v > 0 for v in data["hf_batch1_tokens_per_s"].values()) and data["hf_batch1_assistant_layers"] == 6
+    assert (
+        all(v > 0 for v in data["hf_batch1_tokens_per_s"].values())
+        and data["hf_batch1_assistant_layers"] == 6
+    )
     assert data["long_tail"]["threshold"] == 5 and data["long_tail"]["sd_step_fraction"] == 1.0
     assert path.with_suffix(".png").stat().st_size > 10_000
 
     # Several arms side by side, each against the same plain runs.
-    bench(["--threads", "1", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "1", "2",
-          "--max-new-tokens", "12", "--long-tail-requests", "0", "--arms", "chain3", "chain4@0.6", "--dtype",
-          "bfloat16", "--repeats", "2", "--assistant-layers", "0", "--json", str(path)])
+    bench(
+        [
+            "--threads",
+            "1",
+            "rollout",
+            "--speculative",
+            "--drafter",
+            str(out),
+            "--batch-sizes",
+            "1",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--long-tail-requests",
+            "0",
+            "--arms",
+            "chain3",
+            "chain4@0.6",
+            "--dtype",
+            "bfloat16",
+            "--repeats",
+            "2",
+            "--assistant-layers",
+            "0",
+            "--json",
+            str(path),
+        ]
+    )
     data = json.loads(path.read_text())
     assert data["strategies"] == ["chain3", "chain4@0.6"]
     assert [(b["requests"], b["strategy"]) for b in data["batches"]] == [
-        (1, "chain3"), (1, "chain4@0.6"), (2, "chain3"), (2, "chain4@0.6")]
+        (1, "chain3"),
+        (1, "chain4@0.6"),
+        (2, "chain3"),
+        (2, "chain4@0.6"),
+    ]
     chain3, early = data["batches"][:2]
     assert chain3["runs"]["plain_s"] == early["runs"]["plain_s"]  # the same plain runs
     assert chain3["mean_draft_depth"] == 3 and 1 <= early["mean_draft_depth"] <= 4
     assert path.with_suffix(".png").stat().st_size > 10_000
 
     # Several temperatures: the fixed batches at each, the HF peers once (at the first).
-    bench(["--threads", "1", "rollout", "--speculative", "--drafter", str(out), "--batch-sizes", "1",
-          "--max-new-tokens", "8", "--long-tail-requests", "0", "--arms", "chain2", "--temperature", "1", "0",
-          "--dtype", "bfloat16", "--repeats", "1", "--assistant-layers", "0", "--json", str(path)])
+    bench(
+        [
+            "--threads",
+            "1",
+            "rollout",
+            "--speculative",
+            "--drafter",
+            str(out),
+            "--batch-sizes",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--long-tail-requests",
+            "0",
+            "--arms",
+            "chain2",
+            "--temperature",
+            "1",
+            "0",
+            "--dtype",
+            "bfloat16",
+            "--repeats",
+            "1",
+            "--assistant-layers",
+            "0",
+            "--json",
+            str(path),
+        ]
+    )
     data = json.loads(path.read_text())
     assert data["temperatures"] == [1.0, 0.0] and data["temperature"] == 1.0
     assert [(b["temperature"], b["requests"]) for b in data["batches"]] == [(1.0, 1), (0.0, 1)]
@@ -140,11 +279,38 @@ def test_warmup_then_speculative_bench_on_the_real_model(tmp_path, capsys):
     assert path.with_suffix(".png").stat().st_size > 10_000
 
     # Two drafters side by side (the first run's and its continuation), against the same plain runs.
-    bench(["--threads", "1", "rollout", "--speculative", "--drafter", str(out), str(more), "--batch-sizes",
-          "1", "--max-new-tokens", "8", "--long-tail-requests", "0", "--arms", "chain2", "--dtype", "bfloat16",
-          "--repeats", "1", "--assistant-layers", "0", "--json", str(path)])
+    bench(
+        [
+            "--threads",
+            "1",
+            "rollout",
+            "--speculative",
+            "--drafter",
+            str(out),
+            str(more),
+            "--batch-sizes",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--long-tail-requests",
+            "0",
+            "--arms",
+            "chain2",
+            "--dtype",
+            "bfloat16",
+            "--repeats",
+            "1",
+            "--assistant-layers",
+            "0",
+            "--json",
+            str(path),
+        ]
+    )
     data = json.loads(path.read_text())
-    assert data["strategies"] == ["drafter/chain2", "continued/chain2"] and data["drafters"] == [str(out), str(more)]
+    assert data["strategies"] == ["drafter/chain2", "continued/chain2"] and data["drafters"] == [
+        str(out),
+        str(more),
+    ]
     first, second = data["batches"]
     assert first["runs"]["plain_s"] == second["runs"]["plain_s"] and second["mean_accept_length"] >= 1
 

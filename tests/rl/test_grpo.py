@@ -123,8 +123,9 @@ def test_grpo_loss_negative_advantage_clips_low():
 
 def test_grpo_loss_clip_higher():
     # eps_high 0.6: ratio 1.5 is inside [0.8, 1.6] -> not clipped.
-    out = grpo_loss(_lp(1.5, 0.5), torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2),
-                    clip_eps_high=0.6)
+    out = grpo_loss(
+        _lp(1.5, 0.5), torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), clip_eps_high=0.6
+    )
     torch.testing.assert_close(out.loss, torch.tensor(-(1.5 + 0.5) / 2))
     assert float(out.clip_fraction) == 0.0
 
@@ -133,8 +134,9 @@ def test_grpo_loss_k3_kl():
     # logp = 0 (ratio 1), ref = ln 2: k3 = e^{ln 2} - ln 2 - 1 = 1 - ln 2.
     logprobs = torch.zeros(1, 1, requires_grad=True)
     ref = torch.full((1, 1), math.log(2.0))
-    out = grpo_loss(logprobs, torch.zeros(1, 1), torch.tensor([0.5]), torch.ones(1, 1), kl_coef=0.1,
-                    ref_logprobs=ref)
+    out = grpo_loss(
+        logprobs, torch.zeros(1, 1), torch.tensor([0.5]), torch.ones(1, 1), kl_coef=0.1, ref_logprobs=ref
+    )
     kl = 1 - math.log(2.0)
     torch.testing.assert_close(out.kl, torch.tensor(kl))
     torch.testing.assert_close(out.pg_loss, torch.tensor(-0.5))
@@ -165,8 +167,10 @@ def test_grpo_loss_micro_batches_add_up_with_num_items(aggregation):
     mask[:, 0] = True
     whole = grpo_loss(logprobs, old, adv, mask, aggregation=aggregation)
     n = mask.sum() if aggregation == "token" else 4
-    parts = [grpo_loss(logprobs[i], old[i], adv[i], mask[i], aggregation=aggregation, num_items=n)
-             for i in (slice(0, 1), slice(1, 4))]
+    parts = [
+        grpo_loss(logprobs[i], old[i], adv[i], mask[i], aggregation=aggregation, num_items=n)
+        for i in (slice(0, 1), slice(1, 4))
+    ]
     torch.testing.assert_close(parts[0].loss + parts[1].loss, whole.loss)
 
 

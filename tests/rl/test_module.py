@@ -55,14 +55,26 @@ def grouped(**kwargs) -> dict:
 
 
 def make_module(reward=even_reward, cls=GRPOModule, **kwargs) -> GRPOModule:
-    args = dict(model="tiny-llama", group_size=4, prompts_per_step=2, max_new_tokens=8, lr=1e-2,
-                prompt_source=TokenPromptSource(PROMPTS, reward))
+    args = dict(
+        model="tiny-llama",
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=8,
+        lr=1e-2,
+        prompt_source=TokenPromptSource(PROMPTS, reward),
+    )
     return cls(**grouped(**{**args, **kwargs}))
 
 
 def make_trainer(max_steps: int, **kwargs) -> L.Trainer:
-    args = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False)
+    args = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return L.Trainer(max_steps=max_steps, **{**args, **kwargs})
 
 
@@ -106,10 +118,23 @@ def test_two_step_fit_trains_and_logs(tmp_path):
     changed = [k for k, v in params(module).items() if not torch.equal(v, before[k])]
     assert len(changed) == len(before)  # every parameter moved (AdamW, lr 1e-2)
     expected = {
-        "reward/mean", "reward/std", "reward/accuracy", "response/length_mean", "response/length_max",
-        "rollout/accept_length", "rollout/tokens_per_s", "time/rollout_s", "time/reward_s", "time/train_s",
-        "train/loss", "train/pg_loss", "train/kl", "train/clip_fraction", "train/ratio_mean",
-        "train/grad_norm", "train/logprob_drift",
+        "reward/mean",
+        "reward/std",
+        "reward/accuracy",
+        "response/length_mean",
+        "response/length_max",
+        "rollout/accept_length",
+        "rollout/tokens_per_s",
+        "time/rollout_s",
+        "time/reward_s",
+        "time/train_s",
+        "train/loss",
+        "train/pg_loss",
+        "train/kl",
+        "train/clip_fraction",
+        "train/ratio_mean",
+        "train/grad_norm",
+        "train/logprob_drift",
     }
     assert expected <= set(trainer.logged_metrics)
     prog_bar = {"reward/mean", "rollout/accept_length", "rollout/tokens_per_s"}
@@ -138,8 +163,9 @@ def test_micro_batches_give_the_big_batch_gradient(aggregation, kl_coef):
     grads = []
     for micro in (None, 3, 1):
         record = Record()
-        module = make_module(micro_batch_size=micro, aggregation=aggregation, kl_coef=kl_coef,
-                             max_grad_norm=None)
+        module = make_module(
+            micro_batch_size=micro, aggregation=aggregation, kl_coef=kl_coef, max_grad_norm=None
+        )
         make_trainer(1, callbacks=[record]).fit(module)
         grads.append(record.grads[0])
     assert any(float(g.abs().max()) > 0 for g in grads[0].values())
@@ -152,8 +178,10 @@ def test_micro_batches_give_the_big_batch_gradient(aggregation, kl_coef):
 
 
 def test_nan_reward_names_task_and_prompt_index():
-    match = (r"reward total of task 'synthetic' \(reward fn 'nan_on_prompt_3'\) on prompt index 3 "
-             r"\(sample 0 of its group\) is nan: rewards must be finite")
+    match = (
+        r"reward total of task 'synthetic' \(reward fn 'nan_on_prompt_3'\) on prompt index 3 "
+        r"\(sample 0 of its group\) is nan: rewards must be finite"
+    )
     with pytest.raises(RewardError, match=match):
         make_trainer(2).fit(make_module(reward=nan_on_prompt_3))
 
@@ -167,7 +195,9 @@ def none_reward(prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> float
 
 
 def test_absurd_reward_is_refused_naming_the_limit_and_the_fix():
-    match = r"reward total of task 'synthetic' \(reward fn 'huge_reward'\).* is -?3e\+38.*max_abs_reward=1e\+06"
+    match = (
+        r"reward total of task 'synthetic' \(reward fn 'huge_reward'\).* is -?3e\+38.*max_abs_reward=1e\+06"
+    )
     with pytest.raises(RewardError, match=match):
         make_trainer(1).fit(make_module(reward=huge_reward))
     # A larger limit admits it (the user said so); float32 still holds the values.
@@ -193,7 +223,9 @@ class NaNCorrectnessSource(TokenPromptSource):
 
 def test_prompt_source_returning_none_or_nan_correctness_is_refused():
     module = make_module(prompt_source=NoneScoreSource(PROMPTS, even_reward, name="mine"))
-    with pytest.raises(RewardError, match=r"task 'mine'.* is None, not a Reward with .total and .correctness"):
+    with pytest.raises(
+        RewardError, match=r"task 'mine'.* is None, not a Reward with .total and .correctness"
+    ):
         make_trainer(1).fit(module)
     module = make_module(prompt_source=NaNCorrectnessSource(PROMPTS, even_reward, name="mine"))
     with pytest.raises(RewardError, match=r"reward correctness of task 'mine'.* is nan"):
@@ -212,8 +244,10 @@ def test_overridden_compute_rewards_with_nan_correctness_is_refused():
 
 
 def test_raising_reward_names_task_and_prompt_index():
-    match = (r"task 'synthetic' \(reward fn 'raising_reward'\) on prompt index 0 \(sample 0 of its group\) "
-             r"failed: ValueError: boom")
+    match = (
+        r"task 'synthetic' \(reward fn 'raising_reward'\) on prompt index 0 \(sample 0 of its group\) "
+        r"failed: ValueError: boom"
+    )
     with pytest.raises(RewardError, match=match):
         make_trainer(1).fit(make_module(reward=raising_reward))
 
@@ -291,8 +325,9 @@ def test_resume_continues_identically(tmp_path):
     for name, value in params(full).items():
         assert torch.equal(params(resumed)[name], value), name
     # load_from_checkpoint builds the model before loading the weights into it.
-    loaded = GRPOModule.load_from_checkpoint(tmp_path / "epoch=0-step=1.ckpt",
-                                             prompt_source=TokenPromptSource(PROMPTS, even_reward))
+    loaded = GRPOModule.load_from_checkpoint(
+        tmp_path / "epoch=0-step=1.ckpt", prompt_source=TokenPromptSource(PROMPTS, even_reward)
+    )
     for name, value in record_full.params[0].items():
         assert torch.equal(params(loaded)[name], value), name
 
@@ -391,8 +426,9 @@ class MirrorRecord(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         mirror = dict(pl_module.rollout_policy.named_parameters())
-        self.in_sync.append(all(torch.equal(mirror[k], p.to(torch.bfloat16))
-                                for k, p in pl_module.policy.named_parameters()))
+        self.in_sync.append(
+            all(torch.equal(mirror[k], p.to(torch.bfloat16)) for k, p in pl_module.policy.named_parameters())
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.drifts.append(float(trainer.logged_metrics["train/logprob_drift"]))
@@ -418,11 +454,16 @@ def test_default_logprob_tolerance_follows_the_training_precision(precision, tol
 
 
 def test_bf16_rollout_mirror_follows_the_policy():
-    module, record = make_module(rollout_dtype="bfloat16", drafter_kind="eagle1", max_new_tokens=12), MirrorRecord()
+    module, record = (
+        make_module(rollout_dtype="bfloat16", drafter_kind="eagle1", max_new_tokens=12),
+        MirrorRecord(),
+    )
     trainer = make_trainer(3, callbacks=[record])
     trainer.fit(module)
     assert module.policy.dtype == torch.float32 and module.rollout_policy.dtype == torch.bfloat16
-    assert module.rollout_target.model is module.rollout_policy and module.policy_target.model is module.policy
+    assert (
+        module.rollout_target.model is module.rollout_policy and module.policy_target.model is module.policy
+    )
     assert module.drafter.dtype == torch.bfloat16  # a module drafter drafts on the rollout target
     # Every rollout sampled on the weights of the latest optimizer step (the policy moves: lr 1e-2).
     assert record.in_sync == [True, True, True]
@@ -431,7 +472,9 @@ def test_bf16_rollout_mirror_follows_the_policy():
     # bf16 sampling, fp32 training: the log-probabilities differ, within the 16-bit tolerance.
     assert all(0 < d < 0.2 for d in record.drifts)
     assert all(k.startswith("policy.") for k in module.state_dict())  # the mirror is not checkpointed
-    with pytest.raises(ValueError, match="rollout_dtype must be 'auto', 'float32', 'bfloat16', 'float16' or None"):
+    with pytest.raises(
+        ValueError, match="rollout_dtype must be 'auto', 'float32', 'bfloat16', 'float16' or None"
+    ):
         make_module(rollout_dtype="int8")
 
 
@@ -445,8 +488,10 @@ def test_auto_rollout_dtype_mirrors_in_bf16_only_where_bf16_is_native(monkeypatc
     assert (module.rollout_policy.dtype if module.rollout_policy is not None else None) == mirror
 
 
-@pytest.mark.parametrize(("layout", "rollout_dtype", "column_major"),
-                         [("in_out", None, True), ("out_in", None, False), ("in_out", "bfloat16", True)])
+@pytest.mark.parametrize(
+    ("layout", "rollout_dtype", "column_major"),
+    [("in_out", None, True), ("out_in", None, False), ("in_out", "bfloat16", True)],
+)
 def test_weight_layout_of_the_rollout_model(layout, rollout_dtype, column_major):
     module = make_module(weight_layout=layout, rollout_dtype=rollout_dtype)
     make_trainer(1).fit(module)  # trains through the relaid weights
@@ -474,9 +519,13 @@ class SaveRankState(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         torch.save(
-            {"params": params(pl_module), "batches": self.batches, "tokens": self.tokens,
-             "world_size": trainer.world_size,
-             "metrics": {k: float(v) for k, v in trainer.logged_metrics.items()}},
+            {
+                "params": params(pl_module),
+                "batches": self.batches,
+                "tokens": self.tokens,
+                "world_size": trainer.world_size,
+                "metrics": {k: float(v) for k, v in trainer.logged_metrics.items()},
+            },
             self.directory / f"rank{trainer.global_rank}.pt",
         )
 
@@ -510,8 +559,12 @@ def test_ddp_two_processes_on_gloo(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_smollm2_one_step_on_the_default_task():
-    module = GRPOModule(model="smollm2-135m", task=TaskConfig(name="chain_sum", size=8),
-                        rollout=RolloutConfig(max_new_tokens=32), optim=OptimConfig(group_size=2, prompts_per_step=2))
+    module = GRPOModule(
+        model="smollm2-135m",
+        task=TaskConfig(name="chain_sum", size=8),
+        rollout=RolloutConfig(max_new_tokens=32),
+        optim=OptimConfig(group_size=2, prompts_per_step=2),
+    )
     record = Record()
     trainer = make_trainer(1, callbacks=[record])
     trainer.fit(module)
@@ -569,12 +622,25 @@ def test_rollout_listeners_hear_each_training_rollout_until_removed():
     module.add_rollout_listener(second)
     module.add_rollout_listener(OnlyAfter())
     make_trainer(1).fit(module)
-    assert calls == [("a", "begin", 0), ("b", "begin", 0), ("a", "before"), ("b", "before"),
-                     ("a", "after", 8), ("b", "after", 8), ("c", "after", 8), ("a", "end", 1, True),
-                     ("b", "end", 1, True)]
+    assert calls == [
+        ("a", "begin", 0),
+        ("b", "begin", 0),
+        ("a", "before"),
+        ("b", "before"),
+        ("a", "after", 8),
+        ("b", "after", 8),
+        ("c", "after", 8),
+        ("a", "end", 1, True),
+        ("b", "end", 1, True),
+    ]
     module.remove_rollout_listener(first)
     module.remove_rollout_listener(first)  # not added (any more): ignored
     module.rollout([PROMPTS[0]], torch.Generator().manual_seed(0))  # outside a training step: not heard
     make_trainer(1).fit(module)
-    assert calls[9:] == [("b", "begin", 0), ("b", "before"), ("b", "after", 8), ("c", "after", 8),
-                         ("b", "end", 1, True)]
+    assert calls[9:] == [
+        ("b", "begin", 0),
+        ("b", "before"),
+        ("b", "after", 8),
+        ("c", "after", 8),
+        ("b", "end", 1, True),
+    ]

@@ -36,13 +36,16 @@ def test_synthetic_rewards_by_hand():
     assert reward.total == reward.correctness == 0.5
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"reward": "odd"}, r"reward must be one of \['copy', 'even'\], got 'odd'"),
-    ({"num_prompts": 0}, "num_prompts must be an int >= 1, got 0"),
-    ({"prompt_length": 2.5}, "prompt_length must be an int >= 1, got 2.5"),
-    ({"vocab_size": 3}, "vocab_size must be an int >= 4, got 3"),
-    ({"seed": -1}, "seed must be an int >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"reward": "odd"}, r"reward must be one of \['copy', 'even'\], got 'odd'"),
+        ({"num_prompts": 0}, "num_prompts must be an int >= 1, got 0"),
+        ({"prompt_length": 2.5}, "prompt_length must be an int >= 1, got 2.5"),
+        ({"vocab_size": 3}, "vocab_size must be an int >= 4, got 3"),
+        ({"seed": -1}, "seed must be an int >= 0, got -1"),
+    ],
+)
 def test_synthetic_source_errors_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SyntheticPromptSource(**kwargs)

@@ -23,8 +23,10 @@ from tlt_lightning.rl.module import GRPOModule
 def tt():
     """``(torchtune_module, torchtune_target)``; skips without the torchtune extra."""
     pytest.importorskip("torchtune")
-    return (importlib.import_module("tlt_lightning.rl.torchtune_module"),
-            importlib.import_module("tlt_lightning.models.torchtune_target"))
+    return (
+        importlib.import_module("tlt_lightning.rl.torchtune_module"),
+        importlib.import_module("tlt_lightning.models.torchtune_target"),
+    )
 
 
 def padded_batch() -> PolicyBatch:
@@ -40,7 +42,9 @@ def padded_batch() -> PolicyBatch:
         attention_mask[i, : len(p) + len(c)] = 1
         tokens[i, : len(c)], mask[i, : len(c)] = torch.tensor(c), True
     prompt_lens = torch.tensor([len(p) for p in prompts])
-    return PolicyBatch(input_ids, attention_mask, prompt_lens, tokens, mask, torch.zeros(B), torch.zeros(B, T))
+    return PolicyBatch(
+        input_ids, attention_mask, prompt_lens, tokens, mask, torch.zeros(B), torch.zeros(B, T)
+    )
 
 
 def configured(cls, model: str, **kwargs) -> GRPOModule:
@@ -59,8 +63,11 @@ def test_policy_logprobs_equal_grpo_modules_on_the_same_weights(tt, model):
     tune = configured(TorchtuneGRPOModule, model)
     ckpt = configured(TorchtuneGRPOModule, model, gradient_checkpointing=True)
     results = []
-    for module, embedding in ((hf, lambda m: m.policy.get_input_embeddings()),
-                              (tune, lambda m: m.policy.tok_embeddings), (ckpt, lambda m: m.policy.tok_embeddings)):
+    for module, embedding in (
+        (hf, lambda m: m.policy.get_input_embeddings()),
+        (tune, lambda m: m.policy.tok_embeddings),
+        (ckpt, lambda m: m.policy.tok_embeddings),
+    ):
         logprobs = module.policy_logprobs(batch)
         (logprobs * batch.mask).sum().backward()
         results.append((logprobs.detach(), embedding(module).weight.grad))
@@ -78,8 +85,9 @@ def test_kl_reference_is_the_same_function_as_the_initial_torchtune_policy(tt):
     logprobs = module.policy_logprobs(batch)
     ref = completion_logprobs(module.reference, batch, module.rollout_settings.temperature)
     torch.testing.assert_close(ref[batch.mask], logprobs.detach()[batch.mask], rtol=1e-5, atol=1e-5)
-    out = module.policy_loss(batch._replace(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])), logprobs,
-                             batch.mask.sum().float())
+    out = module.policy_loss(
+        batch._replace(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])), logprobs, batch.mask.sum().float()
+    )
     assert abs(float(out.kl.detach())) < 1e-9 and math.isfinite(float(out.loss.detach()))
 
 
@@ -90,14 +98,21 @@ def test_two_step_fit_with_speculative_rollouts_on_the_torchtune_target(tt):
     module_cls, target_mod = tt
     runs = {}
     for cls in (GRPOModule, module_cls.TorchtuneGRPOModule):
-        module, record, spec = make_module(cls=cls, drafter_kind="eagle1", max_new_tokens=12), Record(), SpecRecord()
+        module, record, spec = (
+            make_module(cls=cls, drafter_kind="eagle1", max_new_tokens=12),
+            Record(),
+            SpecRecord(),
+        )
         trainer = make_trainer(2, callbacks=[record, spec])
         trainer.fit(module)
         runs[cls] = (module, record, spec, trainer)
     module, record, spec, trainer = runs[module_cls.TorchtuneGRPOModule]
     assert trainer.global_step == 2
     assert isinstance(module.policy, target_mod.TransformerDecoder)
-    assert isinstance(module.policy_target, target_mod.TorchtuneTarget) and module.policy_target.decoder is module.policy
+    assert (
+        isinstance(module.policy_target, target_mod.TorchtuneTarget)
+        and module.policy_target.decoder is module.policy
+    )
     assert module.rollout_target is module.policy_target and module.rollout_policy is None
     assert module.drafter._refs.embedding is module.policy.tok_embeddings
     assert spec.speculative == [True, True]
@@ -116,13 +131,17 @@ def test_two_step_fit_with_speculative_rollouts_on_the_torchtune_target(tt):
 
 def test_bf16_rollout_mirror_is_a_torchtune_decoder(tt):
     module_cls, target_mod = tt
-    module = make_module(cls=module_cls.TorchtuneGRPOModule, rollout_dtype="bfloat16", drafter_kind="eagle1",
-                         max_new_tokens=12)
+    module = make_module(
+        cls=module_cls.TorchtuneGRPOModule, rollout_dtype="bfloat16", drafter_kind="eagle1", max_new_tokens=12
+    )
     record, spec = MirrorRecord(), SpecRecord()
     make_trainer(2, callbacks=[record, spec]).fit(module)
     mirror = module.rollout_policy
     assert isinstance(mirror, target_mod.TransformerDecoder) and mirror is not module.policy
-    assert isinstance(module.rollout_target, target_mod.TorchtuneTarget) and module.rollout_target.decoder is mirror
+    assert (
+        isinstance(module.rollout_target, target_mod.TorchtuneTarget)
+        and module.rollout_target.decoder is mirror
+    )
     assert module.rollout_target.dtype == torch.bfloat16 and module.policy_target.dtype == torch.float32
     assert mirror.output.weight is mirror.tok_embeddings.weight  # the copy stays tied, like the policy
     assert module.drafter.dtype == torch.bfloat16 and module.drafter._refs.embedding is mirror.tok_embeddings
@@ -164,12 +183,27 @@ def test_spot_drafter_trains_on_the_torchtune_policy_and_serves_on_its_bf16_mirr
 
 def nodes(directory: Path) -> dict[str, dict]:
     """torchtune's ``model:`` (as ``builder``) and ``checkpointer:`` nodes of tiny-llama's weights in ``directory``."""
-    builder = {"_component_": "torchtune.models.llama3_2.llama3_2", "vocab_size": 128, "num_layers": 4,
-               "num_heads": 4, "num_kv_heads": 2, "embed_dim": 64, "intermediate_dim": 128, "max_seq_len": 512,
-               "norm_eps": 1e-6, "rope_base": 10000, "scale_factor": 1, "tie_word_embeddings": True}
-    checkpointer = {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": str(directory),
-                    "checkpoint_files": ["model.safetensors"], "model_type": "LLAMA3_2",
-                    "output_dir": str(directory.parent / "out")}
+    builder = {
+        "_component_": "torchtune.models.llama3_2.llama3_2",
+        "vocab_size": 128,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "embed_dim": 64,
+        "intermediate_dim": 128,
+        "max_seq_len": 512,
+        "norm_eps": 1e-6,
+        "rope_base": 10000,
+        "scale_factor": 1,
+        "tie_word_embeddings": True,
+    }
+    checkpointer = {
+        "_component_": "torchtune.training.FullModelHFCheckpointer",
+        "checkpoint_dir": str(directory),
+        "checkpoint_files": ["model.safetensors"],
+        "model_type": "LLAMA3_2",
+        "output_dir": str(directory.parent / "out"),
+    }
     return {"builder": builder, "checkpointer": checkpointer}
 
 
@@ -180,21 +214,30 @@ def test_builder_nodes_give_the_policy_and_a_torchtune_kl_reference(tt, tmp_path
     named = configured(tt[0].TorchtuneGRPOModule, "tiny-llama")
     batch = padded_batch()
     logprobs = module.policy_logprobs(batch)
-    torch.testing.assert_close(logprobs, named.policy_logprobs(batch))  # the same function as the converted twin
+    torch.testing.assert_close(
+        logprobs, named.policy_logprobs(batch)
+    )  # the same function as the converted twin
     assert isinstance(module.reference, tt[1].TransformerDecoder) and module.reference is not module.policy
     assert not any(p.requires_grad for p in module.reference.parameters())
     torch.testing.assert_close(module.reference_logprobs(batch), logprobs.detach())
-    out = module.policy_loss(batch._replace(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])), logprobs,
-                             batch.mask.sum().float())
+    out = module.policy_loss(
+        batch._replace(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])), logprobs, batch.mask.sum().float()
+    )
     assert abs(float(out.kl.detach())) < 1e-9 and math.isfinite(float(out.loss.detach()))
     assert module.policy_target.info.eos_token_ids == named.policy_target.info.eos_token_ids == (2,)
 
 
-@pytest.mark.parametrize(("change", "match"), [
-    ({"checkpointer": None}, "builder and checkpointer go together"),
-    ({"builder": "torchtune.models.llama3_2.llama3_2"}, "builder must be a torchtune config node"),
-    ({"checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer"}}, "checkpointer needs a checkpoint_dir"),
-])
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"checkpointer": None}, "builder and checkpointer go together"),
+        ({"builder": "torchtune.models.llama3_2.llama3_2"}, "builder must be a torchtune config node"),
+        (
+            {"checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer"}},
+            "checkpointer needs a checkpoint_dir",
+        ),
+    ],
+)
 def test_bad_builder_nodes_are_named(tt, tmp_path, change, match):
     with pytest.raises(ValueError, match=match):
         make_module(cls=tt[0].TorchtuneGRPOModule, **{**nodes(tmp_path), **change})
@@ -205,25 +248,43 @@ def test_bad_builder_nodes_are_named(tt, tmp_path, change, match):
 def test_a_torchtune_tokenizer_renders_and_scores_the_task(tt, tmp_path):
     """The tokenizer node: torchtune's Llama 3 tokenizer (a byte-level vocabulary here) renders the task's
     prompts as torchtune's generate recipe does and decodes completions for the task's scorer."""
-    (tmp_path / "bytes.tiktoken").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n"
-                                                     for b in range(256)))
+    (tmp_path / "bytes.tiktoken").write_text(
+        "".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256))
+    )
     load_model("tiny-llama", seed=0).model.save_pretrained(tmp_path / "tiny")
-    tokenizer = {"_component_": "torchtune.models.llama3.llama3_tokenizer", "path": str(tmp_path / "bytes.tiktoken")}
-    module = make_module(cls=tt[0].TorchtuneGRPOModule, prompt_source=None, tokenizer=tokenizer,
-                         task={"name": "basic_arithmetic", "size": 4}, **nodes(tmp_path / "tiny"))
+    tokenizer = {
+        "_component_": "torchtune.models.llama3.llama3_tokenizer",
+        "path": str(tmp_path / "bytes.tiktoken"),
+    }
+    module = make_module(
+        cls=tt[0].TorchtuneGRPOModule,
+        prompt_source=None,
+        tokenizer=tokenizer,
+        task={"name": "basic_arithmetic", "size": 4},
+        **nodes(tmp_path / "tiny"),
+    )
     module.configure_model()
     prompt = module.prompt_source.dataset[0]
     assert prompt.text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>")
-    assert prompt.text.endswith(f"{prompt.question}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
-    assert module.prompt_source.prompt_ids(0)[:2] == [128000, 128006]  # <|begin_of_text|>, <|start_header_id|>
-    answer = module.tokenizer.encode(f"<answer>{prompt.entry['answer']}</answer>", add_bos=False, add_eos=False)
+    assert prompt.text.endswith(
+        f"{prompt.question}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert module.prompt_source.prompt_ids(0)[:2] == [
+        128000,
+        128006,
+    ]  # <|begin_of_text|>, <|start_header_id|>
+    answer = module.tokenizer.encode(
+        f"<answer>{prompt.entry['answer']}</answer>", add_bos=False, add_eos=False
+    )
     reward = module.prompt_source.score(0, torch.tensor(prompt.input_ids), torch.tensor([*answer, 128009]))
     assert reward.correctness == 1.0 and reward.format > 0
 
 
 def test_a_checkpoint_dir_without_a_transformers_config_is_refused(tt, tmp_path):
     module = make_module(cls=tt[0].TorchtuneGRPOModule, **nodes(tmp_path))
-    with pytest.raises(ValueError, match=r"checkpointer.checkpoint_dir: model '.*' not found: .* The policy's architecture"):
+    with pytest.raises(
+        ValueError, match=r"checkpointer.checkpoint_dir: model '.*' not found: .* The policy's architecture"
+    ):
         module.configure_model()
 
 

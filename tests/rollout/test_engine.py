@@ -34,7 +34,11 @@ def eos_candidate(target, prompts, max_new=24) -> int:
     result = RolloutEngine(target, RolloutConfig(max_new_tokens=max_new, temperature=0)).generate(prompts)
     best, best_spread = 0, -1
     for token in range(3, 128):
-        firsts = {int((r.token_ids == token).int().argmax()) for r in result.rollouts if (r.token_ids == token).any()}
+        firsts = {
+            int((r.token_ids == token).int().argmax())
+            for r in result.rollouts
+            if (r.token_ids == token).any()
+        }
         hits = sum(bool((r.token_ids == token).any()) for r in result.rollouts)
         if hits < len(prompts) and len(firsts) > best_spread:
             best, best_spread = token, len(firsts)
@@ -67,7 +71,8 @@ def test_eos_and_max_length_stop_each_request_independently(tiny_llama):
     assert len(stats.step_cpu_times) == len(stats.step_times) == stats.num_steps
     assert all(0 < cpu <= wall + 1e-3 for cpu, wall in zip(stats.step_cpu_times, stats.step_times))
     assert stats.decode_tokens_per_s == pytest.approx(
-        (stats.generated_tokens - stats.prefill_tokens) / sum(stats.step_times))
+        (stats.generated_tokens - stats.prefill_tokens) / sum(stats.step_times)
+    )
     assert RolloutStats().decode_tokens_per_s == 0.0  # no decode step (every response ended at the prefill)
 
 
@@ -92,8 +97,12 @@ def test_sampling_is_reproducible_and_logprobs_match_a_direct_forward(tiny_targe
         assert torch.isfinite(rollout.logprobs).all()
         # Features come from the same forward passes: hidden states 2 and 4 at the predicting positions
         # (up to fp32 summation order: cached batched decoding vs one full forward).
-        torch.testing.assert_close(rollout.features[:, 0], out.hidden_states[2][0, pred], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(rollout.features[:, 1], out.hidden_states[4][0, pred], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            rollout.features[:, 0], out.hidden_states[2][0, pred], atol=1e-4, rtol=1e-4
+        )
+        torch.testing.assert_close(
+            rollout.features[:, 1], out.hidden_states[4][0, pred], atol=1e-4, rtol=1e-4
+        )
 
 
 def test_many_requests_at_once(tiny_llama):
@@ -123,7 +132,9 @@ def test_requests_stop_at_the_context_length():
 def test_bfloat16_target_runs():
     target = without_eos()
     target.model.to(torch.bfloat16)
-    result = RolloutEngine(target, RolloutConfig(max_new_tokens=8, feature_layers=(4,))).generate(random_prompts(3))
+    result = RolloutEngine(target, RolloutConfig(max_new_tokens=8, feature_layers=(4,))).generate(
+        random_prompts(3)
+    )
     assert result.rollouts[0].features.dtype == torch.bfloat16 and (result.lengths == 8).all()
 
 
@@ -162,8 +173,10 @@ def test_bad_config_is_rejected(kwargs, match):
 def test_smollm2_greedy_equals_hf(smollm2):
     tok = smollm2.tokenizer
     questions = ["What is 7 + 5?", "Name a fruit.", "Say hello in French.", "What color is the sky?"]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
-               for q in questions]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+        for q in questions
+    ]
     target = HFTarget(smollm2.model)
     result = RolloutEngine(target, RolloutConfig(max_new_tokens=40, temperature=0)).generate(prompts)
     for prompt, rollout in zip(prompts, result.rollouts):

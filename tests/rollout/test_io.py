@@ -6,12 +6,16 @@ from tlt_lightning.rollout import Rollout, RolloutConfig, RolloutEngine, load_ro
 
 
 def test_rollouts_round_trip_with_and_without_features(tiny_llama, tmp_path):
-    engine = RolloutEngine(tiny_llama, RolloutConfig(max_new_tokens=7, temperature=1.0, feature_layers=(2, 4)))
+    engine = RolloutEngine(
+        tiny_llama, RolloutConfig(max_new_tokens=7, temperature=1.0, feature_layers=(2, 4))
+    )
     rollouts = engine.generate([[5, 6, 7], [9], [3, 4]], generator=torch.Generator().manual_seed(0)).rollouts
     full, _ = load_rollouts(save_rollouts(tmp_path / "full.safetensors", rollouts))
     for a, b in zip(rollouts, full):
         assert torch.equal(a.features, b.features) and torch.equal(a.token_ids, b.token_ids)
-    path = save_rollouts(tmp_path / "r.safetensors", rollouts, {"task": "countdown", "seed": [1, 2]}, features=False)
+    path = save_rollouts(
+        tmp_path / "r.safetensors", rollouts, {"task": "countdown", "seed": [1, 2]}, features=False
+    )
     loaded, meta = load_rollouts(path)
     assert meta == {"task": "countdown", "seed": [1, 2]}
     assert len(loaded) == 3

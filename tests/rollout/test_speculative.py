@@ -54,8 +54,9 @@ class OracleDrafter:
 
     def new_cache(self, max_batch, max_len):
         i = self.target.info
-        return _ShiftedCache(i.num_layers, max_batch, i.num_kv_heads, max_len + 1, i.head_dim,
-                             self.target.dtype)
+        return _ShiftedCache(
+            i.num_layers, max_batch, i.num_kv_heads, max_len + 1, i.head_dim, self.target.dtype
+        )
 
     def lift(self, features):
         return features[..., 0, :]
@@ -98,7 +99,9 @@ def with_eos(target: HFTarget, eos_token_ids: tuple[int, ...] = ()) -> HFTarget:
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("arm", [DraftSpec(1), DraftSpec(4), DraftSpec(3, 3, 6), SAMPLED, FORKED, EARLY], ids=str)
+@pytest.mark.parametrize(
+    "arm", [DraftSpec(1), DraftSpec(4), DraftSpec(3, 3, 6), SAMPLED, FORKED, EARLY], ids=str
+)
 def test_greedy_equals_plain_with_a_random_drafter(tiny_target, kind, arm):
     """64 requests x 200 tokens: a drafter that is almost always wrong changes nothing."""
     drafter = Drafter(DrafterConfig.from_target(tiny_target, kind=kind, draft_vocab_size=96), tiny_target)
@@ -122,8 +125,17 @@ def test_greedy_equals_plain_with_a_trained_drafter(tiny_llama, arm):
     data = RolloutEngine(tiny_llama, replace(config, feature_layers=drafter.config.rollout_feature_layers))
     plain = data.generate(prompts)
     torch.manual_seed(0)
-    warmup_drafter(drafter, tiny_llama, plain.rollouts, steps=300, lr=1e-2, batch_size=16, progress=False,
-                   max_len=200, loss_cfg=DrafterLoss(1.0, 1.0))  # teacher-forced top-1 ~0.35 here
+    warmup_drafter(
+        drafter,
+        tiny_llama,
+        plain.rollouts,
+        steps=300,
+        lr=1e-2,
+        batch_size=16,
+        progress=False,
+        max_len=200,
+        loss_cfg=DrafterLoss(1.0, 1.0),
+    )  # teacher-forced top-1 ~0.35 here
     drafter.eval()
     result = SpeculativeRolloutLoop(tiny_llama, drafter, config, arm, threshold=1000).generate(prompts)
     assert all(s.token_ids.tolist() == p.token_ids.tolist() for s, p in zip(result.rollouts, plain.rollouts))
@@ -132,8 +144,15 @@ def test_greedy_equals_plain_with_a_trained_drafter(tiny_llama, arm):
 
 @pytest.mark.parametrize(
     ("arm", "temperature"),
-    [(DraftSpec(2), 1.0), (DraftSpec(5), 1.0), (DraftSpec(3), 0.0), (SAMPLED, 1.0), (SAMPLED, 0.0),
-     (FORKED, 1.0), (FORKED, 0.0)],
+    [
+        (DraftSpec(2), 1.0),
+        (DraftSpec(5), 1.0),
+        (DraftSpec(3), 0.0),
+        (SAMPLED, 1.0),
+        (SAMPLED, 0.0),
+        (FORKED, 1.0),
+        (FORKED, 0.0),
+    ],
 )
 def test_oracle_drafter_accepts_everything(tiny_llama, arm, temperature):
     """Chain drafts sampled from the target's own distribution are always accepted (a sampled
@@ -142,14 +161,17 @@ def test_oracle_drafter_accepts_everything(tiny_llama, arm, temperature):
     prompts = [[BOS, *p] for p in random_prompts(6, seed=12)]
     depth = arm.num_steps
     config = RolloutConfig(max_new_tokens=1 + 4 * (depth + 1), temperature=temperature)
-    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, arm, threshold=100,
-                                  drafter_context="prompt")
+    loop = SpeculativeRolloutLoop(
+        target, OracleDrafter(target), config, arm, threshold=100, drafter_context="prompt"
+    )
     result = loop.generate(prompts, generator=torch.Generator().manual_seed(0))
     assert (result.stats.accept_lengths == depth + 1).all()
     assert result.stats.num_steps == 4
     plain = RolloutEngine(target, config).generate(prompts, generator=torch.Generator().manual_seed(0))
     if temperature == 0:
-        assert all(a.token_ids.tolist() == b.token_ids.tolist() for a, b in zip(plain.rollouts, result.rollouts))
+        assert all(
+            a.token_ids.tolist() == b.token_ids.tolist() for a, b in zip(plain.rollouts, result.rollouts)
+        )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
@@ -160,8 +182,9 @@ def test_oracle_drafter_accepts_every_draft_of_a_chain_that_stops_early(tiny_lla
     prompts = [[BOS, *p] for p in random_prompts(1, seed=12)]
     arm = DraftSpec(8, min_confidence=0.2)
     config = RolloutConfig(max_new_tokens=60, temperature=temperature)
-    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, arm, threshold=100,
-                                  drafter_context="prompt")
+    loop = SpeculativeRolloutLoop(
+        target, OracleDrafter(target), config, arm, threshold=100, drafter_context="prompt"
+    )
     result = loop.generate(prompts, generator=torch.Generator().manual_seed(1))
     depths = torch.tensor(result.stats.step_draft_depths)
     assert (result.stats.accept_lengths[:-1] == depths[:-1] + 1).all()  # the last step is cut at the limit
@@ -179,15 +202,18 @@ def test_oracle_drafter_keeps_accepting_after_rows_finish(tiny_llama):
     prompts = [[BOS, *p] for p in random_prompts(16, seed=13)]
     arm = DraftSpec(3)
     config = RolloutConfig(max_new_tokens=1 + 12 * (arm.num_steps + 1), temperature=1.0)
-    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, arm, threshold=100,
-                                  drafter_context="prompt")
+    loop = SpeculativeRolloutLoop(
+        target, OracleDrafter(target), config, arm, threshold=100, drafter_context="prompt"
+    )
     result = loop.generate(prompts, generator=torch.Generator().manual_seed(3))
     sizes = result.stats.step_batch_sizes
     assert len(set(sizes)) >= 3 and sizes[-1] < sizes[0], "rows should have finished at different steps"
     per_step = result.stats.accept_lengths.split(sizes)
     for step, (accepts, size, size_after) in enumerate(zip(per_step, sizes, [*sizes[1:], 0])):
         short = int((accepts < arm.num_steps + 1).sum())
-        assert short <= size - size_after, f"step {step}: {short} rows accepted less, {size - size_after} finished"
+        assert short <= size - size_after, (
+            f"step {step}: {short} rows accepted less, {size - size_after} finished"
+        )
 
 
 @pytest.mark.parametrize("arm", [DraftSpec(3, 2, 4), DraftSpec(4, 3, 12)], ids=str)
@@ -197,8 +223,9 @@ def test_oracle_drafter_trees_accept_their_argmax_path(tiny_llama, arm):
     target = with_eos(tiny_llama)
     prompts = [[BOS, *p] for p in random_prompts(6, seed=12)]
     config = RolloutConfig(max_new_tokens=40, temperature=0)
-    loop = SpeculativeRolloutLoop(target, OracleDrafter(target), config, arm, threshold=100,
-                                  drafter_context="prompt")
+    loop = SpeculativeRolloutLoop(
+        target, OracleDrafter(target), config, arm, threshold=100, drafter_context="prompt"
+    )
     result = loop.generate(prompts)
     plain = RolloutEngine(target, config).generate(prompts)
     assert all(a.token_ids.tolist() == b.token_ids.tolist() for a, b in zip(plain.rollouts, result.rollouts))
@@ -217,11 +244,20 @@ def test_threshold_switches_speculation_on_in_the_tail(tiny_llama):
     assert any(stats.step_speculative) and not all(stats.step_speculative)
 
 
-def tiny_vocab_target(vocab: int = 6, decode: str = "hf", compile_config: CompileConfig | None = None) -> HFTarget:
+def tiny_vocab_target(
+    vocab: int = 6, decode: str = "hf", compile_config: CompileConfig | None = None
+) -> HFTarget:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = model.config.eos_token_id = None
@@ -243,9 +279,16 @@ def exact_joint(target: HFTarget, prompt: list[int], params: SamplingParams, len
     return joint.reshape([V] * length)
 
 
-def assert_sampling_exact(temperature: float, top_p: float, arm: DraftSpec, drafter_vocab: int | None = None,
-                          batch: int = 20_000, calls: int = 1, decode: str = "hf",
-                          compile_config: CompileConfig | None = None) -> list[int]:
+def assert_sampling_exact(
+    temperature: float,
+    top_p: float,
+    arm: DraftSpec,
+    drafter_vocab: int | None = None,
+    batch: int = 20_000,
+    calls: int = 1,
+    decode: str = "hf",
+    compile_config: CompileConfig | None = None,
+) -> list[int]:
     """Chi-square: the joint law of tokens 2-3 (produced by speculative steps) equals the target's,
     over ``calls`` rollouts of ``batch`` requests; returns the draft depth of every step."""
     target = tiny_vocab_target(decode=decode, compile_config=compile_config)
@@ -281,7 +324,12 @@ def assert_sampling_exact(temperature: float, top_p: float, arm: DraftSpec, draf
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (1.0, 0.9), (0.7, 1.0)])
 @pytest.mark.parametrize(
     "arm",
-    [DraftSpec(2), DraftSpec(2, 2, 3), DraftSpec(2, 3, sampled=True), DraftSpec(2, 2, sampled=True, fork_depth=2)],
+    [
+        DraftSpec(2),
+        DraftSpec(2, 2, 3),
+        DraftSpec(2, 3, sampled=True),
+        DraftSpec(2, 2, sampled=True, fork_depth=2),
+    ],
     ids=str,
 )
 def test_sampling_is_exact_end_to_end(temperature, top_p, arm):
@@ -339,12 +387,14 @@ def test_bad_loop_arguments_are_rejected(tiny_llama):
         SpeculativeRolloutLoop(tiny_llama, drafter, drafter_context="all").generate([[5]])
     with pytest.raises(ValueError, match="threshold must be >= 1, got 0"):
         SpeculativeRolloutLoop(tiny_llama, drafter, threshold=0).generate([[5]])
-    loop = SpeculativeRolloutLoop(tiny_llama, drafter, RolloutConfig(max_new_tokens=8),
-                                  DraftSpec(20), max_depth=16)
+    loop = SpeculativeRolloutLoop(
+        tiny_llama, drafter, RolloutConfig(max_new_tokens=8), DraftSpec(20), max_depth=16
+    )
     with pytest.raises(ValueError, match="drafts deeper or verifies more tokens than max_depth=16"):
         loop.generate([[5]])
-    loop = SpeculativeRolloutLoop(tiny_llama, drafter, RolloutConfig(max_new_tokens=8),
-                                  DraftSpec(6, 3, sampled=True), max_depth=16)
+    loop = SpeculativeRolloutLoop(
+        tiny_llama, drafter, RolloutConfig(max_new_tokens=8), DraftSpec(6, 3, sampled=True), max_depth=16
+    )
     with pytest.raises(ValueError, match="strategy chain6x3 drafts deeper or verifies more tokens"):
         loop.generate([[5]])
 

@@ -202,14 +202,23 @@ def test_load_state_dict_tolerates_missing_keys_and_rejects_other_arms():
     bandit = BEGMABStrategy(seed=0)
     drive(bandit, [1, 3, 12, 48] * 10)
     state = bandit.state_dict()
-    assert state["arms"][0][1] == {"num_steps": 2, "topk": 1, "num_draft_tokens": 2, "sampled": False,
-                                   "min_confidence": 0.0, "fork_depth": 1}
+    assert state["arms"][0][1] == {
+        "num_steps": 2,
+        "topk": 1,
+        "num_draft_tokens": 2,
+        "sampled": False,
+        "min_confidence": 0.0,
+        "fork_depth": 1,
+    }
     fresh = BEGMABStrategy(seed=0)
     fresh.load_state_dict({})
     fresh.load_state_dict({"windows": state["windows"]})
     assert fresh.best_arms() == bandit.best_arms()
     # A checkpoint from before min_confidence existed names the same arms.
-    older = [[a and {k: v for k, v in a.items() if k != "min_confidence"} for a in bucket] for bucket in state["arms"]]
+    older = [
+        [a and {k: v for k, v in a.items() if k != "min_confidence"} for a in bucket]
+        for bucket in state["arms"]
+    ]
     BEGMABStrategy(seed=0).load_state_dict({**state, "arms": older})
     with pytest.raises(ValueError, match="do not match the configured arms"):
         BEGMABStrategy(arms=[None, CHAIN2]).load_state_dict(state)
@@ -313,7 +322,10 @@ def test_bad_environment():
 
 def test_decaying_epsilon_explores_less_and_still_converges():
     env = SimulatedSDEnvironment(seed=2)
-    constant, decaying = BEGMABStrategy(seed=2), BEGMABStrategy(seed=2, epsilon_half_life=200, epsilon_floor=0.01)
+    constant, decaying = (
+        BEGMABStrategy(seed=2),
+        BEGMABStrategy(seed=2, epsilon_half_life=200, epsilon_floor=0.01),
+    )
     explored = {}
     for name, bandit in (("constant", constant), ("decaying", decaying)):
         trace = run_strategy(bandit, env, 4000)
@@ -336,13 +348,32 @@ def test_decaying_epsilon_arguments_are_checked():
 def test_parse_arm_inverts_arm_key():
     from tlt_lightning.speculative import parse_arm
 
-    arms = (DraftSpec(8), DraftSpec(3, 2, 5), DraftSpec(6, 2, sampled=True), DraftSpec(10, min_confidence=0.25),
-            DraftSpec(6, 2, sampled=True, fork_depth=3))
+    arms = (
+        DraftSpec(8),
+        DraftSpec(3, 2, 5),
+        DraftSpec(6, 2, sampled=True),
+        DraftSpec(10, min_confidence=0.25),
+        DraftSpec(6, 2, sampled=True, fork_depth=3),
+    )
     for arm in (*default_arms(), *arms):
         assert parse_arm(arm_key(arm)) == arm
     assert parse_arm("chain10@.5") == DraftSpec(10, min_confidence=0.5)
-    for bad in ("", "chain", "tree4x2", "chain0", "on", "chain6x", "chain6x1", "chain6@", "chain6@1.2.3", "chain6@1",
-                "chain6f2", "chain6x2f", "chain6x2f7", "chain6x2f2@0.1"):
+    for bad in (
+        "",
+        "chain",
+        "tree4x2",
+        "chain0",
+        "on",
+        "chain6x",
+        "chain6x1",
+        "chain6@",
+        "chain6@1.2.3",
+        "chain6@1",
+        "chain6f2",
+        "chain6x2f",
+        "chain6x2f7",
+        "chain6x2f2@0.1",
+    ):
         with pytest.raises(ValueError):
             parse_arm(bad)
 

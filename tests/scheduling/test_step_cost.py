@@ -18,8 +18,11 @@ def test_cost_model_makes_decisions_independent_of_wall_time():
     def run(cost_model, time_seed):
         noise = random.Random(time_seed)
         bandit = BEGMABStrategy(seed=3, epsilon=0.3, cost_model=cost_model)
-        drive(bandit, sizes, rewards=lambda step, bs, arm: (1.0 + (arm is not None) * 0.5,
-                                                             noise.uniform(0.01, 1.0)))
+        drive(
+            bandit,
+            sizes,
+            rewards=lambda step, bs, arm: (1.0 + (arm is not None) * 0.5, noise.uniform(0.01, 1.0)),
+        )
         return bandit
 
     a, b = run(StepCostModel(), 0), run(StepCostModel(), 1)
@@ -47,18 +50,26 @@ def test_cost_model_state_and_errors():
     bandit = BEGMABStrategy(cost_model=StepCostModel(base_time=0.1))
     drive(bandit, [1, 2, 3])
     state = bandit.state_dict()
-    assert state["cost_model"] == {"base_time": 0.1, "token_time": 0.0015, "draft_time": 0.006,
-                                   "draft_token_time": 0.00005}
+    assert state["cost_model"] == {
+        "base_time": 0.1,
+        "token_time": 0.0015,
+        "draft_time": 0.006,
+        "draft_token_time": 0.00005,
+    }
     same = BEGMABStrategy(cost_model=StepCostModel(base_time=0.1))
     same.load_state_dict(state)
     assert same.state_dict() == state
-    with pytest.raises(ValueError, match=r"learned with modelled cost .* but this strategy uses wall time.*same reproducible"):
+    with pytest.raises(
+        ValueError, match=r"learned with modelled cost .* but this strategy uses wall time.*same reproducible"
+    ):
         BEGMABStrategy().load_state_dict(state)
     with pytest.raises(ValueError, match="cannot change cost_model after 3 updates"):
         bandit.use_cost_model(None)
     with pytest.raises(TypeError, match="cost_model must be a StepCostModel or None .*got dict"):
         BEGMABStrategy(cost_model={"base_time": 1.0})
-    with pytest.raises(ValueError, match=r"StepCostModel.token_time must be a finite number >= 0 \(seconds\), got -1"):
+    with pytest.raises(
+        ValueError, match=r"StepCostModel.token_time must be a finite number >= 0 \(seconds\), got -1"
+    ):
         StepCostModel(token_time=-1)
     with pytest.raises(ValueError, match="StepCostModel.base_time must be > 0 .*got 0"):
         StepCostModel(base_time=0)

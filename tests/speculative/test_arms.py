@@ -43,7 +43,9 @@ def test_sampled_trees_fork_at_their_first_levels():
     assert DraftSpec(3, 2, sampled=True, fork_depth=3).level_widths == (2, 4, 8)
     assert arm != DraftSpec(4, 3, sampled=True)
     for bad in (0, 5, True, 1.5):
-        with pytest.raises(ValueError, match=r"fork_depth must be an int in \[1, num_steps\] = \[1, 4\], got"):
+        with pytest.raises(
+            ValueError, match=r"fork_depth must be an int in \[1, num_steps\] = \[1, 4\], got"
+        ):
             DraftSpec(4, 3, sampled=True, fork_depth=bad)
     with pytest.raises(ValueError, match="fork_depth=2 describes sampled trees; pass sampled=True"):
         DraftSpec(4, 2, fork_depth=2)

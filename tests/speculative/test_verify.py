@@ -263,8 +263,14 @@ def test_siblings_past_the_end_of_the_proposal_are_skipped() -> None:
     target = p.expand(n, 3, 3).clone()  # rows: root, after node 0, after node 1
     draft = q.expand(n, 3, 3).clone()
     tokens = torch.tensor([[0, 1]]).expand(n, 2)
-    result = verify_tree(target, draft, tokens, torch.tensor([-1, -1]), torch.Generator().manual_seed(0),
-                         siblings="without_replacement")
+    result = verify_tree(
+        target,
+        draft,
+        tokens,
+        torch.tensor([-1, -1]),
+        torch.Generator().manual_seed(0),
+        siblings="without_replacement",
+    )
     assert not (result.accepted_nodes == 1).any()
     first = torch.where(result.num_accepted > 0, 0, result.next_token)  # node 0 carries token 0
     _, pvalue = chisquare(torch.bincount(first, minlength=3).numpy(), (p * n).numpy())

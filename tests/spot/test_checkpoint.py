@@ -291,8 +291,10 @@ def test_two_writers_in_one_folder_lose_no_save_and_leave_nothing_stray(llama, t
     d = make_drafter(llama)
     a, b = AsyncCheckpointer(tmp_path, keep=2), AsyncCheckpointer(tmp_path, keep=2)
     errors: list = []
-    threads = [threading.Thread(target=_save_all, args=(a, d, range(1, 40, 2), errors)),
-               threading.Thread(target=_save_all, args=(b, d, range(2, 41, 2), errors))]
+    threads = [
+        threading.Thread(target=_save_all, args=(a, d, range(1, 40, 2), errors)),
+        threading.Thread(target=_save_all, args=(b, d, range(2, 41, 2), errors)),
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -162,7 +162,15 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
             last.append(coord.finished_last())
         segments = [[s.worker, s.state.value, s.start, s.end] for s in coord.gather_timeline()]
         Path(out, f"rank{rank}.json").write_text(
-            json.dumps({"windows": windows, "started": started, "signals": signals, "last": last, "timeline": segments})
+            json.dumps(
+                {
+                    "windows": windows,
+                    "started": started,
+                    "signals": signals,
+                    "last": last,
+                    "timeline": segments,
+                }
+            )
         )
     finally:
         dist.destroy_process_group()

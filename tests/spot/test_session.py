@@ -28,7 +28,9 @@ def make_spot(llama, tmp_path, state=None, **config) -> SpotDrafter:
 
 def rollout(llama, spot: SpotDrafter, drafter, seed: int):
     """Four prompts' responses with the drafter's training features (as the module's rollouts)."""
-    ids = torch.randint(3, llama.info.vocab_size, (4, 4), generator=torch.Generator().manual_seed(seed)).tolist()
+    ids = torch.randint(
+        3, llama.info.vocab_size, (4, 4), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
     config = RolloutConfig(max_new_tokens=12, feature_layers=drafter.config.rollout_feature_layers)
     return RolloutEngine(llama, config).generate(ids, generator=torch.Generator().manual_seed(seed))
 

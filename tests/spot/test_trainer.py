@@ -22,7 +22,9 @@ def filled_buffer(llama, drafter, step: int = 0, prompts: int = 8) -> RolloutBuf
     return buffer
 
 
-def make_trainer(llama, init: int = 0, rank: int = 0, buffer: RolloutBuffer | None = None, **config) -> SpotTrainer:
+def make_trainer(
+    llama, init: int = 0, rank: int = 0, buffer: RolloutBuffer | None = None, **config
+) -> SpotTrainer:
     """A trainer of a fresh drafter (weights seeded by ``init``); ``config`` overrides SpotTrainerConfig."""
     drafter = make_drafter(llama, seed=init)
     buffer = buffer if buffer is not None else filled_buffer(llama, drafter)
@@ -95,8 +97,9 @@ def test_paid_budget_in_steps(llama):
 
 def test_paid_budget_in_seconds_starts_no_step_the_time_left_cannot_hold(llama, monkeypatch):
     clock = FakeClock(step_s=0.03)
-    monkeypatch.setattr(spot_trainer_module, "time", SimpleNamespace(perf_counter=lambda: clock.now,
-                                                                     time=lambda: clock.now))
+    monkeypatch.setattr(
+        spot_trainer_module, "time", SimpleNamespace(perf_counter=lambda: clock.now, time=lambda: clock.now)
+    )
     trainer = make_trainer(llama, max_steps_per_rollout=None, max_seconds_per_rollout=0.1)
     trainer.train_one = clock.step
     paid = trainer.train_paid()
@@ -153,7 +156,10 @@ def test_stream_is_reproducible_for_the_same_seed_step_and_rank(llama):
     assert stream_tokens(a) == stream_tokens(b)
     b.begin_step(4)
     assert stream_tokens(a) != stream_tokens(b)  # another policy step: other draws
-    for t in (make_trainer(llama, buffer=buffer, rank=1), make_trainer(llama, buffer=buffer, seed=1)):  # rank, seed
+    for t in (
+        make_trainer(llama, buffer=buffer, rank=1),
+        make_trainer(llama, buffer=buffer, seed=1),
+    ):  # rank, seed
         t.begin_step(3)
         assert stream_tokens(t) != stream_tokens(a)
     # Two trainers, same data and step: the same drafter after the same local steps.
@@ -256,8 +262,10 @@ def test_state_dict_roundtrip_and_missing_keys(llama):
         ({"packing_budget": True}, "packing_budget must be an int >= 2, got True"),
         ({"max_steps_per_rollout": -1}, "max_steps_per_rollout must be an int >= 0 or None, got -1"),
         ({"max_seconds_per_rollout": 0.0}, "max_seconds_per_rollout must be a finite number > 0 or None"),
-        ({"max_steps_per_rollout": None, "max_seconds_per_rollout": None},
-         "max_steps_per_rollout and max_seconds_per_rollout are both None"),
+        (
+            {"max_steps_per_rollout": None, "max_seconds_per_rollout": None},
+            "max_steps_per_rollout and max_seconds_per_rollout are both None",
+        ),
         ({"weight_decay": -0.1}, "weight_decay must be a number >= 0, got -0.1"),
         ({"max_grad_norm": 0}, "max_grad_norm must be a number > 0 or None, got 0"),
         ({"seed": 1.5}, "seed must be an int >= 0, got 1.5"),

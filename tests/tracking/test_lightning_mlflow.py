@@ -15,8 +15,9 @@ def _checkpoint(directory, step, saved_at):
 
 def test_registrar_waits_for_the_writer_and_skips_stale_or_missing_checkpoints(tmp_path):
     trainer = SimpleNamespace(loggers=[], is_global_zero=True)
-    writer = SimpleNamespace(directory=tmp_path, in_flight=True,
-                             owns=lambda path: path.name != "step-00000004")
+    writer = SimpleNamespace(
+        directory=tmp_path, in_flight=True, owns=lambda path: path.name != "step-00000004"
+    )
     registrar = CheckpointRegistrar("tlt-drafter-x")
     _checkpoint(tmp_path, 2, saved_at=100.0)  # fresh: saved after the request at 99
     _checkpoint(tmp_path, 1, saved_at=50.0)  # stale: left by an earlier fit, requested at 60

@@ -10,8 +10,12 @@ from tlt_lightning.tracking import AcceptanceRate, MeanAcceptLength, RolloutToke
 
 def stats(accept, strategies, sizes, depths, tokens=10, seconds=2.0):
     return RolloutStats(
-        step_batch_sizes=sizes, step_arms=strategies, step_draft_depths=depths, step_tokens=[tokens],
-        accept_lengths=torch.tensor(accept), total_time=seconds,
+        step_batch_sizes=sizes,
+        step_arms=strategies,
+        step_draft_depths=depths,
+        step_tokens=[tokens],
+        accept_lengths=torch.tensor(accept),
+        total_time=seconds,
     )
 
 
@@ -26,7 +30,9 @@ def test_metrics_against_hand_computed_values():
         rate.update(s)
         tps.update(s)
     assert float(mal.compute()) == pytest.approx(19 / 8)
-    assert float(rate.compute()) == pytest.approx((2 + 0 + 1 + 1 + 4 + 1 + 2 + 0) / (4 * 2 + 4 * 3 + 2 * 2 + 1))
+    assert float(rate.compute()) == pytest.approx(
+        (2 + 0 + 1 + 1 + 4 + 1 + 2 + 0) / (4 * 2 + 4 * 3 + 2 * 2 + 1)
+    )
     assert float(tps.compute()) == pytest.approx(30 / 6.0)
     mal.reset()
     assert float(mal.compute()) == 0.0
@@ -34,8 +40,9 @@ def test_metrics_against_hand_computed_values():
 
 def test_metrics_follow_a_real_speculative_rollout(tiny_llama):
     drafter = Drafter(DrafterConfig.from_target(tiny_llama), tiny_llama)
-    loop = SpeculativeRolloutLoop(tiny_llama, drafter, RolloutConfig(max_new_tokens=12), DraftSpec(3),
-                                  threshold=100)
+    loop = SpeculativeRolloutLoop(
+        tiny_llama, drafter, RolloutConfig(max_new_tokens=12), DraftSpec(3), threshold=100
+    )
     result = loop.generate([[5, 6], [7, 8, 9]], generator=torch.Generator().manual_seed(0))
     mal = MeanAcceptLength()
     mal.update(result.stats)

@@ -152,7 +152,9 @@ def test_the_callbacks_settings_are_run_params(fitted):
     assert params["drafter/effective_draft_vocab"] == "128" == str(spot.spot.drafter.config.draft_vocab)
     assert params["drafter/registered_model_name"] == NAME and params["drafter/drafter_path"] == "None"
     assert params["drafter/trainable_parameters"] == str(spot.spot.drafter.num_trainable_parameters())
-    assert set(params) >= set(spot.params()) and "optim/lr" in params  # beside the module's own (grouped) hyper-parameters
+    assert (
+        set(params) >= set(spot.params()) and "optim/lr" in params
+    )  # beside the module's own (grouped) hyper-parameters
 
 
 def test_a_fits_versions_load_by_uri_and_as_pyfunc_models(fitted):

@@ -36,7 +36,9 @@ def registered(tmp_path, tiny_llama, monkeypatch):
     torch.manual_seed(0)
     drafter = Drafter(DrafterConfig.from_target(tiny_llama, "eagle3", 64), tiny_llama)
     directory = save_drafter(drafter, tmp_path / "drafter")
-    version = log_drafter_version(client, run_id, directory, "my-drafter", rl_step=5, target_model="tiny-llama")
+    version = log_drafter_version(
+        client, run_id, directory, "my-drafter", rl_step=5, target_model="tiny-llama"
+    )
     with mlflow_tracking_uri(uri):
         yield {"uri": uri, "client": client, "run_id": run_id, "drafter": drafter, "version": version}
 
@@ -48,8 +50,13 @@ def test_a_version_is_an_mlflow_model_with_flavours_signature_and_target(registe
     flavour = info.flavors[FLAVOR_NAME]
     config = registered["drafter"].config
     assert flavour["drafter_config"] == json.loads(json.dumps(config.to_dict()))  # the checkpoint's config
-    assert flavour["target"] == {"model": "tiny-llama", "model_type": "llama", "hidden_size": config.hidden_size,
-                                 "num_layers": config.num_target_layers, "vocab_size": config.vocab_size}
+    assert flavour["target"] == {
+        "model": "tiny-llama",
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "num_layers": config.num_target_layers,
+        "vocab_size": config.vocab_size,
+    }
     assert flavour["rl_step"] == 5 and info.metadata["target_model"] == "tiny-llama"
     assert flavour["tlt_lightning_version"] == metadata.version("tlt-lightning")  # the installed package
     assert info.signature.inputs.input_names() == ["input_ids"]
@@ -66,7 +73,9 @@ def test_pyfunc_load_round_trip_drafts_for_the_recorded_target(registered, tiny_
     drafter = model.get_raw_model()
     assert isinstance(drafter, Drafter) and drafter.config == registered["drafter"].config
     assert_same(weights(drafter), weights(registered["drafter"]))
-    out = model.predict(pd.DataFrame({"input_ids": PROMPTS}), params={"max_new_tokens": 6, "num_draft_tokens": 3})
+    out = model.predict(
+        pd.DataFrame({"input_ids": PROMPTS}), params={"max_new_tokens": 6, "num_draft_tokens": 3}
+    )
     assert list(out.columns) == ["token_ids", "mean_accept_length"] and len(out) == 2
     # Lossless: exactly the target's own greedy continuation, whatever the (random) drafter proposed.
     plain = RolloutEngine(tiny_llama, RolloutConfig(max_new_tokens=6, temperature=0.0)).generate(PROMPTS)
@@ -86,8 +95,12 @@ def test_pyfunc_takes_another_target_through_model_config(registered, tiny_llama
 
 def test_unrecorded_target_is_found_by_signature_or_named_in_the_error():
     signature = {"model_type": "llama", "hidden_size": 64, "num_layers": 4, "vocab_size": 128}
-    assert _load_target(None, signature, "float32", 0).info.vocab_size == 128  # the one registry model: tiny-llama
-    with pytest.raises(ValueError, match=r"no registry model matches its signature .* model_config=\{'target'"):
+    assert (
+        _load_target(None, signature, "float32", 0).info.vocab_size == 128
+    )  # the one registry model: tiny-llama
+    with pytest.raises(
+        ValueError, match=r"no registry model matches its signature .* model_config=\{'target'"
+    ):
         _load_target(None, {**signature, "vocab_size": 999}, "float32", 0)
 
 
@@ -99,8 +112,11 @@ def test_load_drafter_resolves_models_and_runs_uris(registered, tiny_llama, tmp_
     assert_same(weights(load_drafter("models:/my-drafter@serving", tiny_llama)), expected)
     source = f"runs:/{run_id}/drafter/model/step-00000005"
     assert_same(weights(load_drafter(source, tiny_llama, tracking_uri=registered["uri"])), expected)
-    with pytest.raises(ValueError, match=rf"run {run_id} has no artifact 'drafter/model/step-9'; artifacts under "
-                                         r"'drafter/model': \['drafter/model/step-00000005'\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"run {run_id} has no artifact 'drafter/model/step-9'; artifacts under "
+        r"'drafter/model': \['drafter/model/step-00000005'\]",
+    ):
         load_drafter(f"runs:/{run_id}/drafter/model/step-9", tiny_llama)
     with pytest.raises(ValueError, match=r"no run 'nope' in sqlite:"):
         load_drafter("runs:/nope/drafter", tiny_llama)
@@ -118,7 +134,10 @@ def test_uris_without_mlflow_name_the_extra(monkeypatch, tiny_llama):
 
 def test_export_drafter_takes_a_registered_version(registered, tiny_llama, tmp_path, capsys):
     out = tmp_path / "eagle"
-    assert cli.main(["export-drafter", "models:/my-drafter/1", str(out), "--tracking-uri", registered["uri"]]) == 0
+    assert (
+        cli.main(["export-drafter", "models:/my-drafter/1", str(out), "--tracking-uri", registered["uri"]])
+        == 0
+    )
     assert "for tiny-llama" in capsys.readouterr().out  # the target recorded in the version's MLmodel
     assert import_drafter(out, tiny_llama).config.kind == "eagle3"
     with pytest.raises(SystemExit, match=r"export-drafter: no registered model 'nope' .*\['my-drafter'\]"):

@@ -27,8 +27,10 @@ def test_every_checkpoint_names_its_run_and_reads_back(tmp_path, monkeypatch):
     trainer.fit(make_module())
     trainer.save_checkpoint(tmp_path / "a.ckpt")
     assert mlflow_run_in_checkpoint(tmp_path / "a.ckpt") == {
-        "run_id": logger.run_id, "experiment_id": logger.experiment_id,
-        "tracking_uri": f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"}
+        "run_id": logger.run_id,
+        "experiment_id": logger.experiment_id,
+        "tracking_uri": f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}",
+    }
     assert canonical_tracking_uri("http://host:5000") == "http://host:5000"
     torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")  # saved without the callback
     assert mlflow_run_in_checkpoint(tmp_path / "plain.ckpt") is None

@@ -52,7 +52,10 @@ def test_prepare_store_creates_the_store_and_experiment_once(tmp_path):
 def test_a_store_that_cannot_be_opened_is_named_with_its_cause(tmp_path):
     (tmp_path / "not-sqlite.db").write_bytes(b"\x00garbage" * 512)
     uri = f"sqlite:///{tmp_path}/not-sqlite.db"
-    with pytest.raises(TrackingStoreError, match=r"MLflow tracking store 'sqlite:///.*not-sqlite.db' could not "
-                                                 r"be opened \(opening the tracking store\): DatabaseError: .*"
-                                                 r"file is not a database"):
+    with pytest.raises(
+        TrackingStoreError,
+        match=r"MLflow tracking store 'sqlite:///.*not-sqlite.db' could not "
+        r"be opened \(opening the tracking store\): DatabaseError: .*"
+        r"file is not a database",
+    ):
         prepare_store(uri, "x")

@@ -76,18 +76,32 @@ class FakeLLM:
         for prompt, p in zip(prompts, params, strict=True):
             assert p["stop_token_ids"] == eos and p["ignore_eos"]
             assert p["logprobs"] == (None if p["temperature"] == 0 else 0)
-            config = RolloutConfig(max_new_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p["top_p"],
-                                   top_k=p["top_k"])
+            config = RolloutConfig(
+                max_new_tokens=p["max_tokens"],
+                temperature=p["temperature"],
+                top_p=p["top_p"],
+                top_k=p["top_k"],
+            )
             generator = torch.Generator().manual_seed(p["seed"]) if "seed" in p else None
-            r = RolloutEngine(self.target, config).generate([prompt["prompt_token_ids"]], generator=generator).rollouts[0]
+            r = (
+                RolloutEngine(self.target, config)
+                .generate([prompt["prompt_token_ids"]], generator=generator)
+                .rollouts[0]
+            )
             tokens = r.token_ids.tolist()
             completion = SimpleNamespace(
                 token_ids=tokens,
-                logprobs=[{t: SimpleNamespace(logprob=float(lp))} for t, lp in zip(tokens, r.logprobs.tolist())],
+                logprobs=[
+                    {t: SimpleNamespace(logprob=float(lp))} for t, lp in zip(tokens, r.logprobs.tolist())
+                ],
                 finish_reason="stop" if r.finish_reason == "eos" else "length",
                 stop_reason=tokens[-1] if r.finish_reason == "eos" else None,
             )
-            outputs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[completion], metrics=None))
+            outputs.append(
+                SimpleNamespace(
+                    prompt_token_ids=prompt["prompt_token_ids"], outputs=[completion], metrics=None
+                )
+            )
         if "speculative_config" in self.kwargs:  # every step drafts K tokens, none accepted
             self._count_drafts(sum(len(o.outputs[0].token_ids) for o in outputs))
         return outputs
@@ -130,4 +144,6 @@ class FakeLLM:
 
 def fake_vllm_module() -> SimpleNamespace:
     """A module-like namespace with ``LLM``, ``SamplingParams``, ``TokensPrompt`` and a version."""
-    return SimpleNamespace(LLM=FakeLLM, SamplingParams=SamplingParams, TokensPrompt=TokensPrompt, __version__="fake")
+    return SimpleNamespace(
+        LLM=FakeLLM, SamplingParams=SamplingParams, TokensPrompt=TokensPrompt, __version__="fake"
+    )

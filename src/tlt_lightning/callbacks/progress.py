@@ -54,8 +54,9 @@ class GRPOProgressBar(TQDMProgressBar):
             bar.set_description("step")
             bar.refresh()
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.max_steps <= 0:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             return

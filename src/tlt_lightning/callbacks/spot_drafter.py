@@ -125,10 +125,16 @@ class SpotDrafterCallback(L.Callback):
         if isinstance(config, Mapping):
             config = SpotConfig.from_dict(config)
         if not isinstance(config, SpotConfig):
-            raise TypeError(f"config must be a SpotConfig or a dict of its fields, got {type(config).__name__}")
+            raise TypeError(
+                f"config must be a SpotConfig or a dict of its fields, got {type(config).__name__}"
+            )
         name = registered_model_name
-        check(name is None or (isinstance(name, str) and bool(name.strip())), "registered_model_name", name,
-              "a non-empty string or None")
+        check(
+            name is None or (isinstance(name, str) and bool(name.strip())),
+            "registered_model_name",
+            name,
+            "a non-empty string or None",
+        )
         self.config = config
         self.save_buffer, self.timeline, self.registered_model_name = bool(save_buffer), bool(timeline), name
         # Built at fit start (no I/O here; nothing unpicklable before ddp_spawn pickles the callback).
@@ -150,17 +156,28 @@ class SpotDrafterCallback(L.Callback):
         self._pending, pending = None, self._pending or {}
         self._resumed, self._finished = bool(pending), False
         self.run_dir = run_dir(trainer)  # on every rank: rank 0's directory, broadcast
-        self.spot = spot = SpotDrafter(self.config, module.policy_target, self.run_dir / "drafter" / "checkpoints",
-                                       serving_target=module.rollout_target, drafter=module.drafter, state=pending)
+        self.spot = spot = SpotDrafter(
+            self.config,
+            module.policy_target,
+            self.run_dir / "drafter" / "checkpoints",
+            serving_target=module.rollout_target,
+            drafter=module.drafter,
+            state=pending,
+        )
         registry = trainer.is_global_zero and bool(mlflow_loggers(trainer))
         model = str(module.hparams.model)
-        self.registrar = CheckpointRegistrar((self.registered_model_name or drafter_model_name(model))
-                                             if registry else None, target_model=model)
+        self.registrar = CheckpointRegistrar(
+            (self.registered_model_name or drafter_model_name(model)) if registry else None,
+            target_model=model,
+        )
         self._load_registrar(pending)
         layers = tuple(spot.drafter.config.rollout_feature_layers)
         if module.rollout_feature_layers and tuple(module.rollout_feature_layers) != layers:
-            warnings.warn(f"SpotDrafterCallback replaces module.rollout_feature_layers "
-                          f"{tuple(module.rollout_feature_layers)} with the drafter's {layers}", stacklevel=2)
+            warnings.warn(
+                f"SpotDrafterCallback replaces module.rollout_feature_layers "
+                f"{tuple(module.rollout_feature_layers)} with the drafter's {layers}",
+                stacklevel=2,
+            )
         module.rollout_feature_layers = layers
         self._listener = _StepListener(spot)
         module.add_rollout_listener(self._listener)
@@ -179,9 +196,15 @@ class SpotDrafterCallback(L.Callback):
         differ from ``kind`` / ``draft_vocab_size``.
         """
         if self.spot is None:
-            raise RuntimeError("SpotDrafterCallback.params() is known once fit has started (the drafter is built then)")
-        settings = {**self.spot.params(), "save_buffer": self.save_buffer, "timeline": self.timeline,
-                    "registered_model_name": self.registrar.name or self.registered_model_name}
+            raise RuntimeError(
+                "SpotDrafterCallback.params() is known once fit has started (the drafter is built then)"
+            )
+        settings = {
+            **self.spot.params(),
+            "save_buffer": self.save_buffer,
+            "timeline": self.timeline,
+            "registered_model_name": self.registrar.name or self.registered_model_name,
+        }
         return {f"drafter/{name}": value for name, value in settings.items()}
 
     @override
@@ -191,8 +214,12 @@ class SpotDrafterCallback(L.Callback):
         # (weights, optimizer, counters): save it again, registered like any other save.
         step, last = trainer.global_step, self.spot.last_checkpoint
         saved_there = last is not None and Path(last).name == f"step-{step:08d}"
-        if (self._resumed and trainer.is_global_zero and step not in self.registrar.registered_steps
-                and (saved_there or step in self.registrar.pending_steps)):
+        if (
+            self._resumed
+            and trainer.is_global_zero
+            and step not in self.registrar.registered_steps
+            and (saved_there or step in self.registrar.pending_steps)
+        ):
             self._save(step)
 
     @override
@@ -206,8 +233,9 @@ class SpotDrafterCallback(L.Callback):
 
     # ------------------------------------------------------------------------------ after each RL step
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._listener.step is None:
             raise RuntimeError(
                 f"{type(pl_module).__name__}.training_step did not tell its rollout listeners that the step "
@@ -215,7 +243,9 @@ class SpotDrafterCallback(L.Callback):
             )
         result, total = self._listener.step
         self._log(pl_module, result, total, trainer.world_size)
-        self.registrar.register(trainer, self.spot.checkpointer)  # what landed since the last step (never waits)
+        self.registrar.register(
+            trainer, self.spot.checkpointer
+        )  # what landed since the last step (never waits)
         if trainer.is_global_zero and self.spot.due(trainer.global_step):
             self._save(trainer.global_step)
 
@@ -244,9 +274,11 @@ class SpotDrafterCallback(L.Callback):
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None or self.spot is None:  # loaded, not applied yet
             return dict(self._pending or {})
-        return {**self.spot.state_dict(buffer_data=self.save_buffer),
-                "registered_steps": list(self.registrar.registered_steps),
-                "registrar": self.registrar.state_dict()}  # also the saves not registered yet
+        return {
+            **self.spot.state_dict(buffer_data=self.save_buffer),
+            "registered_steps": list(self.registrar.registered_steps),
+            "registrar": self.registrar.state_dict(),
+        }  # also the saves not registered yet
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -282,8 +314,12 @@ class SpotDrafterCallback(L.Callback):
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.timeline:
-            self._plot(trainer, self._epoch_start, f"epoch-{trainer.current_epoch:03d}.png",
-                       f"epoch {trainer.current_epoch}")
+            self._plot(
+                trainer,
+                self._epoch_start,
+                f"epoch-{trainer.current_epoch:03d}.png",
+                f"epoch {trainer.current_epoch}",
+            )
         self._epoch_start = time.time()
 
     @override
@@ -310,7 +346,12 @@ class SpotDrafterCallback(L.Callback):
         log_artifact(trainer, path, "drafter")
         if self._accepts:
             steps, means = zip(*self._accepts)
-            figure = draw_or_skip(plot_accept_lengths, steps, means, self._accept_hist.tolist(),
-                                  path.parent / "accept_length.png")
+            figure = draw_or_skip(
+                plot_accept_lengths,
+                steps,
+                means,
+                self._accept_hist.tolist(),
+                path.parent / "accept_length.png",
+            )
             if figure is not None:
                 log_artifact(trainer, figure, "drafter")

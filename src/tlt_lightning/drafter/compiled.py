@@ -75,6 +75,14 @@ class CompiledDrafterStep(BucketedGraphs):
         hidden = hidden_in.new_zeros(p.bucket.batch, p.bucket.queries, hidden_in.shape[-1])
         hidden[: p.n, : p.q] = hidden_in
         self.mark_rows(hidden)
-        out = self.launch(p.bucket, self.drafter, p.input_ids, hidden, p.positions, p.slots, p.mask,
-                          *self.layer_views(cache))
+        out = self.launch(
+            p.bucket,
+            self.drafter,
+            p.input_ids,
+            hidden,
+            p.positions,
+            p.slots,
+            p.mask,
+            *self.layer_views(cache),
+        )
         return self.unpad(out, p)

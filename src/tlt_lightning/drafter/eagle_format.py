@@ -153,7 +153,10 @@ def eagle_config(config: DrafterConfig, dtype: torch.dtype, engine: str = "vllm"
             "eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.feature_layers],
         }
     out[TLT_KEY] = {
-        "format_version": 1, "engine": engine, "target_model_type": c.model_type, "drafter_config": c.to_dict()
+        "format_version": 1,
+        "engine": engine,
+        "target_model_type": c.model_type,
+        "drafter_config": c.to_dict(),
     }
     return out
 
@@ -193,7 +196,9 @@ def config_from_eagle(
             f"{EAGLE1_ARCHITECTURES + EAGLE3_ARCHITECTURES}"
         )
     if _field(data, "num_hidden_layers") != 1:
-        raise ValueError(f"config.json num_hidden_layers must be 1 (one drafter layer), got {data['num_hidden_layers']}")
+        raise ValueError(
+            f"config.json num_hidden_layers must be 1 (one drafter layer), got {data['num_hidden_layers']}"
+        )
     info = target.info
     check_model_type(info.model_type)
     record = data.get(TLT_KEY) or {}

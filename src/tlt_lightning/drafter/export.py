@@ -63,7 +63,9 @@ EXPORT_VOCAB = "draft_vocab.safetensors"
 HOT_TOKENS = "hot_token_ids.pt"
 # Everything an export writes (and the side files' top-level places of exports before ``draft_vocab/``):
 # re-exporting replaces these and refuses a directory holding anything else.
-_EXPORT_FILES = frozenset({EXPORT_CONFIG, EXPORT_WEIGHTS, "README.md", EXPORT_SIDE_DIR, EXPORT_VOCAB, HOT_TOKENS})
+_EXPORT_FILES = frozenset(
+    {EXPORT_CONFIG, EXPORT_WEIGHTS, "README.md", EXPORT_SIDE_DIR, EXPORT_VOCAB, HOT_TOKENS}
+)
 _ZERO_IF_ABSENT = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -109,7 +111,8 @@ def eagle_state_dict(
     if engine == "sglang" and c.kind == "eagle1":
         out["fc.bias"] = out["fc.weight"].new_zeros(out["fc.weight"].shape[0])
     return {
-        k: (v.to(dtype) if v.is_floating_point() else v).to("cpu").contiguous() for k, v in sorted(out.items())
+        k: (v.to(dtype) if v.is_floating_point() else v).to("cpu").contiguous()
+        for k, v in sorted(out.items())
     }
 
 
@@ -256,7 +259,10 @@ def import_drafter(
     export_dir = Path(export_dir)
     data = _read_json(export_dir / EXPORT_CONFIG)
     tensors = _load(export_dir / EXPORT_WEIGHTS)
-    for vocab_file in (export_dir / EXPORT_SIDE_DIR / EXPORT_VOCAB, export_dir / EXPORT_VOCAB):  # new, old place
+    for vocab_file in (
+        export_dir / EXPORT_SIDE_DIR / EXPORT_VOCAB,
+        export_dir / EXPORT_VOCAB,
+    ):  # new, old place
         if vocab_file.is_file():
             tensors.update(_load(vocab_file))
             break
@@ -268,7 +274,9 @@ def import_drafter(
         recorded = DrafterConfig.from_dict(record)
         diff = [f for f, v in config.to_dict().items() if recorded.to_dict()[f] != v]
         if diff:
-            raise ValueError(f"{export_dir / EXPORT_CONFIG}: the EAGLE keys disagree with its record on {diff}")
+            raise ValueError(
+                f"{export_dir / EXPORT_CONFIG}: the EAGLE keys disagree with its record on {diff}"
+            )
     drafter = Drafter(config, target, dtype=dtype)
     if config.reduced_vocab and "t2d" not in tensors and "d2t" in tensors:  # vLLM needs no t2d: some omit it
         ids = torch.arange(tensors["d2t"].numel()) + tensors["d2t"]
@@ -284,7 +292,9 @@ def import_drafter(
     expected = drafter.state_dict()
     for name in sorted(set(tensors) - set(expected)):
         if name.endswith(".bias") and not bool((tensors[name] == 0).all()):
-            raise ValueError(f"{export_dir}: {name} is non-zero, but a {config.model_type} drafter has no such bias")
+            raise ValueError(
+                f"{export_dir}: {name} is non-zero, but a {config.model_type} drafter has no such bias"
+            )
         if name.endswith(".bias"):
             tensors.pop(name)
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
@@ -292,14 +302,18 @@ def import_drafter(
         raise ValueError(f"{export_dir} does not fit the drafter: missing {missing}, unexpected {unexpected}")
     for key, value in expected.items():
         if tensors[key].shape != value.shape:
-            raise ValueError(f"{export_dir}: {key} has shape {list(tensors[key].shape)}, expected {list(value.shape)}")
+            raise ValueError(
+                f"{export_dir}: {key} has shape {list(tensors[key].shape)}, expected {list(value.shape)}"
+            )
     if config.reduced_vocab:
         check_draft_vocab(tensors["d2t"], tensors["t2d"], config, export_dir)
     drafter.load_state_dict(tensors, strict=True)
     if check_head:
         shared = []
         if embed is not None:
-            shared.append(("embed_tokens.weight", "embedding", embed, drafter._refs.embedding.weight.detach()))
+            shared.append(
+                ("embed_tokens.weight", "embedding", embed, drafter._refs.embedding.weight.detach())
+            )
         if config.kind == "eagle3":
             shared.append(("lm_head.weight", "LM head on the draft vocabulary", head, drafter._head()[0]))
         for name, what, stored, ours in shared:

@@ -41,17 +41,21 @@ def target_features(
         progress: show a progress bar.
     """
     if not feature_layers:
-        raise ValueError("feature_layers is empty: name the hidden states to compute (e.g. the drafter's "
-                         "config.rollout_feature_layers)")
+        raise ValueError(
+            "feature_layers is empty: name the hidden states to compute (e.g. the drafter's "
+            "config.rollout_feature_layers)"
+        )
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = target.device
     # Longest first: similar lengths share a batch, so little padding is computed.
     order = sorted(range(len(rollouts)), key=lambda i: -(rollouts[i].prompt_ids.numel() + rollouts[i].length))
     out: list[Rollout | None] = [None] * len(rollouts)
-    bar = tqdm(total=sum(r.length for r in rollouts), unit="tok", desc="target features", disable=not progress)
+    bar = tqdm(
+        total=sum(r.length for r in rollouts), unit="tok", desc="target features", disable=not progress
+    )
     for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
+        idx = order[start : start + batch_size]
         # The last response token predicts nothing that is kept: it is not fed.
         seqs = [torch.cat([rollouts[i].prompt_ids, rollouts[i].token_ids[:-1]]).long() for i in idx]
         ids = pad_sequence(seqs, batch_first=True).to(device)  # [n, S], right-padded with 0
@@ -63,7 +67,7 @@ def target_features(
         for row, i in enumerate(idx):
             r = rollouts[i]
             first = r.prompt_ids.numel() - 1
-            out[i] = replace(r, features=feats[row, first:first + r.length].clone().cpu())
+            out[i] = replace(r, features=feats[row, first : first + r.length].clone().cpu())
             bar.update(r.length)
     bar.close()
     return out  # type: ignore[return-value]

@@ -61,7 +61,9 @@ def save_drafter(drafter: Drafter, directory: str | os.PathLike) -> Path:
     meta = {"format_version": FORMAT_VERSION, "config": drafter.config.to_dict()}
 
     def write(tmp: Path) -> None:
-        save_file(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt", "format_version": str(FORMAT_VERSION)})
+        save_file(
+            tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt", "format_version": str(FORMAT_VERSION)}
+        )
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
 
     return replace_directory(directory, write)

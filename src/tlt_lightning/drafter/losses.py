@@ -13,7 +13,13 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "DrafterLoss", "LossOutput", "acceptance_rate", "draft_vocab_mass", "feature_loss", "soft_ce", "top1_agreement",
+    "DrafterLoss",
+    "LossOutput",
+    "acceptance_rate",
+    "draft_vocab_mass",
+    "feature_loss",
+    "soft_ce",
+    "top1_agreement",
 ]
 
 
@@ -48,7 +54,9 @@ def _restrict(target_logits: torch.Tensor, t2d: torch.Tensor | None) -> torch.Te
     return target_logits if t2d is None else target_logits[..., t2d]
 
 
-def _target_probs(draft_logits: torch.Tensor, target_logits: torch.Tensor, t2d: torch.Tensor | None) -> torch.Tensor:
+def _target_probs(
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, t2d: torch.Tensor | None
+) -> torch.Tensor:
     """The target's distribution on the draft vocabulary (renormalised), ``[N, V_draft]``."""
     target_p = _restrict(target_logits.float(), t2d).softmax(-1)
     if target_p.shape != draft_logits.shape:

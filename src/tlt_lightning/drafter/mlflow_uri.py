@@ -36,7 +36,9 @@ __all__ = [
 DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"
 URI_SCHEMES = ("models:/", "runs:/")
 _INSTALL = "pip install 'tlt-lightning[mlflow]'"
-_FORMS = "'models:/<name>/<version>', 'models:/<name>@<alias>', 'runs:/<run id>/<path>' or a registered-model name"
+_FORMS = (
+    "'models:/<name>/<version>', 'models:/<name>@<alias>', 'runs:/<run id>/<path>' or a registered-model name"
+)
 
 
 def import_mlflow() -> Any:
@@ -99,7 +101,9 @@ def _parse(location: str, version: int | str | None) -> tuple[str, str | None, s
         if not parsed[0] or "" in parsed[1:] or "/" in (parsed[2] or ""):
             raise ValueError(f"location must be {_FORMS}, got {location!r}")
         if version is not None:
-            raise ValueError(f"version={version!r} given with a models:/ URI that names one already ({text!r})")
+            raise ValueError(
+                f"version={version!r} given with a models:/ URI that names one already ({text!r})"
+            )
         return parsed
     if ":/" in text:
         raise ValueError(f"location must be {_FORMS}, got {location!r}")
@@ -120,7 +124,9 @@ def _version_number(client: Any, name: str, ver: str | None, alias: str | None, 
         if err.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
         names = sorted(m.name for m in client.search_registered_models())
-        raise ValueError(f"no registered model {name!r} in {uri}; registered models: {names or 'none'}") from err
+        raise ValueError(
+            f"no registered model {name!r} in {uri}; registered models: {names or 'none'}"
+        ) from err
     found = client.search_model_versions(f"name={quote_filter_value(name)}")
     versions = sorted(int(v.version) for v in found)
     if alias is not None:
@@ -157,7 +163,9 @@ def _run_artifact(client: Any, location: str, uri: str) -> None:
     found = {a.path for a in client.list_artifacts(run_id, parent)}
     if path not in found:
         shown = sorted(found) or "none"
-        raise ValueError(f"run {run_id} has no artifact {path!r}; artifacts under {parent or 'its root'!r}: {shown}")
+        raise ValueError(
+            f"run {run_id} has no artifact {path!r}; artifacts under {parent or 'its root'!r}: {shown}"
+        )
 
 
 def download_drafter(
@@ -188,7 +196,9 @@ def download_drafter(
         raise ValueError(f"location must be {_FORMS}, got {location!r}")
     is_run = location.strip().startswith("runs:/")
     if is_run and version is not None:
-        raise ValueError(f"version={version!r} given with a runs:/ URI ({location!r}): versions name registered models")
+        raise ValueError(
+            f"version={version!r} given with a runs:/ URI ({location!r}): versions name registered models"
+        )
     name, ver, alias = (None, None, None) if is_run else _parse(location, version)
     mlflow = import_mlflow()
     uri = tracking_uri_or_default(tracking_uri)

@@ -300,8 +300,12 @@ class Drafter(nn.Module):
                 f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, q, kv_len]}, got {list(attention_mask.shape)}"
             )
         # Drafting (cached, no autograd) may run compiled; training stays eager by design.
-        if (self._compiled is not None and isinstance(cache, KVCache) and attention_mask.dtype == torch.bool
-                and not torch.is_grad_enabled()):
+        if (
+            self._compiled is not None
+            and isinstance(cache, KVCache)
+            and attention_mask.dtype == torch.bool
+            and not torch.is_grad_enabled()
+        ):
             out = self._compiled(tokens, hidden_in, positions, attention_mask, cache, slots)
             if out is not None:
                 return out
@@ -397,6 +401,7 @@ class Drafter(nn.Module):
         """A one-layer :class:`KVCache` for this drafter (``cache.update(k, v, 0)``)."""
         c = self.config
         if self._compiled is not None:  # room for the buckets' padding
-            return self._compiled.new_cache(1, max_batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype,
-                                            self.device)
+            return self._compiled.new_cache(
+                1, max_batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype, self.device
+            )
         return KVCache(1, max_batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype, self.device)

@@ -8,7 +8,13 @@ import torch
 
 __all__ = ["model_card"]
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.bool: "BOOL"}
+_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+}
 
 
 def _tensor_rows(tensors: dict[str, torch.Tensor], file: str) -> list[str]:
@@ -39,13 +45,19 @@ def _sglang_usage(algo: str, token_map: bool) -> list[str]:
         f"python -m sglang.launch_server --model-path TARGET_MODEL --speculative-algorithm {algo} \\",
         "    --speculative-draft-model-path PATH/TO/THIS/DIR --speculative-num-steps 3 \\",
         "    --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
-        + (" \\\n    --speculative-token-map PATH/TO/THIS/DIR/draft_vocab/hot_token_ids.pt" if token_map else ""),
+        + (
+            " \\\n    --speculative-token-map PATH/TO/THIS/DIR/draft_vocab/hot_token_ids.pt"
+            if token_map
+            else ""
+        ),
         "```",
         "",
     ]
 
 
-def model_card(config: dict[str, Any], tensors: dict[str, torch.Tensor], side: dict[str, torch.Tensor]) -> str:
+def model_card(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor], side: dict[str, torch.Tensor]
+) -> str:
     """Markdown for an export with ``config.json`` = ``config``, weights ``tensors`` and side file ``side``.
 
     Args:

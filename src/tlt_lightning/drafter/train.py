@@ -127,8 +127,9 @@ def drafter_losses(
         w = cfg.step_decay ** (k - 1)
         total, weight_sum = total + w * out.loss, weight_sum + w
         if k == 1:
-            metrics.update(feature_loss=out.feature_loss, ce_loss=out.ce_loss, top1=out.top1,
-                           accept=out.accept)
+            metrics.update(
+                feature_loss=out.feature_loss, ce_loss=out.ce_loss, top1=out.top1, accept=out.accept
+            )
         else:
             metrics[f"top1_step{k}"], metrics[f"accept_step{k}"] = out.top1, out.accept
         # The next draft token at sample i starts from this step's output at sample i - 1.
@@ -275,8 +276,12 @@ def warmup_drafter(
             history.append(metrics)
             if on_step is not None:
                 on_step(len(history), metrics)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}",
-                            accept=f"{metrics['accept']:.2f}", refresh=False)
+            bar.set_postfix(
+                loss=f"{metrics['loss']:.3f}",
+                top1=f"{metrics['top1']:.2f}",
+                accept=f"{metrics['accept']:.2f}",
+                refresh=False,
+            )
             bar.update()
     except KeyboardInterrupt:  # Ctrl-C ends the warm-up early; the drafter keeps what it learned
         if not history:

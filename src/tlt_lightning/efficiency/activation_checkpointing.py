@@ -88,13 +88,19 @@ def find_blocks(module: nn.Module, patterns: str | Sequence[str] | None = None) 
         4
     """
     if patterns is None:
-        lists = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+        lists = [
+            (name, m) for name, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1
+        ]
         if not lists:
-            raise ValueError(f"patterns=None needs an nn.ModuleList of blocks in {type(module).__name__}; none found")
+            raise ValueError(
+                f"patterns=None needs an nn.ModuleList of blocks in {type(module).__name__}; none found"
+            )
         longest = max(len(m) for _, m in lists)
         names = [name for name, m in lists if len(m) == longest]
         if len(names) > 1:
-            raise ValueError(f"patterns=None is ambiguous: ModuleLists {names} all have {longest} blocks; name one")
+            raise ValueError(
+                f"patterns=None is ambiguous: ModuleLists {names} all have {longest} blocks; name one"
+            )
         return list(dict(lists)[names[0]])
     patterns = [patterns] if isinstance(patterns, str) else list(patterns)
     parts = [p.split(".") for p in patterns]
@@ -147,7 +153,9 @@ class ActivationCheckpointHandle:
         self.remove()
 
 
-def apply_activation_checkpointing(blocks: Sequence[nn.Module], plan: ActivationCheckpointPlan | Sequence[bool]) -> ActivationCheckpointHandle:
+def apply_activation_checkpointing(
+    blocks: Sequence[nn.Module], plan: ActivationCheckpointPlan | Sequence[bool]
+) -> ActivationCheckpointHandle:
     """Checkpoint ``blocks[i]`` where the plan says so (module, parameters and state_dict unchanged).
 
     Call models with ``use_cache=False`` while training (as with any activation checkpointing: a
@@ -162,7 +170,9 @@ def apply_activation_checkpointing(blocks: Sequence[nn.Module], plan: Activation
         raise ValueError(f"plan must have one entry per block ({len(blocks)}), got {len(flags)}")
     chosen = [b for b, c in zip(blocks, flags) if c]
     if any(is_activation_checkpointed(b) for b in chosen):
-        raise ValueError("blocks are already checkpointed: remove the previous ActivationCheckpointHandle first")
+        raise ValueError(
+            "blocks are already checkpointed: remove the previous ActivationCheckpointHandle first"
+        )
     for block in chosen:
         block.forward = _CheckpointedForward(block.forward)
     return ActivationCheckpointHandle(chosen)

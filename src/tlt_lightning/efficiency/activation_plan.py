@@ -31,7 +31,9 @@ def _check_budget(profile: ActivationCheckpointProfile, memory_budget: int) -> N
         )
 
 
-def plan_static(profile: ActivationCheckpointProfile | int, every: int = 2, offset: int = 0) -> ActivationCheckpointPlan:
+def plan_static(
+    profile: ActivationCheckpointProfile | int, every: int = 2, offset: int = 0
+) -> ActivationCheckpointPlan:
     """Checkpoint blocks ``offset, offset + every, ...``: the static baseline (every other block).
 
     Args:
@@ -50,7 +52,9 @@ class _TooManyStates(Exception):
     pass
 
 
-def _knapsack(profile: ActivationCheckpointProfile, memory_budget: int, unit: int, max_states: int | None) -> int | None:
+def _knapsack(
+    profile: ActivationCheckpointProfile, memory_budget: int, unit: int, max_states: int | None
+) -> int | None:
     """The cheapest feasible checkpoint bitmask with sizes in ``unit``-byte units (rounded up), or None.
 
     State after each block: (held units, transient inputs kept alive as a bitmask) -> (recompute
@@ -100,7 +104,10 @@ def _knapsack(profile: ActivationCheckpointProfile, memory_budget: int, unit: in
 
 
 def plan_optimal(
-    profile: ActivationCheckpointProfile, memory_budget: int, resolution: int = 4096, max_states: int = 100_000
+    profile: ActivationCheckpointProfile,
+    memory_budget: int,
+    resolution: int = 4096,
+    max_states: int = 100_000,
 ) -> ActivationCheckpointPlan:
     """The plan with the least recompute time whose predicted peak fits ``memory_budget`` bytes.
 
@@ -128,7 +135,9 @@ def plan_optimal(
     try:
         mask = _knapsack(profile, memory_budget, 1, max_states)
     except _TooManyStates:
-        log.info("plan_optimal: more than %d states, counting bytes in 1/%d of the budget", max_states, resolution)
+        log.info(
+            "plan_optimal: more than %d states, counting bytes in 1/%d of the budget", max_states, resolution
+        )
         mask = _knapsack(profile, memory_budget, max(1, math.ceil(memory_budget / resolution)), None)
     if mask is None:  # rounding ate the slack: every block checkpointed fits (checked above)
         return profile.plan([True] * len(profile), "optimal")

@@ -30,6 +30,7 @@ from tlt_lightning.validation import check, is_int
 
 __all__ = ["ActivationCheckpointPlan", "ActivationCheckpointProfile", "BlockCost", "Gap", "profile_blocks"]
 
+
 class BlockCost(NamedTuple):
     """One block's profile. ``held >= output``; ``peak >= held``."""
 
@@ -64,7 +65,9 @@ class ActivationCheckpointProfile:
 
     def __post_init__(self) -> None:
         if len(self.gaps) != len(self.blocks) + 1:
-            raise ValueError(f"gaps must have len(blocks) + 1 = {len(self.blocks) + 1} entries, got {len(self.gaps)}")
+            raise ValueError(
+                f"gaps must have len(blocks) + 1 = {len(self.blocks) + 1} entries, got {len(self.gaps)}"
+            )
         for i, block in enumerate(self.blocks):
             if any(not 0 <= j < len(self.transient_bytes) for j in block.transient):
                 raise ValueError(
@@ -273,7 +276,8 @@ def _metered_run(recorder: _Recorder, forward: Callable[[], Any]) -> _Measured:
             out = forward()  # held until measured: its graph is the memory kept for backward
         recorder.gap()
         measured = _Measured(
-            recorder.costs, recorder.inputs,
+            recorder.costs,
+            recorder.inputs,
             # Outputs no later op reads (attention weights next to the attention output) are
             # dropped by the caller at once: a checkpointed block does not keep them.
             [sum(o[2] for o in outs if meter.was_read(o)) for outs in recorder.outputs],

@@ -110,7 +110,9 @@ class ActivationCheckpointingCallback(L.Callback):
         self._handle: ActivationCheckpointHandle | None = None
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._handle is not None:
             return
         blocks = find_blocks(pl_module, self.blocks)
@@ -138,7 +140,8 @@ class ActivationCheckpointingCallback(L.Callback):
                 "checkpoint/predicted_peak_mib": self.plan.peak_bytes / 2**20,
                 "checkpoint/budget_mib": self.policy.budget_bytes(profile) / 2**20,
             },
-            on_step=True, on_epoch=False,
+            on_step=True,
+            on_epoch=False,
         )
 
     @override

@@ -50,7 +50,9 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
 
 
 def kd_kl_loss(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    temperature: float = 1.0,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Temperature-scaled KD loss ``T^2 KL(p_teacher || p_student)``, averaged over positions.
@@ -83,7 +85,10 @@ def kd_kl_loss(
 
 
 def hidden_state_loss(
-    student: torch.Tensor, teacher: torch.Tensor, kind: HiddenLoss = "mse", mask: torch.Tensor | None = None,
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    kind: HiddenLoss = "mse",
+    mask: torch.Tensor | None = None,
     normalize: bool = False,
 ) -> torch.Tensor:
     """Distance between (projected) student and teacher hidden states, averaged over positions.
@@ -106,7 +111,9 @@ def hidden_state_loss(
         (13.0, 0.0)
     """
     if student.shape != teacher.shape:
-        raise ValueError(f"student and teacher hidden states must match, got {tuple(student.shape)} and {tuple(teacher.shape)}")
+        raise ValueError(
+            f"student and teacher hidden states must match, got {tuple(student.shape)} and {tuple(teacher.shape)}"
+        )
     s, t = student.float(), teacher.detach().float()
     if normalize:
         s, t = F.layer_norm(s, s.shape[-1:]), F.layer_norm(t, t.shape[-1:])
@@ -171,7 +178,9 @@ class DistillConfig:
     def __post_init__(self) -> None:
         if self.layer_map is not None:
             if not isinstance(self.layer_map, Mapping):
-                raise ValueError(f"layer_map must be a mapping student layer -> teacher layer or None, got {self.layer_map!r}")
+                raise ValueError(
+                    f"layer_map must be a mapping student layer -> teacher layer or None, got {self.layer_map!r}"
+                )
             for s, t in self.layer_map.items():
                 if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in (s, t)):
                     raise ValueError(f"layer_map entries must be ints >= 0, got {s!r}: {t!r}")
@@ -233,13 +242,23 @@ class HierarchicalDistillation(nn.Module):
         (((1, 2), (2, 4), (4, 8)), 'Linear')
     """
 
-    def __init__(self, config: DistillConfig, student_layers: int, teacher_layers: int,
-                 student_width: int, teacher_width: int) -> None:
+    def __init__(
+        self,
+        config: DistillConfig,
+        student_layers: int,
+        teacher_layers: int,
+        student_width: int,
+        teacher_width: int,
+    ) -> None:
         super().__init__()
         if not isinstance(config, DistillConfig):
             raise TypeError(f"config must be a DistillConfig, got {type(config).__name__}")
-        for name, value in (("student_layers", student_layers), ("teacher_layers", teacher_layers),
-                            ("student_width", student_width), ("teacher_width", teacher_width)):
+        for name, value in (
+            ("student_layers", student_layers),
+            ("teacher_layers", teacher_layers),
+            ("student_width", student_width),
+            ("teacher_width", teacher_width),
+        ):
             check(is_int(value) and value >= 1, name, value, "an int >= 1")
         self.config = config
         self.student_layers, self.teacher_layers = student_layers, teacher_layers
@@ -259,15 +278,21 @@ class HierarchicalDistillation(nn.Module):
                 )
         self.layer_map: tuple[tuple[int, int], ...] = tuple(mapping.items())
         self.projections = nn.ModuleList(
-            nn.Identity() if student_width == teacher_width else nn.Linear(student_width, teacher_width, bias=False)
+            nn.Identity()
+            if student_width == teacher_width
+            else nn.Linear(student_width, teacher_width, bias=False)
             for _ in self.layer_map
         )
 
     @classmethod
-    def from_models(cls, student: nn.Module, teacher: nn.Module, config: DistillConfig | None = None) -> HierarchicalDistillation:
+    def from_models(
+        cls, student: nn.Module, teacher: nn.Module, config: DistillConfig | None = None
+    ) -> HierarchicalDistillation:
         """Read layers and widths from two HF models' ``config`` (``num_hidden_layers``, ``hidden_size``)."""
         s, t = student.config, teacher.config
-        return cls(config or DistillConfig(), s.num_hidden_layers, t.num_hidden_layers, s.hidden_size, t.hidden_size)
+        return cls(
+            config or DistillConfig(), s.num_hidden_layers, t.num_hidden_layers, s.hidden_size, t.hidden_size
+        )
 
     @property
     def needs_hidden_states(self) -> bool:
@@ -275,8 +300,11 @@ class HierarchicalDistillation(nn.Module):
         return bool(self.layer_map) and self.config.hidden_weight > 0
 
     def forward(
-        self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-        student_hidden: Sequence[torch.Tensor] = (), teacher_hidden: Sequence[torch.Tensor] = (),
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        student_hidden: Sequence[torch.Tensor] = (),
+        teacher_hidden: Sequence[torch.Tensor] = (),
         mask: torch.Tensor | None = None,
     ) -> DistillLoss:
         """The loss of one batch.
@@ -296,27 +324,42 @@ class HierarchicalDistillation(nn.Module):
         zero = kl.new_zeros(())
         per_layer = kl.new_zeros(len(self.layer_map))
         if self.needs_hidden_states:
-            for name, states, layers in (("student_hidden", student_hidden, self.student_layers),
-                                         ("teacher_hidden", teacher_hidden, self.teacher_layers)):
+            for name, states, layers in (
+                ("student_hidden", student_hidden, self.student_layers),
+                ("teacher_hidden", teacher_hidden, self.teacher_layers),
+            ):
                 if len(states) != layers + 1:
-                    raise ValueError(f"{name} must hold {layers + 1} hidden states (embeddings + {layers} layers), got {len(states)}")
-            per_layer = torch.stack([
-                hidden_state_loss(proj(student_hidden[s]), teacher_hidden[t], c.hidden_loss, mask, c.normalize_hidden)
-                for (s, t), proj in zip(self.layer_map, self.projections)
-            ])
+                    raise ValueError(
+                        f"{name} must hold {layers + 1} hidden states (embeddings + {layers} layers), got {len(states)}"
+                    )
+            per_layer = torch.stack(
+                [
+                    hidden_state_loss(
+                        proj(student_hidden[s]), teacher_hidden[t], c.hidden_loss, mask, c.normalize_hidden
+                    )
+                    for (s, t), proj in zip(self.layer_map, self.projections)
+                ]
+            )
         hidden = per_layer.mean() if len(self.layer_map) else zero
         total = c.kl_weight * kl + c.hidden_weight * hidden
         return DistillLoss(total, kl, hidden, per_layer, zero)
 
 
 def _forward(model: nn.Module, batch: Mapping[str, torch.Tensor], hidden: bool) -> Any:
-    return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                 output_hidden_states=hidden, use_cache=False)
+    return model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch.get("attention_mask"),
+        output_hidden_states=hidden,
+        use_cache=False,
+    )
 
 
 def distill_step(
-    student: nn.Module, teacher: nn.Module, distill: HierarchicalDistillation,
-    batch: Mapping[str, torch.Tensor], ce_weight: float = 0.0,
+    student: nn.Module,
+    teacher: nn.Module,
+    distill: HierarchicalDistillation,
+    batch: Mapping[str, torch.Tensor],
+    ce_weight: float = 0.0,
 ) -> DistillLoss:
     """Teacher forward (no gradient), student forward, distillation loss (+ ``ce_weight`` x label CE).
 

@@ -85,7 +85,11 @@ class DoraConfig:
         check(is_int(self.rank) and self.rank >= 1, "rank", self.rank, "an int >= 1")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
             raise ValueError(f"alpha must be a positive number, got {self.alpha!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, (int, float))
+            or not 0 <= self.dropout < 1
+        ):
             raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         for name in ("target_modules", "trainable_modules"):
             value = getattr(self, name)
@@ -99,8 +103,12 @@ class DoraConfig:
     def to_peft(self) -> Any:
         """The equivalent ``peft.LoraConfig``."""
         return _peft().LoraConfig(
-            r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, use_dora=True,
-            target_modules=list(self.target_modules), modules_to_save=list(self.trainable_modules) or None,
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            use_dora=True,
+            target_modules=list(self.target_modules),
+            modules_to_save=list(self.trainable_modules) or None,
         )
 
 

@@ -56,7 +56,9 @@ def grpo_profile_batch(module: GRPOModule, batch: Any) -> PolicyBatch:
 
     optim, device = module.optim_config, module.device
     indices = torch.as_tensor(batch).cpu().long().repeat_interleave(optim.group_size)
-    prompts = [torch.as_tensor(module.prompt_source.prompt_ids(int(i)), dtype=torch.long).flatten() for i in indices]
+    prompts = [
+        torch.as_tensor(module.prompt_source.prompt_ids(int(i)), dtype=torch.long).flatten() for i in indices
+    ]
     prompts = sorted(prompts, key=len, reverse=True)[: optim.micro_batch_size or len(prompts)]
     B, T = len(prompts), module.rollout_settings.max_new_tokens
     prompt_lens = torch.tensor([p.numel() for p in prompts])
@@ -66,9 +68,13 @@ def grpo_profile_batch(module: GRPOModule, batch: Any) -> PolicyBatch:
         input_ids[row, : p.numel()] = p
     attention_mask = (torch.arange(S) < (prompt_lens + T)[:, None]).long()
     return PolicyBatch(
-        input_ids.to(device), attention_mask.to(device), prompt_lens.to(device),
-        torch.zeros(B, T, dtype=torch.long, device=device), torch.ones(B, T, dtype=torch.bool, device=device),
-        torch.ones(B, device=device), torch.zeros(B, T, device=device),
+        input_ids.to(device),
+        attention_mask.to(device),
+        prompt_lens.to(device),
+        torch.zeros(B, T, dtype=torch.long, device=device),
+        torch.ones(B, T, dtype=torch.bool, device=device),
+        torch.ones(B, device=device),
+        torch.zeros(B, T, device=device),
     )
 
 

@@ -115,9 +115,7 @@ class ActivationMemoryMeter(TorchDispatchMode):
         if self._backward and not torch.is_grad_enabled():
             return out
         inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
+            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
         }
         if self._watched:
             for key in inputs:

@@ -128,7 +128,12 @@ class GroupLossScaler:
         """Back off after an overflow, grow after ``growth_interval`` clean steps; clear the flag."""
         c = self.config
         torch._amp_update_scale_(
-            self.scale, self.growth_tracker, self.found_inf, c.growth_factor, c.backoff_factor, c.growth_interval
+            self.scale,
+            self.growth_tracker,
+            self.found_inf,
+            c.growth_factor,
+            c.backoff_factor,
+            c.growth_interval,
         )
         self.found_inf.zero_()
 
@@ -173,20 +178,25 @@ def _device_type(args: Any, kwargs: Any) -> str:
 class _GroupForward:
     """A compute-group module's ``forward`` under autocast, fp32 out, with optional gradient scaling."""
 
-    def __init__(self, forward: Callable[..., Any], dtype: torch.dtype, scaler: GroupLossScaler | None) -> None:
+    def __init__(
+        self, forward: Callable[..., Any], dtype: torch.dtype, scaler: GroupLossScaler | None
+    ) -> None:
         self.forward, self.dtype, self.scaler = forward, dtype, scaler
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         scaler, grad = self.scaler, torch.is_grad_enabled()
         if scaler is not None and grad:
             args, kwargs = tree_map(
-                lambda t: _ScaleGrad.apply(t, scaler, False) if _floating(t) and t.requires_grad else t, (args, kwargs)
+                lambda t: _ScaleGrad.apply(t, scaler, False) if _floating(t) and t.requires_grad else t,
+                (args, kwargs),
             )
         with torch.autocast(device_type=_device_type(args, kwargs), dtype=self.dtype):
             out = self.forward(*args, **kwargs)
         out = tree_map(lambda t: t.float() if _floating(t) else t, out)
         if scaler is not None and grad:
-            out = tree_map(lambda t: _ScaleGrad.apply(t, scaler, True) if _floating(t) and t.requires_grad else t, out)
+            out = tree_map(
+                lambda t: _ScaleGrad.apply(t, scaler, True) if _floating(t) and t.requires_grad else t, out
+            )
         return out
 
 
@@ -221,7 +231,9 @@ class PrecisionHandle:
         scalers: group name -> :class:`GroupLossScaler` (fp16 only; empty for bf16).
     """
 
-    def __init__(self, groups: dict[str, list[nn.Module]], full: list[nn.Module], scalers: dict[str, GroupLossScaler]):
+    def __init__(
+        self, groups: dict[str, list[nn.Module]], full: list[nn.Module], scalers: dict[str, GroupLossScaler]
+    ):
         self.groups, self.full_precision, self.scalers = groups, full, scalers
 
     def parameters(self, group: str) -> list[nn.Parameter]:
@@ -299,7 +311,9 @@ class LayerwisePrecision:
             groups[name] = matched
         wrapped = [m for m in full + [m for ms in groups.values() for m in ms] if "forward" in m.__dict__]
         if wrapped:
-            raise ValueError(f"{len(wrapped)} modules already have a patched forward: remove the previous handle first")
+            raise ValueError(
+                f"{len(wrapped)} modules already have a patched forward: remove the previous handle first"
+            )
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         scalers = {name: GroupLossScaler(c, device) for name in groups} if c.scaled else {}
         for m in full:

@@ -35,14 +35,23 @@ from torch import nn
 
 from tlt_lightning.validation import check, is_int
 
-__all__ = ["Int4QATConfig", "convert_qat", "fake_quantized_modules", "prepare_qat", "quantize_ptq", "quantized_modules"]
+__all__ = [
+    "Int4QATConfig",
+    "convert_qat",
+    "fake_quantized_modules",
+    "prepare_qat",
+    "quantize_ptq",
+    "quantized_modules",
+]
 
 
 def _torchao() -> Any:
     try:
         from torchao import quantization
     except ImportError as err:  # optional: say how to get it
-        raise ImportError("INT4 QAT needs torchao: pip install 'torchao==0.15.0' (torchtune 0.6.1's pin)") from err
+        raise ImportError(
+            "INT4 QAT needs torchao: pip install 'torchao==0.15.0' (torchtune 0.6.1's pin)"
+        ) from err
     return quantization
 
 
@@ -70,8 +79,9 @@ class Int4QATConfig:
 
     def __post_init__(self) -> None:
         g = self.group_size
-        check(g is None or (is_int(g) and g >= 1), "group_size", g,
-              "an int >= 1 or None (per output channel)")
+        check(
+            g is None or (is_int(g) and g >= 1), "group_size", g, "an int >= 1 or None (per output channel)"
+        )
         check(self.activations in ("none", "int8"), "activations", self.activations, "'none' or 'int8'")
         skip = (self.skip,) if isinstance(self.skip, str) else tuple(self.skip)
         if not all(isinstance(p, str) and p for p in skip):
@@ -85,7 +95,9 @@ class Int4QATConfig:
 
         granularity = PerAxis(0) if self.group_size is None else PerGroup(self.group_size)
         if self.activations == "int8":
-            return q.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=granularity)
+            return q.Int8DynamicActivationIntxWeightConfig(
+                weight_dtype=torch.int4, weight_granularity=granularity
+            )
         return q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=granularity)
 
     def selects(self, name: str) -> bool:
@@ -132,7 +144,9 @@ def quantized_modules(model: nn.Module) -> list[str]:
 
 def _check_groups(model: nn.Module, names: list[str], config: Int4QATConfig) -> None:
     if not names:
-        raise ValueError(f"no nn.Linear of {type(model).__name__} is left to quantize after skip={list(config.skip)}")
+        raise ValueError(
+            f"no nn.Linear of {type(model).__name__} is left to quantize after skip={list(config.skip)}"
+        )
     if config.group_size is None:
         return
     bad = [n for n in names if model.get_submodule(n).in_features % config.group_size]

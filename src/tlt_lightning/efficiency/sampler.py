@@ -161,7 +161,9 @@ def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: i
         ``[B]`` float32 mean loss per sequence (0 for a sequence with no labelled position).
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(f"logits must be [B, T, V] and labels [B, T], got {tuple(logits.shape)} and {tuple(labels.shape)}")
+        raise ValueError(
+            f"logits must be [B, T, V] and labels [B, T], got {tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
     targets = labels[:, 1:]
     token_loss = F.cross_entropy(
         logits[:, :-1].float().transpose(1, 2), targets, ignore_index=ignore_index, reduction="none"
@@ -206,11 +208,18 @@ class LossScorer:
     """
 
     def __init__(
-        self, model: nn.Module, dataset: Any, collate_fn: Callable[[list[Any]], Mapping[str, torch.Tensor]],
+        self,
+        model: nn.Module,
+        dataset: Any,
+        collate_fn: Callable[[list[Any]], Mapping[str, torch.Tensor]],
         chunk_size: int | None = None,
     ) -> None:
-        check(chunk_size is None or (is_int(chunk_size) and chunk_size >= 1), "chunk_size", chunk_size,
-              "an int >= 1 or None")
+        check(
+            chunk_size is None or (is_int(chunk_size) and chunk_size >= 1),
+            "chunk_size",
+            chunk_size,
+            "an int >= 1 or None",
+        )
         self.model, self.dataset, self.collate_fn, self.chunk_size = model, dataset, collate_fn, chunk_size
 
     def losses(self, model: nn.Module, indices: Sequence[int]) -> torch.Tensor:
@@ -238,8 +247,12 @@ class RhoLossScorer(LossScorer):
     """
 
     def __init__(
-        self, model: nn.Module, holdout_model: nn.Module, dataset: Any,
-        collate_fn: Callable[[list[Any]], Mapping[str, torch.Tensor]], chunk_size: int | None = None,
+        self,
+        model: nn.Module,
+        holdout_model: nn.Module,
+        dataset: Any,
+        collate_fn: Callable[[list[Any]], Mapping[str, torch.Tensor]],
+        chunk_size: int | None = None,
     ) -> None:
         super().__init__(model, dataset, collate_fn, chunk_size)
         self.holdout_model = holdout_model
@@ -307,11 +320,20 @@ class ImportanceSampler(Sampler[list[int]]):
         (4, 4)
     """
 
-    def __init__(self, dataset_size: int, scorer: Scorer | Callable[[Sequence[int]], torch.Tensor],
-                 config: ImportanceSamplerConfig, rank: int | None = None) -> None:
+    def __init__(
+        self,
+        dataset_size: int,
+        scorer: Scorer | Callable[[Sequence[int]], torch.Tensor],
+        config: ImportanceSamplerConfig,
+        rank: int | None = None,
+    ) -> None:
         if not isinstance(config, ImportanceSamplerConfig):
             raise TypeError(f"config must be an ImportanceSamplerConfig, got {type(config).__name__}")
-        if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < config.batch_size:
+        if (
+            isinstance(dataset_size, bool)
+            or not isinstance(dataset_size, int)
+            or dataset_size < config.batch_size
+        ):
             raise ValueError(
                 f"dataset_size must be an int >= batch_size ({config.batch_size}), got {dataset_size!r}"
             )

@@ -49,8 +49,12 @@ class ImportanceSamplingCallback(L.Callback):
         >>> # L.Trainer(callbacks=[ImportanceSamplingCallback(loader.batch_sampler, proxy=proxy)])
     """
 
-    def __init__(self, sampler: ImportanceSampler, proxy: nn.Module | None = None,
-                 proxy_optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(
+        self,
+        sampler: ImportanceSampler,
+        proxy: nn.Module | None = None,
+        proxy_optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
         super().__init__()
         if not isinstance(sampler, ImportanceSampler):
             raise TypeError(f"sampler must be an ImportanceSampler, got {type(sampler).__name__}")
@@ -62,8 +66,9 @@ class ImportanceSamplingCallback(L.Callback):
         self.proxy_optimizer = proxy_optimizer
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         logs = {}
         stats = self.sampler.last_stats
         if stats is not None:
@@ -82,7 +87,9 @@ class ImportanceSamplingCallback(L.Callback):
         self.sampler.load_state_dict(state_dict.get("sampler", {}))
 
 
-def proxy_step(proxy: nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, torch.Tensor]) -> float:
+def proxy_step(
+    proxy: nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, torch.Tensor]
+) -> float:
     """One optimizer step of ``proxy`` on ``batch`` (token-mean cross-entropy); returns the loss."""
     proxy.train()
     device = next(proxy.parameters()).device
@@ -124,8 +131,14 @@ class DistillationModule(L.LightningModule):
     # Not submodules: out of state_dict, checkpoints, parameters() and DDP (see the class docstring).
     _UNREGISTERED = frozenset({"teacher"})
 
-    def __init__(self, student: nn.Module, teacher: nn.Module, config: DistillConfig | None = None,
-                 ce_weight: float = 1.0, lr: float = 1e-3) -> None:
+    def __init__(
+        self,
+        student: nn.Module,
+        teacher: nn.Module,
+        config: DistillConfig | None = None,
+        ce_weight: float = 1.0,
+        lr: float = 1e-3,
+    ) -> None:
         super().__init__()
         if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0):
             raise ValueError(f"lr must be a number > 0, got {lr!r}")
@@ -160,8 +173,16 @@ class DistillationModule(L.LightningModule):
     @override
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = distill_step(self.student, self.teacher, self.distill, batch, self.ce_weight)
-        self.log_dict({"distill/total": out.total, "distill/kl": out.kl, "distill/hidden": out.hidden,
-                       "distill/ce": out.ce}, on_step=True, on_epoch=False)
+        self.log_dict(
+            {
+                "distill/total": out.total,
+                "distill/kl": out.kl,
+                "distill/hidden": out.hidden,
+                "distill/ce": out.ce,
+            },
+            on_step=True,
+            on_epoch=False,
+        )
         return out.total
 
     @override
@@ -187,8 +208,9 @@ class QATCallback(L.Callback):
         >>> # L.Trainer(callbacks=[QATCallback(Int4QATConfig(group_size=32), module="student")])
     """
 
-    def __init__(self, config: Int4QATConfig | None = None, module: str | None = None,
-                 convert_at_end: bool = True) -> None:
+    def __init__(
+        self, config: Int4QATConfig | None = None, module: str | None = None, convert_at_end: bool = True
+    ) -> None:
         super().__init__()
         self.config = config or Int4QATConfig()
         if not isinstance(self.config, Int4QATConfig):
@@ -202,7 +224,9 @@ class QATCallback(L.Callback):
         try:
             return pl_module.get_submodule(self.module)
         except AttributeError as err:
-            raise ValueError(f"module={self.module!r} is not a submodule of {type(pl_module).__name__}: {err}") from err
+            raise ValueError(
+                f"module={self.module!r} is not a submodule of {type(pl_module).__name__}: {err}"
+            ) from err
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

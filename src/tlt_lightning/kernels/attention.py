@@ -33,11 +33,15 @@ HEAD_DIMS = (64, 128)
 """Head dims :func:`decode_attention` has vectorised bf16 code for (others run a plain loop, also correct)."""
 
 _LIBRARY = torch.library.Library("tlt_lightning", "FRAGMENT")
-_LIBRARY.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor")
+_LIBRARY.define(
+    "decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor"
+)
 
 
 @torch.library.register_fake("tlt_lightning::decode_attention")
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
@@ -46,8 +50,10 @@ def _cpu_tag() -> str:
     cpuinfo, described = Path("/proc/cpuinfo"), ""
     if cpuinfo.exists():
         lines = cpuinfo.read_text().splitlines()
-        described = "".join(next((line for line in lines if line.startswith(key)), "")
-                            for key in ("flags", "Features", "model name"))
+        described = "".join(
+            next((line for line in lines if line.startswith(key)), "")
+            for key in ("flags", "Features", "model name")
+        )
     return hashlib.sha1((platform.machine() + platform.processor() + described).encode()).hexdigest()[:10]
 
 
@@ -59,9 +65,13 @@ def build(name: str = "tlt_decode_attention", flags: tuple[str, ...] = ()) -> No
     from torch.utils import cpp_extension
 
     tag = hashlib.sha1(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
-    cpp_extension.load(name=f"{name}_{tag}_{_cpu_tag()}", sources=[str(_SOURCE)],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
-                       is_python_module=False)
+    cpp_extension.load(
+        name=f"{name}_{tag}_{_cpu_tag()}",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
 
 
 @functools.cache
@@ -70,8 +80,11 @@ def available() -> bool:
     try:
         build()
     except Exception as err:  # noqa: BLE001 - no compiler, no ninja, a failing build: any of them means "not here"
-        warnings.warn(f"tlt_lightning's C++ decode attention did not build ({type(err).__name__}: {err}); "
-                      "compiled decoding attends by PyTorch's kernels instead (slower on CPUs)", stacklevel=2)
+        warnings.warn(
+            f"tlt_lightning's C++ decode attention did not build ({type(err).__name__}: {err}); "
+            "compiled decoding attends by PyTorch's kernels instead (slower on CPUs)",
+            stacklevel=2,
+        )
         return False
     return True
 

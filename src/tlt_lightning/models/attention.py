@@ -135,9 +135,14 @@ def _cpp_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether :func:`~tlt_lightning.kernels.decode_attention` takes this eager attention: bf16 on a CPU,
     a head dim it has vector code for, at most :data:`_CPP_MAX_SCORES` scores a task, and the kernel built."""
     g = query.shape[1] // key.shape[1]
-    return (query.device.type == "cpu" and query.dtype == torch.bfloat16 and query.shape[-1] in kernels.HEAD_DIMS
-            and g * query.shape[2] * key.shape[2] <= _CPP_MAX_SCORES and not torch.compiler.is_compiling()
-            and kernels.available())
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.bfloat16
+        and query.shape[-1] in kernels.HEAD_DIMS
+        and g * query.shape[2] * key.shape[2] <= _CPP_MAX_SCORES
+        and not torch.compiler.is_compiling()
+        and kernels.available()
+    )
 
 
 def grouped_sdpa_attention(
@@ -171,7 +176,9 @@ def grouped_sdpa_attention(
     )
     if inference and _cpp_applies(query, key):
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        return kernels.decode_attention(query, key, value, attention_mask, scale).transpose(1, 2).contiguous(), None
+        return kernels.decode_attention(query, key, value, attention_mask, scale).transpose(
+            1, 2
+        ).contiguous(), None
     grouped = (
         inference
         and getattr(module, "num_key_value_groups", 1) > 1
@@ -180,8 +187,9 @@ def grouped_sdpa_attention(
         and query.shape[2] <= MAX_GROUPED_QUERIES
     )
     if not grouped:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     out = grouped_sdpa(query, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 

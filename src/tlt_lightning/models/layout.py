@@ -28,11 +28,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WEIGHT_LAYOUTS", "PackedLinear", "PackedWeight", "column_major", "packable_dtypes", "set_weight_layout"]
+__all__ = [
+    "WEIGHT_LAYOUTS",
+    "PackedLinear",
+    "PackedWeight",
+    "column_major",
+    "packable_dtypes",
+    "set_weight_layout",
+]
 
 WEIGHT_LAYOUTS = ("out_in", "in_out", "packed")
 """How :func:`set_weight_layout` can store linear weights: PyTorch's ``[out, in]``, transposed, or packed."""
-PACK_ROWS = 8  # the row count oneDNN's blocked format is chosen for (1-128 rows measured within ~10% of the best)
+PACK_ROWS = (
+    8  # the row count oneDNN's blocked format is chosen for (1-128 rows measured within ~10% of the best)
+)
 
 
 def column_major(weight: torch.Tensor) -> torch.Tensor:
@@ -58,7 +67,11 @@ def _packable_dtypes(ops: Any = None) -> tuple[torch.dtype, ...]:
     try:
         dtypes = [torch.float32, *([torch.bfloat16] if ops._is_mkldnn_bf16_supported() else [])]
         g = torch.Generator().manual_seed(0)
-        weight, x, bias = torch.randn(24, 40, generator=g), torch.randn(3, 40, generator=g), torch.randn(24, generator=g)
+        weight, x, bias = (
+            torch.randn(24, 40, generator=g),
+            torch.randn(3, 40, generator=g),
+            torch.randn(24, generator=g),
+        )
         packable = []
         with torch.no_grad():
             for dtype in dtypes:
@@ -133,7 +146,9 @@ class PackedWeight:
         if self._key != key:
             # A normal tensor even under inference_mode, so later no_grad calls can use it.
             with torch.inference_mode(False), torch.no_grad():
-                weight = weights[0].detach().contiguous() if len(weights) == 1 else torch.cat(weights).detach()
+                weight = (
+                    weights[0].detach().contiguous() if len(weights) == 1 else torch.cat(weights).detach()
+                )
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
             self._key = key
         assert self._packed is not None

@@ -204,12 +204,16 @@ def lean_decoder(
         x = _rms_norm(layer.input_layernorm, hidden)
         shape = (n, q, -1, attn.head_dim)
         names = tuple(pre + "self_attn." + p for p in ("q_proj", "k_proj", "v_proj"))
-        query, key, value = (y.reshape(shape).transpose(1, 2)
-                             for y in linears(x, (attn.q_proj, attn.k_proj, attn.v_proj), names))
+        query, key, value = (
+            y.reshape(shape).transpose(1, 2)
+            for y in linears(x, (attn.q_proj, attn.k_proj, attn.v_proj), names)
+        )
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
         keys, values = update_kv(key, value, attn.layer_idx)
-        if attention is None:  # the function transformers would call, so every shape dispatches as it does there
+        if (
+            attention is None
+        ):  # the function transformers would call, so every shape dispatches as it does there
             out, _ = grouped_sdpa_attention(attn, query, keys, values, attention_mask, scaling=attn.scaling)
         else:
             out = attention(query, keys, values, attention_mask, attn.scaling).transpose(1, 2)

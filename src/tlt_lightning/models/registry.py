@@ -84,8 +84,16 @@ def cache_dir() -> Path:
 # initializer_range 0.2 (not the default 0.02): outputs vary from token to token instead of repeating
 # one token, so greedy and speculative tests exercise real disagreements.
 _TINY = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
     initializer_range=0.2,
 )
 
@@ -118,7 +126,9 @@ def available_models() -> list[str]:
 
 def models_with_signature(model_type: str, hidden_size: int, num_layers: int, vocab_size: int) -> list[str]:
     """Registry names whose model has this architecture, hidden size, layer count and vocabulary size."""
-    return [name for name, sig in SIGNATURES.items() if sig == (model_type, hidden_size, num_layers, vocab_size)]
+    return [
+        name for name, sig in SIGNATURES.items() if sig == (model_type, hidden_size, num_layers, vocab_size)
+    ]
 
 
 def smollm2_package_dir() -> Path:
@@ -129,7 +139,9 @@ def smollm2_package_dir() -> Path:
 
 def _smollm2_gguf() -> Path:
     locations = [smollm2_package_dir() / SMOLLM2_PACKAGE]
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # installed the old way; never import it (it imports `llm`)
+    spec = importlib.util.find_spec(
+        SMOLLM2_PACKAGE
+    )  # installed the old way; never import it (it imports `llm`)
     locations += [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
     for location in locations:
         path = location / SMOLLM2_GGUF
@@ -226,8 +238,10 @@ def model_dir(name: str, seed: int = 0) -> Path:
     if name == "smollm2-135m":
         return _smollm2_dir()
     if name in TINY_MODELS:
-        return _save_once(cache_dir() / f"{name}-seed{seed}",
-                          lambda directory: load_model(name, seed=seed).model.save_pretrained(directory))
+        return _save_once(
+            cache_dir() / f"{name}-seed{seed}",
+            lambda directory: load_model(name, seed=seed).model.save_pretrained(directory),
+        )
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(

@@ -24,7 +24,15 @@ from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import column_major, set_weight_layout
 from tlt_lightning.models.lean import check_lean_model, lean_applies, lean_forward
 
-__all__ = ["DECODE_PATHS", "HFTarget", "TargetInfo", "TargetModel", "TargetOutput", "begin_forward", "default_feature_layers"]
+__all__ = [
+    "DECODE_PATHS",
+    "HFTarget",
+    "TargetInfo",
+    "TargetModel",
+    "TargetOutput",
+    "begin_forward",
+    "default_feature_layers",
+]
 
 
 log = logging.getLogger(__name__)
@@ -43,8 +51,10 @@ def cache_argument(decoder: nn.Module) -> str:
     for name in ("cache", "past_key_values"):
         if name in parameters:
             return name
-    raise TypeError(f"{type(decoder).__name__}.forward takes neither `cache` nor `past_key_values`: "
-                    "this transformers version is not supported (transformers>=5.0,<6)")
+    raise TypeError(
+        f"{type(decoder).__name__}.forward takes neither `cache` nor `past_key_values`: "
+        "this transformers version is not supported (transformers>=5.0,<6)"
+    )
 
 
 class TargetOutput(NamedTuple):
@@ -149,7 +159,9 @@ def hf_attention_mask(model: PreTrainedModel, mask: torch.Tensor) -> torch.Tenso
     if impl in ("sdpa", GROUPED_SDPA):
         return mask
     if impl == "eager":
-        return torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill_(~mask, torch.finfo(model.dtype).min)
+        return torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(model.dtype).min
+        )
     raise ValueError(
         f"HFTarget passes explicit [n, 1, q, kv_len] attention masks (tree verification, cache slots), "
         f"which attn_implementation={impl!r} does not take; load the model with attn_implementation='sdpa'"
@@ -195,7 +207,9 @@ class HFTarget(nn.Module):
         4
     """
 
-    def __init__(self, model: PreTrainedModel, decode: str = "hf", compile_config: CompileConfig | None = None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, decode: str = "hf", compile_config: CompileConfig | None = None
+    ) -> None:
         super().__init__()
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
@@ -236,7 +250,9 @@ class HFTarget(nn.Module):
                 eager = "lean"
             except (TypeError, ValueError):
                 eager = "hf"
-            log.warning("decode='compiled' is not available for this model (%s); decoding with decode=%r", err, eager)
+            log.warning(
+                "decode='compiled' is not available for this model (%s); decoding with decode=%r", err, eager
+            )
             return eager
         self._compiled = CompiledDecode(model, compile_config)
         return "compiled"
@@ -292,8 +308,9 @@ class HFTarget(nn.Module):
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         i = self.info
         if self._compiled is not None:  # room for the buckets' padding
-            return self._compiled.new_cache(i.num_layers, max_batch, i.num_kv_heads, max_len, i.head_dim,
-                                            self.dtype, self.device)
+            return self._compiled.new_cache(
+                i.num_layers, max_batch, i.num_kv_heads, max_len, i.head_dim, self.dtype, self.device
+            )
         return KVCache(i.num_layers, max_batch, i.num_kv_heads, max_len, i.head_dim, self.dtype, self.device)
 
     def forward(
@@ -326,7 +343,9 @@ class HFTarget(nn.Module):
             if out is not None:
                 return TargetOutput(*out)
         if self.decode != "hf" and lean_applies(input_ids, attention_mask):
-            return TargetOutput(*lean_forward(self.model, input_ids, positions, attention_mask, cache, feature_layers))
+            return TargetOutput(
+                *lean_forward(self.model, input_ids, positions, attention_mask, cache, feature_layers)
+            )
         out = self.model.get_decoder()(
             input_ids=input_ids,
             attention_mask=hf_attention_mask(self.model, attention_mask),

@@ -94,16 +94,23 @@ class TorchtuneTarget(nn.Module):
     """
 
     def __init__(
-        self, decoder: TransformerDecoder, hf_config: PretrainedConfig, eos_token_ids: tuple[int, ...] | None = None
+        self,
+        decoder: TransformerDecoder,
+        hf_config: PretrainedConfig,
+        eos_token_ids: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(decoder, TransformerDecoder):
             raise TypeError(f"decoder must be a torchtune TransformerDecoder, got {type(decoder).__name__}")
         if not all(isinstance(layer, TransformerSelfAttentionLayer) for layer in decoder.layers):
-            raise TypeError("decoder must have only TransformerSelfAttentionLayer layers (no cross-attention/fusion)")
+            raise TypeError(
+                "decoder must have only TransformerSelfAttentionLayer layers (no cross-attention/fusion)"
+            )
         if decoder.caches_are_setup():
-            raise ValueError("decoder has torchtune KV caches set up; build it without setup_caches(): "
-                             "TorchtuneTarget uses its own KVCache")
+            raise ValueError(
+                "decoder has torchtune KV caches set up; build it without setup_caches(): "
+                "TorchtuneTarget uses its own KVCache"
+            )
         attn = decoder.layers[0].attn
         hf = hf_config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -117,13 +124,17 @@ class TorchtuneTarget(nn.Module):
             ("head_dim", attn.head_dim, head_dim),
         ):
             if mine != theirs:
-                raise ValueError(f"hf_config does not match the decoder: {name} is {theirs}, decoder has {mine}")
+                raise ValueError(
+                    f"hf_config does not match the decoder: {name} is {theirs}, decoder has {mine}"
+                )
         self.decoder = decoder
         self._hf_config = hf
         self.grouped_attention = True  # see _bound; False: torchtune's own attention everywhere
         if eos_token_ids is None:
             eos = hf.eos_token_id
-            eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+            eos_token_ids = (
+                () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+            )
         self.info = TargetInfo(
             model_type=hf.model_type,
             hidden_size=hf.hidden_size,
@@ -230,14 +241,19 @@ class TorchtuneTarget(nn.Module):
 def _check_convertible(config: Any) -> None:
     mt = config.model_type
     if mt not in TORCHTUNE_MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {TORCHTUNE_MODEL_TYPES} to convert to torchtune, got {mt!r}")
+        raise ValueError(
+            f"model_type must be one of {TORCHTUNE_MODEL_TYPES} to convert to torchtune, got {mt!r}"
+        )
     rope = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
     checks = (
         ("hidden_act", config.hidden_act, config.hidden_act == "silu", "'silu'"),
         ("rope_type", rope.get("rope_type"), rope.get("rope_type", "default") == "default", "'default'"),
-        ("head_dim", getattr(config, "head_dim", None),
-         getattr(config, "head_dim", None) in (None, config.hidden_size // config.num_attention_heads),
-         "hidden_size // num_attention_heads (what torchtune's builders use)"),
+        (
+            "head_dim",
+            getattr(config, "head_dim", None),
+            getattr(config, "head_dim", None) in (None, config.hidden_size // config.num_attention_heads),
+            "hidden_size // num_attention_heads (what torchtune's builders use)",
+        ),
         ("mlp_bias", getattr(config, "mlp_bias", False), not getattr(config, "mlp_bias", False), "False"),
     )
     if mt == "llama":
@@ -264,9 +280,17 @@ def torchtune_from_hf(model: PreTrainedModel) -> TransformerDecoder:
     _check_convertible(c)
     rope = getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", 10000.0)}
     heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    dims = dict(vocab_size=c.vocab_size, num_layers=c.num_hidden_layers, num_heads=heads, num_kv_heads=kv,
-                embed_dim=c.hidden_size, intermediate_dim=c.intermediate_size,
-                max_seq_len=c.max_position_embeddings, norm_eps=c.rms_norm_eps, rope_base=rope["rope_theta"])
+    dims = dict(
+        vocab_size=c.vocab_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        embed_dim=c.hidden_size,
+        intermediate_dim=c.intermediate_size,
+        max_seq_len=c.max_position_embeddings,
+        norm_eps=c.rms_norm_eps,
+        rope_base=rope["rope_theta"],
+    )
     state = {k: v.detach() for k, v in model.state_dict().items()}
     convert = dict(num_heads=heads, num_kv_heads=kv, dim=c.hidden_size, head_dim=c.hidden_size // heads)
     tied = bool(getattr(c, "tie_word_embeddings", False))

@@ -19,15 +19,17 @@ def _named_recipe(argv: list[str]) -> str | None:
     prefix = f"{__package__}."
     for arg in argv:
         if arg.startswith(prefix) and arg != f"{__package__}.__main__":
-            return arg[len(prefix):]
+            return arg[len(prefix) :]
     return None
 
 
 if __name__ == "__main__":
     name = _named_recipe(list(getattr(sys, "orig_argv", [])))
     if name not in (None, *RECIPES):
-        raise SystemExit(f"{__package__}.{name} is not a torchtune recipe; the one here is "
-                         f"{__package__}.grpo_torchtune (the others run as `tlt-lightning` subcommands)")
+        raise SystemExit(
+            f"{__package__}.{name} is not a torchtune recipe; the one here is "
+            f"{__package__}.grpo_torchtune (the others run as `tlt-lightning` subcommands)"
+        )
     from tlt_lightning.recipes.grpo_torchtune import recipe_main
 
     recipe_main()

@@ -28,15 +28,25 @@ from tlt_lightning.validation import check
 
 __all__ = ["run"]
 
-COLUMNS = ("accept", "accept_step2", "accept_step3", "top1", "top1_step2", "top1_step3", "vocab_mass", "ce_loss")
+COLUMNS = (
+    "accept",
+    "accept_step2",
+    "accept_step3",
+    "top1",
+    "top1_step2",
+    "top1_step3",
+    "vocab_mass",
+    "ce_loss",
+)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, low in {"first": 0, "unroll": 1, "max_len": 1, "batch_size": 1}.items():
         check(getattr(args, name) >= low, f"--{name.replace('_', '-')}", getattr(args, name), f">= {low}")
     if not Path(args.rollouts).is_file():
-        raise FileNotFoundError(f"--rollouts {args.rollouts}: no such file (make one with "
-                                "`drafter warmup --rollouts-cache`)")
+        raise FileNotFoundError(
+            f"--rollouts {args.rollouts}: no such file (make one with `drafter warmup --rollouts-cache`)"
+        )
     rollouts, meta = load_rollouts(args.rollouts)
     key = meta.get("key", {})
     model = args.model or key.get("model")
@@ -52,8 +62,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         """The rollouts with features of ``layers``: as stored, or recomputed (once per layer set)."""
         if layers == stored and all(r.features is not None for r in rollouts):
             return rollouts
-        print(f"[drafter evaluate] computing target features (layers {list(layers)}) of {len(rollouts)} "
-              "rollouts ...", flush=True)
+        print(
+            f"[drafter evaluate] computing target features (layers {list(layers)}) of {len(rollouts)} "
+            "rollouts ...",
+            flush=True,
+        )
         sampler = target if dtype == "float32" else HFTarget(load_model(model, dtype=dtype).model)
         return target_features(sampler, rollouts, layers, progress=True)
 
@@ -61,12 +74,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for path in args.drafter:
         drafter = load_drafter(path, target, dtype=torch.float32)
         config = drafter.config
-        batches = make_batches(with_features(config.rollout_feature_layers), config, args.batch_size,
-                               shuffle=False, max_len=args.max_len)
+        batches = make_batches(
+            with_features(config.rollout_feature_layers),
+            config,
+            args.batch_size,
+            shuffle=False,
+            max_len=args.max_len,
+        )
         with torch.no_grad():
-            results[path] = evaluate_drafter(drafter, target, batches,
-                                             DrafterLoss.for_kind(config.kind, unroll_steps=args.unroll),
-                                             full_vocab=not args.renormalise)
+            results[path] = evaluate_drafter(
+                drafter,
+                target,
+                batches,
+                DrafterLoss.for_kind(config.kind, unroll_steps=args.unroll),
+                full_vocab=not args.renormalise,
+            )
     positions = sum(min(r.length, args.max_len) for r in rollouts)
     print(f"[drafter evaluate] {len(rollouts)} rollouts, {positions} positions of {args.rollouts}")
     print(" | ".join(["drafter", *COLUMNS]))
@@ -74,8 +96,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(" | ".join([path, *(f"{metrics[c]:.3f}" if c in metrics else "-" for c in COLUMNS)]))
     payload = {
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
-        "model": model, "rollouts_file": args.rollouts, "rollouts": len(rollouts), "positions": positions,
-        "unroll": args.unroll, "max_len": args.max_len, "renormalised": args.renormalise, "sampling": key,
+        "model": model,
+        "rollouts_file": args.rollouts,
+        "rollouts": len(rollouts),
+        "positions": positions,
+        "unroll": args.unroll,
+        "max_len": args.max_len,
+        "renormalised": args.renormalise,
+        "sampling": key,
         "machine": machine_info(),
         "drafters": results,
     }

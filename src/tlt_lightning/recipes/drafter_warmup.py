@@ -54,7 +54,9 @@ def collect_rollouts(
     """
     rollouts: list[Rollout] = list(done or [])
     if len(rollouts) % chunk and len(rollouts) != len(prompts):
-        raise ValueError(f"cannot resume from {len(rollouts)} rollouts: not a whole number of chunks of {chunk}")
+        raise ValueError(
+            f"cannot resume from {len(rollouts)} rollouts: not a whole number of chunks of {chunk}"
+        )
     start = time.perf_counter()
     for i in range(len(rollouts), len(prompts), chunk):
         gen = torch.Generator().manual_seed(seed + i)
@@ -95,8 +97,10 @@ def load_more_rollouts(paths: list[str], key: dict[str, Any]) -> list[Rollout]:
         saved = meta.get("key", {})
         differ = {k: saved.get(k) for k in _SAMPLING_KEYS if saved.get(k) != key[k]}
         if differ:
-            raise ValueError(f"--more-rollouts {path} was sampled with other settings: {differ}, this run: "
-                             f"{ {k: key[k] for k in differ} }")
+            raise ValueError(
+                f"--more-rollouts {path} was sampled with other settings: {differ}, this run: "
+                f"{ {k: key[k] for k in differ} }"
+            )
         rollouts += more
     return rollouts
 
@@ -147,25 +151,38 @@ def _sample(
         done, saved = load_rollouts(cache)
         if saved["key"] != key:
             raise ValueError(f"--rollouts-cache {cache} was made with other settings: {saved['key']}")
-        seconds, chunk = saved["seconds"], saved["chunk"]  # the same chunks: the same seeds, the same rollouts
+        seconds, chunk = (
+            saved["seconds"],
+            saved["chunk"],
+        )  # the same chunks: the same seeds, the same rollouts
     if done and len(done) == len(prompts):
         print(f"[drafter warmup] reusing {len(done)} rollouts from {cache}", flush=True)
         rollouts, rollout_s = done, seconds
     else:
-        print(f"[drafter warmup] sampling {len(prompts) - len(done)} of {len(prompts)} rollouts of {args.model} "
-              f"({args.dtype}) on {args.task} ...", flush=True)
-        sampler = target if args.dtype == "float32" else HFTarget(load_model(args.model, dtype=args.dtype).model)
-        engine = RolloutEngine(sampler, RolloutConfig(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            feature_layers=config.rollout_feature_layers,
-        ))
+        print(
+            f"[drafter warmup] sampling {len(prompts) - len(done)} of {len(prompts)} rollouts of {args.model} "
+            f"({args.dtype}) on {args.task} ...",
+            flush=True,
+        )
+        sampler = (
+            target if args.dtype == "float32" else HFTarget(load_model(args.model, dtype=args.dtype).model)
+        )
+        engine = RolloutEngine(
+            sampler,
+            RolloutConfig(
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                feature_layers=config.rollout_feature_layers,
+            ),
+        )
 
         def save_chunk(so_far: list[Rollout], elapsed: float) -> None:  # Ctrl-C or a crash keeps these
             features = not args.cache_tokens_only and all(r.features is not None for r in so_far)
             save_rollouts(cache, so_far, {"key": key, "seconds": seconds + elapsed, "chunk": chunk}, features)
 
-        rollouts, rollout_s = collect_rollouts(engine, prompts, chunk, args.seed, done,
-                                               None if cache is None else save_chunk)
+        rollouts, rollout_s = collect_rollouts(
+            engine, prompts, chunk, args.seed, done, None if cache is None else save_chunk
+        )
         rollout_s += seconds
         del sampler, engine
     return rollouts, rollout_s
@@ -185,7 +202,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lacking = sum(r.features is None for r in rollouts + more)
     if lacking:  # read from tokens-only files
         print(f"[drafter warmup] recomputing target features of {lacking} stored rollouts ...", flush=True)
-        model = target if args.dtype == "float32" else HFTarget(load_model(args.model, dtype=args.dtype).model)
+        model = (
+            target if args.dtype == "float32" else HFTarget(load_model(args.model, dtype=args.dtype).model)
+        )
         rollouts, more = (_fill_features(model, rs, config.rollout_feature_layers) for rs in (rollouts, more))
     held_out = max(1, len(rollouts) // 10)
     train, valid = rollouts[held_out:] + more, rollouts[:held_out]
@@ -196,9 +215,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loss_cfg = DrafterLoss.for_kind(args.kind, unroll_steps=args.unroll, accept_weight=args.accept_weight)
     valid_batches = make_batches(valid, config, args.batch_size, shuffle=False, max_len=args.max_len)
     before = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
-    print(f"[drafter warmup] {drafter.num_trainable_parameters() / 1e6:.2f}M trainable parameters "
-          f"(target {sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M); "
-          f"training {args.steps} steps on {sum(r.length for r in train)} tokens ...", flush=True)
+    print(
+        f"[drafter warmup] {drafter.num_trainable_parameters() / 1e6:.2f}M trainable parameters "
+        f"(target {sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M); "
+        f"training {args.steps} steps on {sum(r.length for r in train)} tokens ...",
+        flush=True,
+    )
     out = Path(args.out)
 
     def checkpoint(step: int, metrics: dict[str, float]) -> None:
@@ -206,10 +228,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             save_drafter(drafter, out)  # atomic: a crash leaves the previous save whole
 
     start = time.perf_counter()
-    history = warmup_drafter(drafter, target, train, args.steps, lr=args.lr, batch_size=args.batch_size,
-                             loss_cfg=loss_cfg, seed=args.seed, max_len=args.max_len,
-                             lr_warmup=args.lr_warmup, pack_budget=args.pack or None, on_step=checkpoint,
-                             autocast_dtype=torch.bfloat16 if args.train_dtype == "bfloat16" else None)
+    history = warmup_drafter(
+        drafter,
+        target,
+        train,
+        args.steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        loss_cfg=loss_cfg,
+        seed=args.seed,
+        max_len=args.max_len,
+        lr_warmup=args.lr_warmup,
+        pack_budget=args.pack or None,
+        on_step=checkpoint,
+        autocast_dtype=torch.bfloat16 if args.train_dtype == "bfloat16" else None,
+    )
     train_s = time.perf_counter() - start
     after = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
     # Renormalised on the draft vocabulary above, as the training metrics; this is what sampling accepts.
@@ -218,19 +251,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     coverage = float(counts[drafter.draft_ids.cpu()].sum() / counts.sum()) if config.reduced_vocab else 1.0
     payload = {
         "command": "tlt-lightning " + " ".join(getattr(args, "argv", [])),
-        "model": args.model, "dtype": args.dtype, "train_dtype": args.train_dtype, "init_from": args.init_from,
-        "unroll": args.unroll, "accept_weight": args.accept_weight, "pack": args.pack, "task": args.task,
-        "kind": args.kind, "machine": machine_info(),
-        "rollouts": len(rollouts), "more_rollouts": len(more), "train_tokens": sum(r.length for r in train),
-        "rollout_seconds": rollout_s, "train_seconds": train_s,
+        "model": args.model,
+        "dtype": args.dtype,
+        "train_dtype": args.train_dtype,
+        "init_from": args.init_from,
+        "unroll": args.unroll,
+        "accept_weight": args.accept_weight,
+        "pack": args.pack,
+        "task": args.task,
+        "kind": args.kind,
+        "machine": machine_info(),
+        "rollouts": len(rollouts),
+        "more_rollouts": len(more),
+        "train_tokens": sum(r.length for r in train),
+        "rollout_seconds": rollout_s,
+        "train_seconds": train_s,
         "trainable_parameters": drafter.num_trainable_parameters(),
-        "draft_vocab": config.draft_vocab, "draft_vocab_token_coverage": coverage,
-        "held_out_before": before, "held_out_after": after, "held_out_after_full_vocab": after_sd,
+        "draft_vocab": config.draft_vocab,
+        "draft_vocab_token_coverage": coverage,
+        "held_out_before": before,
+        "held_out_after": after,
+        "held_out_after_full_vocab": after_sd,
         "final_train_metrics": history[-1],
     }
     write_json(out / "warmup.json", payload)
     draw_or_skip(plot, history, out / "warmup.png")  # the drafter is saved: a missing matplotlib only warns
-    print(f"[drafter warmup] held-out top-1 {before['top1']:.3f} -> {after['top1']:.3f}, acceptance at T=1 "
-          f"{before['accept']:.3f} -> {after['accept']:.3f} on the draft vocabulary, {after_sd['accept']:.3f} "
-          f"against the target's whole vocabulary (what sampling accepts); saved to {out}", flush=True)
+    print(
+        f"[drafter warmup] held-out top-1 {before['top1']:.3f} -> {after['top1']:.3f}, acceptance at T=1 "
+        f"{before['accept']:.3f} -> {after['accept']:.3f} on the draft vocabulary, {after_sd['accept']:.3f} "
+        f"against the target's whole vocabulary (what sampling accepts); saved to {out}",
+        flush=True,
+    )
     return payload

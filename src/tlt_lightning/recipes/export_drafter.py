@@ -51,8 +51,12 @@ def run(args: argparse.Namespace) -> None:
     except (ValueError, OSError) as err:
         raise SystemExit(f"export-drafter: {err}") from err
     config = import_drafter(out, target).config  # proves the export loads back
-    vocab = f"{config.draft_vocab} of {config.vocab_size}" if config.reduced_vocab else f"all {config.vocab_size}"
-    print(f"[export-drafter] wrote a {config.kind} drafter ({vocab} tokens) for {model} to {out}, for {args.engine}")
+    vocab = (
+        f"{config.draft_vocab} of {config.vocab_size}" if config.reduced_vocab else f"all {config.vocab_size}"
+    )
+    print(
+        f"[export-drafter] wrote a {config.kind} drafter ({vocab} tokens) for {model} to {out}, for {args.engine}"
+    )
 
 
 def _export_fit(args: argparse.Namespace) -> None:
@@ -64,15 +68,25 @@ def _export_fit(args: argparse.Namespace) -> None:
     if args.out is not None or args.checkpoint is None:
         raise SystemExit("export-drafter --from-fit RUN_DIR_OR_CKPT takes one positional argument, OUT")
     try:
-        done = export_fit(args.from_fit, args.checkpoint, model=args.model, dtype=args.dtype, engine=args.engine,
-                          kind=args.kind)
+        done = export_fit(
+            args.from_fit,
+            args.checkpoint,
+            model=args.model,
+            dtype=args.dtype,
+            engine=args.engine,
+            kind=args.kind,
+        )
     except (ValueError, OSError) as err:
         raise SystemExit(f"export-drafter: {err}") from err
     policy = AutoModelForCausalLM.from_pretrained(done.policy_dir, local_files_only=True)
-    import_drafter(done.drafter_dir, HFTarget(policy))  # the pair loads back (EAGLE-3: its head is the policy's)
-    print(f"[export-drafter] wrote the step-{done.step} policy of {done.checkpoint} to {done.policy_dir}"
-          f"{' (with its tokenizer)' if done.tokenizer else ''} and its {done.kind} drafter ({done.drafter_source}) "
-          f"to {done.drafter_dir}, for {args.engine}; see {done.out / 'README.md'}")
+    import_drafter(
+        done.drafter_dir, HFTarget(policy)
+    )  # the pair loads back (EAGLE-3: its head is the policy's)
+    print(
+        f"[export-drafter] wrote the step-{done.step} policy of {done.checkpoint} to {done.policy_dir}"
+        f"{' (with its tokenizer)' if done.tokenizer else ''} and its {done.kind} drafter ({done.drafter_source}) "
+        f"to {done.drafter_dir}, for {args.engine}; see {done.out / 'README.md'}"
+    )
 
 
 def _downloaded(args: argparse.Namespace, tmp: str) -> argparse.Namespace:
@@ -88,7 +102,9 @@ def _downloaded(args: argparse.Namespace, tmp: str) -> argparse.Namespace:
 
         from tlt_lightning.tracking.mlflow_pyfunc import FLAVOR_NAME
 
-        model = (Model.load(str(local / "MLmodel")).flavors.get(FLAVOR_NAME, {}).get("target") or {}).get("model")
+        model = (Model.load(str(local / "MLmodel")).flavors.get(FLAVOR_NAME, {}).get("target") or {}).get(
+            "model"
+        )
     return argparse.Namespace(**{**vars(args), "checkpoint": str(local), "model": model})
 
 

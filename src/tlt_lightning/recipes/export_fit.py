@@ -101,7 +101,9 @@ def find_fit_checkpoint(source: str | os.PathLike) -> Path:
         )
     if len(runs) > 1:
         listed = ", ".join(str(r) for r in runs[:5]) + (" ..." if len(runs) > 5 else "")
-        raise ValueError(f"{path} holds the checkpoints of {len(runs)} runs ({listed}): pass one run's directory")
+        raise ValueError(
+            f"{path} holds the checkpoints of {len(runs)} runs ({listed}): pass one run's directory"
+        )
     last = runs[0] / "last.ckpt"
     if last.is_file():
         return last
@@ -111,7 +113,7 @@ def find_fit_checkpoint(source: str | os.PathLike) -> Path:
 def policy_state_dict(checkpoint: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The policy's weights in a :class:`~tlt_lightning.rl.GRPOModule` checkpoint, without the prefix."""
     state = checkpoint["state_dict"]
-    policy = {k[len(POLICY_PREFIX):]: v for k, v in state.items() if k.startswith(POLICY_PREFIX)}
+    policy = {k[len(POLICY_PREFIX) :]: v for k, v in state.items() if k.startswith(POLICY_PREFIX)}
     if not policy:
         raise ValueError("the checkpoint has no policy.* weights: it is not a GRPOModule checkpoint")
     return policy
@@ -131,43 +133,51 @@ def _load_policy(model: nn.Module, weights: dict[str, torch.Tensor], where: Path
         )
 
 
-def _drafter_state(checkpoint: Mapping[str, Any], where: Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
+def _drafter_state(
+    checkpoint: Mapping[str, Any], where: Path
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """``(drafter config dict, weights)`` of the run's SpotDrafterCallback, if it had one."""
     found = [
-        s for s in checkpoint.get("callbacks", {}).values()
+        s
+        for s in checkpoint.get("callbacks", {}).values()
         if isinstance(s, Mapping) and "drafter_config" in s and "drafter" in s
     ]
     if len(found) > 1:
-        raise ValueError(f"{where} holds {len(found)} trained drafters (several SpotDrafterCallbacks): cannot tell which")
+        raise ValueError(
+            f"{where} holds {len(found)} trained drafters (several SpotDrafterCallbacks): cannot tell which"
+        )
     return (found[0]["drafter_config"], found[0]["drafter"]) if found else None
 
 
 def _readme(record: dict[str, Any]) -> str:
     method = METHODS[record["kind"]]
-    return "\n".join([
-        f"# RL policy and its {record['kind']} drafter (tlt-lightning, step {record['step']})",
-        "",
-        f"Exported by `tlt-lightning export-drafter --from-fit` from `{record['checkpoint']}`: the policy as",
-        "trained at that step (`target/`, transformers) and the drafter trained beside it (`drafter/`, EAGLE",
-        f"format for {record['engine']}). Serve them together; speculative decoding never changes the output.",
-        "",
-        "```bash",
-        f"vllm serve {POLICY_DIR} --speculative-config "
-        f"'{{\"method\": \"{method}\", \"model\": \"{DRAFTER_DIR}\", \"num_speculative_tokens\": 4}}'",
-        "```",
-        "",
-        "```python",
-        "from vllm import LLM",
-        f'llm = LLM(model="{POLICY_DIR}", speculative_config={{"method": "{method}", "model": "{DRAFTER_DIR}",',
-        '                                               "num_speculative_tokens": 4})',
-        "```",
-        "",
-        "(paths relative to this directory). With tlt-lightning's vLLM rollout backend:",
-        f'`VLLMRolloutBackend(VLLMBackendConfig(model="{POLICY_DIR}", drafter="{DRAFTER_DIR}"), rollout_config)`.',
-        "" if record["tokenizer"] else
-        "\nThe policy has no tokenizer (a tiny random model): send token-id prompts.",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"# RL policy and its {record['kind']} drafter (tlt-lightning, step {record['step']})",
+            "",
+            f"Exported by `tlt-lightning export-drafter --from-fit` from `{record['checkpoint']}`: the policy as",
+            "trained at that step (`target/`, transformers) and the drafter trained beside it (`drafter/`, EAGLE",
+            f"format for {record['engine']}). Serve them together; speculative decoding never changes the output.",
+            "",
+            "```bash",
+            f"vllm serve {POLICY_DIR} --speculative-config "
+            f'\'{{"method": "{method}", "model": "{DRAFTER_DIR}", "num_speculative_tokens": 4}}\'',
+            "```",
+            "",
+            "```python",
+            "from vllm import LLM",
+            f'llm = LLM(model="{POLICY_DIR}", speculative_config={{"method": "{method}", "model": "{DRAFTER_DIR}",',
+            '                                               "num_speculative_tokens": 4})',
+            "```",
+            "",
+            "(paths relative to this directory). With tlt-lightning's vLLM rollout backend:",
+            f'`VLLMRolloutBackend(VLLMBackendConfig(model="{POLICY_DIR}", drafter="{DRAFTER_DIR}"), rollout_config)`.',
+            ""
+            if record["tokenizer"]
+            else "\nThe policy has no tokenizer (a tiny random model): send token-id prompts.",
+            "",
+        ]
+    )
 
 
 def export_fit(
@@ -206,7 +216,9 @@ def export_fit(
     hp = dict(checkpoint.get("hyper_parameters") or {})
     model = model or hp.get("model")
     if not isinstance(model, str):
-        raise ValueError(f"{ckpt_path} records no model (hyper_parameters['model']): pass --model NAME_OR_HF_DIR")
+        raise ValueError(
+            f"{ckpt_path} records no model (hyper_parameters['model']): pass --model NAME_OR_HF_DIR"
+        )
     dtype = dtype or hp.get("dtype", "float32")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / EXPORT_RECORD).is_file())):
@@ -223,7 +235,7 @@ def export_fit(
         drafter = Drafter(DrafterConfig.from_dict(dict(config)), target)
         drafter.load_state_dict(weights, strict=True)
         drafter_source = "checkpoint"
-    elif (drafter_path := (hp.get("speculative") or {}).get("drafter_path")):
+    elif drafter_path := (hp.get("speculative") or {}).get("drafter_path"):
         drafter, drafter_source = load_drafter(drafter_path, target), str(drafter_path)
     else:
         raise ValueError(
@@ -235,9 +247,16 @@ def export_fit(
             f"the run's drafter is an {drafter.config.kind} drafter and --kind is {kind}: a drafter is never converted"
         )
     record = {
-        "checkpoint": str(ckpt_path), "step": int(checkpoint.get("global_step", 0)), "model": model,
-        "dtype": dtype, "engine": engine, "kind": drafter.config.kind, "drafter_source": drafter_source,
-        "tokenizer": loaded.tokenizer is not None, "policy": POLICY_DIR, "drafter": DRAFTER_DIR,
+        "checkpoint": str(ckpt_path),
+        "step": int(checkpoint.get("global_step", 0)),
+        "model": model,
+        "dtype": dtype,
+        "engine": engine,
+        "kind": drafter.config.kind,
+        "drafter_source": drafter_source,
+        "tokenizer": loaded.tokenizer is not None,
+        "policy": POLICY_DIR,
+        "drafter": DRAFTER_DIR,
     }
 
     def write(tmp: Path) -> None:
@@ -249,4 +268,6 @@ def export_fit(
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
     replace_directory(out, write)
-    return FitExport(out, ckpt_path, record["step"], model, drafter.config.kind, drafter_source, record["tokenizer"])
+    return FitExport(
+        out, ckpt_path, record["step"], model, drafter.config.kind, drafter_source, record["tokenizer"]
+    )

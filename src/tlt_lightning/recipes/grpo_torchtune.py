@@ -76,17 +76,39 @@ except ImportError as err:  # the optional extra is not installed
         f"(torchtune==0.6.1, torchao==0.15.0); the import failed with: {err}"
     ) from err
 
-__all__ = ["SECTIONS", "RecipeConfigLogger", "build_module", "check_config", "load_config", "recipe_main", "run",
-           "run_command"]
+__all__ = [
+    "SECTIONS",
+    "RecipeConfigLogger",
+    "build_module",
+    "check_config",
+    "load_config",
+    "recipe_main",
+    "run",
+    "run_command",
+]
 
-SECTIONS = ("seed", "threads", "output_dir", "model", "checkpointer", "tokenizer", "prompt_source", "module",
-            "logger", "callbacks", "trainer", "ckpt_path")
+SECTIONS = (
+    "seed",
+    "threads",
+    "output_dir",
+    "model",
+    "checkpointer",
+    "tokenizer",
+    "prompt_source",
+    "module",
+    "logger",
+    "callbacks",
+    "trainer",
+    "ckpt_path",
+)
 _OPTIONAL_NODES = ("model", "checkpointer", "tokenizer", "prompt_source", "logger")
 
 
 def _enabled(node: Any) -> bool:
     """A node that is set: not ``null``, and not a ``node=null`` override (a null ``_component_``)."""
-    return node is not None and not (isinstance(node, dict) and "_component_" in node and node["_component_"] is None)
+    return node is not None and not (
+        isinstance(node, dict) and "_component_" in node and node["_component_"] is None
+    )
 
 
 def _allowed(path: str) -> list[str]:
@@ -135,13 +157,19 @@ def check_config(cfg: DictConfig) -> dict[str, Any]:
     for i, node in enumerate(callbacks):
         _validate(node, f"callbacks[{i}]")
     if _enabled(plain.get("model")) != _enabled(plain.get("checkpointer")):
-        raise ValueError("model and checkpointer go together: the model builder makes the policy, the "
-                         "checkpointer loads its weights (FullModelHFCheckpointer with a checkpoint_dir)")
+        raise ValueError(
+            "model and checkpointer go together: the model builder makes the policy, the "
+            "checkpointer loads its weights (FullModelHFCheckpointer with a checkpoint_dir)"
+        )
     if _enabled(plain.get("tokenizer")) and not _enabled(plain.get("model")):
-        raise ValueError("tokenizer needs a model and checkpointer section (else the module's model brings its own)")
+        raise ValueError(
+            "tokenizer needs a model and checkpointer section (else the module's model brings its own)"
+        )
     if _enabled(plain.get("model")) and "builder" not in _allowed(plain["module"]["_component_"]):
-        raise ValueError(f"with a model section the module must take torchtune builders "
-                         f"(tlt_lightning.rl.TorchtuneGRPOModule), got {plain['module']['_component_']}")
+        raise ValueError(
+            f"with a model section the module must take torchtune builders "
+            f"(tlt_lightning.rl.TorchtuneGRPOModule), got {plain['module']['_component_']}"
+        )
     return plain
 
 
@@ -171,6 +199,7 @@ def _params(plain: dict[str, Any]) -> dict[str, Any]:
     with them the ``model``, ``checkpointer`` and ``tokenizer`` nodes it was given (``builder/...``,
     ``checkpointer/...``, ``tokenizer/...``).
     """
+
     def nested(value: Any) -> Any:
         if isinstance(value, dict):
             return {k: nested(v) for k, v in value.items()}
@@ -217,8 +246,11 @@ def build_module(cfg: DictConfig) -> LightningModule:
     if _enabled(plain.get("prompt_source")):
         kwargs["prompt_source"] = config.instantiate(cfg.prompt_source)
     if _enabled(plain.get("model")):  # torchtune's builders supply the policy
-        kwargs |= {"builder": plain["model"], "checkpointer": plain["checkpointer"],
-                   "tokenizer": plain["tokenizer"] if _enabled(plain.get("tokenizer")) else None}
+        kwargs |= {
+            "builder": plain["model"],
+            "checkpointer": plain["checkpointer"],
+            "tokenizer": plain["tokenizer"] if _enabled(plain.get("tokenizer")) else None,
+        }
         if "model" not in plain["module"]:  # names the model (drafter registry names, messages)
             kwargs["model"] = str(plain["checkpointer"]["checkpoint_dir"])
     return config.instantiate(cfg.module, **kwargs)

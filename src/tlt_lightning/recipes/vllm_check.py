@@ -25,6 +25,7 @@ directory::
 
 Exit codes: 0 every check passed, 1 one failed, 2 vLLM (serve) or a stage's input is missing.
 """
+
 from __future__ import annotations
 
 import argparse

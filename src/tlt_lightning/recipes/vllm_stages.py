@@ -125,7 +125,9 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     policy.save_pretrained(work / "target_v1")
     export_drafter_model(refreshed, work / "drafter_v1", dtype="float32")
     torch.manual_seed(1)
-    other = Drafter(drafter.config, target)  # unrelated weights, the same draft vocabulary (refreshes keep it)
+    other = Drafter(
+        drafter.config, target
+    )  # unrelated weights, the same draft vocabulary (refreshes keep it)
     state = other.state_dict()
     other.load_state_dict(state | {k: v for k, v in drafter.named_buffers() if k in state})
     export_drafter_model(other, work / "drafter_v2", dtype="float32")
@@ -172,9 +174,7 @@ def _served(
             "draft_tokens": spec.draft_tokens,
             "accepted_tokens": spec.accepted_tokens,
             "accepted_per_position": list(spec.accepted_per_position),
-            "acceptance": round(spec.accepted_tokens / spec.draft_tokens, 4)
-            if spec.draft_tokens
-            else None,
+            "acceptance": round(spec.accepted_tokens / spec.draft_tokens, 4) if spec.draft_tokens else None,
             "mean_accept_length": round(stats.mean_accept_length, 3),
         },
     }
@@ -203,7 +203,8 @@ def serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     plain = _backend(args, work, None, greedy)
     out["device"] = plain.device
     out["plain"] = {
-        "greedy": _served(plain, greedy, prompts), "sampled": _sampled_runs(plain, sampled, prompts),
+        "greedy": _served(plain, greedy, prompts),
+        "sampled": _sampled_runs(plain, sampled, prompts),
     }
     out["plain"]["seconds"] = round(time.perf_counter() - t0, 2)
     del plain
@@ -211,7 +212,8 @@ def serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     spec = _backend(args, work, work / "drafter", greedy)
     out["speculative"] = {
-        "greedy": _served(spec, greedy, prompts), "sampled": _sampled_runs(spec, sampled, prompts),
+        "greedy": _served(spec, greedy, prompts),
+        "sampled": _sampled_runs(spec, sampled, prompts),
     }
     out["speculative"]["seconds"] = round(time.perf_counter() - t0, 2)
 

@@ -45,8 +45,12 @@ class PolicyBatch(NamedTuple):
         lens = self.attention_mask[rows].sum(1)
         S, T = int(lens.max()), int(self.mask[rows].sum(1).max())
         return PolicyBatch(
-            self.input_ids[rows, :S], self.attention_mask[rows, :S], self.prompt_lens[rows],
-            self.tokens[rows, :T], self.mask[rows, :T], self.advantages[rows],
+            self.input_ids[rows, :S],
+            self.attention_mask[rows, :S],
+            self.prompt_lens[rows],
+            self.tokens[rows, :T],
+            self.mask[rows, :T],
+            self.advantages[rows],
             self.rollout_logprobs[rows, :T],
         )
 
@@ -70,8 +74,15 @@ def policy_batch(
     mask = torch.arange(tokens.shape[1], device=device) < lens[:, None]
     logprobs = pad_sequence([r.logprobs.to(device) for r in rolls], batch_first=True).float().clone()
     prompt_lens = seq_lens - lens
-    return PolicyBatch(input_ids.clone(), attention_mask, prompt_lens, tokens, mask,
-                       advantages.to(device=device, dtype=torch.float32).clone(), logprobs)
+    return PolicyBatch(
+        input_ids.clone(),
+        attention_mask,
+        prompt_lens,
+        tokens,
+        mask,
+        advantages.to(device=device, dtype=torch.float32).clone(),
+        logprobs,
+    )
 
 
 def completion_logprobs(model: nn.Module, batch: PolicyBatch, temperature: float) -> torch.Tensor:

@@ -46,7 +46,9 @@ def as_config(value: C | Mapping[str, Any] | None, cls: type[C], name: str) -> C
     if isinstance(value, Mapping):
         return cls(**value)
     if not isinstance(value, cls):
-        raise TypeError(f"{name} must be a {cls.__name__}, a dict of its fields or None, got {type(value).__name__}")
+        raise TypeError(
+            f"{name} must be a {cls.__name__}, a dict of its fields or None, got {type(value).__name__}"
+        )
     return value
 
 
@@ -85,22 +87,44 @@ class OptimConfig:
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        check(is_int(self.group_size) and self.group_size >= 2, "optim.group_size", self.group_size,
-              "an int >= 2 (GRPO's advantage is a reward minus its group's mean: a group of 1 has "
-              "advantage 0 everywhere and trains nothing; use 4-16)")
-        check(is_int(self.prompts_per_step) and self.prompts_per_step >= 1, "optim.prompts_per_step",
-              self.prompts_per_step, "an int >= 1")
-        check(self.micro_batch_size is None or (is_int(self.micro_batch_size) and self.micro_batch_size >= 1),
-              "optim.micro_batch_size", self.micro_batch_size, "an int >= 1 or None")
+        check(
+            is_int(self.group_size) and self.group_size >= 2,
+            "optim.group_size",
+            self.group_size,
+            "an int >= 2 (GRPO's advantage is a reward minus its group's mean: a group of 1 has "
+            "advantage 0 everywhere and trains nothing; use 4-16)",
+        )
+        check(
+            is_int(self.prompts_per_step) and self.prompts_per_step >= 1,
+            "optim.prompts_per_step",
+            self.prompts_per_step,
+            "an int >= 1",
+        )
+        check(
+            self.micro_batch_size is None or (is_int(self.micro_batch_size) and self.micro_batch_size >= 1),
+            "optim.micro_batch_size",
+            self.micro_batch_size,
+            "an int >= 1 or None",
+        )
         check(0 < self.lr < math.inf, "optim.lr", self.lr, "finite and > 0")
         check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
         check(self.clip_eps >= 0, "optim.clip_eps", self.clip_eps, ">= 0")
-        check(self.clip_eps_high is None or self.clip_eps_high >= 0, "optim.clip_eps_high", self.clip_eps_high,
-              ">= 0 or None")
+        check(
+            self.clip_eps_high is None or self.clip_eps_high >= 0,
+            "optim.clip_eps_high",
+            self.clip_eps_high,
+            ">= 0 or None",
+        )
         check(self.kl_coef >= 0, "optim.kl_coef", self.kl_coef, ">= 0")
-        check(self.aggregation in AGGREGATIONS, "optim.aggregation", self.aggregation, f"one of {AGGREGATIONS}")
-        check(self.max_grad_norm is None or self.max_grad_norm > 0, "optim.max_grad_norm", self.max_grad_norm,
-              "> 0 or None")
+        check(
+            self.aggregation in AGGREGATIONS, "optim.aggregation", self.aggregation, f"one of {AGGREGATIONS}"
+        )
+        check(
+            self.max_grad_norm is None or self.max_grad_norm > 0,
+            "optim.max_grad_norm",
+            self.max_grad_norm,
+            "> 0 or None",
+        )
 
 
 @dataclass(frozen=True)
@@ -126,8 +150,12 @@ class SpeculativeConfig:
     threshold: int = 32
 
     def __post_init__(self) -> None:
-        check(self.drafter_kind in (None, *DRAFTER_KINDS), "speculative.drafter_kind", self.drafter_kind,
-              "'eagle1', 'eagle3' or None")
+        check(
+            self.drafter_kind in (None, *DRAFTER_KINDS),
+            "speculative.drafter_kind",
+            self.drafter_kind,
+            "'eagle1', 'eagle3' or None",
+        )
         for name in ("sd_steps", "threshold"):
             value = getattr(self, name)
             check(is_int(value) and value >= 1, f"speculative.{name}", value, "an int >= 1")

@@ -55,9 +55,7 @@ def group_advantages(
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [P * G], got shape {list(rewards.shape)}")
     if rewards.numel() % group_size:
-        raise ValueError(
-            f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}"
-        )
+        raise ValueError(f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}")
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("rewards must be finite, got NaN or inf")
     if not eps >= 0:

@@ -161,12 +161,24 @@ class GRPOModule(L.LightningModule):
         self.rollout_settings = as_config(rollout, RolloutConfig, "rollout")
         self.optim_config = as_config(optim, OptimConfig, "optim")
         self.speculative_config = as_config(speculative, SpeculativeConfig, "speculative")
-        check_settings(self.rollout_settings, max_abs_reward, seed, logprob_tolerance, rollout_dtype, weight_layout,
-                       prompt_source, rollout_backend)
+        check_settings(
+            self.rollout_settings,
+            max_abs_reward,
+            seed,
+            logprob_tolerance,
+            rollout_dtype,
+            weight_layout,
+            prompt_source,
+            rollout_backend,
+        )
         self.vllm_rollouts = VLLMRollouts(vllm) if rollout_backend == "vllm" else None  # validates `vllm`
         self.save_hyperparameters(ignore=["prompt_source"])
-        groups = group_hparams(task=self.task_config, rollout=self.rollout_settings, optim=self.optim_config,
-                               speculative=self.speculative_config)
+        groups = group_hparams(
+            task=self.task_config,
+            rollout=self.rollout_settings,
+            optim=self.optim_config,
+            speculative=self.speculative_config,
+        )
         for hparams in (self.hparams, self._hparams_initial):  # also the initial copy Lightning logs
             hparams.update(groups)
         self.automatic_optimization = False
@@ -204,7 +216,8 @@ class GRPOModule(L.LightningModule):
         device = self.trainer.strategy.root_device if self._trainer is not None else self.device
         self.rollout_dtype = resolve_dtype(hp.rollout_dtype, device)
         self.rollout_policy, self.rollout_target = rollout_models(
-            self.policy, self.policy_target, self.rollout_dtype, hp.dtype, hp.weight_layout, self.make_target)
+            self.policy, self.policy_target, self.rollout_dtype, hp.dtype, hp.weight_layout, self.make_target
+        )
         if self.optim_config.kl_coef > 0:
             self.reference = self.configure_reference().eval().requires_grad_(False)
         if self.prompt_source is None:
@@ -315,11 +328,22 @@ class GRPOModule(L.LightningModule):
             if self.vllm_rollouts is not None:
                 policy = self.rollout_policy if self.rollout_policy is not None else self.policy
                 return self.vllm_rollouts.generate(
-                    prompts, config, policy=policy, drafter=self.drafter if spec.enabled else None,
-                    target=self.rollout_target, step=self.global_step, generator=generator, progress=progress,
+                    prompts,
+                    config,
+                    policy=policy,
+                    drafter=self.drafter if spec.enabled else None,
+                    target=self.rollout_target,
+                    step=self.global_step,
+                    generator=generator,
+                    progress=progress,
                 )
-            backend = rollout_backend(self.rollout_target, config, self.drafter if spec.enabled else None,
-                                      self.draft_strategy, spec.threshold)
+            backend = rollout_backend(
+                self.rollout_target,
+                config,
+                self.drafter if spec.enabled else None,
+                self.draft_strategy,
+                spec.threshold,
+            )
             return backend.generate(prompts, generator=generator, progress=progress)
         finally:
             self.policy.train(was_training)
@@ -330,8 +354,9 @@ class GRPOModule(L.LightningModule):
         Raises:
             RewardError: the prompt source raised; the message names the task and prompt index.
         """
-        return score_rollouts(self.prompt_source, indices, result, self.optim_config.group_size,
-                              self.hparams.max_abs_reward)
+        return score_rollouts(
+            self.prompt_source, indices, result, self.optim_config.group_size, self.hparams.max_abs_reward
+        )
 
     def policy_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
         """``[B, T]`` the policy's log-probabilities of the completion tokens (with grad)."""
@@ -354,8 +379,15 @@ class GRPOModule(L.LightningModule):
             with torch.no_grad():
                 ref = self.reference_logprobs(batch)
         return grpo_loss(
-            logprobs, logprobs.detach(), batch.advantages, batch.mask, clip_eps=optim.clip_eps,
-            clip_eps_high=optim.clip_eps_high, kl_coef=optim.kl_coef, ref_logprobs=ref, aggregation=optim.aggregation,
+            logprobs,
+            logprobs.detach(),
+            batch.advantages,
+            batch.mask,
+            clip_eps=optim.clip_eps,
+            clip_eps_high=optim.clip_eps_high,
+            kl_coef=optim.kl_coef,
+            ref_logprobs=ref,
+            aggregation=optim.aggregation,
             num_items=num_items,
         )
 
@@ -372,8 +404,14 @@ class GRPOModule(L.LightningModule):
         listeners.after_rollout(result)
 
         start = time.perf_counter()
-        rewards = agreed_rewards(lambda: self.compute_rewards(indices, result), indices, self.prompt_source, G,
-                                 self.hparams.max_abs_reward, lambda failed: any_rank(self, failed))
+        rewards = agreed_rewards(
+            lambda: self.compute_rewards(indices, result),
+            indices,
+            self.prompt_source,
+            G,
+            self.hparams.max_abs_reward,
+            lambda failed: any_rank(self, failed),
+        )
         reward_time = time.perf_counter() - start
         advantages = group_advantages(rewards.total, G, scale=self.optim_config.scale_advantages)
 

@@ -16,26 +16,58 @@ __all__ = ["ROLLOUT_BACKENDS", "check_settings", "group_hparams"]
 ROLLOUT_BACKENDS = ("engine", "vllm")
 
 
-def check_settings(rollout: RolloutConfig, max_abs_reward: Any, seed: Any, logprob_tolerance: Any,
-                   rollout_dtype: Any, weight_layout: Any, prompt_source: Any, rollout_backend: Any) -> None:
+def check_settings(
+    rollout: RolloutConfig,
+    max_abs_reward: Any,
+    seed: Any,
+    logprob_tolerance: Any,
+    rollout_dtype: Any,
+    weight_layout: Any,
+    prompt_source: Any,
+    rollout_backend: Any,
+) -> None:
     """Check :class:`~tlt_lightning.rl.GRPOModule`'s arguments of these names.
 
     Raises:
         ValueError: one is out of range; the message names it, the value and what is allowed.
     """
-    check(0 < rollout.temperature < math.inf, "rollout.temperature", rollout.temperature,
-          "finite and > 0 (greedy rollouts give every sample of a group the same reward)")
-    check(isinstance(max_abs_reward, (int, float)) and not isinstance(max_abs_reward, bool)
-          and 0 < max_abs_reward < math.inf, "max_abs_reward", max_abs_reward, "a finite number > 0")
+    check(
+        0 < rollout.temperature < math.inf,
+        "rollout.temperature",
+        rollout.temperature,
+        "finite and > 0 (greedy rollouts give every sample of a group the same reward)",
+    )
+    check(
+        isinstance(max_abs_reward, (int, float))
+        and not isinstance(max_abs_reward, bool)
+        and 0 < max_abs_reward < math.inf,
+        "max_abs_reward",
+        max_abs_reward,
+        "a finite number > 0",
+    )
     check(is_int(seed) and seed >= 0, "seed", seed, "an int >= 0")
-    check(logprob_tolerance is None or logprob_tolerance > 0, "logprob_tolerance", logprob_tolerance,
-          "> 0 or None")
-    check(rollout_dtype in (None, "auto", "float32", "bfloat16", "float16"), "rollout_dtype", rollout_dtype,
-          "'auto', 'float32', 'bfloat16', 'float16' or None")
+    check(
+        logprob_tolerance is None or logprob_tolerance > 0,
+        "logprob_tolerance",
+        logprob_tolerance,
+        "> 0 or None",
+    )
+    check(
+        rollout_dtype in (None, "auto", "float32", "bfloat16", "float16"),
+        "rollout_dtype",
+        rollout_dtype,
+        "'auto', 'float32', 'bfloat16', 'float16' or None",
+    )
     check(weight_layout in WEIGHT_LAYOUTS, "weight_layout", weight_layout, f"one of {WEIGHT_LAYOUTS}")
-    check(prompt_source is None or isinstance(prompt_source, PromptSource), "prompt_source",
-          prompt_source, "a PromptSource (name, __len__, prompt_ids, score) or None")
-    check(rollout_backend in ROLLOUT_BACKENDS, "rollout_backend", rollout_backend, f"one of {ROLLOUT_BACKENDS}")
+    check(
+        prompt_source is None or isinstance(prompt_source, PromptSource),
+        "prompt_source",
+        prompt_source,
+        "a PromptSource (name, __len__, prompt_ids, score) or None",
+    )
+    check(
+        rollout_backend in ROLLOUT_BACKENDS, "rollout_backend", rollout_backend, f"one of {ROLLOUT_BACKENDS}"
+    )
 
 
 def group_hparams(**groups: Any) -> dict[str, dict[str, Any]]:
@@ -44,5 +76,7 @@ def group_hparams(**groups: Any) -> dict[str, dict[str, Any]]:
     Saved so, a checkpoint reads them back without our classes, and loggers log them as such
     (``optim/lr``).
     """
-    return {name: {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}
-            for name, config in groups.items()}
+    return {
+        name: {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}
+        for name, config in groups.items()
+    }

@@ -113,9 +113,13 @@ def optimize(module: GRPOModule, data: PolicyBatch) -> dict[str, torch.Tensor]:
     module.sync_rollout_policy()
     tokens = max(float(sums["tokens"]), 1.0)
     return {
-        "loss": sums["loss"], "pg_loss": sums["pg_loss"], "kl": sums["kl"],
-        "clip_fraction": sums["clip"] / tokens, "ratio_mean": sums["ratio"] / tokens,
-        "grad_norm": grad_norm.detach(), "logprob_drift": drift,
+        "loss": sums["loss"],
+        "pg_loss": sums["pg_loss"],
+        "kl": sums["kl"],
+        "clip_fraction": sums["clip"] / tokens,
+        "ratio_mean": sums["ratio"] / tokens,
+        "grad_norm": grad_norm.detach(),
+        "logprob_drift": drift,
     }
 
 

@@ -54,8 +54,14 @@ def apply_weight_layout(target: TargetModel, model: nn.Module, layout: str) -> N
         set_weight_layout(model, layout)
 
 
-def rollout_models(policy: nn.Module, policy_target: TargetModel, rollout_dtype: str | None, dtype: str,
-                   layout: str, make_target: Callable[[nn.Module], TargetModel]) -> tuple[nn.Module | None, TargetModel]:
+def rollout_models(
+    policy: nn.Module,
+    policy_target: TargetModel,
+    rollout_dtype: str | None,
+    dtype: str,
+    layout: str,
+    make_target: Callable[[nn.Module], TargetModel],
+) -> tuple[nn.Module | None, TargetModel]:
     """``(mirror or None, target)`` the rollouts run on: ``policy`` (``policy_target``) itself when
     ``rollout_dtype`` is ``None`` or its ``dtype``, else a :func:`rollout_mirror` in ``rollout_dtype``
     wrapped by ``make_target``; its linear weights laid out as ``layout`` (:func:`apply_weight_layout`)."""
@@ -99,8 +105,13 @@ def module_drafter(spec: SpeculativeConfig, target: TargetModel, seed: int) -> D
         return Drafter(DrafterConfig.from_target(target, kind=spec.drafter_kind), target)
 
 
-def rollout_backend(target: TargetModel, config: RolloutConfig, drafter: Drafter | None,
-                    strategy: DraftStrategy, threshold: int) -> RolloutEngine | SpeculativeRolloutLoop:
+def rollout_backend(
+    target: TargetModel,
+    config: RolloutConfig,
+    drafter: Drafter | None,
+    strategy: DraftStrategy,
+    threshold: int,
+) -> RolloutEngine | SpeculativeRolloutLoop:
     """Our engine for one rollout: speculative with ``drafter`` (and ``strategy`` below ``threshold``
     active requests) when there is one, else plain decoding."""
     if drafter is None:

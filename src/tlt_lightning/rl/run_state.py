@@ -86,7 +86,9 @@ def grpo_state(seed: int, source: PromptSource | None) -> dict[str, Any]:
     anything drawing from them (a callback, user reward code) continues identically.
     """
     return {
-        "version": 2, "seed": seed, "rng": global_rng_state(),
+        "version": 2,
+        "seed": seed,
+        "rng": global_rng_state(),
         "prompt_source": None if source is None else {"name": str(source.name), "size": len(source)},
     }
 

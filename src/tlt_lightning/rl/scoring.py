@@ -24,7 +24,14 @@ import torch
 from tlt_lightning.rl.sources import PromptSource
 from tlt_lightning.rollout import RolloutResult
 
-__all__ = ["NonFiniteLossError", "RewardBatch", "RewardError", "agreed_rewards", "check_rewards", "score_rollouts"]
+__all__ = [
+    "NonFiniteLossError",
+    "RewardBatch",
+    "RewardError",
+    "agreed_rewards",
+    "check_rewards",
+    "score_rollouts",
+]
 
 
 class RewardError(RuntimeError):
@@ -91,8 +98,10 @@ def score_rollouts(
     """
     total, correct = [], []
     for j, (index, r) in enumerate(zip(indices.tolist(), result.rollouts)):
-        where = (f"task {source.name!r}{_reward_fn_name(source)} on prompt index {index} "
-                 f"(sample {j % group_size} of its group)")
+        where = (
+            f"task {source.name!r}{_reward_fn_name(source)} on prompt index {index} "
+            f"(sample {j % group_size} of its group)"
+        )
         try:
             reward = source.score(index, r.prompt_ids, r.token_ids)
         except Exception as err:  # user reward code: re-raise with where it failed
@@ -134,7 +143,11 @@ def check_rewards(
 
 
 def agreed_rewards(
-    compute: Callable[[], Any], indices: torch.Tensor, source: PromptSource, group_size: int, limit: float,
+    compute: Callable[[], Any],
+    indices: torch.Tensor,
+    source: PromptSource,
+    group_size: int,
+    limit: float,
     any_rank: Callable[[bool], bool],
 ) -> RewardBatch:
     """``compute()``'s rewards, checked (:func:`check_rewards`), with every rank stopping if any rank's failed.

@@ -139,8 +139,10 @@ class TokenPromptSource:
         value = self.reward_fn(prompt_ids, completion_ids)
         if value is None or isinstance(value, (str, bytes)):
             fn = getattr(self.reward_fn, "__qualname__", type(self.reward_fn).__name__)
-            raise TypeError(f"reward_fn {fn!r} returned {value!r}: it must return a float for every "
-                            "completion (a missing `return`?)")
+            raise TypeError(
+                f"reward_fn {fn!r} returned {value!r}: it must return a float for every "
+                "completion (a missing `return`?)"
+            )
         r = float(value)
         return Reward(total=r, correctness=r, format=0.0, answer=None)
 
@@ -190,12 +192,20 @@ class SyntheticPromptSource(TokenPromptSource):
     """
 
     def __init__(
-        self, reward: str = "even", num_prompts: int = 16, prompt_length: int = 4, vocab_size: int = 128,
+        self,
+        reward: str = "even",
+        num_prompts: int = 16,
+        prompt_length: int = 4,
+        vocab_size: int = 128,
         seed: int = 0,
     ) -> None:
         check(reward in SYNTHETIC_REWARDS, "reward", reward, f"one of {sorted(SYNTHETIC_REWARDS)}")
-        for name, value, low in (("num_prompts", num_prompts, 1), ("prompt_length", prompt_length, 1),
-                                 ("vocab_size", vocab_size, _FIRST_SYNTHETIC_ID + 1), ("seed", seed, 0)):
+        for name, value, low in (
+            ("num_prompts", num_prompts, 1),
+            ("prompt_length", prompt_length, 1),
+            ("vocab_size", vocab_size, _FIRST_SYNTHETIC_ID + 1),
+            ("seed", seed, 0),
+        ):
             check(is_int(value) and value >= low, name, value, f"an int >= {low}")
         generator = torch.Generator().manual_seed(seed)
         shape = (num_prompts, prompt_length)

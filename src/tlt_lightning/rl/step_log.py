@@ -16,8 +16,14 @@ if TYPE_CHECKING:
 __all__ = ["log_step"]
 
 
-def log_step(module: GRPOModule, result: RolloutResult, rewards: RewardBatch, parts: dict[str, torch.Tensor],
-             reward_time: float, train_time: float) -> None:
+def log_step(
+    module: GRPOModule,
+    result: RolloutResult,
+    rewards: RewardBatch,
+    parts: dict[str, torch.Tensor],
+    reward_time: float,
+    train_time: float,
+) -> None:
     """Log the step's ``rollout/*``, ``reward/*``, ``response/*``, ``time/*`` and ``train/*`` values
     through ``module.log``, averaged over ranks (the longest response: its maximum)."""
     stats, lengths = result.stats, result.lengths.float()

@@ -42,6 +42,7 @@ __all__ = [
     "task_prompts",
 ]
 
+
 def reasoning_gym() -> ModuleType:
     """The ``reasoning_gym`` module, imported on first use (``ImportError`` naming the extra without it)."""
     try:

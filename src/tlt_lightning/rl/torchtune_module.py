@@ -68,7 +68,9 @@ def torchtune_chat_render(tokenizer: Any) -> Callable[[list[dict[str, str]]], tu
 
     def render(messages: list[dict[str, str]]) -> tuple[str, list[int]]:
         chat = [Message(role=m["role"], content=m["content"]) for m in messages]
-        tokens = list(tokenizer({"messages": [*chat, Message(role="assistant", content="")]}, inference=True)["tokens"])
+        tokens = list(
+            tokenizer({"messages": [*chat, Message(role="assistant", content="")]}, inference=True)["tokens"]
+        )
         return tokenizer.decode(tokens, skip_special_tokens=False), tokens
 
     return render
@@ -136,18 +138,27 @@ class TorchtuneGRPOModule(GRPOModule):
         **kwargs: Any,
     ) -> None:
         for name, node in (("builder", builder), ("checkpointer", checkpointer), ("tokenizer", tokenizer)):
-            if node is not None and not (isinstance(node, Mapping) and isinstance(node.get("_component_"), str)):
-                raise ValueError(f"{name} must be a torchtune config node (a mapping with a _component_ dotted "
-                                 f"path and its keyword arguments) or None, got {node!r}")
+            if node is not None and not (
+                isinstance(node, Mapping) and isinstance(node.get("_component_"), str)
+            ):
+                raise ValueError(
+                    f"{name} must be a torchtune config node (a mapping with a _component_ dotted "
+                    f"path and its keyword arguments) or None, got {node!r}"
+                )
         if (builder is None) != (checkpointer is None):
             raise ValueError(
                 f"builder and checkpointer go together (the builder makes the decoder, the checkpointer loads its "
-                f"weights), got builder={builder!r}, checkpointer={checkpointer!r}")
+                f"weights), got builder={builder!r}, checkpointer={checkpointer!r}"
+            )
         if tokenizer is not None and builder is None:
-            raise ValueError("tokenizer needs builder and checkpointer (without them the tokenizer is the one `model` names)")
+            raise ValueError(
+                "tokenizer needs builder and checkpointer (without them the tokenizer is the one `model` names)"
+            )
         if checkpointer is not None and "checkpoint_dir" not in checkpointer:
-            raise ValueError(f"checkpointer needs a checkpoint_dir (a transformers directory or a registry model "
-                             f"name), got {dict(checkpointer)!r}")
+            raise ValueError(
+                f"checkpointer needs a checkpoint_dir (a transformers directory or a registry model "
+                f"name), got {dict(checkpointer)!r}"
+            )
         super().__init__(*args, **kwargs)
 
     def configure_policy(self) -> tuple[nn.Module, Any, TargetModel]:
@@ -174,21 +185,29 @@ class TorchtuneGRPOModule(GRPOModule):
         try:  # a directory, or a registry model's (written on first use)
             directory = model_dir(str(hp.checkpointer["checkpoint_dir"]), seed=hp.seed)
         except ModelNotFoundError as err:
-            raise ValueError(f"checkpointer.checkpoint_dir: {err} The policy's architecture (drafter sizes, EOS "
-                             "ids) is read from the transformers config.json there.") from err
+            raise ValueError(
+                f"checkpointer.checkpoint_dir: {err} The policy's architecture (drafter sizes, EOS "
+                "ids) is read from the transformers config.json there."
+            ) from err
         self._hf_config = AutoConfig.from_pretrained(directory, local_files_only=True)
         eos = None
         if (directory / "generation_config.json").is_file():
             eos = GenerationConfig.from_pretrained(directory, local_files_only=True).eos_token_id
         eos = self._hf_config.eos_token_id if eos is None else eos
-        self._eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        self._eos_token_ids = (
+            () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(hp.seed)  # the builder's initial weights, overwritten by the checkpoint
             decoder = config.instantiate(OmegaConf.create(dict(hp.builder)))
         if not isinstance(decoder, TransformerDecoder):
-            raise TypeError(f"builder {hp.builder['_component_']} must return a torchtune TransformerDecoder, "
-                            f"got {type(decoder).__name__}")
-        checkpointer = config.instantiate(OmegaConf.create({**hp.checkpointer, "checkpoint_dir": str(directory)}))
+            raise TypeError(
+                f"builder {hp.builder['_component_']} must return a torchtune TransformerDecoder, "
+                f"got {type(decoder).__name__}"
+            )
+        checkpointer = config.instantiate(
+            OmegaConf.create({**hp.checkpointer, "checkpoint_dir": str(directory)})
+        )
         decoder.load_state_dict(checkpointer.load_checkpoint()[training.MODEL_KEY], strict=True)
         if hp.get("tokenizer") is not None:
             tokenizer = config.instantiate(OmegaConf.create(dict(hp.tokenizer)))
@@ -233,8 +252,11 @@ def _signature() -> inspect.Signature:
     """The parent's parameters and ``builder`` / ``checkpointer`` / ``tokenizer``: what the class takes, for
     signature checks (``torchtune.config.validate``) that would otherwise see ``*args, **kwargs``."""
     parent = list(inspect.signature(GRPOModule).parameters.values())
-    mine = [p for name, p in inspect.signature(TorchtuneGRPOModule.__init__).parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    mine = [
+        p
+        for name, p in inspect.signature(TorchtuneGRPOModule.__init__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
     return inspect.Signature(parent + mine)
 
 

@@ -38,7 +38,10 @@ class RolloutBackend(Protocol):
     """
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], generator: torch.Generator | None = None, progress: bool = False
+        self,
+        prompts: Sequence[Sequence[int]],
+        generator: torch.Generator | None = None,
+        progress: bool = False,
     ) -> RolloutResult: ...
 
 
@@ -173,7 +176,9 @@ class RolloutEngine:
         [True, True]
     """
 
-    def __init__(self, target: TargetModel, config: RolloutConfig | None = None, cache_margin: int = 0) -> None:
+    def __init__(
+        self, target: TargetModel, config: RolloutConfig | None = None, cache_margin: int = 0
+    ) -> None:
         self.target = target
         self.config = config or RolloutConfig()
         self.cache_margin = cache_margin
@@ -267,15 +272,19 @@ class RolloutEngine:
         rollouts = []
         for i in range(B):
             p, t = int(batch.prompt_len[i]), int(lengths[i])
-            rollouts.append(Rollout(
-                prompt_ids=ids[i],
-                token_ids=batch.seq[i, p : p + t].clone(),
-                logprobs=logprobs[i, :t].clone(),
-                finish_reason="eos" if bool(finish_eos[i]) else "length",
-                first_token_time=first_time[i],
-                finish_time=finish_time[i],
-                features=batch.features[i, p - 1 : p - 1 + t].clone() if batch.features is not None else None,
-            ))
+            rollouts.append(
+                Rollout(
+                    prompt_ids=ids[i],
+                    token_ids=batch.seq[i, p : p + t].clone(),
+                    logprobs=logprobs[i, :t].clone(),
+                    finish_reason="eos" if bool(finish_eos[i]) else "length",
+                    first_token_time=first_time[i],
+                    finish_time=finish_time[i],
+                    features=batch.features[i, p - 1 : p - 1 + t].clone()
+                    if batch.features is not None
+                    else None,
+                )
+            )
         return RolloutResult(rollouts, stats)
 
     def _new_batch(self, ids: list[torch.Tensor]) -> ActiveBatch:
@@ -291,11 +300,19 @@ class RolloutEngine:
         zeros = lambda: torch.zeros(B, dtype=torch.long, device=device)
         return ActiveBatch(
             cache=self.target.new_cache(B, width + self.cache_margin),
-            request=torch.arange(B, device=device), last_token=zeros(), generated=zeros(), limit=limit, n=B,
-            seq=torch.zeros(B, width, dtype=torch.long, device=device), prompt_len=prompt_len, features=features,
+            request=torch.arange(B, device=device),
+            last_token=zeros(),
+            generated=zeros(),
+            limit=limit,
+            n=B,
+            seq=torch.zeros(B, width, dtype=torch.long, device=device),
+            prompt_len=prompt_len,
+            features=features,
         )
 
-    def _prefill(self, ids: list[torch.Tensor], batch: ActiveBatch, generator: torch.Generator | None) -> Emission:
+    def _prefill(
+        self, ids: list[torch.Tensor], batch: ActiveBatch, generator: torch.Generator | None
+    ) -> Emission:
         """Run the prompts through the target in chunks; sample each request's first token.
 
         Prompt tokens (and their features, when requested) go into the batch transcripts.
@@ -312,7 +329,9 @@ class RolloutEngine:
             positions = torch.arange(width, device=device).expand(len(chunk), width)
             slots = torch.arange(width, device=device)
             # Causal, and no row attends its own right padding.
-            mask = (slots[None, None, :] <= slots[None, :, None]) & (slots[None, None, :] < lens[:, None, None])
+            mask = (slots[None, None, :] <= slots[None, :, None]) & (
+                slots[None, None, :] < lens[:, None, None]
+            )
             rows = batch.cache.view(start, start + len(chunk))
             out = self.target.forward(input_ids, positions, mask[:, None], rows, cfg.feature_layers)
             if out.features is not None:

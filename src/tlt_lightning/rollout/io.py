@@ -38,7 +38,10 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
 
 
 def save_rollouts(
-    path: str | os.PathLike, rollouts: list[Rollout], metadata: dict[str, Any] | None = None, features: bool = True
+    path: str | os.PathLike,
+    rollouts: list[Rollout],
+    metadata: dict[str, Any] | None = None,
+    features: bool = True,
 ) -> Path:
     """Write ``rollouts`` and ``metadata`` (JSON-able) to ``path``, atomically.
 
@@ -56,7 +59,9 @@ def save_rollouts(
     """
     for i, r in enumerate(rollouts):
         if r.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"rollouts[{i}].finish_reason must be one of {FINISH_REASONS}, got {r.finish_reason!r}")
+            raise ValueError(
+                f"rollouts[{i}].finish_reason must be one of {FINISH_REASONS}, got {r.finish_reason!r}"
+            )
     tensors = {  # token ids as int32: any vocabulary fits
         "prompt_ids": _cat([r.prompt_ids for r in rollouts], torch.int32),
         "prompt_offsets": _offsets([r.prompt_ids.numel() for r in rollouts]),
@@ -69,14 +74,21 @@ def save_rollouts(
     if features and rollouts:
         missing = [i for i, r in enumerate(rollouts) if r.features is None]
         if missing:
-            raise ValueError(f"rollouts {missing[:5]} have no features: sample with RolloutConfig.feature_layers, "
-                             "or save with features=False")
-        tensors["features"] = _cat([r.features for r in rollouts], rollouts[0].features.dtype)  # [sum T, C, H]
+            raise ValueError(
+                f"rollouts {missing[:5]} have no features: sample with RolloutConfig.feature_layers, "
+                "or save with features=False"
+            )
+        tensors["features"] = _cat(
+            [r.features for r in rollouts], rollouts[0].features.dtype
+        )  # [sum T, C, H]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
-              metadata={"format": FORMAT, "metadata": json.dumps(metadata or {})})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        tmp,
+        metadata={"format": FORMAT, "metadata": json.dumps(metadata or {})},
+    )
     os.replace(tmp, path)
     return path
 
@@ -97,20 +109,24 @@ def load_rollouts(path: str | os.PathLike) -> tuple[list[Rollout], dict[str, Any
             header = f.metadata() or {}
         t = load_file(path)
     except (SafetensorError, OSError) as err:
-        raise ValueError(f"{path} is not a readable rollout file (safetensors, from save_rollouts): {err}") from err
+        raise ValueError(
+            f"{path} is not a readable rollout file (safetensors, from save_rollouts): {err}"
+        ) from err
     if header.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a rollout file: format {header.get('format')!r}, expected {FORMAT!r}")
+        raise ValueError(
+            f"{path} is not a rollout file: format {header.get('format')!r}, expected {FORMAT!r}"
+        )
     po, to = t["prompt_offsets"].tolist(), t["token_offsets"].tolist()
     feats = t.get("features")
     rollouts = [
         Rollout(
-            prompt_ids=t["prompt_ids"][po[i]:po[i + 1]].long(),
-            token_ids=t["token_ids"][to[i]:to[i + 1]].long(),
-            logprobs=t["logprobs"][to[i]:to[i + 1]].clone(),
+            prompt_ids=t["prompt_ids"][po[i] : po[i + 1]].long(),
+            token_ids=t["token_ids"][to[i] : to[i + 1]].long(),
+            logprobs=t["logprobs"][to[i] : to[i + 1]].clone(),
             finish_reason="eos" if bool(t["eos"][i]) else "length",
             first_token_time=float(t["times"][i, 0]),
             finish_time=float(t["times"][i, 1]),
-            features=None if feats is None else feats[to[i]:to[i + 1]].clone(),
+            features=None if feats is None else feats[to[i] : to[i + 1]].clone(),
         )
         for i in range(len(po) - 1)
     ]

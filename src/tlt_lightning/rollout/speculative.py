@@ -65,11 +65,19 @@ class SpeculativeRolloutLoop:
         self.engine = RolloutEngine(target, self.config, cache_margin=max_depth + 1)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], generator: torch.Generator | None = None, progress: bool = False
+        self,
+        prompts: Sequence[Sequence[int]],
+        generator: torch.Generator | None = None,
+        progress: bool = False,
     ) -> RolloutResult:
         """Sample one response per prompt; same distribution as plain decoding, fewer target passes."""
         step = SpeculativeStep(
-            self.engine.target, self.drafter, self.config, self.strategy, self.threshold, self.max_depth,
+            self.engine.target,
+            self.drafter,
+            self.config,
+            self.strategy,
+            self.threshold,
+            self.max_depth,
             self.drafter_context,
         )
         return self.engine.generate(prompts, generator=generator, step=step, progress=progress)

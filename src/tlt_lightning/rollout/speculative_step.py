@@ -44,7 +44,9 @@ __all__ = ["SpeculativeStep"]
 def _mask_from_positions(positions: torch.Tensor, kv_len: int, first: torch.Tensor) -> torch.Tensor:
     """``[n, 1, q, kv_len]``: query at position ``p`` of row ``i`` sees slots ``first[i] .. p``."""
     slots = torch.arange(kv_len, device=positions.device)
-    return ((slots[None, None, :] <= positions[:, :, None]) & (slots[None, None, :] >= first[:, None, None]))[:, None]
+    return ((slots[None, None, :] <= positions[:, :, None]) & (slots[None, None, :] >= first[:, None, None]))[
+        :, None
+    ]
 
 
 class SpeculativeStep:

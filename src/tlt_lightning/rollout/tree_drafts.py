@@ -70,7 +70,11 @@ def level_tree(widths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def draft_best_tree(
-    drafter: DraftModel, cache: KVCache, hidden: torch.Tensor, lengths: torch.Tensor, first: torch.Tensor,
+    drafter: DraftModel,
+    cache: KVCache,
+    hidden: torch.Tensor,
+    lengths: torch.Tensor,
+    first: torch.Tensor,
     arm: DraftSpec,
 ) -> DraftTree:
     """Grow a draft tree (EAGLE-2 style) and keep its best nodes.
@@ -153,8 +157,14 @@ def _best_nodes(
 
 
 def draft_sampled_tree(
-    drafter: DraftModel, cache: KVCache, hidden: torch.Tensor, lengths: torch.Tensor, first: torch.Tensor,
-    arm: DraftSpec, sampling: SamplingParams, generator: torch.Generator | None,
+    drafter: DraftModel,
+    cache: KVCache,
+    hidden: torch.Tensor,
+    lengths: torch.Tensor,
+    first: torch.Tensor,
+    arm: DraftSpec,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
 ) -> DraftTree:
     """A sampled tree (see :class:`~tlt_lightning.speculative.DraftSpec`).
 
@@ -256,8 +266,9 @@ def verify_draft_tree(
     mask = torch.cat([root_mask, node_mask], 1)[:, None]
     out = target.forward(ids, positions, mask, batch.cache, config.feature_layers, slots=slots)
     target_probs = sampling_probs(target.lm_head(out.hidden), config.sampling)  # [n, N+1, V]
-    result = verify_tree(target_probs, tree.draft_probs, tokens, tree.parents, generator,
-                         siblings=tree.siblings)
+    result = verify_tree(
+        target_probs, tree.draft_probs, tokens, tree.parents, generator, siblings=tree.siblings
+    )
 
     # Emitted: accepted nodes' tokens, then next_token. Token i was predicted at verify index
     # 0 (i = 0) or 1 + accepted_nodes[i - 1].

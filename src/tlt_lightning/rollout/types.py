@@ -160,7 +160,9 @@ def validate_prompts(prompts: Sequence[Sequence[int]], context: int, vocab_size:
         try:
             ids = torch.as_tensor(prompt, dtype=torch.long).flatten()
         except (TypeError, ValueError) as err:
-            raise TypeError(f"prompts[{i}] must be a sequence of int token ids, got {type(prompt).__name__}") from err
+            raise TypeError(
+                f"prompts[{i}] must be a sequence of int token ids, got {type(prompt).__name__}"
+            ) from err
         if ids.numel() == 0:
             raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
         if ids.numel() >= context:

@@ -85,21 +85,27 @@ class BEGMABStrategy(BucketedStrategy):
         per_request: bool = False,
         cost_model: StepCostModel | None = None,
     ) -> None:
-        super().__init__(arms, bucket_thresholds, max_history=max_history, per_request=per_request,
-                         cost_model=cost_model)
+        super().__init__(
+            arms, bucket_thresholds, max_history=max_history, per_request=per_request, cost_model=cost_model
+        )
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0.0 <= epsilon <= 1.0:
             raise ValueError(f"epsilon must be a number in [0, 1], got {epsilon!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int >= 1, got {window!r}")
         if epsilon_half_life is not None and (
-            isinstance(epsilon_half_life, bool) or not isinstance(epsilon_half_life, int) or epsilon_half_life < 1
+            isinstance(epsilon_half_life, bool)
+            or not isinstance(epsilon_half_life, int)
+            or epsilon_half_life < 1
         ):
             raise ValueError(f"epsilon_half_life must be an int >= 1 or None, got {epsilon_half_life!r}")
         if epsilon_half_life is not None and (
-            isinstance(epsilon_floor, bool) or not isinstance(epsilon_floor, (int, float))
+            isinstance(epsilon_floor, bool)
+            or not isinstance(epsilon_floor, (int, float))
             or not 0.0 <= epsilon_floor <= epsilon
         ):
-            raise ValueError(f"epsilon_floor must be a number in [0, epsilon={epsilon}], got {epsilon_floor!r}")
+            raise ValueError(
+                f"epsilon_floor must be a number in [0, epsilon={epsilon}], got {epsilon_floor!r}"
+            )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
         self.epsilon, self.window, self.seed = float(epsilon), window, seed

@@ -333,6 +333,7 @@ class BucketedStrategy:
             saved = state_dict["cost_model"]
             mine = None if self.cost_model is None else dataclasses.asdict(self.cost_model)
             if saved != mine:
+
                 def describe(cost: Any) -> str:
                     return "wall time" if cost is None else f"modelled cost {cost}"
 

@@ -102,7 +102,9 @@ class SimulatedSDEnvironment:
 
     def expected_step_time(self, batch_size: int, arm: Arm) -> float:
         """Seconds of one step (noise-free)."""
-        return step_seconds(self.base_time, self.token_time, self.draft_time, self.draft_token_time, batch_size, arm)
+        return step_seconds(
+            self.base_time, self.token_time, self.draft_time, self.draft_token_time, batch_size, arm
+        )
 
     def expected_reward(self, batch_size: int, arm: Arm, step: int) -> float:
         """Noise-free tokens/s; also the median of the noisy reward (the noise is log-normal)."""

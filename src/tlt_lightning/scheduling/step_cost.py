@@ -18,8 +18,9 @@ from tlt_lightning.speculative import Arm
 __all__ = ["StepCostModel", "step_seconds"]
 
 
-def step_seconds(base_time: float, token_time: float, draft_time: float, draft_token_time: float,
-                 batch_size: int, arm: Arm) -> float:
+def step_seconds(
+    base_time: float, token_time: float, draft_time: float, draft_token_time: float, batch_size: int, arm: Arm
+) -> float:
     """The cost formula of :class:`StepCostModel` (and of the simulator): one target forward over the
     batch's verified tokens plus ``arm.num_steps`` drafter forwards; ``arm`` ``None`` is plain decoding."""
     verified = 0 if arm is None else arm.num_draft_tokens
@@ -74,4 +75,6 @@ class StepCostModel:
 
     def step_time(self, batch_size: int, arm: Arm) -> float:
         """The modelled seconds of one step of ``batch_size`` requests with ``arm``."""
-        return step_seconds(self.base_time, self.token_time, self.draft_time, self.draft_token_time, batch_size, arm)
+        return step_seconds(
+            self.base_time, self.token_time, self.draft_time, self.draft_token_time, batch_size, arm
+        )

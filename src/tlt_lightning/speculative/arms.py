@@ -81,7 +81,9 @@ class DraftSpec:
             )
         f = self.fork_depth
         if isinstance(f, bool) or not isinstance(f, int) or not 1 <= f <= self.num_steps:
-            raise ValueError(f"fork_depth must be an int in [1, num_steps] = [1, {self.num_steps}], got {f!r}")
+            raise ValueError(
+                f"fork_depth must be an int in [1, num_steps] = [1, {self.num_steps}], got {f!r}"
+            )
         if f > 1 and not self.sampled:
             raise ValueError(f"fork_depth={f} describes sampled trees; pass sampled=True (or fork_depth=1)")
         if self.num_draft_tokens is None:
@@ -91,7 +93,9 @@ class DraftSpec:
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < 1:
             raise ValueError(f"min_confidence must be a number in [0, 1), got {c!r}")
         if c and not self.is_chain:
-            raise ValueError(f"min_confidence stops chains early; a tree (topk={self.topk}) needs min_confidence=0")
+            raise ValueError(
+                f"min_confidence stops chains early; a tree (topk={self.topk}) needs min_confidence=0"
+            )
         n, lo, hi = self.num_draft_tokens, self.num_steps, self.topk * self.num_steps
         if self.sampled:
             if n != sum(self.level_widths):
@@ -99,7 +103,9 @@ class DraftSpec:
                     f"a sampled tree verifies all its {sum(self.level_widths)} nodes, got num_draft_tokens={n}"
                 )
         elif not isinstance(n, int) or not lo <= n <= hi:
-            raise ValueError(f"num_draft_tokens must be an int in [num_steps, topk * num_steps] = [{lo}, {hi}], got {n!r}")
+            raise ValueError(
+                f"num_draft_tokens must be an int in [num_steps, topk * num_steps] = [{lo}, {hi}], got {n!r}"
+            )
 
     @property
     def is_chain(self) -> bool:
@@ -117,7 +123,11 @@ class DraftSpec:
             return f"chain{self.num_steps}x{self.topk}{fork}"
         if self.min_confidence:
             return f"chain{self.num_steps}@{self.min_confidence:g}"
-        return f"chain{self.num_steps}" if self.is_chain else f"tree{self.num_steps}x{self.topk}/{self.num_draft_tokens}"
+        return (
+            f"chain{self.num_steps}"
+            if self.is_chain
+            else f"tree{self.num_steps}x{self.topk}/{self.num_draft_tokens}"
+        )
 
 
 Arm: TypeAlias = DraftSpec | None
@@ -168,7 +178,9 @@ class DraftStrategy(Protocol):
 
     def select(self, batch_size: int) -> DraftSpec | None: ...
 
-    def update(self, batch_size: int, arm: DraftSpec | None, accepted_tokens: float, step_time: float) -> None: ...
+    def update(
+        self, batch_size: int, arm: DraftSpec | None, accepted_tokens: float, step_time: float
+    ) -> None: ...
 
 
 class _Always:

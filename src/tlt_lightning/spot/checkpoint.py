@@ -267,8 +267,15 @@ class AsyncCheckpointer:
             found = _TEMP.match(stale.name)
             if found is None:
                 continue
-            if found["writer"] == self.writer_id and int(found["pid"]) == pid or (found["host"] in (None, host) and int(found["pid"]) != pid
-                  and not process_alive(int(found["pid"]))):
+            if (
+                found["writer"] == self.writer_id
+                and int(found["pid"]) == pid
+                or (
+                    found["host"] in (None, host)
+                    and int(found["pid"]) != pid
+                    and not process_alive(int(found["pid"]))
+                )
+            ):
                 shutil.rmtree(stale, ignore_errors=True)
 
     def _stage(self, stage: str, tmp: Path) -> None:
@@ -319,8 +326,12 @@ class AsyncCheckpointer:
     def state_dict(self) -> dict[str, Any]:
         """Counters, and which checkpoints are this writer's (so that a resumed run prunes them)."""
         with self._lock:
-            return {"saved": self.saved, "superseded": self.superseded, "writers": sorted(self._writers),
-                    "owned": list(self._owned)}
+            return {
+                "saved": self.saved,
+                "superseded": self.superseded,
+                "writers": sorted(self._writers),
+                "owned": list(self._owned),
+            }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; missing keys keep their current values.

@@ -28,7 +28,14 @@ from safetensors.torch import load_file
 from tlt_lightning.drafter.io import WEIGHTS_NAME, check_finite_tensors
 from tlt_lightning.drafter.model import Drafter
 
-__all__ = ["META_NAME", "OPTIMIZER_NAME", "CheckpointInfo", "list_checkpoints", "load_checkpoint", "read_meta"]
+__all__ = [
+    "META_NAME",
+    "OPTIMIZER_NAME",
+    "CheckpointInfo",
+    "list_checkpoints",
+    "load_checkpoint",
+    "read_meta",
+]
 
 OPTIMIZER_NAME = "optimizer.pt"
 META_NAME = "meta.json"
@@ -107,8 +114,7 @@ def load_checkpoint(
             state = torch.load(path / OPTIMIZER_NAME, weights_only=True)
         except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as err:
             raise ValueError(
-                f"{path / OPTIMIZER_NAME} is corrupt or not an optimizer state: "
-                f"{type(err).__name__}: {err}"
+                f"{path / OPTIMIZER_NAME} is corrupt or not an optimizer state: {type(err).__name__}: {err}"
             ) from err
         try:
             optimizer.load_state_dict(state)

@@ -50,18 +50,43 @@ class SpotConfig:
         interval, vocab, path = self.checkpoint_interval, self.draft_vocab_size, self.drafter_path
         for name, value, ok, allowed in (
             ("training", self.training, isinstance(self.training, SpotTrainerConfig), "a SpotTrainerConfig"),
-            ("buffer_mb", self.buffer_mb, is_number(self.buffer_mb) and self.buffer_mb > 0,
-             "a finite number > 0 (MiB)"),
-            ("checkpoint_interval", interval, interval is None or (is_int(interval) and interval >= 1),
-             "an int >= 1 or None"),
-            ("min_idle_s", self.min_idle_s, is_number(self.min_idle_s) and self.min_idle_s >= 0,
-             "a finite number >= 0"),
+            (
+                "buffer_mb",
+                self.buffer_mb,
+                is_number(self.buffer_mb) and self.buffer_mb > 0,
+                "a finite number > 0 (MiB)",
+            ),
+            (
+                "checkpoint_interval",
+                interval,
+                interval is None or (is_int(interval) and interval >= 1),
+                "an int >= 1 or None",
+            ),
+            (
+                "min_idle_s",
+                self.min_idle_s,
+                is_number(self.min_idle_s) and self.min_idle_s >= 0,
+                "a finite number >= 0",
+            ),
             ("kind", self.kind, self.kind in DRAFTER_KINDS, f"one of {DRAFTER_KINDS}"),
-            ("draft_vocab_size", vocab, vocab is None or (is_int(vocab) and vocab >= 1), "an int >= 1 or None"),
-            ("drafter_path", path, path is None or isinstance(path, (str, os.PathLike)),
-             "a directory path, a models:/ or runs:/ URI, or None"),
-            ("recency_decay", self.recency_decay,
-             is_number(self.recency_decay) and 0 < self.recency_decay <= 1, "in (0, 1]"),
+            (
+                "draft_vocab_size",
+                vocab,
+                vocab is None or (is_int(vocab) and vocab >= 1),
+                "an int >= 1 or None",
+            ),
+            (
+                "drafter_path",
+                path,
+                path is None or isinstance(path, (str, os.PathLike)),
+                "a directory path, a models:/ or runs:/ URI, or None",
+            ),
+            (
+                "recency_decay",
+                self.recency_decay,
+                is_number(self.recency_decay) and 0 < self.recency_decay <= 1,
+                "in (0, 1]",
+            ),
         ):
             check(ok, name, value, allowed)
 
@@ -77,7 +102,9 @@ class SpotConfig:
         own, training = {f.name for f in fields(cls)}, {f.name for f in fields(SpotTrainerConfig)}
         for name in sorted(settings.keys() - own):
             if name in training:
-                raise ValueError(f"{name} is a setting of SpotConfig.training: pass {{'training': {{{name!r}: ...}}}}")
+                raise ValueError(
+                    f"{name} is a setting of SpotConfig.training: pass {{'training': {{{name!r}: ...}}}}"
+                )
             raise ValueError(f"{name} is not a field of SpotConfig; its fields are {sorted(own)}")
         if isinstance(settings.get("training"), Mapping):
             settings["training"] = SpotTrainerConfig(**settings["training"])

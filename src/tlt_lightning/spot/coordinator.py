@@ -230,7 +230,9 @@ class WorkerCoordinator:
         if not self.distributed:
             return True
         if self._done_at is None or self._work is None or not self._work.is_completed():
-            raise RuntimeError("finished_last() needs share_done() and the rollout's end (wait_rollout_end())")
+            raise RuntimeError(
+                "finished_last() needs share_done() and the rollout's end (wait_rollout_end())"
+            )
         return self._done_at >= float(self._signal.item())
 
     # ------------------------------------------------------------------------------ training

@@ -107,6 +107,7 @@ def plot_timeline(timeline: Sequence[Segment], path: str | Path, title: str | No
     workers = sorted({s.worker for s in timeline})
     fig, ax = new_figure(figsize=(10, 0.6 * len(workers) + 1.4))  # without matplotlib: names the plots extra
     from matplotlib.patches import Patch
+
     for row, worker in enumerate(workers):
         for state in WorkerState:
             spans = [

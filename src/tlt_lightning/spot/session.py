@@ -53,8 +53,12 @@ STEP_STATS = ("tail_steps", "paid_steps", "loss", "top1", "tail_s", "idle_s", "p
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # a sum over ranks (``None``: one process)
 
 
-def initial_drafter(config: SpotConfig, target: TargetModel, drafter: Drafter | None = None,
-                    serving_target: TargetModel | None = None) -> Drafter:
+def initial_drafter(
+    config: SpotConfig,
+    target: TargetModel,
+    drafter: Drafter | None = None,
+    serving_target: TargetModel | None = None,
+) -> Drafter:
     """The drafter to train, in fp32 (bf16 drafter training diverges) on ``target``.
 
     ``drafter`` (e.g. the module's, serving on ``serving_target``; copied unless that is ``target``
@@ -64,14 +68,18 @@ def initial_drafter(config: SpotConfig, target: TargetModel, drafter: Drafter | 
     path = config.drafter_path
     if drafter is not None:
         if path is not None:
-            raise ValueError(f"drafter_path={str(path)!r} given, but the module already has a drafter "
-                             "(GRPOModule speculative.drafter_kind / drafter_path): pass only one")
+            raise ValueError(
+                f"drafter_path={str(path)!r} given, but the module already has a drafter "
+                "(GRPOModule speculative.drafter_kind / drafter_path): pass only one"
+            )
         if drafter.dtype == torch.float32 and (serving_target or target) is target:
             return drafter
         return drafter.for_target(target, dtype=torch.float32)
     if path is not None:
         if not is_mlflow_uri(path) and not Path(path).is_dir():
-            raise ValueError(f"drafter_path {str(path)!r} is not a drafter directory (nor a models:/ or runs:/ URI)")
+            raise ValueError(
+                f"drafter_path {str(path)!r} is not a drafter directory (nor a models:/ or runs:/ URI)"
+            )
         return load_drafter(path, target, dtype=torch.float32)
     vocab = target.info.vocab_size
     size = None if config.draft_vocab_size is None else min(config.draft_vocab_size, vocab)
@@ -107,9 +115,16 @@ class SpotDrafter:
         >>> # spot.close()
     """
 
-    def __init__(self, config: SpotConfig, target: TargetModel, checkpoint_dir: str | Path, *,
-                 serving_target: TargetModel | None = None, drafter: Drafter | None = None,
-                 state: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: SpotConfig,
+        target: TargetModel,
+        checkpoint_dir: str | Path,
+        *,
+        serving_target: TargetModel | None = None,
+        drafter: Drafter | None = None,
+        state: Mapping[str, Any] | None = None,
+    ) -> None:
         state = dict(state or {})
         self.config = config
         drafter = initial_drafter(config, target, drafter, serving_target)
@@ -119,7 +134,9 @@ class SpotDrafter:
             drafter = Drafter(DrafterConfig.from_dict(saved), target, dtype=torch.float32)
         self.buffer = RolloutBuffer(BufferConfig(max_mb=config.buffer_mb, decay=config.recency_decay))
         self.coordinator = WorkerCoordinator(CoordinatorConfig(min_idle_s=config.min_idle_s))
-        self.spot_trainer = SpotTrainer(drafter, target, self.buffer, config.training, rank=self.coordinator.rank)
+        self.spot_trainer = SpotTrainer(
+            drafter, target, self.buffer, config.training, rank=self.coordinator.rank
+        )
         self.drafter, self.optimizer = drafter, self.spot_trainer.optimizer
         self.checkpointer = AsyncCheckpointer(Path(checkpoint_dir))
         self.steps = self.tail_steps = self.paid_steps = self.rl_steps = 0
@@ -168,8 +185,9 @@ class SpotDrafter:
                 self._stats["latency_n"] += 1
         coord.wait_rollout_end()
 
-    def end_step(self, result: RolloutResult, reduce: Reduce | None = None,
-                 device: torch.device | str = "cpu") -> dict[str, float]:
+    def end_step(
+        self, result: RolloutResult, reduce: Reduce | None = None, device: torch.device | str = "cpu"
+    ) -> dict[str, float]:
         """After the policy update: paid training if no rank trained, sync, publish, maybe save.
 
         Args:
@@ -182,8 +200,10 @@ class SpotDrafter:
             :data:`STEP_STATS` summed over ranks (identical on every rank).
         """
         if not self._in_step:
-            raise RuntimeError("SpotDrafter.end_step called without begin_step: call begin_step(policy_step) "
-                               "before the step's rollout")
+            raise RuntimeError(
+                "SpotDrafter.end_step called without begin_step: call begin_step(policy_step) "
+                "before the step's rollout"
+            )
         self._release()
         spot, coord, stats = self.spot_trainer, self.coordinator, self._stats
         if not self._added:
@@ -191,14 +211,19 @@ class SpotDrafter:
         self._in_step = False
         stats["step_s"] = time.perf_counter() - self._step_start
         summed: Reduce = reduce or (lambda t: t)
-        tail = float(summed(torch.tensor(stats["tail_steps"], dtype=torch.float64, device=device))) if coord.distributed \
+        tail = (
+            float(summed(torch.tensor(stats["tail_steps"], dtype=torch.float64, device=device)))
+            if coord.distributed
             else stats["tail_steps"]
+        )
         paid = spot.train_paid() if tail == 0 else None
         if paid is not None:
             stats["paid_steps"] += paid.steps
             stats["paid_s"] += paid.seconds
             self.paid_seconds += paid.seconds
-            self._paid.append(Segment(coord.rank, WorkerState.TRAINING, paid.start, paid.start + paid.seconds))
+            self._paid.append(
+                Segment(coord.rank, WorkerState.TRAINING, paid.start, paid.start + paid.seconds)
+            )
         stats["loss"], stats["top1"] = spot.loss_sum, spot.top1_sum
         stats["tail_s"] = coord.train_seconds - self._coord_base[0]
         stats["idle_s"] = coord.idle_seconds - self._coord_base[1]
@@ -244,8 +269,13 @@ class SpotDrafter:
             "coordinator": self.coordinator.state_dict(),
             "publisher": self.publisher.state_dict(),
             "checkpointer": self.checkpointer.state_dict(),
-            "counters": {"steps": self.steps, "tail_steps": self.tail_steps, "paid_steps": self.paid_steps,
-                         "rl_steps": self.rl_steps, "paid_seconds": self.paid_seconds},
+            "counters": {
+                "steps": self.steps,
+                "tail_steps": self.tail_steps,
+                "paid_steps": self.paid_steps,
+                "rl_steps": self.rl_steps,
+                "paid_seconds": self.paid_seconds,
+            },
             "last_checkpoint": self.last_checkpoint,
         }
 
@@ -270,23 +300,38 @@ class SpotDrafter:
         """The settings and the trained drafter's kind, draft vocabulary and size (run parameters)."""
         c, t, d = self.config, self.config.training, self.drafter.config
         return {
-            "lr": t.lr, "buffer_mb": c.buffer_mb, "packing_budget": t.packing_budget,
-            "checkpoint_interval": c.checkpoint_interval, "min_idle_s": c.min_idle_s,
-            "max_steps_per_rollout": t.max_steps_per_rollout, "max_seconds_per_rollout": t.max_seconds_per_rollout,
-            "kind": c.kind, "draft_vocab_size": c.draft_vocab_size,
+            "lr": t.lr,
+            "buffer_mb": c.buffer_mb,
+            "packing_budget": t.packing_budget,
+            "checkpoint_interval": c.checkpoint_interval,
+            "min_idle_s": c.min_idle_s,
+            "max_steps_per_rollout": t.max_steps_per_rollout,
+            "max_seconds_per_rollout": t.max_seconds_per_rollout,
+            "kind": c.kind,
+            "draft_vocab_size": c.draft_vocab_size,
             "drafter_path": None if c.drafter_path is None else str(c.drafter_path),
-            "recency_decay": c.recency_decay, "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
-            "seed": t.seed, "effective_kind": d.kind, "effective_draft_vocab": d.draft_vocab,
+            "recency_decay": c.recency_decay,
+            "weight_decay": t.weight_decay,
+            "max_grad_norm": t.max_grad_norm,
+            "seed": t.seed,
+            "effective_kind": d.kind,
+            "effective_draft_vocab": d.draft_vocab,
             "feature_layers": list(d.rollout_feature_layers),
             "trainable_parameters": self.drafter.num_trainable_parameters(),
         }
 
     def summary(self) -> dict[str, Any]:
         """Counters, version, newest checkpoint and this rank's coordinator statistics (JSON-ready)."""
-        return {"drafter_steps": self.steps, "tail_steps": self.tail_steps, "paid_steps": self.paid_steps,
-                "paid_seconds_rank0": self.paid_seconds, "rl_steps": self.rl_steps,
-                "version": self.publisher.version, "checkpoint": self.last_checkpoint,
-                "rank0": self.coordinator.stats()}
+        return {
+            "drafter_steps": self.steps,
+            "tail_steps": self.tail_steps,
+            "paid_steps": self.paid_steps,
+            "paid_seconds_rank0": self.paid_seconds,
+            "rl_steps": self.rl_steps,
+            "version": self.publisher.version,
+            "checkpoint": self.last_checkpoint,
+            "rank0": self.coordinator.stats(),
+        }
 
     def timeline(self, since: float | None = None) -> tuple[list[Segment], list[Segment]]:
         """Every worker's coordinator segments and paid-training spans since ``since`` (a collective

@@ -147,8 +147,9 @@ class SpotTrainer:
         self.drafter, self.target, self.buffer = drafter, target, buffer
         self.config, self.rank = config or SpotTrainerConfig(), rank
         params = [p for p in drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=float(self.config.lr),
-                                           weight_decay=float(self.config.weight_decay))
+        self.optimizer = torch.optim.AdamW(
+            params, lr=float(self.config.lr), weight_decay=float(self.config.weight_decay)
+        )
         self.loss_cfg = DrafterLoss.for_kind(drafter.config.kind)
         self.steps, self.policy_step = 0, 0
         self.loss_sum = self.top1_sum = 0.0
@@ -173,8 +174,14 @@ class SpotTrainer:
             mean_len = max(1.0, self.buffer.num_tokens / max(1, len(self.buffer)))
             n = max(1, math.ceil(4 * self.config.packing_budget / mean_len))  # about four steps per draw
             samples = self.buffer.sample(n, generator, dtype=self.drafter.dtype)
-            batches = pack_batches(samples, self.drafter.config, self.config.packing_budget, rows=1,
-                                   shuffle=True, generator=generator)
+            batches = pack_batches(
+                samples,
+                self.drafter.config,
+                self.config.packing_budget,
+                rows=1,
+                shuffle=True,
+                generator=generator,
+            )
             if not batches:
                 return
             yield from batches
@@ -190,8 +197,9 @@ class SpotTrainer:
         batch = next(self._batches, None)
         if batch is None:
             return False
-        metrics = drafter_train_step(self.drafter, self.target, batch, self.optimizer, self.loss_cfg,
-                                     self.config.max_grad_norm)
+        metrics = drafter_train_step(
+            self.drafter, self.target, batch, self.optimizer, self.loss_cfg, self.config.max_grad_norm
+        )
         self.loss_sum += metrics["loss"]
         self.top1_sum += metrics["top1"]
         self.steps += 1
@@ -244,8 +252,11 @@ class SpotTrainer:
         for tensor, where in slots:
             if tensor is None:
                 p, key = where
-                pieces.append(torch.zeros(() if key == "step" else p.shape, dtype=torch.float32,
-                                          device=device).flatten())
+                pieces.append(
+                    torch.zeros(
+                        () if key == "step" else p.shape, dtype=torch.float32, device=device
+                    ).flatten()
+                )
             else:
                 pieces.append(tensor.detach().to(device, torch.float32).flatten())
         flat = reduce(torch.cat(pieces) * weight)

@@ -106,17 +106,29 @@ class CheckpointRegistrar:
             if not checkpoints.owns(path):  # another writer replaced it: not this run's drafter
                 continue
             for logger in mlflow_loggers(trainer):
-                self.versions.append(log_drafter_version(logger.experiment, logger.run_id, path, self.name, step,
-                                                         target_model=self.target_model))
+                self.versions.append(
+                    log_drafter_version(
+                        logger.experiment,
+                        logger.run_id,
+                        path,
+                        self.name,
+                        step,
+                        target_model=self.target_model,
+                    )
+                )
             self.registered_steps.append(step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"registered_steps": list(self.registered_steps),
-                "pending": [list(entry) for entry in sorted(self._pending)]}
+        return {
+            "registered_steps": list(self.registered_steps),
+            "pending": [list(entry) for entry in sorted(self._pending)],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; missing keys keep their current values."""
         self.registered_steps = [int(s) for s in state.get("registered_steps", self.registered_steps)]
         if self.name is not None and "pending" in state:
-            self._pending = [(int(step), float(requested), None if where is None else str(where))
-                             for step, requested, where in state["pending"]]
+            self._pending = [
+                (int(step), float(requested), None if where is None else str(where))
+                for step, requested, where in state["pending"]
+            ]

@@ -60,7 +60,9 @@ def default_artifact_location(tracking_uri: str, artifact_location: str | None) 
     return artifact_location
 
 
-def prepare_logger_store(tracking_uri: str, experiment_name: str | None, artifact_location: str | None) -> bool:
+def prepare_logger_store(
+    tracking_uri: str, experiment_name: str | None, artifact_location: str | None
+) -> bool:
     """Create the store and experiment an MLflow logger will open, when MLflow can log there.
 
     Args:
@@ -128,8 +130,12 @@ def tracking_logger(
     # would otherwise race on MLflow's table creation and schema migrations.
     prepare_store(tracking_uri, experiment_name, artifact_location)
     return ResumableMLFlowLogger(
-        experiment_name=experiment_name, run_name=run_name, tracking_uri=tracking_uri, tags=tags,
-        artifact_location=artifact_location, run_id=run_id,
+        experiment_name=experiment_name,
+        run_name=run_name,
+        tracking_uri=tracking_uri,
+        tags=tags,
+        artifact_location=artifact_location,
+        run_id=run_id,
     )
 
 

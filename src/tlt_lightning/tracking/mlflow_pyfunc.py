@@ -70,8 +70,12 @@ _COPIED = (WEIGHTS_NAME, CONFIG_NAME, "meta.json")  # not optimizer.pt: not need
 
 def target_signature(config: DrafterConfig) -> dict[str, Any]:
     """What a target must be for this drafter: ``model_type``, ``hidden_size``, ``num_layers``, ``vocab_size``."""
-    return {"model_type": config.model_type, "hidden_size": config.hidden_size,
-            "num_layers": config.num_target_layers, "vocab_size": config.vocab_size}
+    return {
+        "model_type": config.model_type,
+        "hidden_size": config.hidden_size,
+        "num_layers": config.num_target_layers,
+        "vocab_size": config.vocab_size,
+    }
 
 
 def drafter_model_signature() -> ModelSignature:
@@ -83,8 +87,12 @@ def drafter_model_signature() -> ModelSignature:
 
     return ModelSignature(
         inputs=Schema([ColSpec(Array(DataType.long), "input_ids")]),
-        outputs=Schema([ColSpec(Array(DataType.long), "token_ids"), ColSpec(DataType.double, "mean_accept_length")]),
-        params=ParamSchema([ParamSpec(name, DataType.long, default) for name, default in PREDICT_PARAMS.items()]),
+        outputs=Schema(
+            [ColSpec(Array(DataType.long), "token_ids"), ColSpec(DataType.double, "mean_accept_length")]
+        ),
+        params=ParamSchema(
+            [ParamSpec(name, DataType.long, default) for name, default in PREDICT_PARAMS.items()]
+        ),
     )
 
 
@@ -170,7 +178,12 @@ def _load_target(spec: Any, signature: dict[str, Any], dtype: str, seed: int) ->
     if spec is not None and not isinstance(spec, (str, os.PathLike)):
         return spec  # a target object (Drafter checks that it fits)
     if spec is None:
-        shape = (signature["model_type"], signature["hidden_size"], signature["num_layers"], signature["vocab_size"])
+        shape = (
+            signature["model_type"],
+            signature["hidden_size"],
+            signature["num_layers"],
+            signature["vocab_size"],
+        )
         names = models_with_signature(*shape)
         if len(names) != 1:
             found = f"registry models {names} match" if names else "no registry model matches"
@@ -188,8 +201,12 @@ def _load_pyfunc(data_path: str, model_config: dict[str, Any] | None = None) -> 
 
     flavor = Model.load(os.path.join(data_path, "MLmodel")).flavors[FLAVOR_NAME]
     config = model_config or {}
-    target = _load_target(config.get("target"), flavor["target"], str(config.get("dtype") or "float32"),
-                          int(config.get("seed") or 0))
+    target = _load_target(
+        config.get("target"),
+        flavor["target"],
+        str(config.get("dtype") or "float32"),
+        int(config.get("seed") or 0),
+    )
     return DrafterPyfunc(load_drafter(data_path, target).eval(), target)
 
 
@@ -231,9 +248,13 @@ class DrafterPyfunc:
             raise ValueError(f"num_draft_tokens must be in 1..32, got {params['num_draft_tokens']!r}")
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         if "input_ids" not in frame.columns:
-            raise ValueError(f"model_input needs a column 'input_ids' (token-id lists), got columns {list(frame.columns)}")
+            raise ValueError(
+                f"model_input needs a column 'input_ids' (token-id lists), got columns {list(frame.columns)}"
+            )
         loop = SpeculativeRolloutLoop(
-            self.target, self.drafter, RolloutConfig(max_new_tokens=int(params["max_new_tokens"]), temperature=0.0),
+            self.target,
+            self.drafter,
+            RolloutConfig(max_new_tokens=int(params["max_new_tokens"]), temperature=0.0),
             strategy=DraftSpec(depth),
         )
         tokens, accept = [], []

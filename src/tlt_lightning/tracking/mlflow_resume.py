@@ -65,8 +65,9 @@ class MLflowRunCheckpoint(L.Callback):
     """
 
     @override
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         loggers = mlflow_loggers(trainer)
         if not loggers or not trainer.is_global_zero:  # rank 0 writes the checkpoint file
             return
@@ -105,21 +106,33 @@ def resumable_run_id(ckpt_path: str | os.PathLike, tracking_uri: str) -> str | N
         return None
     run = mlflow_run_in_checkpoint(ckpt_path)
     if run is None:
-        log.warning("%s names no MLflow run (saved without MLflow or by an older version): a new run "
-                    "starts", ckpt_path)
+        log.warning(
+            "%s names no MLflow run (saved without MLflow or by an older version): a new run starts",
+            ckpt_path,
+        )
         return None
     here = canonical_tracking_uri(tracking_uri)
     if run.get("tracking_uri") != here:
-        log.warning("%s was saved from MLflow run %s in the store %s, not %s: a new run starts", ckpt_path,
-                    run["run_id"], run.get("tracking_uri"), here)
+        log.warning(
+            "%s was saved from MLflow run %s in the store %s, not %s: a new run starts",
+            ckpt_path,
+            run["run_id"],
+            run.get("tracking_uri"),
+            here,
+        )
         return None
     import mlflow
 
     try:
         mlflow.MlflowClient(tracking_uri=tracking_uri).get_run(run["run_id"])
     except mlflow.exceptions.MlflowException as err:
-        log.warning("MLflow run %s of %s is not in %s (%s): a new run starts", run["run_id"], ckpt_path,
-                    tracking_uri, err)
+        log.warning(
+            "MLflow run %s of %s is not in %s (%s): a new run starts",
+            run["run_id"],
+            ckpt_path,
+            tracking_uri,
+            err,
+        )
         return None
     rank_zero_info(f"Resuming MLflow run {run['run_id']} from {ckpt_path}")
     return run["run_id"]
@@ -166,5 +179,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
         if changed:
             log.warning(
                 "resumed MLflow run %s with changed parameters %s: MLflow keeps the first values, the new "
-                "ones are the run's tags resumed.<name>", self.run_id, sorted(changed),
+                "ones are the run's tags resumed.<name>",
+                self.run_id,
+                sorted(changed),
             )

@@ -30,9 +30,9 @@ class TrackingStoreError(RuntimeError):
 def sqlite_path(tracking_uri: str) -> Path | None:
     """The database file of a ``sqlite:///PATH`` URI (relative to the working directory), else ``None``."""
     prefix = "sqlite:///"
-    if not tracking_uri.startswith(prefix) or tracking_uri[len(prefix):] in ("", ":memory:"):
+    if not tracking_uri.startswith(prefix) or tracking_uri[len(prefix) :] in ("", ":memory:"):
         return None
-    return Path(tracking_uri[len(prefix):])
+    return Path(tracking_uri[len(prefix) :])
 
 
 @contextlib.contextmanager

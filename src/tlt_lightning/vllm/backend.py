@@ -88,7 +88,9 @@ def require_vllm() -> ModuleType:
     try:
         import vllm
     except ImportError as err:
-        raise ImportError(f"the vLLM rollout backend needs vLLM, which is not installed: {VLLM_EXTRA_HINT}") from err
+        raise ImportError(
+            f"the vLLM rollout backend needs vLLM, which is not installed: {VLLM_EXTRA_HINT}"
+        ) from err
     return vllm
 
 
@@ -137,13 +139,17 @@ class VLLMBackendConfig:
         if self.drafter is not None:
             object.__setattr__(self, "drafter", os.fspath(self.drafter))
         if self.method is not None and self.method not in METHODS.values():
-            raise ValueError(f"method must be one of {sorted(METHODS.values())} or None (from the export), got {self.method!r}")
+            raise ValueError(
+                f"method must be one of {sorted(METHODS.values())} or None (from the export), got {self.method!r}"
+            )
         if self.method is not None and self.drafter is None:
             raise ValueError(f"method={self.method!r} needs a drafter export directory, got drafter=None")
         for name in ("num_speculative_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             check(is_int(value) and value >= 1, name, value, "an int >= 1")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
             raise ValueError(f"max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
         check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {sorted(DTYPES)}")
         check(self.device in DEVICES, "device", self.device, f"one of {list(DEVICES)}")
@@ -190,10 +196,14 @@ def resolve_method(config: VLLMBackendConfig) -> str | None:
     arch = (json.loads(path.read_text()).get("architectures") or [None])[0]
     kinds = {**dict.fromkeys(EAGLE1_ARCHITECTURES, "eagle1"), **dict.fromkeys(EAGLE3_ARCHITECTURES, "eagle3")}
     if arch not in kinds:
-        raise ValueError(f"{path}: architectures[0]={arch!r} is not an EAGLE drafter; expected one of {sorted(kinds)}")
+        raise ValueError(
+            f"{path}: architectures[0]={arch!r} is not an EAGLE drafter; expected one of {sorted(kinds)}"
+        )
     method = METHODS[kinds[arch]]
     if config.method is not None and config.method != method:
-        raise ValueError(f"method={config.method!r} does not match the export at {config.drafter}, which is {method!r}")
+        raise ValueError(
+            f"method={config.method!r} does not match the export at {config.drafter}, which is {method!r}"
+        )
     return method
 
 
@@ -340,7 +350,10 @@ class VLLMRolloutBackend:
         return spec_counters(self.llm.get_metrics()) if self.speculative else SpecCounters()
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], generator: torch.Generator | None = None, progress: bool = False
+        self,
+        prompts: Sequence[Sequence[int]],
+        generator: torch.Generator | None = None,
+        progress: bool = False,
     ) -> RolloutResult:
         """Sample one response per prompt on the served weights.
 

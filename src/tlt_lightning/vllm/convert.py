@@ -72,7 +72,9 @@ class TargetLimits:
         """
         path = Path(path)
         config = _read_json(path / "config.json")
-        generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
+        generation = (
+            _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
+        )
         eos = generation.get("eos_token_id")
         if eos is None:
             eos = config.get("eos_token_id")
@@ -118,7 +120,9 @@ def check_supported(config: RolloutConfig, limits: TargetLimits) -> None:
             f"below that), got {config.temperature!r}"
         )
     if config.top_k > limits.vocab_size:
-        raise ValueError(f"top_k must be <= the vocabulary size {limits.vocab_size} (0 = off), got {config.top_k}")
+        raise ValueError(
+            f"top_k must be <= the vocabulary size {limits.vocab_size} (0 = off), got {config.top_k}"
+        )
 
 
 def sampling_kwargs(
@@ -183,8 +187,15 @@ def build_requests(
     if len(seeds) != len(prompts):
         raise ValueError(f"seeds must have one entry per prompt ({len(prompts)}), got {len(seeds)}")
     return [
-        VLLMRequest(p.tolist(), sampling_kwargs(config, min(config.max_new_tokens, limits.max_model_len - p.numel()),
-                                                limits.eos_token_ids, seed))
+        VLLMRequest(
+            p.tolist(),
+            sampling_kwargs(
+                config,
+                min(config.max_new_tokens, limits.max_model_len - p.numel()),
+                limits.eos_token_ids,
+                seed,
+            ),
+        )
         for p, seed in zip(ids, seeds)
     ]
 
@@ -263,17 +274,21 @@ def rollouts_from_outputs(
         else:
             entries = completion.logprobs
             if entries is None or len(entries) != len(tokens):
-                raise ValueError(f"{where}: vLLM returned no per-token log-probabilities (requested logprobs=0)")
+                raise ValueError(
+                    f"{where}: vLLM returned no per-token log-probabilities (requested logprobs=0)"
+                )
             logprobs = [_token_logprob(entries[t], tok, f"{where} token {t}") for t, tok in enumerate(tokens)]
         first, finish = _request_times(getattr(out, "metrics", None), total_time)
-        rollouts.append(Rollout(
-            prompt_ids=torch.tensor(req.prompt_token_ids, dtype=torch.long),
-            token_ids=torch.tensor(tokens, dtype=torch.long),
-            logprobs=torch.tensor(logprobs, dtype=torch.float32),
-            finish_reason=reason,
-            first_token_time=first,
-            finish_time=finish,
-        ))
+        rollouts.append(
+            Rollout(
+                prompt_ids=torch.tensor(req.prompt_token_ids, dtype=torch.long),
+                token_ids=torch.tensor(tokens, dtype=torch.long),
+                logprobs=torch.tensor(logprobs, dtype=torch.float32),
+                finish_reason=reason,
+                first_token_time=first,
+                finish_time=finish,
+            )
+        )
     return rollouts
 
 
@@ -349,7 +364,11 @@ def accept_length_histogram(counters: SpecCounters) -> torch.Tensor:
     """
     a = [counters.drafts, *counters.accepted_per_position, 0]
     exact = [a[j] - a[j + 1] for j in range(len(a) - 1)]
-    if counters.drafts <= 0 or any(c < 0 for c in exact) or sum(counters.accepted_per_position) != counters.accepted_tokens:
+    if (
+        counters.drafts <= 0
+        or any(c < 0 for c in exact)
+        or sum(counters.accepted_per_position) != counters.accepted_tokens
+    ):
         return torch.zeros(0, dtype=torch.long)
     lengths = torch.arange(1, len(exact) + 1, dtype=torch.long)
     return torch.repeat_interleave(lengths, torch.tensor(exact, dtype=torch.long))

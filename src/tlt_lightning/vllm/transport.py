@@ -52,7 +52,9 @@ def _check_loaded(results: Any, component: str, count: int) -> None:
     """Every worker must report that it loaded all ``count`` tensors."""
     results = list(results) if isinstance(results, (list, tuple)) else [results]
     if not results or any(r != count for r in results):
-        raise RuntimeError(f"vLLM workers loaded {results} {component} tensors, expected {count} on every worker")
+        raise RuntimeError(
+            f"vLLM workers loaded {results} {component} tensors, expected {count} on every worker"
+        )
 
 
 class FileTransport:
@@ -89,7 +91,9 @@ class RpcTransport:
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) they are handed over by reference."""
 
     def send(self, llm: Any, component: str, weights: WeightList, version: int) -> None:
-        _check_loaded(llm.collective_rpc(LOAD_TENSORS, args=(component, list(weights))), component, len(weights))
+        _check_loaded(
+            llm.collective_rpc(LOAD_TENSORS, args=(component, list(weights))), component, len(weights)
+        )
 
 
 # ------------------------------------------------------------------------------------ worker side

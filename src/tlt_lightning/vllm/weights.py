@@ -53,7 +53,11 @@ __all__ = [
 ]
 
 Schema = dict[str, tuple[int, ...]]
-_ANYWHERE = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")  # compile / checkpoint / FSDP
+_ANYWHERE = (
+    "_orig_mod.",
+    "_checkpoint_wrapped_module.",
+    "_fsdp_wrapped_module.",
+)  # compile / checkpoint / FSDP
 _LEADING = ("module.",)  # DDP
 _NOT_SENT = ("lm_head.weight", "t2d", "d2t", "embed_tokens.weight")  # see plan_drafter
 
@@ -70,7 +74,9 @@ def read_schema(directory: str | os.PathLike, files: Sequence[str] | None = None
     directory = Path(directory)
     paths = [directory / f for f in files] if files is not None else sorted(directory.glob("*.safetensors"))
     if not paths or not all(p.is_file() for p in paths):
-        raise ValueError(f"{directory} has no safetensors weights ({[p.name for p in paths] or '*.safetensors'})")
+        raise ValueError(
+            f"{directory} has no safetensors weights ({[p.name for p in paths] or '*.safetensors'})"
+        )
     schema: Schema = {}
     for path in paths:
         with safe_open(path, framework="pt") as handle:
@@ -89,7 +95,9 @@ def normalize_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
         for prefix in _LEADING:
             name = name.removeprefix(prefix)
         if name in out:
-            raise ValueError(f"two tensors map to {name!r} once wrapper prefixes are removed (one is {raw!r})")
+            raise ValueError(
+                f"two tensors map to {name!r} once wrapper prefixes are removed (one is {raw!r})"
+            )
         out[name] = tensor
     return out
 
@@ -115,10 +123,14 @@ def _fit(what: str, names: set[str], expected: set[str]) -> None:
 def _check_shapes(what: str, items: Mapping[str, torch.Tensor], schema: Schema) -> None:
     for name, tensor in items.items():
         if tuple(tensor.shape) != tuple(schema[name]):
-            raise ValueError(f"{what} {name} has shape {list(tensor.shape)}, the served model has {list(schema[name])}")
+            raise ValueError(
+                f"{what} {name} has shape {list(tensor.shape)}, the served model has {list(schema[name])}"
+            )
 
 
-def plan_target(state: Mapping[str, torch.Tensor], schema: Schema, dtype: torch.dtype | None = None) -> WeightList:
+def plan_target(
+    state: Mapping[str, torch.Tensor], schema: Schema, dtype: torch.dtype | None = None
+) -> WeightList:
     """The target tensors of a refresh, in the served checkpoint's names and order.
 
     Args:
@@ -196,7 +208,9 @@ def plan_drafter(
     """
     state = normalize_names(state)
     if spec.d2t is not None and "d2t" in state and not torch.equal(state["d2t"].cpu(), spec.d2t):
-        raise ValueError("the drafter's draft vocabulary (d2t) differs from the served export's: export and serve it anew")
+        raise ValueError(
+            "the drafter's draft vocabulary (d2t) differs from the served export's: export and serve it anew"
+        )
     own = {n: t for n, t in state.items() if n not in _NOT_SENT}
     expected = {n for n in spec.schema if n not in _NOT_SENT}
     _fit("drafter", set(own), expected)
@@ -323,11 +337,15 @@ class WeightRefresher:
         if target is not None:
             state = normalize_names(_state(target))
             update.target = plan_target(state, self.target_schema, self.dtype)
-            head_name = "lm_head.weight" if "lm_head.weight" in self.target_schema else "model.embed_tokens.weight"
+            head_name = (
+                "lm_head.weight" if "lm_head.weight" in self.target_schema else "model.embed_tokens.weight"
+            )
             head = state.get(head_name)
         if self.drafter is None:
             if drafter is not None:
-                raise ValueError("drafter weights were given, but the engine serves no drafter (built without one)")
+                raise ValueError(
+                    "drafter weights were given, but the engine serves no drafter (built without one)"
+                )
             return update
         if drafter is not None:
             update.drafter = plan_drafter(_drafter_state(drafter), self.drafter, self.dtype)
@@ -362,4 +380,3 @@ def _drafter_state(drafter: nn.Module | Mapping[str, torch.Tensor]) -> Mapping[s
 
         return eagle_state_dict(drafter)
     return drafter
-

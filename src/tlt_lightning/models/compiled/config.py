@@ -95,8 +95,16 @@ class CompileConfig:
         _check_ascending("batch_buckets", self.batch_buckets)
         _check_ascending("query_buckets", self.query_buckets, MAX_LEAN_QUERIES)
         ratio = self.all_slots_ratio
-        check(isinstance(ratio, (int, float)) and ratio >= 0, "all_slots_ratio", ratio,
-              ">= 0 (0: never read all slots)")
+        check(
+            isinstance(ratio, (int, float)) and ratio >= 0,
+            "all_slots_ratio",
+            ratio,
+            ">= 0 (0: never read all slots)",
+        )
         positive_int("kv_step", self.kv_step)
-        check(self.mode is None or self.mode in COMPILE_MODES, "mode", self.mode,
-              f"None or one of {COMPILE_MODES}")
+        check(
+            self.mode is None or self.mode in COMPILE_MODES,
+            "mode",
+            self.mode,
+            f"None or one of {COMPILE_MODES}",
+        )

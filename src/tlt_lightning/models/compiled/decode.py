@@ -49,15 +49,24 @@ class CompiledDecode(BucketedGraphs):
         check_compiled_model(model)
         super().__init__(model, config, "decode='compiled'")
         self.model = model
-        self._pack = self.config.packed_weights and model.device.type == "cpu" and model.dtype in packable_dtypes()
+        self._pack = (
+            self.config.packed_weights and model.device.type == "cpu" and model.dtype in packable_dtypes()
+        )
         self._gemv = self.config.row_gemv and model.device.type == "cpu" and model.dtype == torch.bfloat16
         self._matmul_attention = self.config.matmul_attention and model.device.type == "cpu"
         head_dim = model.get_decoder().layers[0].self_attn.head_dim
-        self._cpp_attention = (self.config.cpp_attention and model.device.type == "cpu" and model.dtype == torch.bfloat16
-                               and head_dim in kernels.HEAD_DIMS and kernels.available())
+        self._cpp_attention = (
+            self.config.cpp_attention
+            and model.device.type == "cpu"
+            and model.dtype == torch.bfloat16
+            and head_dim in kernels.HEAD_DIMS
+            and kernels.available()
+        )
         linears = {n: m for n, m in model.get_decoder().named_modules() if isinstance(m, nn.Linear)}
-        self._groups = [("+".join(group), [linears[name] for name in group])  # keyed as static_forward reads them
-                        for group in merged_groups(linears, self.config.merged_projections)]
+        self._groups = [
+            ("+".join(group), [linears[name] for name in group])  # keyed as static_forward reads them
+            for group in merged_groups(linears, self.config.merged_projections)
+        ]
         self._own_packs: dict[str, PackedWeight] = {}
         self.compile(static_forward)
 
@@ -91,8 +100,19 @@ class CompiledDecode(BucketedGraphs):
         if many_rows and cache.keys.shape[3] <= self.config.all_slots_ratio * bucket.kv_len:
             bucket = bucket._replace(all_slots=True)
         gemv = self._gemv and p.input_ids.numel() == 1  # the graph multiplies by row_gemv: no packed weights
-        hidden, features = self.launch(bucket, self.model, None if gemv else self._packed(), p.input_ids, p.positions,
-                                       p.slots, p.mask,
-                                       *self.layer_views(cache), bucket.feature_layers, self._gemv,
-                                       self._matmul_attention, bucket.all_slots, self._cpp_attention)
+        hidden, features = self.launch(
+            bucket,
+            self.model,
+            None if gemv else self._packed(),
+            p.input_ids,
+            p.positions,
+            p.slots,
+            p.mask,
+            *self.layer_views(cache),
+            bucket.feature_layers,
+            self._gemv,
+            self._matmul_attention,
+            bucket.all_slots,
+            self._cpp_attention,
+        )
         return self.unpad(hidden, p), self.unpad(features, p)

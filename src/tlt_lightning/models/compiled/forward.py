@@ -28,15 +28,18 @@ class StaticKV:
     which made steps several times slower.
     """
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor, kv_len: int) -> None:
+    def __init__(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor, kv_len: int
+    ) -> None:
         self.keys, self.values, self.slots, self.kv_len = keys, values, slots, kv_len
         self.rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
 
     def begin_step(self, rows: int, positions: torch.Tensor) -> int:
         return self.kv_len  # the slots were fixed by the caller, padding included
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args: object, **kwargs: object
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[n, H, q, D]`` new keys/values, return ``[n, H, kv_len, D]`` views of the buffers."""
         n, keys, values = self.rows.shape[0], self.keys[layer], self.values[layer]
         keys[self.rows, :, self.slots] = key.transpose(1, 2).to(keys.dtype)
@@ -102,7 +105,9 @@ def static_forward(
             return F.linear(x, module.weight, module.bias)
         return packed_linear(x, packed[name], module.bias, module.out_features)
 
-    def linears(x: torch.Tensor, modules: tuple[nn.Module, ...], names: tuple[str, ...]) -> list[torch.Tensor]:
+    def linears(
+        x: torch.Tensor, modules: tuple[nn.Module, ...], names: tuple[str, ...]
+    ) -> list[torch.Tensor]:
         key = "+".join(names)
         if gemv or packed is None or key not in packed:
             return [linear(x, module, name) for module, name in zip(modules, names)]
@@ -111,4 +116,6 @@ def static_forward(
         return list(packed_linear(x, packed[key], bias, sum(sizes)).split(sizes, -1))
 
     store = StaticKV(keys, values, slots, kv_len=mask.shape[-1])
-    return lean_decoder(model, input_ids, positions, mask, store.update, feature_layers, linear, attention, linears)
+    return lean_decoder(
+        model, input_ids, positions, mask, store.update, feature_layers, linear, attention, linears
+    )

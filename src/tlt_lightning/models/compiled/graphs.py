@@ -92,7 +92,9 @@ class BucketedGraphs:
         self._first_linear = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
         self._traced: Callable[..., Any] | None = None
         self._options: dict[str, Any] = {}
-        self._guarded: dict[tuple, tuple[Callable[..., Any], Callable[..., Any]]] = {}  # per graph key: a copy
+        self._guarded: dict[
+            tuple, tuple[Callable[..., Any], Callable[..., Any]]
+        ] = {}  # per graph key: a copy
         # of the traced function under its own code object, and that copy through torch.compile
         self._direct: dict[tuple, Callable[..., Any]] = {}  # per graph key: its compiled bytecode, no guards
         self._built_for: tuple = ()
@@ -115,8 +117,10 @@ class BucketedGraphs:
         they cost time at every call, and what they check cannot change under these graphs but the weights'
         dtype, device and layout (:mod:`~tlt_lightning.models.layout`), which :meth:`launch` checks itself. Weights updated in
         place, or replaced by tensors of the same kind, are read afresh every call."""
-        self._options = {**torch._inductor.list_mode_options(self.mode, dynamic=False),
-                         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self._options = {
+            **torch._inductor.list_mode_options(self.mode, dynamic=False),
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+        }
         self._traced, self._built_for = fn, self._weights_kind()
         self._guarded.clear()
         self._direct.clear()
@@ -134,8 +138,14 @@ class BucketedGraphs:
         return float(sum(self.compile_times.values()))
 
     def new_cache(
-        self, num_layers: int, max_batch: int, num_kv_heads: int, max_len: int, head_dim: int,
-        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        self,
+        num_layers: int,
+        max_batch: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> KVCache:
         """A :class:`KVCache` with room for the padding: the spare slot padded queries write to and, for
         static graphs, rows rounded up to a batch bucket and key slots to a multiple of ``kv_step``."""
@@ -212,13 +222,18 @@ class BucketedGraphs:
         bucket = self.bucket(n, q, kv_len, feature_layers)
         if bucket is None:
             c = self.config
-            self._fallback(("shape", n, q), f"{n} rows x {q} new tokens is outside the buckets "
-                                             f"(batch_buckets={c.batch_buckets}, query_buckets={c.query_buckets})")
+            self._fallback(
+                ("shape", n, q),
+                f"{n} rows x {q} new tokens is outside the buckets "
+                f"(batch_buckets={c.batch_buckets}, query_buckets={c.query_buckets})",
+            )
             return None
         rows, buffer_len = cache.keys.shape[1], cache.keys.shape[3]
         if bucket.batch > rows or buffer_len <= max(cache.max_len, bucket.kv_len):
-            self._fallback(("cache", rows, buffer_len), "the cache has no room for the bucket's padding "
-                                                        "(make it with the model's new_cache)")
+            self._fallback(
+                ("cache", rows, buffer_len),
+                "the cache has no room for the bucket's padding (make it with the model's new_cache)",
+            )
             return None
         B, Q, K = bucket.batch, bucket.queries, bucket.kv_len
         ids = input_ids.new_zeros(B, Q)
@@ -252,8 +267,13 @@ class BucketedGraphs:
                 arg = arg[0]
             if isinstance(arg, torch.Tensor):
                 kinds.append((arg.dtype, tuple(min(d, 2) for d in arg.shape) if self.dynamic else arg.shape))
-        return (graph, torch.get_num_threads(), torch.is_inference_mode_enabled(),
-                torch.is_autocast_enabled(self._device_type), *kinds)
+        return (
+            graph,
+            torch.get_num_threads(),
+            torch.is_inference_mode_enabled(),
+            torch.is_autocast_enabled(self._device_type),
+            *kinds,
+        )
 
     def launch(self, bucket: Bucket, *args: Any) -> Any:
         """Call the compiled function in ``bucket``'s graph; a call that compiles is timed and logged.
@@ -264,7 +284,9 @@ class BucketedGraphs:
         """
         assert self._traced is not None, "compile() must precede launch()"
         if self._weights_kind() != self._built_for:
-            log.warning("%s: the model's weights changed dtype, device or layout; compiling new graphs", self.what)
+            log.warning(
+                "%s: the model's weights changed dtype, device or layout; compiling new graphs", self.what
+            )
             self.compile(self._traced)
         graph = self.graph(bucket)
         key = self._key(graph, args)
@@ -280,9 +302,13 @@ class BucketedGraphs:
         own, compiled = self._guarded[key]
         graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, accumulated_recompile_limit=_RECOMPILE_LIMIT):
+        with torch._dynamo.config.patch(
+            recompile_limit=_RECOMPILE_LIMIT, accumulated_recompile_limit=_RECOMPILE_LIMIT
+        ):
             out = compiled(*args)
-        if counters["stats"]["unique_graphs"] != graphs:  # this call compiled (first call of a graph, or a recompile)
+        if (
+            counters["stats"]["unique_graphs"] != graphs
+        ):  # this call compiled (first call of a graph, or a recompile)
             seconds = time.perf_counter() - start
             if graph in self.compile_times:
                 log.warning("%s: graph %s compiled again (%.1f s)", self.what, tuple(graph), seconds)

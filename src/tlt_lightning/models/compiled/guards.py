@@ -51,8 +51,13 @@ def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _unusable(kind: str, problem: str) -> None:
     if kind not in _warned:
         _warned.add(kind)
-        log.warning("CompileConfig.skip_guards needs %s, which %s under torch %s; compiled graphs keep "
-                    "dynamo's guards (same results, slower calls)", DEBUG_API, problem, torch.__version__)
+        log.warning(
+            "CompileConfig.skip_guards needs %s, which %s under torch %s; compiled graphs keep "
+            "dynamo's guards (same results, slower calls)",
+            DEBUG_API,
+            problem,
+            torch.__version__,
+        )
 
 
 def cache_entries(fn: Callable[..., Any]) -> list[Any] | None:

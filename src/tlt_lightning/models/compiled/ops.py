@@ -18,9 +18,11 @@ __all__ = ["packed_linear", "row_gemv"]
 # of hundreds of products feels (docs/benchmarks.md).
 _LIBRARY = torch.library.Library("tlt_lightning", "FRAGMENT")
 _LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
-_LIBRARY.impl("packed_linear",
-              lambda x, packed, bias, out_features: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
-              "CompositeExplicitAutograd")
+_LIBRARY.impl(
+    "packed_linear",
+    lambda x, packed, bias, out_features: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
+    "CompositeExplicitAutograd",
+)
 
 
 @torch.library.register_fake("tlt_lightning::packed_linear")
@@ -28,7 +30,9 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` oneDNN-packed (:meth:`PackedWeight.packed`); ``[..., in] -> [..., out]``.
 
     An op of its own (``torch.ops.tlt_lightning.packed_linear``), so Inductor calls oneDNN as it is (its
