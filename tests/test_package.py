@@ -221,6 +221,7 @@ PUBLIC_API = {
         "load_tokenizer",
         "model_dir",
         "models_with_signature",
+        "resolve_decode",
         "resolve_dtype",
         "set_weight_layout",
         "training_precision",

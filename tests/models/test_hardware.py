@@ -36,3 +36,30 @@ def test_cpu_info_matches_whole_field_names(monkeypatch, tmp_path):
     assert hardware.cpu_info("model name") == "AMD EPYC"
     assert hardware.cpu_info("cpu family") == "26"
     assert hardware.cpu_bf16_instructions() == ["avx512_bf16"]
+
+
+def test_resolve_decode(monkeypatch, caplog):
+    from tlt_lightning.models import hardware
+    from tlt_lightning.models.hardware import COMPILE_MIN_PARAMETERS, resolve_decode
+
+    big = COMPILE_MIN_PARAMETERS
+    assert resolve_decode("lean", "cpu", big) == "lean"
+    assert resolve_decode("auto", "cpu", big - 1) == "hf"  # compiling never pays back on a tiny model
+    monkeypatch.setattr(hardware, "has_cpp_compiler", lambda: True)
+    assert resolve_decode("auto", "cpu", big) == "compiled"
+    assert resolve_decode("auto", "cuda", big) == "compiled"
+    monkeypatch.setattr(hardware, "has_cpp_compiler", lambda: False)
+    with caplog.at_level("WARNING"):
+        assert resolve_decode("auto", "cpu", big) == "hf"
+        assert resolve_decode("compiled", "cpu", 10) == "hf"
+    assert caplog.text.count("no C++ compiler") == 2
+    assert resolve_decode("auto", "cuda", big) == "compiled"
+
+
+def test_has_cpp_compiler_follows_cxx(monkeypatch):
+    from tlt_lightning.models.hardware import has_cpp_compiler
+
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert not has_cpp_compiler()
+    monkeypatch.setenv("CXX", "sh")  # any program on the PATH
+    assert has_cpp_compiler()

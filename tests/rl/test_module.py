@@ -305,6 +305,10 @@ def test_constructor_errors_name_the_field():
         make_module(top_p=0.0)
     with pytest.raises(ValueError, match="name must be one of"):
         GRPOModule(task={"name": "nope"})
+    with pytest.raises(
+        ValueError, match=r"rollout_decode must be one of \('auto', 'hf', 'lean', 'compiled'\)"
+    ):
+        make_module(rollout_decode="fast")
     with pytest.raises(ValueError, match="'tiny-llama' has no tokenizer.*TokenPromptSource"):
         GRPOModule(model="tiny-llama").configure_model()
 
@@ -644,3 +648,37 @@ def test_rollout_listeners_hear_each_training_rollout_until_removed():
         ("c", "after", 8),
         ("b", "end", 1, True),
     ]
+
+
+# ---------------------------------------------------------------------------------- rollout decode
+
+
+class GraphCounter(L.Callback):
+    """How many compiled rollout graphs exist when training starts and when it ends."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.at_start = dict(pl_module.rollout_target.compile_times)
+
+    def on_train_end(self, trainer, pl_module):
+        self.at_end = dict(pl_module.rollout_target.compile_times)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_compiled_rollouts_compile_before_the_first_step_and_never_inside_one(speculative):
+    extra = dict(speculative=True, drafter_kind="eagle1", sd_steps=2) if speculative else {}
+    module = make_module(rollout_decode="compiled", temperature=1.0, **extra)
+    counter = GraphCounter()
+    make_trainer(2, callbacks=[counter]).fit(module)
+    assert module.rollout_decode == "compiled"
+    assert module.compile_seconds > 0
+    assert counter.at_start, "the warm-up compiled no graph"
+    assert counter.at_end == counter.at_start, "a training step compiled a graph"
+    if speculative:  # the verify graphs of the arm (2 drafts + 1: the 4-query bucket) were warmed up
+        assert any(bucket.queries == 4 for bucket in counter.at_start)
+
+
+def test_auto_decode_stays_eager_for_a_tiny_model():
+    module = make_module()  # rollout_decode="auto"
+    module.configure_model()
+    assert module.rollout_decode == "hf"
+    assert module.compile_seconds is None

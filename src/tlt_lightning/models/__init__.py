@@ -8,7 +8,7 @@ needs torchtune, and accessing them without it raises an ``ImportError`` naming 
 from typing import Any
 
 from tlt_lightning.models.compiled import CompileConfig
-from tlt_lightning.models.hardware import resolve_dtype, training_precision
+from tlt_lightning.models.hardware import resolve_decode, resolve_dtype, training_precision
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import WEIGHT_LAYOUTS, set_weight_layout
 from tlt_lightning.models.registry import (
@@ -38,6 +38,7 @@ __all__ = [
     "load_tokenizer",
     "model_dir",
     "models_with_signature",
+    "resolve_decode",
     "resolve_dtype",
     "set_weight_layout",
     "training_precision",

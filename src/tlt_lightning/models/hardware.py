@@ -8,11 +8,29 @@ AMX or AVX512-BF16, and on GPUs, bf16 is the faster one. ``"auto"`` settings res
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
-__all__ = ["cpu_bf16_instructions", "cpu_info", "has_fast_bf16", "resolve_dtype", "training_precision"]
+__all__ = [
+    "COMPILE_MIN_PARAMETERS",
+    "cpu_bf16_instructions",
+    "cpu_info",
+    "has_cpp_compiler",
+    "has_fast_bf16",
+    "resolve_decode",
+    "resolve_dtype",
+    "training_precision",
+]
+
+log = logging.getLogger(__name__)
+
+COMPILE_MIN_PARAMETERS = 10_000_000
+"""``decode="auto"`` compiles only models at least this large: compiling takes tens of seconds per graph,
+which a model whose decode step costs microseconds never earns back."""
 
 BF16_INSTRUCTIONS = ("amx_bf16", "avx512_bf16")
 
@@ -59,3 +77,33 @@ def training_precision(device: torch.device | str | None = None) -> str:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return "bf16-mixed" if has_fast_bf16(device) else "32-true"
+
+
+def has_cpp_compiler() -> bool:
+    """Whether a C++ compiler is on the ``PATH`` (``$CXX``, else ``c++``, ``g++`` or ``clang++``): Inductor
+    builds its CPU kernels with it."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    return any(shutil.which(name) for name in names)
+
+
+def resolve_decode(name: str, device: torch.device | str = "cpu", num_parameters: int | None = None) -> str:
+    """``"auto"`` -> ``"compiled"`` where compiled graphs pay: a CUDA device, or a CPU with a C++ compiler
+    (:func:`has_cpp_compiler`), for a model of at least :data:`COMPILE_MIN_PARAMETERS` parameters (when
+    ``num_parameters`` is given); else ``"hf"`` (with a warning when only the compiler is missing).
+    ``"compiled"`` on a CPU without a compiler warns and gives ``"hf"``. Other names as given.
+
+    Example:
+        >>> resolve_decode("auto", "cpu", num_parameters=1000)
+        'hf'
+    """
+    device = torch.device(device)
+    if name not in ("auto", "compiled"):
+        return name
+    if name == "auto" and num_parameters is not None and num_parameters < COMPILE_MIN_PARAMETERS:
+        return "hf"
+    if device.type == "cpu" and not has_cpp_compiler():
+        log.warning("decode=%r: no C++ compiler (set $CXX or install g++), so rollouts decode eagerly", name)
+        return "hf"
+    if device.type in ("cpu", "cuda"):
+        return "compiled"
+    return "hf"

@@ -214,17 +214,10 @@ class HFTarget(nn.Module):
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
             raise TypeError(f"HFTarget needs a decoder-only causal LM, got {type(model).__name__}")
-        if decode not in DECODE_PATHS:
-            raise ValueError(f"decode must be one of {DECODE_PATHS}, got {decode!r}")
         self.model = model
         hf_attention_mask(model, torch.ones(1, 1, 1, 1, dtype=torch.bool))  # refuses what cannot run here
         use_grouped_attention(model)
-        if decode == "lean":
-            check_lean_model(model)
-        self._compiled: CompiledDecode | None = None
-        if decode == "compiled":
-            decode = self._compiled_or_fallback(model, compile_config)
-        self.decode = decode
+        self.set_decode(decode, compile_config)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.info = TargetInfo(
             model_type=config.model_type,
@@ -239,6 +232,20 @@ class HFTarget(nn.Module):
         self.weight_layout = "out_in"
         self._head_copy: tuple[tuple[int, int], torch.Tensor] | None = None
         self._cache_argument = cache_argument(model.get_decoder())
+
+    def set_decode(self, decode: str, compile_config: CompileConfig | None = None) -> str:
+        """Run decode and verify forwards by ``decode`` (see the class); returns the path taken, which
+        for ``"compiled"`` may be an eager one (logged). Caches made before keep working only on the
+        old path: call it before the rollouts."""
+        if decode not in DECODE_PATHS:
+            raise ValueError(f"decode must be one of {DECODE_PATHS}, got {decode!r}")
+        if decode == "lean":
+            check_lean_model(self.model)
+        self._compiled: CompiledDecode | None = None
+        if decode == "compiled":
+            decode = self._compiled_or_fallback(self.model, compile_config)
+        self.decode = decode
+        return decode
 
     def _compiled_or_fallback(self, model: PreTrainedModel, compile_config: CompileConfig | None) -> str:
         """Set up ``decode="compiled"``, or the eager path the model supports (with a warning)."""

@@ -30,17 +30,26 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from tlt_lightning.drafter import Drafter
-from tlt_lightning.models import HFTarget, TargetModel, load_model, resolve_dtype
+from tlt_lightning.models import HFTarget, TargetModel, load_model, resolve_decode, resolve_dtype
 from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs, policy_batch
 from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig, as_config
 from tlt_lightning.rl.grpo import GRPOLossOutput, group_advantages, grpo_loss
 from tlt_lightning.rl.listeners import RolloutListener, RolloutListeners
 from tlt_lightning.rl.module_settings import ROLLOUT_BACKENDS, check_settings, group_hparams
 from tlt_lightning.rl.optimize import StepCheck, any_rank, clip_and_check, optimize
-from tlt_lightning.rl.rollout_models import module_drafter, rollout_backend, rollout_models, sync_mirror
+from tlt_lightning.rl.rollout_models import (
+    apply_decode,
+    draft_arms,
+    module_drafter,
+    rollout_backend,
+    rollout_models,
+    sync_mirror,
+    warm_up_rollouts,
+)
 from tlt_lightning.rl.run_state import grpo_state, restore_grpo_state, rollout_seed
 from tlt_lightning.rl.scoring import (
     NonFiniteLossError,
@@ -79,6 +88,11 @@ class GRPOModule(L.LightningModule):
             copies, 1.0-1.3x faster in bf16 and more in fp32; training is untouched),
             ``"out_in"`` (PyTorch's) or ``"in_out"`` (cheaper fp32 verification of 4+ drafted
             tokens on some CPUs, dearer plain decoding of large batches).
+        rollout_decode: how rollouts run decode and verify forwards (``HFTarget(decode=)``): ``"auto"``
+            (default: ``"compiled"`` where it pays, a CUDA device or a CPU with a C++ compiler, for a
+            model of 10M+ parameters; else ``"hf"``, :func:`~tlt_lightning.models.resolve_decode`),
+            ``"compiled"``, ``"lean"`` or ``"hf"``. Graphs compile once, before the first step
+            (:meth:`compile_rollouts`), and serve every step while the weights change in place.
         task: the reasoning-gym task (a :class:`~tlt_lightning.rl.tasks.TaskConfig` or its fields
             as a dict; default ``TaskConfig()``). Ignored when a ``prompt_source`` is given.
         rollout: how responses are sampled, a :class:`~tlt_lightning.rollout.RolloutConfig`
@@ -143,6 +157,7 @@ class GRPOModule(L.LightningModule):
         dtype: str = "float32",
         rollout_dtype: str | None = None,
         weight_layout: str = "packed",
+        rollout_decode: str = "auto",
         task: TaskConfig | None = None,
         rollout: RolloutConfig = _DEFAULT_ROLLOUT,
         optim: OptimConfig = _DEFAULT_OPTIM,
@@ -170,6 +185,7 @@ class GRPOModule(L.LightningModule):
             weight_layout,
             prompt_source,
             rollout_backend,
+            rollout_decode,
         )
         self.vllm_rollouts = VLLMRollouts(vllm) if rollout_backend == "vllm" else None  # validates `vllm`
         self.save_hyperparameters(ignore=["prompt_source"])
@@ -194,6 +210,8 @@ class GRPOModule(L.LightningModule):
         self.rollout_dtype: str | None = rollout_dtype  # "auto" resolves in configure_model
         self.rollout_policy: nn.Module | None = None  # the rollout_dtype mirror, when there is one
         self.rollout_target: TargetModel | None = None
+        self.rollout_decode: str = rollout_decode  # "auto" resolves in configure_model
+        self.compile_seconds: float | None = None  # compile_rollouts(), with compiled decoding
         self.policy_target: TargetModel | None = None
         self.tokenizer = None
         self.accept_length = MeanAcceptLength()
@@ -217,6 +235,10 @@ class GRPOModule(L.LightningModule):
         self.rollout_dtype = resolve_dtype(hp.rollout_dtype, device)
         self.rollout_policy, self.rollout_target = rollout_models(
             self.policy, self.policy_target, self.rollout_dtype, hp.dtype, hp.weight_layout, self.make_target
+        )
+        size = sum(p.numel() for p in self.policy.parameters())
+        self.rollout_decode = apply_decode(
+            self.rollout_target, resolve_decode(hp.rollout_decode, device, size)
         )
         if self.optim_config.kl_coef > 0:
             self.reference = self.configure_reference().eval().requires_grad_(False)
@@ -270,6 +292,25 @@ class GRPOModule(L.LightningModule):
             if module is not None:
                 module.to(self.device)
         self.sync_rollout_policy()  # after a checkpoint restore too
+        self.compile_rollouts()
+
+    def compile_rollouts(self) -> None:
+        """Compile the rollout graphs (``rollout_decode="compiled"``) before the first rollout, so that no
+        timed step compiles: seconds logged as ``time/compile_s`` and printed (rank 0)."""
+        if self.vllm_rollouts is not None:
+            return
+        prompts = [self.prompt_source.prompt_ids(i) for i in range(min(2, len(self.prompt_source)))]
+        seconds = warm_up_rollouts(
+            self.rollout_target, self.rollout_config(), prompts, self.drafter, draft_arms(self.draft_strategy)
+        )
+        if seconds is None:
+            return
+        self.compile_seconds = seconds
+        rank_zero_info(
+            f"Compiled the rollout graphs in {seconds:.1f} s (before the first step, not inside it)"
+        )
+        if self.logger is not None:
+            self.logger.log_metrics({"time/compile_s": seconds}, step=self.global_step)
 
     def on_fit_end(self) -> None:
         if self.vllm_rollouts is not None:

@@ -6,14 +6,15 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from tlt_lightning.models import WEIGHT_LAYOUTS
+from tlt_lightning.models import DECODE_PATHS, WEIGHT_LAYOUTS
 from tlt_lightning.rl.sources import PromptSource
 from tlt_lightning.rollout import RolloutConfig
 from tlt_lightning.validation import check, is_int
 
-__all__ = ["ROLLOUT_BACKENDS", "check_settings", "group_hparams"]
+__all__ = ["ROLLOUT_BACKENDS", "ROLLOUT_DECODES", "check_settings", "group_hparams"]
 
 ROLLOUT_BACKENDS = ("engine", "vllm")
+ROLLOUT_DECODES = ("auto", *DECODE_PATHS)
 
 
 def check_settings(
@@ -25,6 +26,7 @@ def check_settings(
     weight_layout: Any,
     prompt_source: Any,
     rollout_backend: Any,
+    rollout_decode: Any = "auto",
 ) -> None:
     """Check :class:`~tlt_lightning.rl.GRPOModule`'s arguments of these names.
 
@@ -66,8 +68,15 @@ def check_settings(
         "a PromptSource (name, __len__, prompt_ids, score) or None",
     )
     check(
+        rollout_decode in ROLLOUT_DECODES,
+        "rollout_decode",
+        rollout_decode,
+        f"one of {ROLLOUT_DECODES}",
+    )
+    check(
         rollout_backend in ROLLOUT_BACKENDS, "rollout_backend", rollout_backend, f"one of {ROLLOUT_BACKENDS}"
     )
+    check(rollout_decode in ROLLOUT_DECODES, "rollout_decode", rollout_decode, f"one of {ROLLOUT_DECODES}")
 
 
 def group_hparams(**groups: Any) -> dict[str, dict[str, Any]]:

@@ -15,7 +15,9 @@ tolerance). Speculative decoding is lossless with respect to the bf16 mirror it 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -25,15 +27,19 @@ from tlt_lightning.models import HFTarget, TargetModel, set_weight_layout
 from tlt_lightning.rl.config import SpeculativeConfig
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
-from tlt_lightning.speculative import DraftStrategy
+from tlt_lightning.scheduling import BucketedStrategy
+from tlt_lightning.speculative import Arm, DraftSpec, DraftStrategy
 
 __all__ = [
+    "apply_decode",
     "apply_weight_layout",
+    "draft_arms",
     "module_drafter",
     "rollout_backend",
     "rollout_mirror",
     "rollout_models",
     "sync_mirror",
+    "warm_up_rollouts",
 ]
 
 
@@ -117,3 +123,51 @@ def rollout_backend(
     if drafter is None:
         return RolloutEngine(target, config)
     return SpeculativeRolloutLoop(target, drafter, config, strategy, threshold=threshold)
+
+
+def apply_decode(target: TargetModel, decode: str) -> str:
+    """Run ``target``'s decode and verify forwards by ``decode`` (:meth:`HFTarget.set_decode`); returns the
+    path taken. Other adapters keep their own (``"hf"`` is returned)."""
+    if not isinstance(target, HFTarget):
+        return "hf"
+    return decode if decode == target.decode else target.set_decode(decode)
+
+
+def draft_arms(strategy: DraftStrategy | DraftSpec) -> list[DraftSpec]:
+    """The draft specs ``strategy`` may pick (a bucketed strategy: every bucket's arms), ``None`` left out."""
+    arms: Sequence[Arm]
+    if isinstance(strategy, BucketedStrategy):
+        arms = [arm for bucket in strategy.arms for arm in bucket]
+    elif isinstance(strategy, DraftSpec):
+        arms = [strategy]
+    else:
+        arms = []
+    return [arm for arm in dict.fromkeys(arms) if arm is not None]
+
+
+@torch.no_grad()
+def warm_up_rollouts(
+    target: TargetModel,
+    config: RolloutConfig,
+    prompts: Sequence[Sequence[int]],
+    drafter: Drafter | None = None,
+    arms: Sequence[DraftSpec] = (),
+) -> float | None:
+    """Compile a compiled target's rollout graphs now: the seconds it took (``None``: not compiled).
+
+    Short rollouts of one prompt and of ``prompts`` (the graphs of one row and of several, with the
+    step's feature layers), and with a ``drafter`` one per arm (its verify graphs), sampled from a
+    generator of their own: nothing of the run's random state, strategy or drafter changes.
+    """
+    if not isinstance(target, HFTarget) or target.decode != "compiled":
+        return None
+    start = time.perf_counter()
+    depth = max((arm.num_steps for arm in arms), default=0)
+    short = replace(config, max_new_tokens=min(config.max_new_tokens, 2 * depth + 4))
+    groups = [list(prompts[:1]), list(prompts)] if len(prompts) > 1 else [list(prompts)]
+    for group in groups:
+        RolloutEngine(target, short).generate(group, generator=torch.Generator().manual_seed(0))
+        for arm in arms if drafter is not None else ():
+            loop = SpeculativeRolloutLoop(target, drafter, short, arm, threshold=len(group) + 1)
+            loop.generate(group, generator=torch.Generator().manual_seed(0))
+    return time.perf_counter() - start
