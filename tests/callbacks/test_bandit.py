@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from tests.rl.test_module import make_module, make_trainer
 from tlt_lightning.callbacks import BanditCallback, SpotDrafterCallback
+from tlt_lightning.callbacks.bandit import bucket_table
 from tlt_lightning.scheduling import BEGMABStrategy, FixedStrategy, StepCostModel, UCBStrategy
 from tlt_lightning.speculative import DraftSpec, arm_key
 
@@ -45,10 +46,39 @@ def test_both_callbacks_fit_two_steps(tmp_path):
     # The heat map and the best arms are written at the end of fit, in the run's own directory.
     assert bandit.run_dir == spot.run_dir == tmp_path / "version_0"
     assert (bandit.run_dir / "bandit" / "heatmap.png").stat().st_size > 0
-    best = json.loads((bandit.run_dir / "bandit" / "best_arms.json").read_text())["best_arms"]
-    assert best == {
+    summary = json.loads((bandit.run_dir / "bandit" / "best_arms.json").read_text())
+    assert summary["best_arms"] == {
         label: {"arm": arm_key(arm), "index": strategy.arms[0].index(arm)}
         for label, arm in strategy.best_arms().items()
+    }
+    assert summary["buckets"] == bucket_table(strategy.values())
+    for label, row in summary["buckets"].items():  # the chosen arm is the best-rated one
+        if row["chosen"] is not None:
+            assert row["chosen"] == summary["best_arms"][label]["arm"]
+
+
+def test_bucket_table_sets_plain_against_the_best_speculative_arm():
+    table = bucket_table(
+        {
+            "1": {"off": 80.0, "chain2": 100.0, "chain4": 120.0},
+            "2-4": {"off": 200.0, "chain2": 150.0, "chain4": None},
+            "5+": {"off": None, "chain2": None},
+        }
+    )
+    assert table["1"] == {
+        "plain": 80.0,
+        "speculative_arm": "chain4",
+        "speculative": 120.0,
+        "ratio": 1.5,
+        "chosen": "chain4",
+    }
+    assert table["2-4"]["ratio"] == 0.75 and table["2-4"]["chosen"] == "off"
+    assert table["5+"] == {
+        "plain": None,
+        "speculative_arm": None,
+        "speculative": None,
+        "ratio": None,
+        "chosen": None,
     }
 
 

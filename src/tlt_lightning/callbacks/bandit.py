@@ -32,7 +32,7 @@ from tlt_lightning.scheduling import BEGMABStrategy, BucketedStrategy, StepCostM
 from tlt_lightning.speculative import arm_key
 from tlt_lightning.tracking import log_artifact, run_dir
 
-__all__ = ["BanditCallback"]
+__all__ = ["BanditCallback", "bucket_table"]
 
 
 _NONE = object()  # "no observation yet" (an arm can be None: SD off)
@@ -40,6 +40,34 @@ _NONE = object()  # "no observation yet" (an arm can be None: SD off)
 
 def _metric_key(arm: Any) -> str:
     return arm_key(arm).replace("/", "_")  # "tree5x4/16" would read as a nested metric path
+
+
+def bucket_table(values: dict[str, dict[str, float | None]]) -> dict[str, dict[str, Any]]:
+    """Per bucket, plain decoding against the best speculative arm, from a strategy's ``values()``.
+
+    Returns ``{bucket: {"plain", "speculative_arm", "speculative", "ratio", "chosen"}}``: the rated tokens/s
+    of the ``"off"`` arm and of the best-rated speculative arm (``None`` where not tried), their ratio,
+    and the arm the bucket now rates best (``None``: nothing tried).
+
+    Example:
+        >>> bucket_table({"1": {"off": 80.0, "chain4": 120.0, "chain2": None}})["1"]["ratio"]
+        1.5
+    """
+    table = {}
+    for bucket, rated in values.items():
+        plain = rated.get("off")
+        tried = {arm: v for arm, v in rated.items() if arm != "off" and v is not None}
+        arm = max(tried, key=tried.__getitem__) if tried else None
+        speculative = tried.get(arm)
+        every = {a: v for a, v in rated.items() if v is not None}
+        table[bucket] = {
+            "plain": plain,
+            "speculative_arm": arm,
+            "speculative": speculative,
+            "ratio": speculative / plain if plain and speculative is not None else None,
+            "chosen": max(every, key=every.__getitem__) if every else None,
+        }
+    return table
 
 
 class BanditCallback(L.Callback):
@@ -51,7 +79,8 @@ class BanditCallback(L.Callback):
     ``bandit/{b}/best_arm`` (index into the bucket's arms of the arm it currently rates best) and,
     with ``log_arm_counts``, ``bandit/{b}/count/{arm}`` (how often each arm ran in this rollout).
     At the end of fit: ``bandit/heatmap.png`` (arm choice per bucket over time) and
-    ``bandit/best_arms.json`` under the run's own directory (:func:`~tlt_lightning.tracking.run_dir`;
+    ``bandit/best_arms.json`` (with :func:`bucket_table`: plain against the best speculative arm per
+    bucket) under the run's own directory (:func:`~tlt_lightning.tracking.run_dir`;
     also as MLflow artifacts with an :class:`~lightning.pytorch.loggers.MLFlowLogger`).
 
     Args:
@@ -159,7 +188,17 @@ class BanditCallback(L.Callback):
                 best[label] = {"arm": arm_key(arm), "index": self.strategy.arms[b].index(arm)}
         summary = directory / f"best_arms{suffix}.json"
         summary.parent.mkdir(parents=True, exist_ok=True)  # without matplotlib, no heat map made it
-        summary.write_text(json.dumps({"best_arms": best, "counts": self.strategy.counts}, indent=2) + "\n")
+        summary.write_text(
+            json.dumps(
+                {
+                    "best_arms": best,
+                    "counts": self.strategy.counts,
+                    "buckets": bucket_table(self.strategy.values()),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         for path in (heatmap, summary):
             if path is not None:  # no heat map without matplotlib (warned once)
                 log_artifact(trainer, path, "bandit")
