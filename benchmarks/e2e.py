@@ -212,6 +212,10 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.config is not None:
+        from benchmarks.e2e_config import run as run_config
+
+        return run_config(args)
     for name in (
         "steps",
         "prompts_per_step",

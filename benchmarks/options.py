@@ -221,6 +221,13 @@ def bench_e2e(p: ArgumentParser) -> None:
     p.add_argument("--out", default="runs/bench/e2e", help="working directory of the runs")
     p.add_argument("--json", default="runs/bench/e2e.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+    g = p.add_argument_group(
+        "a fit config (benchmarks/e2e_config.py): --steps, --out and --json apply, the rest is the config's"
+    )
+    g.add_argument("--config", default=None, help="run exactly this fit config with TLT and with TLT removed")
+    g.add_argument("--devices", type=int, default=None, help="workers (default: the config's)")
+    g.add_argument("--skip-steps", type=int, default=2, help="first steps left out of the medians")
+    g.add_argument("--baseline-first", action="store_true", help="run the baseline first (default: TLT)")
 
 
 def bench_spot(p: ArgumentParser) -> None:

@@ -74,6 +74,7 @@ def _set_threads(threads: int | None) -> None:
         if threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the processes it starts (DDP ranks) too
 
 
 def _wants_traceback(argv: Sequence[str]) -> bool:

@@ -33,6 +33,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -277,8 +278,10 @@ def main(args: Sequence[str]) -> None:
     # GRPO takes one optimizer step per rollout batch: a checkpoint holds the weights after that
     # step, which is what resuming needs. Lightning warns about it on every manual-optimization run.
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-    # Parsed as the command line (LightningCLI warns when given both `args` and a sys.argv).
-    saved, sys.argv = sys.argv, ["tlt-lightning", *args]
+    # Parsed as the command line (LightningCLI warns when given both `args` and a sys.argv). The program
+    # stays the running script: Lightning's DDP launcher starts the other ranks as `python sys.argv[0] ...`.
+    program = sys.argv[0] if sys.argv and Path(sys.argv[0]).name == "tlt-lightning" else "tlt-lightning"
+    saved, sys.argv = sys.argv, [program, *args]
     try:
         GRPOCLI()
     except TrackingStoreError as err:  # the store, not the config: one line naming it and the cause

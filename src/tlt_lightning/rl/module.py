@@ -135,7 +135,8 @@ class GRPOModule(L.LightningModule):
         policy's precision), ``rollout_feature_layers`` (extra target
         layers the rollouts return, e.g. drafter training data), ``last_rollout``;
         :meth:`add_rollout_listener` (a :class:`~tlt_lightning.rl.RolloutListener` told about every step).
-        ``training_step`` returns ``{"loss", "rollout", "rewards", "advantages"}`` to ``on_train_batch_end``.
+        ``training_step`` returns ``{"loss", "rollout", "rewards", "advantages", "times"}`` to
+        ``on_train_batch_end`` (``times``: this rank's ``rollout_s``, ``reward_s``, ``train_s``).
 
     Example:
         >>> source = TokenPromptSource([[5, 6, 7], [8, 9], [3], [4, 2]], reward_fn)  # doctest: +SKIP
@@ -462,7 +463,14 @@ class GRPOModule(L.LightningModule):
 
         log_step(self, result, rewards, parts, reward_time, train_time)
         listeners.end_step(self, result)
-        return {"loss": parts["loss"], "rollout": result, "rewards": rewards, "advantages": advantages}
+        times = {"rollout_s": result.stats.total_time, "reward_s": reward_time, "train_s": train_time}
+        return {
+            "loss": parts["loss"],
+            "rollout": result,
+            "rewards": rewards,
+            "advantages": advantages,
+            "times": times,
+        }
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Clip and check the step's accumulated gradient, right before the update, after every

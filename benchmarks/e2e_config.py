@@ -1,0 +1,244 @@
+"""``python -m benchmarks e2e --config FILE [--devices N]``: a fit config with TLT against it without TLT.
+
+Runs exactly ``tlt-lightning fit --config FILE`` twice, as separate processes (DDP ranks included), on
+the same seeds: once as written (``tlt``) and once with TLT removed (``baseline``: no
+:class:`~tlt_lightning.callbacks.SpotDrafterCallback`, no
+:class:`~tlt_lightning.callbacks.BanditCallback`, ``model.speculative.enabled: false``). Both get a
+:class:`RankRecorder`, which writes one JSON line per rank and step as it goes (nothing is lost when a
+run dies): wall and CPU seconds, the rollout / reward / policy-training seconds the module measured,
+the spot drafter's tail, idle and paid seconds, the rollout's tokens and response lengths, the share
+of the rollout's time spent with fewer than ``speculative.threshold`` requests active, reward,
+accuracy and the process's peak memory.
+
+A step's time is its slowest rank's (DDP ranks meet in every step). The speedup is the ratio of the
+runs' median step times after ``--skip-steps``; the baseline's rollout share of the step is reported
+next to it (what a faster rollout can give at most). Rollout graphs compile before the first step
+(``time/compile_s`` in each rank's first line), never inside one; the second run reuses Inductor's
+on-disk cache, so its compile seconds show a warm start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import yaml
+
+from benchmarks.common import machine_info, median, new_figure, save_figure, write_json
+from tlt_lightning.callbacks import SpotDrafterCallback
+
+__all__ = ["RankRecorder", "run", "summarise", "without_tlt"]
+
+TLT_CALLBACKS = ("SpotDrafterCallback", "BanditCallback")
+PARTS = ("rollout_s", "drafter_s", "reward_s", "train_s")
+
+
+class RankRecorder(L.Callback):
+    """Appends this rank's record of every training step to ``<directory>/rank<R>.jsonl``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+        self._start = (0.0, 0.0)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer, {"event": "start", "compile_s": pl_module.compile_seconds})
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._start = (time.perf_counter(), time.process_time())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        wall, cpu = time.perf_counter() - self._start[0], time.process_time() - self._start[1]
+        result, rewards = outputs["rollout"], outputs["rewards"]
+        stats = result.stats
+        threshold = pl_module.speculative_config.threshold
+        tail = sum(t for n, t in zip(stats.step_batch_sizes, stats.step_times) if n < threshold)
+        spot = next((c.spot for c in trainer.callbacks if isinstance(c, SpotDrafterCallback)), None)
+        spot_stats = dict(spot.local_stats) if spot is not None else {}
+        record = {
+            "step": trainer.global_step,
+            "wall_s": wall,
+            "cpu_s": cpu,
+            **{k: float(v) for k, v in outputs["times"].items()},
+            "drafter_s": float(spot_stats.get("idle_s", 0.0) + spot_stats.get("paid_s", 0.0)),
+            "drafter_paid_s": float(spot_stats.get("paid_s", 0.0)),
+            "tail_share": tail / max(sum(stats.step_times), 1e-9),
+            "tokens": stats.generated_tokens,
+            "lengths": [int(n) for n in result.lengths],
+            "accept_length": stats.mean_accept_length,
+            "reward": float(rewards.total.mean()),
+            "accuracy": float((rewards.correctness >= 1).float().mean()),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+        self._write(trainer, record)
+
+    def _write(self, trainer: L.Trainer, record: dict[str, Any]) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / f"rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps({"rank": trainer.global_rank, **record}) + "\n")
+
+
+def without_tlt(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a fit config as a dict) with TLT removed: its callbacks gone, speculation off."""
+    out = json.loads(json.dumps(config))
+    trainer = out.setdefault("trainer", {})
+    trainer["callbacks"] = [
+        c
+        for c in trainer.get("callbacks") or []
+        if str(c.get("class_path", "")).rpartition(".")[2] not in TLT_CALLBACKS
+    ]
+    out.setdefault("model", {}).setdefault("speculative", {})["enabled"] = False
+    return out
+
+
+def _fit(config: dict[str, Any], name: str, args: argparse.Namespace) -> tuple[Path, float]:
+    """Run one fit of ``config`` in a child process; its records' directory and wall seconds."""
+    out = Path(args.out) / name
+    records = out / "records"
+    for stale in records.glob("rank*.jsonl"):
+        stale.unlink()
+    config = json.loads(json.dumps(config))
+    trainer = config.setdefault("trainer", {})
+    trainer.update(max_steps=args.steps, default_root_dir=str(out / "fit"))
+    if args.devices is not None:
+        trainer["devices"] = args.devices
+    recorder = {"class_path": "benchmarks.e2e_config.RankRecorder", "init_args": {"directory": str(records)}}
+    trainer["callbacks"] = [*(trainer.get("callbacks") or []), recorder]
+    if isinstance(trainer.get("logger"), dict):  # each run in its own experiment, beside the config's
+        init = trainer["logger"].setdefault("init_args", {})
+        init["experiment_name"] = f"{init.get('experiment_name', 'tlt-lightning')}-bench-{name}"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "tlt_lightning.cli", "--threads", str(args.threads or 1)]
+    command += ["fit", "--config", str(path)]
+    print(f"[bench e2e] {name}: {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    with open(out / "fit.log", "w") as log:
+        code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"the {name} fit failed (exit status {code}); its output: {out / 'fit.log'}")
+    return records, time.perf_counter() - start
+
+
+def read_records(directory: Path) -> tuple[dict[int, dict[str, Any]], list[list[dict[str, Any]]]]:
+    """``({rank: start record}, steps)``: ``steps[i]`` holds every rank's record of step ``i + 1``."""
+    starts, by_step = {}, {}
+    for path in sorted(directory.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("event") == "start":
+                starts[record["rank"]] = record
+            else:
+                by_step.setdefault(record["step"], []).append(record)
+    return starts, [sorted(by_step[s], key=lambda r: r["rank"]) for s in sorted(by_step)]
+
+
+def summarise(steps: list[list[dict[str, Any]]], skip: int) -> dict[str, Any]:
+    """Medians over the steps after the first ``skip``: a step's time is its slowest rank's."""
+    kept = steps[skip:] or steps
+    step_s = [max(r["wall_s"] for r in ranks) for ranks in kept]
+    rollout_s = [max(r["rollout_s"] for r in ranks) for ranks in kept]
+    train_s = [median([r["train_s"] for r in ranks]) for ranks in kept]
+    tokens = [sum(r["tokens"] for r in ranks) for ranks in kept]
+    lengths = sorted(n for ranks in kept for r in ranks for n in r["lengths"])
+
+    def quantile(q: float) -> float:
+        return float(lengths[min(len(lengths) - 1, int(q * len(lengths)))]) if lengths else 0.0
+
+    return {
+        "steps": len(kept),
+        "step_s": median(step_s),
+        "rollout_s": median(rollout_s),
+        "train_s": median(train_s),
+        "drafter_s": median([median([r["drafter_s"] for r in ranks]) for ranks in kept]),
+        "rollout_share": median([r / s for r, s in zip(rollout_s, step_s)]),
+        "tail_share": median([r["tail_share"] for ranks in kept for r in ranks]),
+        "rollout_tokens_per_s": median([t / r for t, r in zip(tokens, rollout_s)]),
+        "length_p50": quantile(0.5),
+        "length_p90": quantile(0.9),
+        "length_max": lengths[-1] if lengths else 0,
+        "peak_rss_mb": max(r["peak_rss_mb"] for ranks in steps for r in ranks),
+        "reward": [median([r["reward"] for r in ranks]) for ranks in steps],
+        "accuracy": [median([r["accuracy"] for r in ranks]) for ranks in steps],
+    }
+
+
+def plot(payload: dict[str, Any], steps: dict[str, list[list[dict[str, Any]]]], path: Path) -> Path:
+    """Left: the reward of both runs per step. Right: one step's parts per rank, with and without TLT."""
+    fig, (ax, bx) = new_figure(1, 2, figsize=(13, 4.5))
+    for name, summary in payload["runs"].items():
+        ax.plot(range(1, len(summary["reward"]) + 1), summary["reward"], marker="o", label=name)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean reward")
+    ax.legend()
+    colors = {
+        "rollout_s": "tab:blue",
+        "drafter_s": "tab:green",
+        "reward_s": "tab:gray",
+        "train_s": "tab:orange",
+    }
+    row = 0
+    labels = []
+    for name, run_steps in steps.items():
+        ranks = run_steps[min(len(run_steps) - 1, payload["skip_steps"])]
+        for r in ranks:
+            left = 0.0
+            for part in PARTS:
+                width = r[part] if part != "drafter_s" else 0.0  # drafter time overlaps the others' tail
+                bx.barh(row, width, left=left, color=colors[part], label=part if row == 0 else None)
+                left += width
+            bx.barh(row, r["drafter_s"], left=r["rollout_s"], height=0.3, color=colors["drafter_s"])
+            bx.plot([r["wall_s"]], [row], "k|", markersize=14)
+            labels.append(f"{name} rank {r['rank']}")
+            row += 1
+    bx.set_yticks(range(row), labels)
+    bx.set_xlabel(f"seconds of step {payload['skip_steps'] + 1} (|: the rank's whole step)")
+    bx.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"{payload['config']}: TLT {payload['speedup']:.2f}x per step (median)")
+    return save_figure(fig, path)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Both fits of ``args.config``, summarised; writes ``args.json`` and a plot beside it."""
+    config = yaml.safe_load(Path(args.config).read_text())
+    runs = {"baseline": without_tlt(config), "tlt": config}
+    order = ["baseline", "tlt"] if args.baseline_first else ["tlt", "baseline"]
+    payload: dict[str, Any] = {
+        "config": args.config,
+        "machine": machine_info(),
+        "devices": args.devices or config.get("trainer", {}).get("devices", 1),
+        "skip_steps": args.skip_steps,
+        "order": order,
+        "runs": {},
+        "compile_s": {},
+        "wall_s": {},
+    }
+    steps = {}
+    for name in order:
+        records, wall = _fit(runs[name], name, args)
+        starts, steps[name] = read_records(records)
+        payload["runs"][name] = summarise(steps[name], args.skip_steps)
+        payload["compile_s"][name] = {rank: s.get("compile_s") for rank, s in starts.items()}
+        payload["wall_s"][name] = wall
+    base, tlt = payload["runs"]["baseline"], payload["runs"]["tlt"]
+    payload["speedup"] = base["step_s"] / tlt["step_s"]
+    payload["rollout_speedup"] = base["rollout_s"] / tlt["rollout_s"]
+    payload["steps"] = steps
+    write_json(args.json, payload)
+    figure = plot(payload, steps, Path(args.json).with_suffix(".png"))
+    print(
+        f"[bench e2e] TLT {payload['speedup']:.2f}x per step (median {tlt['step_s']:.1f} s vs "
+        f"{base['step_s']:.1f} s), rollout {payload['rollout_speedup']:.2f}x; baseline rollout share "
+        f"{base['rollout_share']:.2f}; wrote {args.json} and {figure}"
+    )
+    return payload

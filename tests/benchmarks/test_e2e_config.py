@@ -1,0 +1,62 @@
+"""``python -m benchmarks e2e --config``: a fit config with TLT against itself without TLT."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import yaml
+
+from benchmarks.e2e_config import read_records, run, summarise, without_tlt
+
+ROOT = Path(__file__).resolve().parents[2]
+TLT = [
+    {"class_path": "tlt_lightning.callbacks.SpotDrafterCallback"},
+    {"class_path": "tlt_lightning.callbacks.BanditCallback"},
+    {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}},
+]
+
+
+def tiny_config() -> dict:
+    config = yaml.safe_load((ROOT / "configs" / "grpo_tiny.yaml").read_text())
+    config["trainer"].update(logger=False, callbacks=TLT, enable_progress_bar=False)
+    config["model"]["rollout_progress"] = False
+    return config
+
+
+def test_without_tlt_drops_the_tlt_callbacks_and_speculation_only():
+    config = tiny_config()
+    base = without_tlt(config)
+    assert [c["class_path"] for c in base["trainer"]["callbacks"]] == [TLT[2]["class_path"]]
+    assert base["model"]["speculative"] == {**config["model"]["speculative"], "enabled": False}
+    assert config["trainer"]["callbacks"] == TLT  # the original is left as it was
+    rest = {k: v for k, v in base["model"].items() if k != "speculative"}
+    assert rest == {k: v for k, v in config["model"].items() if k != "speculative"}
+
+
+def test_both_runs_of_a_tiny_config_are_recorded_per_rank_and_step(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config()))
+    args = argparse.Namespace(
+        config=str(path), steps=2, devices=None, threads=1, out=str(tmp_path / "out"),
+        json=str(tmp_path / "e2e.json"), skip_steps=0, baseline_first=False,
+    )  # fmt: skip
+    payload = run(args)
+    assert payload["order"] == ["tlt", "baseline"]
+    assert math.isfinite(payload["speedup"]) and payload["speedup"] > 0
+    for name in ("tlt", "baseline"):
+        starts, steps = read_records(tmp_path / "out" / name / "records")
+        assert list(starts) == [0] and [[r["step"] for r in ranks] for ranks in steps] == [[1], [2]]
+        for (record,) in steps:
+            assert record["wall_s"] >= record["rollout_s"] + record["train_s"] > 0
+            assert len(record["lengths"]) == 16 and record["tokens"] == sum(record["lengths"])
+            assert 0 <= record["tail_share"] <= 1 and record["peak_rss_mb"] > 0
+        assert payload["runs"][name] == summarise(steps, 0)
+    base = read_records(tmp_path / "out" / "baseline" / "records")[1]
+    assert all(r["accept_length"] == 0.0 for (r,) in base)  # no speculative step without TLT
+    assert all(r["drafter_s"] == 0.0 for (r,) in base)
+    saved = json.loads(Path(args.json).read_text())
+    assert saved["runs"]["tlt"]["step_s"] == payload["runs"]["tlt"]["step_s"]
+    assert Path(args.json).with_suffix(".png").stat().st_size > 0
