@@ -91,7 +91,7 @@ class GRPOModule(L.LightningModule):
         rollout_decode: how rollouts run decode and verify forwards (``HFTarget(decode=)``): ``"auto"``
             (default: ``"compiled"`` where it pays, a CUDA device or a CPU with a C++ compiler, for a
             model of 10M+ parameters; else ``"hf"``, :func:`~tlt_lightning.models.resolve_decode`),
-            ``"compiled"``, ``"lean"`` or ``"hf"``. Graphs compile once, before the first step
+            ``"compiled"``, ``"lean"`` or ``"hf"``. Graphs compile once, before the first rollout
             (:meth:`compile_rollouts`), and serve every step while the weights change in place.
         task: the reasoning-gym task (a :class:`~tlt_lightning.rl.tasks.TaskConfig` or its fields
             as a dict; default ``TaskConfig()``). Ignored when a ``prompt_source`` is given.
@@ -136,7 +136,8 @@ class GRPOModule(L.LightningModule):
         layers the rollouts return, e.g. drafter training data), ``last_rollout``;
         :meth:`add_rollout_listener` (a :class:`~tlt_lightning.rl.RolloutListener` told about every step).
         ``training_step`` returns ``{"loss", "rollout", "rewards", "advantages", "times"}`` to
-        ``on_train_batch_end`` (``times``: this rank's ``rollout_s``, ``reward_s``, ``train_s``).
+        ``on_train_batch_end`` (``times``: this rank's ``rollout_s``, ``reward_s``, ``train_s``,
+        ``compile_s``).
 
     Example:
         >>> source = TokenPromptSource([[5, 6, 7], [8, 9], [3], [4, 2]], reward_fn)  # doctest: +SKIP
@@ -213,6 +214,7 @@ class GRPOModule(L.LightningModule):
         self.rollout_target: TargetModel | None = None
         self.rollout_decode: str = rollout_decode  # "auto" resolves in configure_model
         self.compile_seconds: float | None = None  # compile_rollouts(), with compiled decoding
+        self._rollouts_compiled = False
         self.policy_target: TargetModel | None = None
         self.tokenizer = None
         self.accept_length = MeanAcceptLength()
@@ -293,25 +295,27 @@ class GRPOModule(L.LightningModule):
             if module is not None:
                 module.to(self.device)
         self.sync_rollout_policy()  # after a checkpoint restore too
-        self.compile_rollouts()
 
-    def compile_rollouts(self) -> None:
-        """Compile the rollout graphs (``rollout_decode="compiled"``) before the first rollout, so that no
-        timed step compiles: seconds logged as ``time/compile_s`` and printed (rank 0)."""
-        if self.vllm_rollouts is not None:
-            return
+    def compile_rollouts(self) -> float:
+        """Compile the rollout graphs (``rollout_decode="compiled"``) once, right before the first rollout,
+        when its drafter, feature layers and strategy are known (the listeners' ``begin_step`` set them).
+
+        Returns the seconds it took (0 if nothing compiled), which are logged as ``time/compile_s``,
+        printed, and kept out of the step's rollout time (``times["compile_s"]`` of the step's output).
+        """
+        if self._rollouts_compiled or self.vllm_rollouts is not None:
+            return 0.0
+        self._rollouts_compiled = True
+        drafter = self.drafter if self.speculative_config.enabled else None
         prompts = [self.prompt_source.prompt_ids(i) for i in range(min(2, len(self.prompt_source)))]
-        seconds = warm_up_rollouts(
-            self.rollout_target, self.rollout_config(), prompts, self.drafter, draft_arms(self.draft_strategy)
-        )
+        arms = draft_arms(self.draft_strategy)
+        seconds = warm_up_rollouts(self.rollout_target, self.rollout_config(), prompts, drafter, arms)
         if seconds is None:
-            return
+            return 0.0
         self.compile_seconds = seconds
-        rank_zero_info(
-            f"Compiled the rollout graphs in {seconds:.1f} s (before the first step, not inside it)"
-        )
-        if self.logger is not None:
-            self.logger.log_metrics({"time/compile_s": seconds}, step=self.global_step)
+        rank_zero_info(f"Compiled the rollout graphs in {seconds:.1f} s, before the first rollout")
+        self.log("time/compile_s", seconds)
+        return seconds
 
     def on_fit_end(self) -> None:
         if self.vllm_rollouts is not None:
@@ -440,6 +444,7 @@ class GRPOModule(L.LightningModule):
         prompts = [self.prompt_source.prompt_ids(int(i)) for i in indices]
         listeners = self._rollout_listeners
         listeners.begin_step(self)
+        compile_s = self.compile_rollouts()
         listeners.before_rollout()
         result = self.rollout(prompts, self.rollout_generator())
         self.last_rollout = result
@@ -463,7 +468,12 @@ class GRPOModule(L.LightningModule):
 
         log_step(self, result, rewards, parts, reward_time, train_time)
         listeners.end_step(self, result)
-        times = {"rollout_s": result.stats.total_time, "reward_s": reward_time, "train_s": train_time}
+        times = {
+            "rollout_s": result.stats.total_time,
+            "reward_s": reward_time,
+            "train_s": train_time,
+            "compile_s": compile_s,
+        }
         return {
             "loss": parts["loss"],
             "rollout": result,
