@@ -20,7 +20,7 @@ FLOORS = (
     ("models", "reports"),
     ("rollout",),
     ("drafter", "scheduling"),
-    ("vllm", "tracking", "spot"),
+    ("vllm", "tracking", "spot", "certify"),
     ("rl",),
     ("efficiency", "callbacks", "resume"),
     ("recipes", "cli", "cli_options", "fit"),

@@ -252,6 +252,30 @@ def _export_drafter(p: ArgumentParser) -> None:
     )
 
 
+def _certify(p: ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="registry model (the target)")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint directory, or `random` (the default)")
+    p.add_argument(
+        "--arm",
+        nargs="+",
+        default=["off", "chain4"],
+        help="arms to certify (`off`, `chain4`, `tree4x2/8`, ...)",
+    )
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--rows", type=int, default=4000, help="samples per site")
+    p.add_argument("--depth", type=int, default=3, help="tokens per sample (>= 2 tests the joint law)")
+    p.add_argument("--positions", type=int, nargs="+", default=[0, 16], help="where continuations are cut")
+    p.add_argument("--task", default="countdown", help="reasoning-gym task of the prompts")
+    p.add_argument("--num-prompts", type=int, default=2)
+    p.add_argument("--alpha", type=float, default=0.01, help="family-wise false alarm rate")
+    p.add_argument("--power", type=float, default=0.9, help="power of the reported detectable deviation")
+    p.add_argument("--chunk", type=int, default=512, help="rows per batch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/certify", help="output directory (one folder per arm)")
+
+
 def _torchtune(p: ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="recipe YAML with _component_ nodes")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (torchtune syntax)")
@@ -278,6 +302,11 @@ TOP_COMMANDS = (
             "(needs the torchtune extra)"
         ),
         _torchtune,
+    ),
+    (
+        "certify",
+        "certify statistically that rollouts (plain or speculative) sample the target's law",
+        _certify,
     ),
     ("models", "list registry model names", None),
     ("bench", "moved: the benchmarks run from a checkout, `python -m benchmarks NAME`", None),
