@@ -53,7 +53,7 @@ def test_every_help_is_plain_text(capsys):
         *([g, n] for g, n, _, _ in COMMANDS),
         *([n] for n, _, _ in TOP_COMMANDS),
     ]
-    assert len(commands) == 1 + 1 + 2 + 4
+    assert len(commands) == 1 + 1 + 2 + 5
     for argv in commands:
         text = _help(capsys, argv)
         assert "usage:" in text
