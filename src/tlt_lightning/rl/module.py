@@ -242,7 +242,8 @@ class GRPOModule(L.LightningModule):
         return policy, loaded.tokenizer, self.make_target(policy)
 
     def configure_reference(self) -> nn.Module:
-        """The KL reference (``kl_coef > 0``): the initial policy, rebuilt from ``model``; frozen by the caller."""
+        """The KL reference (``kl_coef > 0``): the initial policy, rebuilt from ``model``; frozen by the
+        caller."""
         return load_model(self.hparams.model, dtype=self.hparams.dtype, seed=self.hparams.seed).model
 
     def make_target(self, module: nn.Module) -> TargetModel:
@@ -297,7 +298,8 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------ hooks
     def rollout_config(self) -> RolloutConfig:
-        """The step's :class:`RolloutConfig`: ``rollout`` with the layers ``rollout_feature_layers`` asks for too."""
+        """The step's :class:`RolloutConfig`: ``rollout`` with the layers ``rollout_feature_layers`` asks
+        for too."""
         layers = dict.fromkeys((*self.rollout_settings.feature_layers, *self.rollout_feature_layers))
         return replace(self.rollout_settings, feature_layers=tuple(layers))
 
