@@ -127,9 +127,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpu_s": [],
         }
         print(
-            f"[bench activation-checkpointing] {name}: checkpointed {plan.indices}, peak {report.peak_bytes / 2**20:.1f} MiB"
+            f"[bench activation-checkpointing] {name}: checkpointed {plan.indices}, "
+            f"peak {report.peak_bytes / 2**20:.1f} MiB"
         )
-    for name, (blocks, plan) in variants.items():  # warm-up: allocator and AdamW state
+    for blocks, plan in variants.values():  # warm-up: allocator and AdamW state
         with apply_activation_checkpointing(blocks, plan):
             train_step()
     for _ in range(args.repeats):
@@ -175,7 +176,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plot_path = plot(results, sweep, Path(args.plot or Path(args.json).with_suffix(".png")), budget / 2**20)
     for name, r in results.items():
         print(
-            f"[bench activation-checkpointing] {name:18s} peak {r['measured_peak_mb']:7.1f} MiB ({r['peak_vs_static']:.3f}x static)"
+            f"[bench activation-checkpointing] {name:18s} peak {r['measured_peak_mb']:7.1f} MiB "
+            f"({r['peak_vs_static']:.3f}x static)"
             f"  {r['steps_per_s']:.3f} steps/s  vs static: wall {r['throughput_vs_static']:.3f}"
             f" cpu {r['throughput_vs_static_cpu']:.3f}  recompute {r['predicted_recompute_ms']:.0f} ms"
         )

@@ -6,12 +6,14 @@ plain at batch 1 while a direct measurement gave 34.7. This runs our plain engin
 settings, alternated prompt by prompt, and reports for each the end-to-end rate (prefill counted
 in), the decode rate (decode steps only) and CPU seconds per token (not inflated by a busy machine):
 
-* ``v8``: that benchmark's setting: T=1 (``--temperature``), up to 128 new tokens, EOS respected, packed weights;
+* ``v8``: that benchmark's setting: T=1 (``--temperature``), up to 128 new tokens, EOS respected,
+  packed weights;
 * ``v8_ignore_eos``: the same, every response 128 tokens;
 * ``short_prompt``: 128 tokens after a 16-token prompt (attention over fewer keys, a cheap prefill);
 * ``out_in``: as ``v8_ignore_eos`` with the plain ``[out, in]`` weight layout.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.batch1_rates --prompts 6 --json docs/results/peers_batch1_rates_zen4.json
+    OMP_NUM_THREADS=1 python -m benchmarks.batch1_rates --prompts 6 \\
+        --json docs/results/peers_batch1_rates_zen4.json
 """
 
 from __future__ import annotations

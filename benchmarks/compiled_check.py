@@ -84,7 +84,10 @@ def main() -> int:
     p.add_argument(
         "--peer-generate",
         action="store_true",
-        help="--speed: also time transformers' own generate with a static cache (compiled by transformers on CUDA)",
+        help=(
+            "--speed: also time transformers' own generate with a static cache "
+            "(compiled by transformers on CUDA)"
+        ),
     )
     p.add_argument("--speed-only", action="store_true", help="skip the exactness checks")
     args = p.parse_args()
@@ -141,7 +144,8 @@ def main() -> int:
     for bucket, seconds in compiled.compile_times.items():
         print(f"compiled {tuple(bucket)} in {seconds:.1f} s")
     print(
-        f"compile total {compiled.compile_seconds:.1f} s, mode {compiled._compiled.mode}, device {args.device}"
+        f"compile total {compiled.compile_seconds:.1f} s, mode {compiled._compiled.mode}, "
+        f"device {args.device}"
     )
     print("OK" if not failures else f"FAILED: {failures}")
     if args.speed:

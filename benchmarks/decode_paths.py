@@ -101,7 +101,8 @@ def main() -> None:
         engine_rollouts(args, loaded.tokenizer, targets)
         return
     print(
-        f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads} context={args.context}; "
+        f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads} "
+        f"context={args.context}; "
         f"ms per forward+head, median of {args.rounds} alternating rounds"
     )
     for B in args.batch:
@@ -117,13 +118,15 @@ def main() -> None:
 
 
 def engine_rollouts(args, tokenizer, targets: dict[str, HFTarget]) -> None:
-    """Greedy rollouts on every path, alternating after one untimed run each; medians over ``args.repeats`` runs."""
+    """Greedy rollouts on every path, alternating after one untimed run each; medians over
+    ``args.repeats`` runs."""
     from benchmarks.common import task_prompts
 
     prompts = task_prompts(tokenizer, "countdown", max(args.batch), seed=0)
     config = RolloutConfig(max_new_tokens=args.engine, temperature=0.0)
     print(
-        f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads}: greedy RolloutEngine, "
+        f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads}: "
+        "greedy RolloutEngine, "
         f"{args.engine} new tokens per request, median of {args.repeats} alternating runs"
     )
     for B in args.batch:

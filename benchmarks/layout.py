@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if drafter is not None:
                     drafter.set_weight_layout(layout)
                 out, wall, cpu_s = timed(
-                    lambda: engine.generate(group, generator=torch.Generator().manual_seed(r))
+                    lambda engine=engine, group=group, r=r: engine.generate(
+                        group, generator=torch.Generator().manual_seed(r)
+                    )
                 )
                 tps[layout].append(out.stats.generated_tokens / wall)
                 cpu[layout].append(cpu_s / out.stats.generated_tokens)

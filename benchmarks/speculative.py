@@ -88,13 +88,19 @@ def _compare(
         for loop in (plain, *specs.values()):
             loop.generate(group, generator=torch.Generator().manual_seed(seed + r))
     for r, group in enumerate(groups):
-        a, ta, ca = timed(lambda: plain.generate(group, generator=torch.Generator().manual_seed(seed + r)))
+        a, ta, ca = timed(
+            lambda group=group, r=r: plain.generate(group, generator=torch.Generator().manual_seed(seed + r))
+        )
         base["plain_cpu_s"].append(ca / a.stats.generated_tokens)  # CPU seconds per token
         base["plain_tps"].append(a.stats.generated_tokens / ta)
         base["plain_decode_tps"].append(a.stats.decode_tokens_per_s)
         base["plain_s"].append(ta)
         for i, spec in enumerate(specs.values()):
-            b, tb, cb = timed(lambda: spec.generate(group, generator=torch.Generator().manual_seed(seed + r)))
+            b, tb, cb = timed(
+                lambda spec=spec, group=group, r=r: spec.generate(
+                    group, generator=torch.Generator().manual_seed(seed + r)
+                )
+            )
             stats, row = b.stats, rows[i]
             row["sd_cpu_s"].append(cb / stats.generated_tokens)
             row["sd_tps"].append(stats.generated_tokens / tb)
@@ -329,8 +335,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out.pop("_last")
             payload["batches"].append({"temperature": temperature, **out})
             print(
-                f"  {out['strategy']}: plain {out['plain_tokens_per_s']:.1f} tok/s, SD {out['sd_tokens_per_s']:.1f} "
-                f"tok/s, x{out['speedup_tokens_per_s']:.2f} (CPU time x{out['speedup_cpu_time_per_token']:.2f}, "
+                f"  {out['strategy']}: plain {out['plain_tokens_per_s']:.1f} tok/s, "
+                f"SD {out['sd_tokens_per_s']:.1f} tok/s, x{out['speedup_tokens_per_s']:.2f} "
+                f"(CPU time x{out['speedup_cpu_time_per_token']:.2f}, "
                 f"decode steps x{out['speedup_decode']:.2f}), "
                 f"accept {out['mean_accept_length']:.2f} of {out['mean_draft_depth']:.2f} drafts, "
                 f"step cost {out['sd_step_cost']:.2f}",

@@ -110,7 +110,8 @@ def _checkpoint(args: argparse.Namespace) -> dict[str, Any]:
 
     info = load_model(args.model).model.config
     print(
-        f"[bench spot] checkpoint: {args.checkpoint_repeats} sync / async saves, hidden {info.hidden_size} ...",
+        f"[bench spot] checkpoint: {args.checkpoint_repeats} sync / async saves, "
+        f"hidden {info.hidden_size} ...",
         flush=True,
     )
     out = benchmark_checkpoint(
@@ -252,7 +253,8 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         }
     m = out["median"]
     print(
-        f"[bench spot] ddp {name}: median step {m['wall_s']:.1f} s, {m['wall_ms_per_token']:.1f} ms per token",
+        f"[bench spot] ddp {name}: median step {m['wall_s']:.1f} s, "
+        f"{m['wall_ms_per_token']:.1f} ms per token",
         flush=True,
     )
     return out

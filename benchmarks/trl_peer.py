@@ -183,10 +183,10 @@ def run_trl_grpo(
             reports).
         bf16_mixed: train with bf16 autocast (TRL's ``bf16=True``), as our module under Lightning's
             ``precision="bf16-mixed"``.
-        micro_batch_size: completions per forward/backward, as ``OptimConfig(micro_batch_size=)`` of ``GRPOModule``
-            (TRL's ``per_device_train_batch_size`` with gradient accumulation over the rest; one
-            generation per optimizer step either way); ``None``: all at once. It must divide
-            ``prompts_per_step * group_size``.
+        micro_batch_size: completions per forward/backward, as ``OptimConfig(micro_batch_size=)`` of
+            ``GRPOModule`` (TRL's ``per_device_train_batch_size`` with gradient accumulation over the
+            rest; one generation per optimizer step either way); ``None``: all at once. It must
+            divide ``prompts_per_step * group_size``.
 
     Returns:
         ``{"peer": "trl", "trl_version", "steps": [...], "median_step_s", "median_step_cpu_s",
