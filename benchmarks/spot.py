@@ -42,7 +42,7 @@ PARTS = ("packing", "preemption", "checkpoint", "ddp")
 def _packing(args: argparse.Namespace) -> dict[str, Any]:
     from dataclasses import replace
 
-    from benchmarks.spot_parts import benchmark_packing
+    from benchmarks.spot_packing import benchmark_packing
     from tlt_lightning.drafter import DrafterConfig, read_drafter_config
     from tlt_lightning.models import HFTarget, load_model
 
