@@ -34,7 +34,7 @@ from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.engine import causal_decode_mask
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -74,7 +74,11 @@ def main() -> None:
         help="time greedy RolloutEngine rollouts of N new tokens instead of single forwards",
     )
     p.add_argument("--repeats", type=int, default=3, help="--engine: alternating runs per path")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = _parser().parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=args.dtype)
     model = loaded.model
