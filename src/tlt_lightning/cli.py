@@ -3,7 +3,8 @@
     tlt-lightning fit --config CONFIG [--model.x=...] [--trainer.x=...]   GRPO training (LightningCLI)
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning drafter evaluate --drafter DIR ...  drafters' acceptance on the same stored rollouts
-    tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]  drafter checkpoint (dir, models:/ or runs:/ URI)
+    tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]
+                                                      a drafter checkpoint (dir, models:/ or runs:/ URI)
                                                       -> EAGLE dir for vLLM or SGLang
     tlt-lightning export-drafter --from-fit RUN OUT   a fit's policy (save_pretrained) + its drafter, for vLLM
     tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune recipe config (= tune run ...)

@@ -76,6 +76,13 @@ class Parser(ArgumentParser):
 
 
 def drafter_warmup(p: ArgumentParser) -> None:
+    _warmup_sampling(p)
+    _warmup_training(p)
+    _warmup_run_files(p)
+
+
+def _warmup_sampling(p: ArgumentParser) -> None:
+    """The warm-up's target, task and sampling options."""
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument(
         "--dtype",
@@ -88,6 +95,10 @@ def drafter_warmup(p: ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=1, help="responses per prompt")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0)
+
+
+def _warmup_training(p: ArgumentParser) -> None:
+    """The warm-up's drafter and training options."""
     p.add_argument("--kind", default="eagle1", choices=["eagle1", "eagle3"])
     p.add_argument("--draft-vocab", type=int, default=8192, help="0 = the full vocabulary")
     p.add_argument("--steps", type=int, default=1000)
@@ -127,8 +138,14 @@ def drafter_warmup(p: ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="also save the drafter to --out every N steps (a crash keeps the last save; 0 = at the end only)",
+        help=(
+            "also save the drafter to --out every N steps (a crash keeps the last save; 0 = at the end only)"
+        ),
     )
+
+
+def _warmup_run_files(p: ArgumentParser) -> None:
+    """The warm-up's batching and seed, and the files it reads and writes."""
     p.add_argument("--rollout-batch", type=int, default=64, help="requests per rollout call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/drafter/warmup", help="output directory")

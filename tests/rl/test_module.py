@@ -363,7 +363,10 @@ def test_resume_on_other_prompts_warns(tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
     make_trainer(1, callbacks=[ckpt], enable_checkpointing=True).fit(make_module())
     other = TokenPromptSource([*PROMPTS, [7, 7]], even_reward, name="other")
-    match = r"resuming on prompt source 'other' \(5 prompts\) from a checkpoint trained on 'synthetic' \(4 prompts\)"
+    match = (
+        r"resuming on prompt source 'other' \(5 prompts\) "
+        r"from a checkpoint trained on 'synthetic' \(4 prompts\)"
+    )
     with pytest.warns(UserWarning, match=match):
         make_trainer(2).fit(make_module(prompt_source=other), ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
 

@@ -35,12 +35,12 @@ from torch import nn
 from tlt_lightning.drafter import Drafter
 from tlt_lightning.models import HFTarget, TargetModel, load_model, resolve_dtype
 from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs, policy_batch
-from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig, as_config
+from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig
 from tlt_lightning.rl.grpo import GRPOLossOutput, group_advantages, grpo_loss
 from tlt_lightning.rl.listeners import RolloutListener, RolloutListeners
-from tlt_lightning.rl.module_settings import ROLLOUT_BACKENDS, check_settings, group_hparams
+from tlt_lightning.rl.module_settings import ROLLOUT_BACKENDS, check_settings, config_groups, group_hparams
 from tlt_lightning.rl.optimize import StepCheck, any_rank, clip_and_check, optimize
-from tlt_lightning.rl.rollout_models import module_drafter, rollout_backend, rollout_models, sync_mirror
+from tlt_lightning.rl.rollout_models import generate, module_drafter, rollout_models, sync_mirror
 from tlt_lightning.rl.run_state import grpo_state, restore_grpo_state, rollout_seed
 from tlt_lightning.rl.scoring import (
     NonFiniteLossError,
@@ -157,30 +157,13 @@ class GRPOModule(L.LightningModule):
         max_abs_reward: float = 1e6,
     ) -> None:
         super().__init__()
-        self.task_config = as_config(task, TaskConfig, "task")
-        self.rollout_settings = as_config(rollout, RolloutConfig, "rollout")
-        self.optim_config = as_config(optim, OptimConfig, "optim")
-        self.speculative_config = as_config(speculative, SpeculativeConfig, "speculative")
-        check_settings(
-            self.rollout_settings,
-            max_abs_reward,
-            seed,
-            logprob_tolerance,
-            rollout_dtype,
-            weight_layout,
-            prompt_source,
-            rollout_backend,
-        )
-        self.vllm_rollouts = VLLMRollouts(vllm) if rollout_backend == "vllm" else None  # validates `vllm`
+        groups = config_groups(task, rollout, optim, speculative)
+        self.task_config, self.rollout_settings, self.optim_config, self.speculative_config = groups
         self.save_hyperparameters(ignore=["prompt_source"])
-        groups = group_hparams(
-            task=self.task_config,
-            rollout=self.rollout_settings,
-            optim=self.optim_config,
-            speculative=self.speculative_config,
-        )
+        check_settings(self.rollout_settings, self.hparams, prompt_source)
+        self.vllm_rollouts = VLLMRollouts(vllm) if rollout_backend == "vllm" else None  # validates `vllm`
         for hparams in (self.hparams, self._hparams_initial):  # also the initial copy Lightning logs
-            hparams.update(groups)
+            hparams.update(group_hparams(**groups._asdict()))
         self.automatic_optimization = False
 
         self.prompt_source: PromptSource | None = prompt_source
@@ -242,7 +225,8 @@ class GRPOModule(L.LightningModule):
         return policy, loaded.tokenizer, self.make_target(policy)
 
     def configure_reference(self) -> nn.Module:
-        """The KL reference (``kl_coef > 0``): the initial policy, rebuilt from ``model``; frozen by the caller."""
+        """The KL reference (``kl_coef > 0``): the initial policy, rebuilt from ``model``; frozen by the
+        caller."""
         return load_model(self.hparams.model, dtype=self.hparams.dtype, seed=self.hparams.seed).model
 
     def make_target(self, module: nn.Module) -> TargetModel:
@@ -297,7 +281,8 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------ hooks
     def rollout_config(self) -> RolloutConfig:
-        """The step's :class:`RolloutConfig`: ``rollout`` with the layers ``rollout_feature_layers`` asks for too."""
+        """The step's :class:`RolloutConfig`: ``rollout`` with the layers ``rollout_feature_layers`` asks
+        for too."""
         layers = dict.fromkeys((*self.rollout_settings.feature_layers, *self.rollout_feature_layers))
         return replace(self.rollout_settings, feature_layers=tuple(layers))
 
@@ -319,34 +304,9 @@ class GRPOModule(L.LightningModule):
     def rollout(
         self, prompts: Sequence[Sequence[int]], generator: torch.Generator | None = None
     ) -> RolloutResult:
-        """Sample one response per prompt on the current policy (speculatively when a drafter is attached)."""
-        hp, spec, config = self.hparams, self.speculative_config, self.rollout_config()
-        progress = hp.rollout_progress and self.global_rank == 0
-        was_training = self.policy.training
-        self.policy.eval()
-        try:
-            if self.vllm_rollouts is not None:
-                policy = self.rollout_policy if self.rollout_policy is not None else self.policy
-                return self.vllm_rollouts.generate(
-                    prompts,
-                    config,
-                    policy=policy,
-                    drafter=self.drafter if spec.enabled else None,
-                    target=self.rollout_target,
-                    step=self.global_step,
-                    generator=generator,
-                    progress=progress,
-                )
-            backend = rollout_backend(
-                self.rollout_target,
-                config,
-                self.drafter if spec.enabled else None,
-                self.draft_strategy,
-                spec.threshold,
-            )
-            return backend.generate(prompts, generator=generator, progress=progress)
-        finally:
-            self.policy.train(was_training)
+        """Sample one response per prompt on the current policy (speculatively when a drafter is
+        attached), on the module's rollout backend (:func:`~tlt_lightning.rl.rollout_models.generate`)."""
+        return generate(self, prompts, generator)
 
     def compute_rewards(self, indices: torch.Tensor, result: RolloutResult) -> RewardBatch:
         """Score every rollout; ``indices`` ``[N]`` are their prompts' dataset indices.
