@@ -97,56 +97,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "greedy-sublayers": (subs, plan_greedy(sub_profile, budget)),
         "all": (layers, layer_profile.plan([True] * len(layers), "all")),
     }
-    # Predicted only (no timing): the DP's recompute across budgets, where static has one point.
-    sweep = []
-    lo, hi = layer_profile.min_peak_bytes, layer_profile.max_peak_bytes
-    for b in sorted({int(lo + k / 10 * (hi - lo)) for k in range(11)} | {budget}):
-        for blocks_name, profile in (("layers", layer_profile), ("sublayers", sub_profile)):
-            if b >= profile.min_peak_bytes:
-                p = plan_optimal(profile, b)
-                sweep.append(
-                    {
-                        "blocks": blocks_name,
-                        "budget_mb": b / 2**20,
-                        "checkpointed": len(p.indices),
-                        "predicted_recompute_ms": p.recompute_seconds * 1e3,
-                    }
-                )
-    results: dict[str, dict[str, Any]] = {}
-    for name, (blocks, plan) in variants.items():
-        with apply_activation_checkpointing(blocks, plan):
-            report = measure_step(forward)
-        opt.zero_grad(set_to_none=True)
-        results[name] = {
-            "blocks": "sublayers" if blocks is subs else "layers",
-            "checkpointed": plan.indices,
-            "predicted_peak_mb": plan.peak_bytes / 2**20,
-            "measured_peak_mb": report.peak_bytes / 2**20,
-            "predicted_recompute_ms": plan.recompute_seconds * 1e3,
-            "wall_s": [],
-            "cpu_s": [],
-        }
-        print(
-            f"[bench activation-checkpointing] {name}: checkpointed {plan.indices}, peak {report.peak_bytes / 2**20:.1f} MiB"
-        )
-    for name, (blocks, plan) in variants.items():  # warm-up: allocator and AdamW state
-        with apply_activation_checkpointing(blocks, plan):
-            train_step()
-    for _ in range(args.repeats):
-        for name, (blocks, plan) in variants.items():
-            with apply_activation_checkpointing(blocks, plan):
-                _, wall, cpu = timed(lambda: [train_step() for _ in range(args.steps)])
-            results[name]["wall_s"].append(wall / args.steps)
-            results[name]["cpu_s"].append(cpu / args.steps)
-    for r in results.values():
-        r["steps_per_s"] = 1 / statistics.median(r["wall_s"])
-        r["steps_per_cpu_s"] = 1 / statistics.median(r["cpu_s"])
-    base = results["static"]
-    for r in results.values():
-        r["throughput_vs_static"] = r["steps_per_s"] / base["steps_per_s"]
-        r["throughput_vs_static_cpu"] = r["steps_per_cpu_s"] / base["steps_per_cpu_s"]
-        r["peak_vs_static"] = r["measured_peak_mb"] / base["measured_peak_mb"]
-    none = results["none"]
+    sweep = _sweep(layer_profile, sub_profile, budget)
+    results = _measure_peaks(variants, forward, lambda: opt.zero_grad(set_to_none=True), subs)
+    _time_steps(variants, results, train_step, args.repeats, args.steps)
+    base, none = results["static"], results["none"]
     payload = {
         "benchmark": "activation_checkpointing",
         "command": "python -m benchmarks " + " ".join(getattr(args, "argv", [])),
@@ -173,14 +127,91 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     path = write_json(args.json, payload)
     plot_path = plot(results, sweep, Path(args.plot or Path(args.json).with_suffix(".png")), budget / 2**20)
+    _print_results(results)
+    print(f"[bench activation-checkpointing] wrote {path} and {plot_path}")
+    return payload
+
+
+def _sweep(layer_profile: Any, sub_profile: Any, budget: int) -> list[dict[str, Any]]:
+    """Predicted only (no timing): the DP's recompute across budgets, where static has one point."""
+    sweep = []
+    lo, hi = layer_profile.min_peak_bytes, layer_profile.max_peak_bytes
+    for b in sorted({int(lo + k / 10 * (hi - lo)) for k in range(11)} | {budget}):
+        for blocks_name, profile in (("layers", layer_profile), ("sublayers", sub_profile)):
+            if b >= profile.min_peak_bytes:
+                p = plan_optimal(profile, b)
+                sweep.append(
+                    {
+                        "blocks": blocks_name,
+                        "budget_mb": b / 2**20,
+                        "checkpointed": len(p.indices),
+                        "predicted_recompute_ms": p.recompute_seconds * 1e3,
+                    }
+                )
+    return sweep
+
+
+def _measure_peaks(
+    variants: dict[str, tuple[Any, Any]], forward: Any, zero_grad: Any, subs: Any
+) -> dict[str, dict[str, Any]]:
+    """Each variant's measured and predicted peak and its predicted recompute: the result entries."""
+    results: dict[str, dict[str, Any]] = {}
+    for name, (blocks, plan) in variants.items():
+        with apply_activation_checkpointing(blocks, plan):
+            report = measure_step(forward)
+        zero_grad()
+        results[name] = {
+            "blocks": "sublayers" if blocks is subs else "layers",
+            "checkpointed": plan.indices,
+            "predicted_peak_mb": plan.peak_bytes / 2**20,
+            "measured_peak_mb": report.peak_bytes / 2**20,
+            "predicted_recompute_ms": plan.recompute_seconds * 1e3,
+            "wall_s": [],
+            "cpu_s": [],
+        }
+        print(
+            f"[bench activation-checkpointing] {name}: checkpointed {plan.indices}, "
+            f"peak {report.peak_bytes / 2**20:.1f} MiB"
+        )
+    return results
+
+
+def _time_steps(
+    variants: dict[str, tuple[Any, Any]],
+    results: dict[str, dict[str, Any]],
+    train_step: Any,
+    repeats: int,
+    steps: int,
+) -> None:
+    """Time ``steps`` train steps of each variant in turn, ``repeats`` times after a warm-up; adds the
+    medians and the ratios to static to ``results``."""
+    for blocks, plan in variants.values():  # warm-up: allocator and AdamW state
+        with apply_activation_checkpointing(blocks, plan):
+            train_step()
+    for _ in range(repeats):
+        for name, (blocks, plan) in variants.items():
+            with apply_activation_checkpointing(blocks, plan):
+                _, wall, cpu = timed(lambda: [train_step() for _ in range(steps)])
+            results[name]["wall_s"].append(wall / steps)
+            results[name]["cpu_s"].append(cpu / steps)
+    for r in results.values():
+        r["steps_per_s"] = 1 / statistics.median(r["wall_s"])
+        r["steps_per_cpu_s"] = 1 / statistics.median(r["cpu_s"])
+    base = results["static"]
+    for r in results.values():
+        r["throughput_vs_static"] = r["steps_per_s"] / base["steps_per_s"]
+        r["throughput_vs_static_cpu"] = r["steps_per_cpu_s"] / base["steps_per_cpu_s"]
+        r["peak_vs_static"] = r["measured_peak_mb"] / base["measured_peak_mb"]
+
+
+def _print_results(results: dict[str, dict[str, Any]]) -> None:
     for name, r in results.items():
         print(
-            f"[bench activation-checkpointing] {name:18s} peak {r['measured_peak_mb']:7.1f} MiB ({r['peak_vs_static']:.3f}x static)"
+            f"[bench activation-checkpointing] {name:18s} peak {r['measured_peak_mb']:7.1f} MiB "
+            f"({r['peak_vs_static']:.3f}x static)"
             f"  {r['steps_per_s']:.3f} steps/s  vs static: wall {r['throughput_vs_static']:.3f}"
             f" cpu {r['throughput_vs_static_cpu']:.3f}  recompute {r['predicted_recompute_ms']:.0f} ms"
         )
-    print(f"[bench activation-checkpointing] wrote {path} and {plot_path}")
-    return payload
 
 
 def plot(

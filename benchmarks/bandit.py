@@ -78,6 +78,51 @@ def _summarise(
     return fractions, follow
 
 
+def _strategies(epsilon: float, window: int, seed: int, ucb_c: float) -> dict[str, BucketedStrategy]:
+    """BEG-MAB (constant and decaying exploration), UCB and every fixed arm."""
+    return {
+        "begmab": BEGMABStrategy(epsilon=epsilon, window=window, seed=seed),
+        # Exploration decaying per bucket to a 1% floor: cheaper once known, slower to follow a change.
+        "begmab-decay": BEGMABStrategy(
+            epsilon=epsilon,
+            window=window,
+            seed=seed,
+            epsilon_half_life=window,
+            epsilon_floor=min(0.01, epsilon),
+        ),
+        "ucb": UCBStrategy(c=ucb_c, window=window),
+        **{f"fixed:{arm_key(arm)}": FixedStrategy(arm) for arm in default_arms()},
+    }
+
+
+def _results(
+    strategies: dict[str, BucketedStrategy],
+    traces: dict[str, list[dict[str, Any]]],
+    change_at: int,
+    majority: int,
+    burn_in: int,
+) -> dict[str, Any]:
+    """Each strategy's total reward, reward against the oracle, best-arm fractions and change following."""
+    results: dict[str, Any] = {}
+    for name, strategy in strategies.items():
+        trace = traces[name]
+        # Fixed arms have one bucket; judge every strategy on the bandit's buckets.
+        fractions, follow = _summarise(
+            trace,
+            strategies["begmab"] if name.startswith("fixed") else strategy,
+            change_at,
+            majority,
+            burn_in,
+        )
+        results[name] = {
+            "total_reward": sum(r["reward"] for r in trace),
+            "reward_vs_oracle": statistics.fmean(r["reward"] / r["oracle"] for r in trace),
+            "best_arm_fraction": fractions,
+            "steps_to_follow_change": follow,
+        }
+    return results
+
+
 def run_bandit_benchmark(
     steps: int = 8000,
     seed: int = 0,
@@ -111,19 +156,7 @@ def run_bandit_benchmark(
     change_at = steps // 2 if change_at is None else change_at
     burn_in = change_at // 4 if burn_in is None else burn_in
     env_args = {"change_at": change_at, "seed": seed}
-    strategies: dict[str, BucketedStrategy] = {
-        "begmab": BEGMABStrategy(epsilon=epsilon, window=window, seed=seed),
-        # Exploration decaying per bucket to a 1% floor: cheaper once known, slower to follow a change.
-        "begmab-decay": BEGMABStrategy(
-            epsilon=epsilon,
-            window=window,
-            seed=seed,
-            epsilon_half_life=window,
-            epsilon_floor=min(0.01, epsilon),
-        ),
-        "ucb": UCBStrategy(c=ucb_c, window=window),
-        **{f"fixed:{arm_key(arm)}": FixedStrategy(arm) for arm in default_arms()},
-    }
+    strategies = _strategies(epsilon, window, seed, ucb_c)
     env = SimulatedSDEnvironment(**env_args)
     probe = strategies["begmab"]
     best = {
@@ -132,24 +165,11 @@ def run_bandit_benchmark(
         }
         for phase, t in (("before_change", 0), ("after_change", change_at))
     }
-    results: dict[str, Any] = {}
-    traces: dict[str, list[dict[str, Any]]] = {}
-    for name, strategy in strategies.items():
-        trace = traces[name] = run_strategy(strategy, SimulatedSDEnvironment(**env_args), steps)
-        # Fixed arms have one bucket; judge every strategy on the bandit's buckets.
-        fractions, follow = _summarise(
-            trace,
-            strategies["begmab"] if name.startswith("fixed") else strategy,
-            change_at,
-            majority,
-            burn_in,
-        )
-        results[name] = {
-            "total_reward": sum(r["reward"] for r in trace),
-            "reward_vs_oracle": statistics.fmean(r["reward"] / r["oracle"] for r in trace),
-            "best_arm_fraction": fractions,
-            "steps_to_follow_change": follow,
-        }
+    traces = {
+        name: run_strategy(strategy, SimulatedSDEnvironment(**env_args), steps)
+        for name, strategy in strategies.items()
+    }
+    results = _results(strategies, traces, change_at, majority, burn_in)
     best_fixed = max((n for n in results if n.startswith("fixed")), key=lambda n: results[n]["total_reward"])
     for res in results.values():
         res["total_reward_vs_best_fixed"] = res["total_reward"] / results[best_fixed]["total_reward"]

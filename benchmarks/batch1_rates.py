@@ -6,12 +6,14 @@ plain at batch 1 while a direct measurement gave 34.7. This runs our plain engin
 settings, alternated prompt by prompt, and reports for each the end-to-end rate (prefill counted
 in), the decode rate (decode steps only) and CPU seconds per token (not inflated by a busy machine):
 
-* ``v8``: that benchmark's setting: T=1 (``--temperature``), up to 128 new tokens, EOS respected, packed weights;
+* ``v8``: that benchmark's setting: T=1 (``--temperature``), up to 128 new tokens, EOS respected,
+  packed weights;
 * ``v8_ignore_eos``: the same, every response 128 tokens;
 * ``short_prompt``: 128 tokens after a 16-token prompt (attention over fewer keys, a cheap prefill);
 * ``out_in``: as ``v8_ignore_eos`` with the plain ``[out, in]`` weight layout.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.batch1_rates --prompts 6 --json docs/results/peers_batch1_rates_zen4.json
+    OMP_NUM_THREADS=1 python -m benchmarks.batch1_rates --prompts 6 \\
+        --json docs/results/peers_batch1_rates_zen4.json
 """
 
 from __future__ import annotations
@@ -25,6 +27,34 @@ from benchmarks.common import machine_info, median, task_prompts, write_json
 from benchmarks.peers import eos_ignored
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
+
+
+def _rates(
+    target: HFTarget, cfg: RolloutConfig, ids: list[int], seed: int, ignore_eos: bool
+) -> dict[str, float]:
+    """One batch-1 rollout of ``ids``: its end-to-end and decode rates, prefill and CPU time."""
+    engine = RolloutEngine(target, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    t0, c0 = time.perf_counter(), time.process_time()
+    if ignore_eos:
+        with eos_ignored(target):
+            result = engine.generate([ids], generator=gen)
+    else:
+        result = engine.generate([ids], generator=gen)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    s = result.stats
+    n = s.generated_tokens
+    return {
+        "end_to_end_tokens_per_s": n / wall,
+        "decode_tokens_per_s": s.decode_tokens_per_s,
+        "decode_wall_tokens_per_s": (n - 1) / (wall - s.prefill_time),
+        "prefill_s": s.prefill_time,
+        "prefill_share": s.prefill_time / wall,
+        "response_tokens": float(n),
+        "prompt_tokens": float(len(ids)),
+        "cpu_ms_per_token": 1000 * cpu / n,
+        "decode_step_cpu_ms": 1000 * median(s.step_cpu_times),
+    }
 
 
 def main() -> None:
@@ -58,29 +88,8 @@ def main() -> None:
         RolloutEngine(target, RolloutConfig(max_new_tokens=4)).generate(prompts[:1])
     for i, prompt in enumerate(prompts):
         for name, (target, ignore, short) in settings.items():
-            engine = RolloutEngine(target, cfg)
             ids = prompt[-16:] if short else prompt
-            gen = torch.Generator().manual_seed(args.seed + i)
-            t0, c0 = time.perf_counter(), time.process_time()
-            if ignore:
-                with eos_ignored(target):
-                    result = engine.generate([ids], generator=gen)
-            else:
-                result = engine.generate([ids], generator=gen)
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            s = result.stats
-            n = s.generated_tokens
-            for key, value in {
-                "end_to_end_tokens_per_s": n / wall,
-                "decode_tokens_per_s": s.decode_tokens_per_s,
-                "decode_wall_tokens_per_s": (n - 1) / (wall - s.prefill_time),
-                "prefill_s": s.prefill_time,
-                "prefill_share": s.prefill_time / wall,
-                "response_tokens": float(n),
-                "prompt_tokens": float(len(ids)),
-                "cpu_ms_per_token": 1000 * cpu / n,
-                "decode_step_cpu_ms": 1000 * median(s.step_cpu_times),
-            }.items():
+            for key, value in _rates(target, cfg, ids, args.seed + i, ignore).items():
                 rows[name].setdefault(key, []).append(value)
         print(
             f"prompt {i}: "

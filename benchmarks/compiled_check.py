@@ -54,7 +54,7 @@ def same_tokens(a, b) -> int:
     return sum(x.token_ids.tolist() == y.token_ids.tolist() for x, y in zip(a.rollouts, b.rollouts))
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
@@ -84,10 +84,34 @@ def main() -> int:
     p.add_argument(
         "--peer-generate",
         action="store_true",
-        help="--speed: also time transformers' own generate with a static cache (compiled by transformers on CUDA)",
+        help=(
+            "--speed: also time transformers' own generate with a static cache "
+            "(compiled by transformers on CUDA)"
+        ),
     )
     p.add_argument("--speed-only", action="store_true", help="skip the exactness checks")
-    args = p.parse_args()
+    return p
+
+
+def _follows_weight_update(model: torch.nn.Module, compiled: HFTarget, hf: HFTarget, device: str) -> bool:
+    """Scale the weights in place (as an optimizer step): does the compiled step follow?"""
+    lens = torch.tensor([5, 9], device=device)
+    before = one_step(compiled, lens)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.25)  # in place, as an optimizer step
+    after, reference = one_step(compiled, lens), one_step(hf, lens)
+    followed = torch.allclose(after, reference, rtol=1e-4, atol=1e-4) and not torch.allclose(before, after)
+    print(
+        f"weights changed in place: compiled follows {followed} "
+        f"(max|diff| {(after - reference).abs().max().item():.1e})",
+        flush=True,
+    )
+    return followed
+
+
+def main() -> int:
+    args = _parser().parse_args()
     model = build_model(args.model, args.random_weights).to(args.device)
     if args.speed_only:
         speed(model, args)
@@ -123,25 +147,14 @@ def main() -> int:
         if same_tokens(expected, result) != len(prompts):
             failures.append(str(arm))
 
-    lens = torch.tensor([5, 9], device=args.device)
-    before = one_step(compiled, lens)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.mul_(1.25)  # in place, as an optimizer step
-    after, reference = one_step(compiled, lens), one_step(hf, lens)
-    followed = torch.allclose(after, reference, rtol=1e-4, atol=1e-4) and not torch.allclose(before, after)
-    print(
-        f"weights changed in place: compiled follows {followed} "
-        f"(max|diff| {(after - reference).abs().max().item():.1e})",
-        flush=True,
-    )
-    if not followed:
+    if not _follows_weight_update(model, compiled, hf, args.device):
         failures.append("weight update")
 
     for bucket, seconds in compiled.compile_times.items():
         print(f"compiled {tuple(bucket)} in {seconds:.1f} s")
     print(
-        f"compile total {compiled.compile_seconds:.1f} s, mode {compiled._compiled.mode}, device {args.device}"
+        f"compile total {compiled.compile_seconds:.1f} s, mode {compiled._compiled.mode}, "
+        f"device {args.device}"
     )
     print("OK" if not failures else f"FAILED: {failures}")
     if args.speed:

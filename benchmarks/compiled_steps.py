@@ -18,14 +18,27 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
 import torch
 
 from tlt_lightning.models import CompileConfig, HFTarget, load_model
 from tlt_lightning.rollout.engine import causal_decode_mask
 
+# The variants, each a CompileConfig of one model.
+VARIANTS = {
+    "static": CompileConfig(dynamic=False, matmul_attention=False, cpp_attention=False),
+    "dynamic": CompileConfig(dynamic=True, matmul_attention=False, cpp_attention=False),
+    "dynamic+matmul": CompileConfig(
+        dynamic=True, matmul_attention=True, all_slots_ratio=0, cpp_attention=False
+    ),
+    "dynamic+matmul+all-slots": CompileConfig(dynamic=True, matmul_attention=True, cpp_attention=False),
+    "cpp-attention+guards": CompileConfig(dynamic=True, skip_guards=False),
+    "cpp-attention": CompileConfig(dynamic=True),
+}
 
-def main() -> None:
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -39,29 +52,60 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--slots", type=int, default=None, help="cache slots per row (default: the most keys + 1)")
     p.add_argument("--json", default=None)
-    variants = {
-        "static": CompileConfig(dynamic=False, matmul_attention=False, cpp_attention=False),
-        "dynamic": CompileConfig(dynamic=True, matmul_attention=False, cpp_attention=False),
-        "dynamic+matmul": CompileConfig(
-            dynamic=True, matmul_attention=True, all_slots_ratio=0, cpp_attention=False
-        ),
-        "dynamic+matmul+all-slots": CompileConfig(dynamic=True, matmul_attention=True, cpp_attention=False),
-        "cpp-attention+guards": CompileConfig(dynamic=True, skip_guards=False),
-        "cpp-attention": CompileConfig(dynamic=True),
-    }
     p.add_argument(
         "--variants",
         nargs="+",
-        default=list(variants),
-        choices=list(variants),
+        default=list(VARIANTS),
+        choices=list(VARIANTS),
         help="the configs to time; speed-ups are over the first",
     )
-    args = p.parse_args()
+    return p
+
+
+def _time_shape(
+    targets: dict[str, HFTarget],
+    caches: dict[str, Any],
+    shape: tuple[int, int, int],
+    g: torch.Generator,
+    repeats: int,
+) -> dict[str, Any]:
+    """One ``(rows, keys, queries)`` shape: a first (compiling) call, then ``repeats`` timed steps of
+    each variant in turn."""
+    n, kv, q = shape
+    lengths = torch.full((n,), kv - q)
+    ids = torch.randint(5, 1000, (n, q), generator=g)
+    positions = lengths[:, None] + torch.arange(q)
+    mask = causal_decode_mask(lengths, q, kv)
+
+    def step(name: str) -> float:
+        cache = caches[name]
+        cache.lengths[:n] = lengths
+        start = time.perf_counter()
+        targets[name].forward(ids, positions, mask, cache)
+        return time.perf_counter() - start
+
+    first = {name: step(name) for name in targets}
+    runs: dict[str, list[float]] = {name: [] for name in targets}
+    for _ in range(repeats):
+        for name in targets:
+            runs[name].append(step(name))
+    return {
+        "rows": n,
+        "keys": kv,
+        "queries": q,
+        "median_ms": {name: 1000 * statistics.median(r) for name, r in runs.items()},
+        "first_call_s": first,
+        "runs_ms": {k: [1000 * t for t in r] for k, r in runs.items()},
+    }
+
+
+def main() -> None:
+    args = _parser().parse_args()
     torch.set_num_threads(args.threads)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     model = load_model(args.model, dtype=args.dtype).model
     targets = {
-        name: HFTarget(model, decode="compiled", compile_config=variants[name]) for name in args.variants
+        name: HFTarget(model, decode="compiled", compile_config=VARIANTS[name]) for name in args.variants
     }
     for target in targets.values():
         target.set_weight_layout("packed")
@@ -71,34 +115,8 @@ def main() -> None:
     results = []
     with torch.inference_mode():
         for n, kv, q in shapes:
-            lengths = torch.full((n,), kv - q)
-            ids = torch.randint(5, 1000, (n, q), generator=g)
-            positions = lengths[:, None] + torch.arange(q)
-            mask = causal_decode_mask(lengths, q, kv)
-
-            def step(name: str) -> float:
-                cache = caches[name]
-                cache.lengths[:n] = lengths
-                start = time.perf_counter()
-                targets[name].forward(ids, positions, mask, cache)
-                return time.perf_counter() - start
-
-            first = {name: step(name) for name in targets}
-            runs: dict[str, list[float]] = {name: [] for name in targets}
-            for _ in range(args.repeats):
-                for name in targets:
-                    runs[name].append(step(name))
-            ms = {name: 1000 * statistics.median(r) for name, r in runs.items()}
-            results.append(
-                {
-                    "rows": n,
-                    "keys": kv,
-                    "queries": q,
-                    "median_ms": ms,
-                    "first_call_s": first,
-                    "runs_ms": {k: [1000 * t for t in r] for k, r in runs.items()},
-                }
-            )
+            results.append(_time_shape(targets, caches, (n, kv, q), g, args.repeats))
+            ms = results[-1]["median_ms"]
             print(
                 f"{n} rows x {q} queries over {kv} keys: "
                 + ", ".join(f"{k} {v:.1f} ms (x{ms[args.variants[0]] / v:.2f})" for k, v in ms.items()),

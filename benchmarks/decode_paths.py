@@ -34,7 +34,7 @@ from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.engine import causal_decode_mask
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -74,7 +74,11 @@ def main() -> None:
         help="time greedy RolloutEngine rollouts of N new tokens instead of single forwards",
     )
     p.add_argument("--repeats", type=int, default=3, help="--engine: alternating runs per path")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = _parser().parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=args.dtype)
     model = loaded.model
@@ -101,7 +105,8 @@ def main() -> None:
         engine_rollouts(args, loaded.tokenizer, targets)
         return
     print(
-        f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads} context={args.context}; "
+        f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads} "
+        f"context={args.context}; "
         f"ms per forward+head, median of {args.rounds} alternating rounds"
     )
     for B in args.batch:
@@ -117,13 +122,15 @@ def main() -> None:
 
 
 def engine_rollouts(args, tokenizer, targets: dict[str, HFTarget]) -> None:
-    """Greedy rollouts on every path, alternating after one untimed run each; medians over ``args.repeats`` runs."""
+    """Greedy rollouts on every path, alternating after one untimed run each; medians over
+    ``args.repeats`` runs."""
     from benchmarks.common import task_prompts
 
     prompts = task_prompts(tokenizer, "countdown", max(args.batch), seed=0)
     config = RolloutConfig(max_new_tokens=args.engine, temperature=0.0)
     print(
-        f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads}: greedy RolloutEngine, "
+        f"{args.model} {args.dtype} layout={args.weight_layout} threads={args.threads}: "
+        "greedy RolloutEngine, "
         f"{args.engine} new tokens per request, median of {args.repeats} alternating runs"
     )
     for B in args.batch:

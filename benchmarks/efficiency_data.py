@@ -1,10 +1,11 @@
 """Shared pieces of ``bench efficiency``: a reasoning-gym SFT task, tiny models, training and evaluation.
 
 The task is reasoning-gym's ``basic_arithmetic`` (by default 2-3 terms of one digit, ``+``/``-``:
-a mix of easy two-term and harder three-term problems), built through :class:`~tlt_lightning.rl.tasks.TaskConfig` like
-the RL prompts. An SFT example is ``question + " " + answer`` with the loss on the answer and the
-end token only. Text is tokenized by characters (digits are single tokens, the vocabulary has ~25
-entries), so a model of a few million parameters learns the task in minutes on one CPU thread.
+a mix of easy two-term and harder three-term problems), built through
+:class:`~tlt_lightning.rl.tasks.TaskConfig` like the RL prompts. An SFT example is
+``question + " " + answer`` with the loss on the answer and the end token only. Text is tokenized
+by characters (digits are single tokens, the vocabulary has ~25 entries), so a model of a few
+million parameters learns the task in minutes on one CPU thread.
 
 Accuracy is exact match under teacher forcing: every answer token and the end token is the
 argmax. That is the same event as greedy decoding writing exactly the answer and stopping, at the

@@ -305,7 +305,8 @@ def run_distill(args: argparse.Namespace, data: SFTData) -> dict[str, Any]:
         variants[name] = result
         f = result["final"]
         print(
-            f"[bench efficiency] distill {name:20s}: eval loss {f['loss']:.4f}, accuracy {f['accuracy']:.3f}, "
+            f"[bench efficiency] distill {name:20s}: eval loss {f['loss']:.4f}, "
+            f"accuracy {f['accuracy']:.3f}, "
             f"KL to teacher {f['kl_to_teacher']:.4f}, {result['wall_s']:.0f} s",
             flush=True,
         )
@@ -378,7 +379,8 @@ def run_qat(args: argparse.Namespace, data: SFTData) -> dict[str, Any]:
         if name in results:
             f = results[name]["final"]
             print(
-                f"[bench efficiency] qat {name:12s}: eval loss {f['loss']:.4f}, accuracy {f['accuracy']:.3f}, "
+                f"[bench efficiency] qat {name:12s}: eval loss {f['loss']:.4f}, "
+                f"accuracy {f['accuracy']:.3f}, "
                 f"KL to teacher {f['kl_to_teacher']:.4f}",
                 flush=True,
             )

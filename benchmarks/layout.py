@@ -58,6 +58,28 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
     return save_figure(fig, path)
 
 
+def _time_layouts(
+    engine: Any, models: list[Any], prompts: list[list[int]], bs: int, layouts: list[str], repeats: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Tokens/s and CPU seconds per token of ``engine`` in each layout (of every model in ``models``;
+    ``None`` skipped), repeat ``r`` on the ``r``-th group of ``bs`` prompts, the layouts' order rotated."""
+    tps: dict[str, list[float]] = {layout: [] for layout in layouts}
+    cpu: dict[str, list[float]] = {layout: [] for layout in layouts}
+    for r in range(repeats):
+        group = prompts[r * bs : (r + 1) * bs]
+        shift = r % len(layouts)
+        for layout in layouts[shift:] + layouts[:shift]:
+            for model in models:
+                if model is not None:
+                    model.set_weight_layout(layout)
+            out, wall, cpu_s = timed(
+                lambda group=group, r=r: engine.generate(group, generator=torch.Generator().manual_seed(r))
+            )
+            tps[layout].append(out.stats.generated_tokens / wall)
+            cpu[layout].append(cpu_s / out.stats.generated_tokens)
+    return tps, cpu
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     layouts = list(dict.fromkeys(args.layouts))
     if len(layouts) < 2:
@@ -86,20 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for name, bs, engine in workloads:
         print(f"[bench layout] {name}, {args.max_new_tokens} new tokens ...", flush=True)
-        tps: dict[str, list[float]] = {layout: [] for layout in layouts}
-        cpu: dict[str, list[float]] = {layout: [] for layout in layouts}
-        for r in range(args.repeats):
-            group = prompts[r * bs : (r + 1) * bs]
-            shift = r % len(layouts)
-            for layout in layouts[shift:] + layouts[:shift]:
-                target.set_weight_layout(layout)
-                if drafter is not None:
-                    drafter.set_weight_layout(layout)
-                out, wall, cpu_s = timed(
-                    lambda: engine.generate(group, generator=torch.Generator().manual_seed(r))
-                )
-                tps[layout].append(out.stats.generated_tokens / wall)
-                cpu[layout].append(cpu_s / out.stats.generated_tokens)
+        tps, cpu = _time_layouts(engine, [target, drafter], prompts, bs, layouts, args.repeats)
         row = {
             "workload": name,
             "batch_size": bs,

@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -69,8 +70,40 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype)).eval()
     dataset = TaskDataset(config, tokenizer)
-
     rows = [i for i in range(len(dataset)) for _ in range(args.samples)]
+    completions, lengths, seconds = _sample(args, model, tokenizer, dataset, rows)
+    scores = [dataset.score(i, c) for i, c in zip(rows, completions)]
+    stats = _statistics(args, config, dataset, rows, completions, scores, lengths)
+    stats["generate_seconds"] = seconds
+    for i, (row, completion, score) in enumerate(zip(rows, completions, scores)):
+        if i >= args.show:
+            break
+        print(
+            f"--- prompt {row} (answer {dataset[row].entry['answer']}) reward {score.total:.2f} "
+            f"extracted {score.answer!r}\n{completion[:400]}"
+        )
+    print(json.dumps(stats, indent=2))
+    if args.json:
+        samples = [
+            {
+                "prompt": i,
+                "answer": dataset[i].entry["answer"],
+                "completion": c,
+                "reward": s.total,
+                "extracted": s.answer,
+            }
+            for i, c, s in zip(rows, completions, scores)
+        ]
+        with open(args.json, "w") as f:
+            json.dump({**stats, "completions": samples}, f, indent=2)
+    return stats
+
+
+def _sample(
+    args: argparse.Namespace, model: Any, tokenizer: Any, dataset: TaskDataset, rows: list[int]
+) -> tuple[list[str], list[int], float]:
+    """A completion of each row's prompt, ``--batch-rows`` at a time: the texts, their token counts
+    (up to the first EOS) and the seconds it took."""
     completions: list[str] = []
     lengths: list[int] = []
     start = time.perf_counter()
@@ -95,9 +128,19 @@ def main(argv: list[str] | None = None) -> dict:
             lengths.append(int(ended[0]) + 1 if len(ended) else len(row))
             completions.append(tokenizer.decode(row, skip_special_tokens=True))
         print(f"  {lo + len(batch)}/{len(rows)} rows, {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    seconds = time.perf_counter() - start
+    return completions, lengths, time.perf_counter() - start
 
-    scores = [dataset.score(i, c) for i, c in zip(rows, completions)]
+
+def _statistics(
+    args: argparse.Namespace,
+    config: TaskConfig,
+    dataset: TaskDataset,
+    rows: list[int],
+    completions: list[str],
+    scores: list[Any],
+    lengths: list[int],
+) -> dict[str, Any]:
+    """Rewards, correctness, format, group variance, lengths and where the answers were found."""
     totals = [s.total for s in scores]
     groups = [totals[g * args.samples : (g + 1) * args.samples] for g in range(len(dataset))]
     correct = [s.correctness for s in scores]
@@ -110,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         for i, f in zip(rows, found)
     ]
-    stats = {
+    return {
         "task": config.name,
         "task_kwargs": config.reasoning_gym_kwargs(),
         "system_prompt": config.rendered_system_prompt(),
@@ -138,30 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
         "median_response_tokens": statistics.median(lengths),
         "frac_hit_cap": sum(n >= args.max_new_tokens for n in lengths) / len(lengths),
         "extraction_sources": dict(sources),
-        "generate_seconds": seconds,
     }
-    for i, (row, completion, score) in enumerate(zip(rows, completions, scores)):
-        if i >= args.show:
-            break
-        print(
-            f"--- prompt {row} (answer {dataset[row].entry['answer']}) reward {score.total:.2f} "
-            f"extracted {score.answer!r}\n{completion[:400]}"
-        )
-    print(json.dumps(stats, indent=2))
-    if args.json:
-        samples = [
-            {
-                "prompt": i,
-                "answer": dataset[i].entry["answer"],
-                "completion": c,
-                "reward": s.total,
-                "extracted": s.answer,
-            }
-            for i, c, s in zip(rows, completions, scores)
-        ]
-        with open(args.json, "w") as f:
-            json.dump({**stats, "completions": samples}, f, indent=2)
-    return stats
 
 
 if __name__ == "__main__":

@@ -102,10 +102,10 @@ def _compare(engine: RolloutEngine, model, tokenizer, prompts, repeats: int, see
     warm = compile_report(engine.target)["compile_seconds"]
     for r in range(repeats):
         gen = torch.Generator().manual_seed(seed + r)
-        result, t, cpu = timed(lambda: engine.generate(prompts, generator=gen))
+        result, t, cpu = timed(lambda gen=gen: engine.generate(prompts, generator=gen))
         ours.append(result.stats.generated_tokens / t)
         ours_cpu.append(result.stats.generated_tokens / cpu)
-        hf_out, t, cpu = timed(lambda: hf_generate(model, tokenizer, prompts, engine.config, seed + r))
+        hf_out, t, cpu = timed(lambda r=r: hf_generate(model, tokenizer, prompts, engine.config, seed + r))
         theirs.append(sum(len(x) for x in hf_out) / t)
         theirs_cpu.append(sum(len(x) for x in hf_out) / cpu)
     same = sum(r.token_ids.tolist() == h for r, h in zip(result.rollouts, hf_out))

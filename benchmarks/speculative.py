@@ -29,13 +29,12 @@ from benchmarks.common import (
     compile_report,
     machine_info,
     median,
-    new_figure,
     prompt_groups,
-    save_figure,
     task_prompts,
     timed,
     write_json,
 )
+from benchmarks.speculative_plot import plot
 from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
@@ -88,51 +87,63 @@ def _compare(
         for loop in (plain, *specs.values()):
             loop.generate(group, generator=torch.Generator().manual_seed(seed + r))
     for r, group in enumerate(groups):
-        a, ta, ca = timed(lambda: plain.generate(group, generator=torch.Generator().manual_seed(seed + r)))
+        a, ta, ca = _timed_generate(plain, group, seed + r)
         base["plain_cpu_s"].append(ca / a.stats.generated_tokens)  # CPU seconds per token
         base["plain_tps"].append(a.stats.generated_tokens / ta)
         base["plain_decode_tps"].append(a.stats.decode_tokens_per_s)
         base["plain_s"].append(ta)
         for i, spec in enumerate(specs.values()):
-            b, tb, cb = timed(lambda: spec.generate(group, generator=torch.Generator().manual_seed(seed + r)))
-            stats, row = b.stats, rows[i]
-            row["sd_cpu_s"].append(cb / stats.generated_tokens)
-            row["sd_tps"].append(stats.generated_tokens / tb)
-            row["sd_decode_tps"].append(stats.decode_tokens_per_s)
-            row["sd_s"].append(tb)
-            row["accept"].append(stats.mean_accept_length)
-            depths = [d for d in stats.step_draft_depths if d]
-            row["draft_depth"].append(sum(depths) / max(1, len(depths)))
-            row["sd_step_fraction"].append(sum(stats.step_speculative) / max(1, stats.num_steps))
-            row["sd_step_cost"].append(
-                full_batch_step_time(stats, size, True) / full_batch_step_time(a.stats, size, False)
-            )
-            last[i] = b
-    out = []
-    for name, row, result in zip(specs, rows, last):
-        out.append(
-            {
-                "requests": size,
-                "strategy": name,
-                "plain_tokens_per_s": median(base["plain_tps"]),
-                "sd_tokens_per_s": median(row["sd_tps"]),
-                "speedup_tokens_per_s": median(row["sd_tps"]) / median(base["plain_tps"]),
-                "speedup_cpu_time_per_token": median(base["plain_cpu_s"]) / median(row["sd_cpu_s"]),
-                # Decode steps only: the prefill, the same work in both, left out.
-                "speedup_decode": median(row["sd_decode_tps"]) / median(base["plain_decode_tps"]),
-                "plain_seconds": median(base["plain_s"]),
-                "sd_seconds": median(row["sd_s"]),
-                "mean_accept_length": median(row["accept"]),
-                # Drafts per speculative step: below the depth when a min_confidence chain stops early.
-                "mean_draft_depth": median(row["draft_depth"]),
-                "sd_step_fraction": median(row["sd_step_fraction"]),
-                # A speculative step's time in plain steps (all requests active): speedup ~ accept / cost.
-                "sd_step_cost": median(row["sd_step_cost"]),
-                "runs": base | row,
-                "_last": result,
-            }
-        )
-    return out
+            last[i], tb, cb = _timed_generate(spec, group, seed + r)
+            _record_speculative(rows[i], last[i].stats, tb, cb, a.stats, size)
+    return [_summary(name, size, base, row, result) for name, row, result in zip(specs, rows, last)]
+
+
+def _timed_generate(loop: Any, group: list[list[int]], seed: int) -> tuple[RolloutResult, float, float]:
+    """``loop``'s rollouts of ``group`` sampled from ``seed``: ``(result, wall s, CPU s)``."""
+    return timed(lambda: loop.generate(group, generator=torch.Generator().manual_seed(seed)))
+
+
+def _record_speculative(
+    row: dict[str, list[float]], stats: Any, wall: float, cpu: float, plain_stats: Any, size: int
+) -> None:
+    """Append one speculative run's figures to ``row`` (``plain_stats``: the plain run before it)."""
+    row["sd_cpu_s"].append(cpu / stats.generated_tokens)
+    row["sd_tps"].append(stats.generated_tokens / wall)
+    row["sd_decode_tps"].append(stats.decode_tokens_per_s)
+    row["sd_s"].append(wall)
+    row["accept"].append(stats.mean_accept_length)
+    depths = [d for d in stats.step_draft_depths if d]
+    row["draft_depth"].append(sum(depths) / max(1, len(depths)))
+    row["sd_step_fraction"].append(sum(stats.step_speculative) / max(1, stats.num_steps))
+    row["sd_step_cost"].append(
+        full_batch_step_time(stats, size, True) / full_batch_step_time(plain_stats, size, False)
+    )
+
+
+def _summary(
+    name: str, size: int, base: dict[str, list[float]], row: dict[str, list[float]], result: Any
+) -> dict[str, Any]:
+    """One loop's medians against the plain runs ``base``, its last result under ``"_last"``."""
+    return {
+        "requests": size,
+        "strategy": name,
+        "plain_tokens_per_s": median(base["plain_tps"]),
+        "sd_tokens_per_s": median(row["sd_tps"]),
+        "speedup_tokens_per_s": median(row["sd_tps"]) / median(base["plain_tps"]),
+        "speedup_cpu_time_per_token": median(base["plain_cpu_s"]) / median(row["sd_cpu_s"]),
+        # Decode steps only: the prefill, the same work in both, left out.
+        "speedup_decode": median(row["sd_decode_tps"]) / median(base["plain_decode_tps"]),
+        "plain_seconds": median(base["plain_s"]),
+        "sd_seconds": median(row["sd_s"]),
+        "mean_accept_length": median(row["accept"]),
+        # Drafts per speculative step: below the depth when a min_confidence chain stops early.
+        "mean_draft_depth": median(row["draft_depth"]),
+        "sd_step_fraction": median(row["sd_step_fraction"]),
+        # A speculative step's time in plain steps (all requests active): speedup ~ accept / cost.
+        "sd_step_cost": median(row["sd_step_cost"]),
+        "runs": base | row,
+        "_last": result,
+    }
 
 
 def layer_skip_assistant(model: Any, layers: int) -> Any:
@@ -175,93 +186,8 @@ def _hf_peer(model, prompt: list[int], max_new: int, seed: int, temperature: flo
     return (out.shape[1] - len(prompt)) / t
 
 
-def plot(results: dict[str, Any], long_tail: RolloutResult | None, path: Path) -> Path:
-    batches, arms = results["batches"], results["strategies"]
-    panels = (1 if batches else 0) + (2 if long_tail is not None else 0)
-    if panels == 0:
-        raise ValueError("nothing to plot: no batch workloads and no long-tail run")
-    fig, axes = new_figure(1, panels, figsize=(5.3 * panels, 4.5), squeeze=False)
-    axes = list(axes[0])
-    temperatures = results.get("temperatures", [results["temperature"]])
-    if batches and len(temperatures) > 1:
-        a = axes.pop(0)
-        for j, (arm, n) in enumerate(itertools.product(arms, dict.fromkeys(b["requests"] for b in batches))):
-            points = [b for b in batches if b["strategy"] == arm and b["requests"] == n]
-            a.plot(
-                [b["temperature"] for b in points],
-                [b["speedup_tokens_per_s"] for b in points],
-                "o-",
-                color=f"C{j}",
-                label=f"{arm}, batch {n}",
-            )
-            for b in points:
-                a.annotate(
-                    f"{b['mean_accept_length']:.2f}",
-                    (b["temperature"], b["speedup_tokens_per_s"]),
-                    textcoords="offset points",
-                    xytext=(0, 5),
-                    ha="center",
-                    fontsize=7,
-                    color=f"C{j}",
-                )
-        a.axhline(1.0, color="grey", lw=0.8, ls="--")
-        a.set(
-            xlabel="sampling temperature",
-            ylabel="speedup over plain decoding (tokens / s)",
-            title="Speedup against temperature (labels: accept length)",
-        )
-        a.legend(fontsize=8)
-    elif batches:
-        a = axes.pop(0)
-        sizes = list(dict.fromkeys(b["requests"] for b in batches))
-        width = 0.8 / (len(arms) + 1)
-        a.bar(
-            [x - 0.4 + width / 2 for x in range(len(sizes))],
-            [next(b for b in batches if b["requests"] == n)["plain_tokens_per_s"] for n in sizes],
-            width=width,
-            label="plain",
-        )
-        for j, arm in enumerate(arms):
-            for x, n in enumerate(sizes):
-                b = next(b for b in batches if b["requests"] == n and b["strategy"] == arm)
-                xb = x - 0.4 + width * (j + 1.5)
-                a.bar(xb, b["sd_tokens_per_s"], width=width, color=f"C{j + 1}", label=arm if x == 0 else None)
-                a.text(
-                    xb,
-                    b["sd_tokens_per_s"],
-                    f"x{b['speedup_tokens_per_s']:.2f}\nacc {b['mean_accept_length']:.2f}",
-                    ha="center",
-                    va="bottom",
-                    fontsize=7,
-                )
-        a.set_xticks(list(range(len(sizes))), [str(n) for n in sizes])
-        a.set(
-            xlabel="batch size (speculation on every step)",
-            ylabel="tokens / s",
-            title=f"Throughput, T={results['temperature']:g}",
-        )
-        a.legend(fontsize=8)
-    if long_tail is not None:
-        stats = long_tail.stats
-        b, c = axes
-        hist = torch.bincount(stats.accept_lengths).tolist() if stats.accept_lengths.numel() else []
-        b.bar(range(len(hist)), hist)
-        b.set(
-            xlabel="tokens emitted per request per speculative step",
-            ylabel="count",
-            title="Long tail: accept-length histogram",
-        )
-        times = torch.tensor(stats.step_times).cumsum(0).tolist()
-        c.plot(times, stats.step_batch_sizes, lw=1, label="active requests")
-        spec_t = [t for t, s in zip(times, stats.step_speculative) if s]
-        spec_n = [n for n, s in zip(stats.step_batch_sizes, stats.step_speculative) if s]
-        c.scatter(spec_t, spec_n, s=4, color="tab:red", label="speculative step")
-        c.set(xlabel="seconds", ylabel="active requests", title="Long tail: batch over time (SD run)")
-        c.legend()
-    return save_figure(fig, path)
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _arms_and_names(args: argparse.Namespace) -> tuple[list[DraftSpec], list[str]]:
+    """The arms to compare and the drafters' labels (their directories' names), checked."""
     if not args.drafter:
         raise ValueError("--speculative needs --drafter DIR (train one with `tlt-lightning drafter warmup`)")
     arms = (
@@ -278,6 +204,75 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(
             f"--drafter: directories need distinct names to label the results, got {args.drafter}"
         )
+    return arms, names
+
+
+def _hf_batch1(
+    args: argparse.Namespace, model: Any, prompts: list[list[int]], temperature: float
+) -> dict[str, list[float]]:
+    """HF ``generate`` at batch 1, plain, prompt lookup and (``--assistant-layers``) assisted: tokens/s
+    of each run, the peers alternated."""
+    peers = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 4}}
+    if args.assistant_layers:
+        peers["assisted"] = {"assistant_model": layer_skip_assistant(model, args.assistant_layers)}
+    hf: dict[str, list[float]] = {}
+    for r in range(args.repeats):  # alternated, as the pairs above
+        for name, kwargs in peers.items():
+            prompt = prompts[r % len(prompts)]
+            hf.setdefault(name, []).append(
+                _hf_peer(model, prompt, args.max_new_tokens, args.seed + r, temperature, **kwargs)
+            )
+    return hf
+
+
+def _long_tail(
+    args: argparse.Namespace,
+    target: HFTarget,
+    first: tuple[str, Any, DraftSpec],
+    prompts: list[list[int]],
+    temperature: float,
+    compiled: bool,
+) -> tuple[dict[str, Any], RolloutResult]:
+    """The long-tail rollout, plain vs the ``first`` (label, drafter, arm) below ``--threshold``:
+    its summary and the last speculative result."""
+    n = args.long_tail_requests
+    lt_cfg = RolloutConfig(max_new_tokens=args.long_tail_max_new, temperature=temperature)
+    print(
+        f"[bench speculative] long tail: {n} requests, up to {args.long_tail_max_new} tokens, "
+        f"SD below {args.threshold} active ...",
+        flush=True,
+    )
+    label, drafter, arm = first
+    spec = SpeculativeRolloutLoop(target, drafter, lt_cfg, arm, threshold=args.threshold)
+    [out] = _compare(
+        RolloutEngine(target, lt_cfg), {label: spec}, prompts[:n], n, args.repeats, args.seed, compiled
+    )
+    long_tail = out.pop("_last")
+    out["speedup_rollout_time"] = out["plain_seconds"] / out["sd_seconds"]
+    out["threshold"] = args.threshold
+    out["accept_length_histogram"] = torch.bincount(long_tail.stats.accept_lengths).tolist()
+    print(
+        f"  plain {out['plain_seconds']:.1f} s, SD {out['sd_seconds']:.1f} s, "
+        f"x{out['speedup_rollout_time']:.2f}, accept {out['mean_accept_length']:.2f}",
+        flush=True,
+    )
+    return out, long_tail
+
+
+def _batch_line(out: dict[str, Any]) -> str:
+    """One fixed batch's printed line for one strategy."""
+    return (
+        f"  {out['strategy']}: plain {out['plain_tokens_per_s']:.1f} tok/s, "
+        f"SD {out['sd_tokens_per_s']:.1f} tok/s, x{out['speedup_tokens_per_s']:.2f} "
+        f"(CPU time x{out['speedup_cpu_time_per_token']:.2f}, "
+        f"decode steps x{out['speedup_decode']:.2f}), "
+        f"accept {out['mean_accept_length']:.2f} of {out['mean_draft_depth']:.2f} drafts, "
+        f"step cost {out['sd_step_cost']:.2f}"
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    arms, names = _arms_and_names(args)
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
@@ -328,33 +323,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ):
             out.pop("_last")
             payload["batches"].append({"temperature": temperature, **out})
-            print(
-                f"  {out['strategy']}: plain {out['plain_tokens_per_s']:.1f} tok/s, SD {out['sd_tokens_per_s']:.1f} "
-                f"tok/s, x{out['speedup_tokens_per_s']:.2f} (CPU time x{out['speedup_cpu_time_per_token']:.2f}, "
-                f"decode steps x{out['speedup_decode']:.2f}), "
-                f"accept {out['mean_accept_length']:.2f} of {out['mean_draft_depth']:.2f} drafts, "
-                f"step cost {out['sd_step_cost']:.2f}",
-                flush=True,
-            )
+            print(_batch_line(out), flush=True)
         if bs == 1 and temperature == temperatures[0]:
-            peers = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 4}}
-            if args.assistant_layers:
-                peers["assisted"] = {
-                    "assistant_model": layer_skip_assistant(loaded.model, args.assistant_layers)
-                }
-            hf = {}
-            for r in range(args.repeats):  # alternated, as the pairs above
-                for name, kwargs in peers.items():
-                    hf.setdefault(name, []).append(
-                        _hf_peer(
-                            loaded.model,
-                            prompts[r % len(prompts)],
-                            args.max_new_tokens,
-                            args.seed + r,
-                            temperature,
-                            **kwargs,
-                        )
-                    )
+            hf = _hf_batch1(args, loaded.model, prompts, temperature)
             payload["hf_batch1_tokens_per_s"] = {name: median(v) for name, v in hf.items()}
             payload["hf_batch1_assistant_layers"] = args.assistant_layers
             print(
@@ -364,27 +335,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     long_tail = None
     if args.long_tail_requests:
-        n = args.long_tail_requests
-        lt_cfg = RolloutConfig(max_new_tokens=args.long_tail_max_new, temperature=temperatures[0])
-        print(
-            f"[bench speculative] long tail: {n} requests, up to {args.long_tail_max_new} tokens, "
-            f"SD below {args.threshold} active ...",
-            flush=True,
-        )
-        label, drafter, arm = runs[0]
-        spec = SpeculativeRolloutLoop(target, drafter, lt_cfg, arm, threshold=args.threshold)
-        [out] = _compare(
-            RolloutEngine(target, lt_cfg), {label: spec}, prompts[:n], n, args.repeats, args.seed, compiled
-        )
-        long_tail = out.pop("_last")
-        out["speedup_rollout_time"] = out["plain_seconds"] / out["sd_seconds"]
-        out["threshold"] = args.threshold
-        out["accept_length_histogram"] = torch.bincount(long_tail.stats.accept_lengths).tolist()
-        payload["long_tail"] = out
-        print(
-            f"  plain {out['plain_seconds']:.1f} s, SD {out['sd_seconds']:.1f} s, "
-            f"x{out['speedup_rollout_time']:.2f}, accept {out['mean_accept_length']:.2f}",
-            flush=True,
+        payload["long_tail"], long_tail = _long_tail(
+            args, target, runs[0], prompts, temperatures[0], compiled
         )
 
     payload.update(compile_report(target))  # --decode compiled: in untimed warm-up runs

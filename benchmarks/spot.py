@@ -42,7 +42,7 @@ PARTS = ("packing", "preemption", "checkpoint", "ddp")
 def _packing(args: argparse.Namespace) -> dict[str, Any]:
     from dataclasses import replace
 
-    from benchmarks.spot_parts import benchmark_packing
+    from benchmarks.spot_packing import benchmark_packing
     from tlt_lightning.drafter import DrafterConfig, read_drafter_config
     from tlt_lightning.models import HFTarget, load_model
 
@@ -110,7 +110,8 @@ def _checkpoint(args: argparse.Namespace) -> dict[str, Any]:
 
     info = load_model(args.model).model.config
     print(
-        f"[bench spot] checkpoint: {args.checkpoint_repeats} sync / async saves, hidden {info.hidden_size} ...",
+        f"[bench spot] checkpoint: {args.checkpoint_repeats} sync / async saves, "
+        f"hidden {info.hidden_size} ...",
         flush=True,
     )
     out = benchmark_checkpoint(
@@ -224,38 +225,44 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "median": {"wall_s": median([s["wall_s"] for s in timed]), **per_token(timed)},
     }
     if spot_on:
-        (run,) = root.glob("version_*")  # the fit's own directory (tracking.run_dir; no logger: version_0)
-        summary = json.loads((run / "drafter" / "summary.json").read_text())
-        latencies = sorted(x for r in ranks for x in r["latencies_s"])
-        # No latency when no rank was preempted while training (a tail shorter than min_idle_s).
-        p50, p99 = (
-            torch.tensor(latencies, dtype=torch.float64)
-            .quantile(torch.tensor([0.5, 0.99], dtype=torch.float64))
-            .tolist()
-            if latencies
-            else (None, None)
-        )
-        step_s = [s["tail_s"] / s["tail_steps"] for r in ranks for s in r["spot_steps"] if s["tail_steps"]]
-        out["spot_training"] = {
-            "idle_fraction_recovered": summary["idle_fraction_recovered"],
-            "tail_steps_per_rank": [[s["tail_steps"] for s in r["spot_steps"]] for r in ranks],
-            "paid_steps": summary["paid_steps"],
-            "tail_seconds_per_rank": [sum(s["tail_s"] for s in r["spot_steps"]) for r in ranks],
-            "idle_seconds_per_rank": [sum(s["idle_s"] for s in r["spot_steps"]) for r in ranks],
-            "drafter_step_s": median(step_s),
-            "preemption_latency_s": latencies,
-            "preemption_latency_p50_s": p50,
-            "preemption_latency_p99_s": p99,
-            "top1": [s.get("all/drafter/top1") for s in ranks[0]["spot_steps"]],
-            "accept_length": [s.get("all/drafter/accept_length") for s in ranks[0]["spot_steps"]],
-            "timeline": str(run / "drafter" / "timeline" / "fit.png"),
-        }
+        out["spot_training"] = _spot_training(root, ranks)
     m = out["median"]
     print(
-        f"[bench spot] ddp {name}: median step {m['wall_s']:.1f} s, {m['wall_ms_per_token']:.1f} ms per token",
+        f"[bench spot] ddp {name}: median step {m['wall_s']:.1f} s, "
+        f"{m['wall_ms_per_token']:.1f} ms per token",
         flush=True,
     )
     return out
+
+
+def _spot_training(root: Path, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The spot run's drafter training: idle time recovered, steps, preemption latencies, accuracy."""
+    (run,) = root.glob("version_*")  # the fit's own directory (tracking.run_dir; no logger: version_0)
+    summary = json.loads((run / "drafter" / "summary.json").read_text())
+    latencies = sorted(x for r in ranks for x in r["latencies_s"])
+    # No latency when no rank was preempted while training (a tail shorter than min_idle_s).
+    p50, p99 = (
+        torch.tensor(latencies, dtype=torch.float64)
+        .quantile(torch.tensor([0.5, 0.99], dtype=torch.float64))
+        .tolist()
+        if latencies
+        else (None, None)
+    )
+    step_s = [s["tail_s"] / s["tail_steps"] for r in ranks for s in r["spot_steps"] if s["tail_steps"]]
+    return {
+        "idle_fraction_recovered": summary["idle_fraction_recovered"],
+        "tail_steps_per_rank": [[s["tail_steps"] for s in r["spot_steps"]] for r in ranks],
+        "paid_steps": summary["paid_steps"],
+        "tail_seconds_per_rank": [sum(s["tail_s"] for s in r["spot_steps"]) for r in ranks],
+        "idle_seconds_per_rank": [sum(s["idle_s"] for s in r["spot_steps"]) for r in ranks],
+        "drafter_step_s": median(step_s),
+        "preemption_latency_s": latencies,
+        "preemption_latency_p50_s": p50,
+        "preemption_latency_p99_s": p99,
+        "top1": [s.get("all/drafter/top1") for s in ranks[0]["spot_steps"]],
+        "accept_length": [s.get("all/drafter/accept_length") for s in ranks[0]["spot_steps"]],
+        "timeline": str(run / "drafter" / "timeline" / "fit.png"),
+    }
 
 
 def _ddp(args: argparse.Namespace) -> dict[str, Any]:

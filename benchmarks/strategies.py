@@ -159,7 +159,8 @@ def plot(payload: dict[str, Any], bandit: BEGMABStrategy, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _arms_and_bandits(args: argparse.Namespace) -> tuple[tuple[Any, ...], dict[str, BEGMABStrategy]]:
+    """The fixed arms (``off`` among them) and a fresh bandit per ``--bandits`` spec, checked."""
     for name in ("requests", "groups", "max_new_tokens", "threshold"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -181,6 +182,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             epsilon_half_life=args.epsilon_half_life,
             per_request=per_request,
         )
+    return arms, bandits
+
+
+def _standardize(runs: dict[str, dict[str, Any]], arms: tuple[Any, ...]) -> dict[str, float]:
+    """Add each run's ms per token on the off runs' batch-size mix and its speedup over off; returns
+    the fixed arms' (and off's) standardised ms per token."""
+    mix = {b: tok for b, (_, tok) in runs["off"]["by_batch_size"].items()}  # both off runs decode the same
+    for r in runs.values():
+        r["std_ms_per_token"] = standardized_ms_per_token(r["by_batch_size"], mix)
+    off = median([runs["off"]["std_ms_per_token"], runs["off (again)"]["std_ms_per_token"]])
+    for r in runs.values():
+        r["speedup_vs_off"] = off / r["std_ms_per_token"]
+    return {arm_key(a): runs[arm_key(a)]["std_ms_per_token"] for a in arms if a is not None} | {"off": off}
+
+
+def _bandit_report(
+    bandits: dict[str, BEGMABStrategy],
+    runs: dict[str, dict[str, Any]],
+    fixed: dict[str, float],
+    warm_counts: dict[str, Any],
+) -> dict[str, dict[str, Any]]:
+    """Each bandit against the best and worst fixed arm, what it chose and why."""
+    best, worst = min(fixed, key=fixed.get), max(fixed, key=fixed.get)
+    return {
+        name: {
+            "vs_best_fixed": fixed[best] / runs[name]["std_ms_per_token"],
+            "vs_worst_fixed": fixed[worst] / runs[name]["std_ms_per_token"],
+            "best_arms": {k: arm_key(v) for k, v in bandit.best_arms().items()},
+            "counts": bandit.counts,  # warm-up included
+            "measured_counts": {
+                label: {arm: c - warm_counts[name][label][arm] for arm, c in row.items()}
+                for label, row in bandit.counts.items()
+            },
+            "values": bandit.values(),  # the statistic each bucket compares: why it chose what it chose
+        }
+        for name, bandit in bandits.items()
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    arms, bandits = _arms_and_bandits(args)
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer: the benchmark needs real task prompts")
@@ -219,13 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
 
-    mix = {b: tok for b, (_, tok) in runs["off"]["by_batch_size"].items()}  # both off runs decode the same
-    for r in runs.values():
-        r["std_ms_per_token"] = standardized_ms_per_token(r["by_batch_size"], mix)
-    off = median([runs["off"]["std_ms_per_token"], runs["off (again)"]["std_ms_per_token"]])
-    for r in runs.values():
-        r["speedup_vs_off"] = off / r["std_ms_per_token"]
-    fixed = {arm_key(a): runs[arm_key(a)]["std_ms_per_token"] for a in arms if a is not None} | {"off": off}
+    fixed = _standardize(runs, arms)
     best, worst = min(fixed, key=fixed.get), max(fixed, key=fixed.get)
     payload = {
         "benchmark": "strategies-long-tail",
@@ -246,20 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "worst_fixed": worst,
         # How far apart the two identical "SD off" runs came out: the timing noise of this run.
         "off_runs_ratio": runs["off (again)"]["std_ms_per_token"] / runs["off"]["std_ms_per_token"],
-        "bandits": {
-            name: {
-                "vs_best_fixed": fixed[best] / runs[name]["std_ms_per_token"],
-                "vs_worst_fixed": fixed[worst] / runs[name]["std_ms_per_token"],
-                "best_arms": {k: arm_key(v) for k, v in bandit.best_arms().items()},
-                "counts": bandit.counts,  # warm-up included
-                "measured_counts": {
-                    label: {arm: c - warm_counts[name][label][arm] for arm, c in row.items()}
-                    for label, row in bandit.counts.items()
-                },
-                "values": bandit.values(),  # the statistic each bucket compares: why it chose what it chose
-            }
-            for name, bandit in bandits.items()
-        },
+        "bandits": _bandit_report(bandits, runs, fixed, warm_counts),
         "runs": runs,
     }
     json_path = write_json(args.json, payload)

@@ -46,18 +46,15 @@ What differs (and is part of what the comparison measures):
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import random
 import statistics
-import time
-import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from benchmarks.trl_peer_trainer import grpo_config, task_dataset, train
+from benchmarks.trl_peer_trainer import step_records as trainer_step_records
 from tlt_lightning.rl.tasks import TaskConfig
 from tlt_lightning.validation import is_int
 
@@ -141,10 +138,6 @@ def _probe_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in named}
 
 
-def _finite(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
 def run_trl_grpo(
     model: str,
     task: TaskConfig,
@@ -183,10 +176,10 @@ def run_trl_grpo(
             reports).
         bf16_mixed: train with bf16 autocast (TRL's ``bf16=True``), as our module under Lightning's
             ``precision="bf16-mixed"``.
-        micro_batch_size: completions per forward/backward, as ``OptimConfig(micro_batch_size=)`` of ``GRPOModule``
-            (TRL's ``per_device_train_batch_size`` with gradient accumulation over the rest; one
-            generation per optimizer step either way); ``None``: all at once. It must divide
-            ``prompts_per_step * group_size``.
+        micro_batch_size: completions per forward/backward, as ``OptimConfig(micro_batch_size=)`` of
+            ``GRPOModule`` (TRL's ``per_device_train_batch_size`` with gradient accumulation over the
+            rest; one generation per optimizer step either way); ``None``: all at once. It must
+            divide ``prompts_per_step * group_size``.
 
     Returns:
         ``{"peer": "trl", "trl_version", "steps": [...], "median_step_s", "median_step_cpu_s",
@@ -220,19 +213,46 @@ def run_trl_grpo(
         output_dir,
     )
     batch = prompts_per_step * group_size
+    micro = _micro_batch(batch, micro_batch_size)
+    trl = _import_trl()
+    loaded = _load_policy(model, dtype, seed)
+    datasets = task_dataset(task, loaded.tokenizer)  # checks TRL's tokenization of the prompts
+    settings = {
+        "model": model,
+        "task": task.name,
+        "task_size": task.size,
+        "steps": steps,
+        "prompts_per_step": prompts_per_step,
+        "group_size": group_size,
+        "max_new_tokens": max_new_tokens,
+        "lr": lr,
+        "temperature": temperature,
+        "seed": seed,
+        "dtype": dtype,
+        "bf16_mixed": bool(bf16_mixed),
+    }
+    config = grpo_config(trl, settings, output_dir, micro, batch // micro)
+    before = _probe_parameters(loaded.model)
+    records = train(trl, loaded.model, loaded.tokenizer, datasets, config)
+    after = dict(loaded.model.named_parameters())
+    weights_changed = any(not torch.equal(value, after[name].detach()) for name, value in before.items())
+    return _result(trl, trainer_step_records(records), weights_changed, settings, config)
+
+
+def _micro_batch(batch: int, micro_batch_size: Any) -> int:
+    """Completions per forward/backward: ``micro_batch_size``, ``None`` for the whole ``batch``."""
     micro = batch if micro_batch_size is None else micro_batch_size
     if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or batch % micro:
         raise ValueError(
             f"micro_batch_size must be an int >= 1 dividing prompts_per_step * group_size = {batch} "
             f"(or None), got {micro_batch_size!r}"
         )
-    trl = _import_trl()
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from transformers.trainer_callback import PrinterCallback
+    return micro
 
+
+def _load_policy(model: str, dtype: str, seed: int) -> Any:
+    """The policy and its tokenizer (:func:`~tlt_lightning.models.load_model`); it must have one."""
     from tlt_lightning.models import load_model
-    from tlt_lightning.rl.tasks import TaskDataset
 
     loaded = load_model(model, dtype=dtype, seed=seed)
     if loaded.tokenizer is None:
@@ -240,158 +260,24 @@ def run_trl_grpo(
             f"model {model!r} has no tokenizer, so the task's text prompts cannot be used: pass a model "
             "with a tokenizer and a chat template (e.g. 'smollm2-135m')"
         )
-    policy, tokenizer = loaded.model, loaded.tokenizer
-    dataset = TaskDataset(task, tokenizer)
-    prompts = [dataset[i] for i in range(len(dataset))]
-    # TRL tokenizes text prompts with tokenizer(text=...) (special tokens added by default): it must
-    # give exactly the token ids our module trains on, or the peer would run on other prompts.
-    trl_ids = tokenizer(text=[p.text for p in prompts])["input_ids"]
-    for prompt, ids in zip(prompts, trl_ids):
-        if list(ids) != prompt.input_ids:
-            raise RuntimeError(
-                f"TRL would tokenize prompt {prompt.index} of task {task.name!r} differently from "
-                f"TaskDataset ({len(ids)} vs {len(prompt.input_ids)} tokens): the tokenizer adds special "
-                "tokens to the rendered chat text"
-            )
-    train_dataset = Dataset.from_dict(
-        {"prompt": [p.text for p in prompts], "index": [p.index for p in prompts]}
-    )
+    return loaded
 
-    def task_reward(completions: list[str], index: list[int], log_metric=None, **_: Any) -> list[float]:
-        scores = [dataset.score(int(i), text) for i, text in zip(index, completions)]
-        if log_metric is not None:
-            log_metric("correctness_mean", float(np.mean([s.correctness for s in scores])))
-        return [s.total for s in scores]
 
-    records: dict[int, dict[str, Any]] = {}
-
-    class _StepTimer(TrainerCallback):
-        # From one optimizer step's end to the next (the first from the start of training): with
-        # gradient accumulation a step spans several micro-steps, and the generation before them.
-        def on_train_begin(self, args, state, control, **kwargs):
-            self._wall, self._cpu = time.perf_counter(), time.process_time()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            wall, cpu = time.perf_counter() - self._wall, time.process_time() - self._cpu
-            records[state.global_step] = {"step": state.global_step, "wall_s": wall, "cpu_s": cpu}
-            self._wall, self._cpu = time.perf_counter(), time.process_time()
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if not logs or "reward" not in logs:  # the end-of-training summary has no metrics
-                return
-            record = records.setdefault(state.global_step, {"step": state.global_step})
-            record.update(
-                reward_mean=_finite(logs.get("reward")),
-                reward_std=_finite(logs.get("reward_std")),
-                frac_reward_zero_std=_finite(logs.get("frac_reward_zero_std")),
-                correctness_mean=_finite(logs.get("correctness_mean")),
-                completion_length_mean=_finite(logs.get("completions/mean_length")),
-            )
-
-    # TRL turns activation (gradient) checkpointing on by default; ours is off. transformers >= 5.2x
-    # renamed the argument and warns on the old name.
-    fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
-    checkpointing = (
-        "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-    )
-    config = trl.GRPOConfig(
-        **{checkpointing: False},
-        output_dir=str(output_dir),
-        use_cpu=True,
-        seed=seed,
-        max_steps=steps,
-        # One optimizer step = one generation batch of prompts_per_step prompts x group_size completions.
-        per_device_train_batch_size=micro,
-        gradient_accumulation_steps=batch // micro,
-        num_generations=group_size,
-        num_iterations=1,
-        shuffle_dataset=False,
-        remove_unused_columns=False,
-        max_completion_length=max_new_tokens,
-        temperature=float(temperature),
-        top_p=1.0,
-        top_k=0,
-        use_vllm=False,
-        beta=0.0,
-        epsilon=0.2,
-        loss_type="dapo",
-        scale_rewards="group",
-        learning_rate=float(lr),
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        optim="adamw_torch",
-        max_grad_norm=1.0,
-        bf16=bool(bf16_mixed),
-        fp16=False,
-        logging_strategy="steps",
-        logging_steps=1,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to=[],
-        log_completions=False,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    before = _probe_parameters(policy)
-    py_state, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        # TRL 1.16 still reads the deprecated `is_gradient_checkpointing` of transformers 5.2x.
-        warnings.filterwarnings(
-            "ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning
-        )
-        try:
-            trainer = trl.GRPOTrainer(
-                model=policy,
-                reward_funcs=task_reward,
-                args=config,
-                train_dataset=train_dataset,
-                processing_class=tokenizer,
-                callbacks=[_StepTimer()],
-            )
-            # It prints every step's log dict on stdout; the step records already hold them.
-            trainer.remove_callback(PrinterCallback)
-            trainer.train()
-        finally:
-            random.setstate(py_state)
-            np.random.set_state(np_state)
-    after = dict(policy.named_parameters())
-    weights_changed = any(not torch.equal(value, after[name].detach()) for name, value in before.items())
-
-    step_records = [records[k] for k in sorted(records)]
-    for record in step_records:
-        for key in (
-            "wall_s",
-            "cpu_s",
-            "reward_mean",
-            "reward_std",
-            "frac_reward_zero_std",
-            "correctness_mean",
-            "completion_length_mean",
-        ):
-            record.setdefault(key, None)
-    walls = [r["wall_s"] for r in step_records if r["wall_s"] is not None]
-    cpus = [r["cpu_s"] for r in step_records if r["cpu_s"] is not None]
+def _result(
+    trl: Any, steps: list[dict[str, Any]], weights_changed: bool, settings: dict[str, Any], config: Any
+) -> dict[str, Any]:
+    """:func:`run_trl_grpo`'s result: the step records, their medians and the whole configuration."""
+    walls = [r["wall_s"] for r in steps if r["wall_s"] is not None]
+    cpus = [r["cpu_s"] for r in steps if r["cpu_s"] is not None]
     return {
         "peer": "trl",
         "trl_version": trl.__version__,
-        "steps": step_records,
+        "steps": steps,
         "median_step_s": float(statistics.median(walls)) if walls else float("nan"),
         "median_step_cpu_s": float(statistics.median(cpus)) if cpus else float("nan"),
         "weights_changed": weights_changed,
         "config": {
-            "model": model,
-            "task": task.name,
-            "task_size": task.size,
-            "steps": steps,
-            "prompts_per_step": prompts_per_step,
-            "group_size": group_size,
-            "max_new_tokens": max_new_tokens,
-            "lr": lr,
-            "temperature": temperature,
-            "seed": seed,
-            "dtype": dtype,
-            "bf16_mixed": bool(bf16_mixed),
+            **settings,
             "per_device_train_batch_size": config.per_device_train_batch_size,
             "gradient_accumulation_steps": config.gradient_accumulation_steps,
             "torch_threads": torch.get_num_threads(),

@@ -1,7 +1,7 @@
 """Lossless speculative rollouts on the real SmolLM2-135M with a warmed-up drafter.
 
     python examples/speculative_rollout.py                    # the drafter shipped in examples/drafters/
-    python examples/speculative_rollout.py runs/drafter/DIR   # one of yours, from `tlt-lightning drafter warmup`
+    python examples/speculative_rollout.py runs/drafter/DIR   # one of yours (`tlt-lightning drafter warmup`)
 
 Samples the same prompts with plain decoding and with speculative decoding, prints both rollouts'
 throughput and the drafter's mean accept length. Both sample from exactly the same distribution.

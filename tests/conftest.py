@@ -10,7 +10,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(int(os.environ.get("TLT_TEST_THREADS", "1")))
 
-from tlt_lightning.models import HFTarget, load_model
+# After the lines above: the environment must be set before transformers is first imported.
+from tlt_lightning.models import HFTarget, load_model  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=["tiny-llama", "tiny-qwen2"])

@@ -20,7 +20,7 @@ FLOORS = (
     ("models", "reports"),
     ("rollout",),
     ("drafter", "scheduling"),
-    ("vllm", "tracking", "spot"),
+    ("vllm", "tracking", "spot", "certify"),
     ("rl",),
     ("efficiency", "callbacks", "resume"),
     ("recipes", "cli", "cli_options", "fit"),
@@ -100,7 +100,8 @@ def test_the_benchmark_check_sees_an_import():
 @pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_module_draws_through_pyplot(path):
     """pyplot keeps every figure open in a global registry (and picks a backend): figures come from
-    :func:`tlt_lightning.reports.new_figure`; only ``save_figure`` imports pyplot, to close a user's figure."""
+    :func:`tlt_lightning.reports.new_figure`; only ``save_figure`` imports pyplot, to close a user's
+    figure."""
     if path == ROOT / "reports.py":
         return
     users = sorted(m for m in imported(ast.parse(path.read_text())) if m.startswith("matplotlib.pyplot"))

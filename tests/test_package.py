@@ -33,8 +33,8 @@ def test_headline_classes_are_the_subpackages_own():
 
 def test_importing_the_package_imports_nothing_heavy():
     code = (
-        "import sys, tlt_lightning; heavy = [m for m in ('torch', 'lightning', 'transformers') if m in sys.modules];"
-        " print(heavy)"
+        "import sys, tlt_lightning; "
+        "heavy = [m for m in ('torch', 'lightning', 'transformers') if m in sys.modules]; print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]"
@@ -189,7 +189,8 @@ print(tlt_lightning.__version__)
 
 # ---------------------------------------------------------------------------------- public API
 # Each subpackage's ``__all__``, pinned: a new export (or a dropped one) is a conscious change here.
-# Internals are imported from their defining module (``from tlt_lightning.drafter.train import drafter_losses``).
+# Internals are imported from their defining module
+# (``from tlt_lightning.drafter.train import drafter_losses``).
 PUBLIC_API = {
     "speculative": {
         "Arm",
@@ -393,7 +394,8 @@ def _defined_in(package: str) -> dict[str, str]:
 
 
 def _attribute_docstring(module: str, name: str) -> str | None:
-    """The string literal right after ``name = ...`` at the top level of ``module`` (Sphinx's attribute docs)."""
+    """The string literal right after ``name = ...`` at the top level of ``module`` (Sphinx's attribute
+    docs)."""
     body = ast.parse(Path(importlib.import_module(module).__file__).read_text()).body
     for node, following in itertools.pairwise(body):
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]

@@ -9,7 +9,8 @@ import pytest
 
 from tlt_lightning import reports
 from tlt_lightning.reports import draw_or_skip, new_figure, require_matplotlib
-from tlt_lightning.scheduling import BEGMABStrategy, Segment, WorkerState, plot_timeline
+from tlt_lightning.scheduling import BEGMABStrategy
+from tlt_lightning.spot import Segment, WorkerState, plot_timeline
 from tlt_lightning.tracking import plot_accept_lengths  # before the block: torchmetrics imports matplotlib
 
 INSTALL = r"pip install 'tlt-lightning\[plots\]'"

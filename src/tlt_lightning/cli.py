@@ -3,10 +3,12 @@
     tlt-lightning fit --config CONFIG [--model.x=...] [--trainer.x=...]   GRPO training (LightningCLI)
     tlt-lightning drafter warmup [--out DIR] ...      train a drafter on the target's own rollouts
     tlt-lightning drafter evaluate --drafter DIR ...  drafters' acceptance on the same stored rollouts
-    tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]  drafter checkpoint (dir, models:/ or runs:/ URI)
+    tlt-lightning export-drafter CKPT OUT [--engine vllm|sglang]
+                                                      a drafter checkpoint (dir, models:/ or runs:/ URI)
                                                       -> EAGLE dir for vLLM or SGLang
     tlt-lightning export-drafter --from-fit RUN OUT   a fit's policy (save_pretrained) + its drafter, for vLLM
     tlt-lightning torchtune --config CFG [key=value]   GRPO from a torchtune recipe config (= tune run ...)
+    tlt-lightning certify [--drafter DIR] [--arm ...]  certify that rollouts sample the target's own law
     tlt-lightning models                              list the registry
 
 The benchmarks are not in the package: from a checkout, ``python -m benchmarks NAME [options]`` (the
@@ -176,6 +178,7 @@ _RUNS = {
     ("drafter", "evaluate"): "tlt_lightning.recipes.drafter_evaluate:run",
     ("export-drafter", "export-drafter"): "tlt_lightning.recipes.export_drafter:run",
     ("torchtune", "torchtune"): "tlt_lightning.recipes.grpo_torchtune:run_command",
+    ("certify", "certify"): "tlt_lightning.recipes.certify:run",
 }
 
 

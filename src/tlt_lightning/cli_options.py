@@ -76,6 +76,13 @@ class Parser(ArgumentParser):
 
 
 def drafter_warmup(p: ArgumentParser) -> None:
+    _warmup_sampling(p)
+    _warmup_training(p)
+    _warmup_run_files(p)
+
+
+def _warmup_sampling(p: ArgumentParser) -> None:
+    """The warm-up's target, task and sampling options."""
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument(
         "--dtype",
@@ -88,6 +95,10 @@ def drafter_warmup(p: ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=1, help="responses per prompt")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0)
+
+
+def _warmup_training(p: ArgumentParser) -> None:
+    """The warm-up's drafter and training options."""
     p.add_argument("--kind", default="eagle1", choices=["eagle1", "eagle3"])
     p.add_argument("--draft-vocab", type=int, default=8192, help="0 = the full vocabulary")
     p.add_argument("--steps", type=int, default=1000)
@@ -127,8 +138,14 @@ def drafter_warmup(p: ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="also save the drafter to --out every N steps (a crash keeps the last save; 0 = at the end only)",
+        help=(
+            "also save the drafter to --out every N steps (a crash keeps the last save; 0 = at the end only)"
+        ),
     )
+
+
+def _warmup_run_files(p: ArgumentParser) -> None:
+    """The warm-up's batching and seed, and the files it reads and writes."""
     p.add_argument("--rollout-batch", type=int, default=64, help="requests per rollout call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/drafter/warmup", help="output directory")
@@ -252,6 +269,30 @@ def _export_drafter(p: ArgumentParser) -> None:
     )
 
 
+def _certify(p: ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="registry model (the target)")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint directory, or `random` (the default)")
+    p.add_argument(
+        "--arm",
+        nargs="+",
+        default=["off", "chain4"],
+        help="arms to certify (`off`, `chain4`, `tree4x2/8`, ...)",
+    )
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--rows", type=int, default=4000, help="samples per site")
+    p.add_argument("--depth", type=int, default=3, help="tokens per sample (>= 2 tests the joint law)")
+    p.add_argument("--positions", type=int, nargs="+", default=[0, 16], help="where continuations are cut")
+    p.add_argument("--task", default="countdown", help="reasoning-gym task of the prompts")
+    p.add_argument("--num-prompts", type=int, default=2)
+    p.add_argument("--alpha", type=float, default=0.01, help="family-wise false alarm rate")
+    p.add_argument("--power", type=float, default=0.9, help="power of the reported detectable deviation")
+    p.add_argument("--chunk", type=int, default=512, help="rows per batch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/certify", help="output directory (one folder per arm)")
+
+
 def _torchtune(p: ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="recipe YAML with _component_ nodes")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (torchtune syntax)")
@@ -278,6 +319,11 @@ TOP_COMMANDS = (
             "(needs the torchtune extra)"
         ),
         _torchtune,
+    ),
+    (
+        "certify",
+        "certify statistically that rollouts (plain or speculative) sample the target's law",
+        _certify,
     ),
     ("models", "list registry model names", None),
     ("bench", "moved: the benchmarks run from a checkout, `python -m benchmarks NAME`", None),

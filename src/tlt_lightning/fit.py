@@ -15,10 +15,11 @@ Tracking goes through :func:`~tlt_lightning.tracking.tracking_logger`, a logger 
 ``trainer.logger``: an MLflow run in a local sqlite store by default (any tracking URI with
 ``--trainer.logger.init_args.tracking_uri=...``), or a CSV logger with a one-line warning where
 MLflow is not installed. Lightning's own ``--trainer.logger=MLFlowLogger`` without a ``tracking_uri``
-logs to the same sqlite store (Lightning's default, the ``./mlruns`` file store, is refused by MLflow 3). Everything a run writes goes to its own directory,
-``<default_root_dir>/<experiment id>/<run id>/`` with MLflow (:func:`~tlt_lightning.tracking.run_dir`):
-Lightning's ``checkpoints/``, the resolved ``config.yaml`` (also the run's artifact), the
-callbacks' ``drafter/``, ``bandit/`` and ``drift/`` outputs.
+logs to the same sqlite store (Lightning's default, the ``./mlruns`` file store, is refused by MLflow 3).
+Everything a run writes goes to its own directory, ``<default_root_dir>/<experiment id>/<run id>/``
+with MLflow (:func:`~tlt_lightning.tracking.run_dir`): Lightning's ``checkpoints/``, the resolved
+``config.yaml`` (also the run's artifact), the callbacks' ``drafter/``, ``bandit/`` and ``drift/``
+outputs.
 
 ``--ckpt_path PATH`` resumes a run: into the same MLflow run (every checkpoint names its run), which
 is marked ``FINISHED`` when the resumed fit ends, with the resumed fit's config saved beside the

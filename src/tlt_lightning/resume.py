@@ -104,7 +104,8 @@ def _plain(value: Any) -> Any:
 
 
 def _settings(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    """``hparams`` with every group flattened to ``group.field`` keys (a group that does not parse stays whole)."""
+    """``hparams`` with every group flattened to ``group.field`` keys (a group that does not parse stays
+    whole)."""
     out = {}
     for key, value in hparams.items():
         value = _plain(value)

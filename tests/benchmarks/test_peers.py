@@ -10,16 +10,9 @@ import torch
 
 from benchmarks.__main__ import parse
 from benchmarks.common import prompt_groups
-from benchmarks.peers import (
-    PeerClient,
-    RunTiming,
-    agreement,
-    alternate,
-    compare,
-    eos_ignored,
-    summarise,
-    warm_up,
-)
+from benchmarks.peers import alternate, compare, eos_ignored, warm_up
+from benchmarks.peers_client import PeerClient, RunTiming
+from benchmarks.peers_report import agreement, summarise
 from benchmarks.peers_worker import handle, serve
 from tlt_lightning.drafter import Drafter, DrafterConfig
 from tlt_lightning.models import CompileConfig, HFTarget, load_model

@@ -158,7 +158,7 @@ def test_hf_peer_samples_and_decodes_greedily(monkeypatch, temperature):
 
 @pytest.mark.parametrize("with_batches", [False, True])
 def test_speculative_plot_has_a_panel_per_workload_kind(monkeypatch, tmp_path, with_batches):
-    from benchmarks import speculative as bench
+    from benchmarks import speculative_plot as bench
     from tlt_lightning.drafter import Drafter, DrafterConfig
     from tlt_lightning.models import HFTarget, load_model
     from tlt_lightning.rollout import RolloutConfig
@@ -200,7 +200,7 @@ def test_speculative_plot_has_a_panel_per_workload_kind(monkeypatch, tmp_path, w
 
 
 def test_speculative_plot_of_several_temperatures_draws_speedup_against_temperature(monkeypatch, tmp_path):
-    from benchmarks import speculative as bench
+    from benchmarks import speculative_plot as bench
 
     batches = [
         {

@@ -1,6 +1,7 @@
 import pytest
 
-from benchmarks.spot_parts import benchmark_checkpoint, benchmark_packing, benchmark_preemption
+from benchmarks.spot_packing import benchmark_packing
+from benchmarks.spot_parts import benchmark_checkpoint, benchmark_preemption
 
 
 def test_benchmark_packing_smoke():

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tlt_lightning.drafter import Drafter, DrafterConfig
+from tlt_lightning.efficiency.dora import DoraConfig, apply_dora, merge_dora  # peft only when applied
+from tlt_lightning.models import HFTarget, load_model
+
 pytest.importorskip("peft")
 # peft 0.18 still asks transformers for the deprecated name; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-
-from tlt_lightning.drafter import Drafter, DrafterConfig
-from tlt_lightning.efficiency.dora import DoraConfig, apply_dora, merge_dora
-from tlt_lightning.models import HFTarget, load_model
 
 
 def _perturb_adapters(model: torch.nn.Module) -> int:

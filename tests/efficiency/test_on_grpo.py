@@ -122,7 +122,8 @@ def test_dynamic_checkpointing_errors_name_the_argument():
 
 
 class OutputDtypes(L.Callback):
-    """Output dtypes of policy modules inside (q_proj, down_proj) and outside (embeddings, head) the groups."""
+    """Output dtypes of policy modules inside (q_proj, down_proj) and outside (embeddings, head) the
+    groups."""
 
     def __init__(self) -> None:
         self.dtypes: dict[str, set[torch.dtype]] = {}

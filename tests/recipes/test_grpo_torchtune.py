@@ -1,4 +1,5 @@
-"""The torchtune GRPO recipe: `tune run` by dotted path, torchtune's sections and overrides, the same training as fit."""
+"""The torchtune GRPO recipe: `tune run` by dotted path, torchtune's sections and overrides, the same
+training as fit."""
 
 from __future__ import annotations
 
@@ -87,14 +88,16 @@ def test_builder_and_checkpointer_train_as_the_model_name_does(tmp_path, base_ru
     _, named = run(load_config(CONFIG, [*quiet(tmp_path, "named"), *NAMED]))
     assert named.hparams.get("builder") is None and isinstance(named.policy, TransformerDecoder)
     assert rollouts(named) == rollouts(module)
-    # The twin's LM head is the embedding parameter registered twice; llama3_2's TiedLinear has none of its own.
+    # The twin's LM head is the embedding parameter registered twice; llama3_2's TiedLinear has none of
+    # its own.
     theirs = named.policy.state_dict()
     assert torch.equal(theirs.pop("output.weight"), theirs["tok_embeddings.weight"])
     assert same_weights(weights, theirs)
 
 
 def test_recipe_runs_the_same_training_as_fit(tmp_path, monkeypatch, base_run):
-    """With the transformers policy, the recipe and `tlt-lightning fit` (grpo_tiny.yaml) train to the same weights."""
+    """With the transformers policy, the recipe and `tlt-lightning fit` (grpo_tiny.yaml) train to the
+    same weights."""
     _, recipe = run(
         load_config(CONFIG, [*quiet(tmp_path, "hf"), *NAMED, "module=tlt_lightning.rl.GRPOModule"])
     )
@@ -248,7 +251,8 @@ def test_tune_run_launches_the_recipe_by_dotted_path_and_tracks_it_as_fit_does(t
     run_dir = tmp_path / "out" / found.info.experiment_id / found.info.run_id
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 1
     params = found.data.params
-    # The whole config: the module's hyper-parameters (defaults too), torchtune's sections, trainer, callbacks.
+    # The whole config: the module's hyper-parameters (defaults too), torchtune's sections, trainer,
+    # callbacks.
     assert (
         params["optim/lr"] == "0.01"
         and params["optim/kl_coef"] == "0.0"
@@ -276,7 +280,8 @@ def test_tune_run_launches_the_recipe_by_dotted_path_and_tracks_it_as_fit_does(t
 
 
 def test_tune_run_refuses_a_recipe_that_is_not_one(monkeypatch):
-    """torchtune's own `tune run`, in this process: it runs the package as __main__, which refuses the name."""
+    """torchtune's own `tune run`, in this process: it runs the package as __main__, which refuses the
+    name."""
     from torchtune._cli.tune import main as tune
 
     argv = ["tune", "run", "tlt_lightning.recipes.drafter_warmup", "--config", CONFIG]

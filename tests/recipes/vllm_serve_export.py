@@ -1,5 +1,6 @@
-"""Run in vLLM's Python: serve an ``export-drafter --from-fit`` folder as it is, greedy, with and without its
-drafter, and print one line ``RESULT <json>`` (vLLM prints its own lines too): per run the method, token counts, drafts and whether the tokens agree.
+"""Run in vLLM's Python: serve an ``export-drafter --from-fit`` folder as it is, greedy, with and without
+its drafter, and print one line ``RESULT <json>`` (vLLM prints its own lines too): per run the method,
+token counts, drafts and whether the tokens agree.
 
     python tests/recipes/vllm_serve_export.py OUT
 """

@@ -182,7 +182,8 @@ def test_spot_drafter_trains_on_the_torchtune_policy_and_serves_on_its_bf16_mirr
 
 
 def nodes(directory: Path) -> dict[str, dict]:
-    """torchtune's ``model:`` (as ``builder``) and ``checkpointer:`` nodes of tiny-llama's weights in ``directory``."""
+    """torchtune's ``model:`` (as ``builder``) and ``checkpointer:`` nodes of tiny-llama's weights in
+    ``directory``."""
     builder = {
         "_component_": "torchtune.models.llama3_2.llama3_2",
         "vocab_size": 128,
@@ -208,7 +209,8 @@ def nodes(directory: Path) -> dict[str, dict]:
 
 
 def test_builder_nodes_give_the_policy_and_a_torchtune_kl_reference(tt, tmp_path):
-    """torchtune's builder + checkpointer: the decoder of the checkpoint; the reference, a frozen copy of it."""
+    """torchtune's builder + checkpointer: the decoder of the checkpoint; the reference, a frozen copy of
+    it."""
     load_model("tiny-llama", seed=0).model.save_pretrained(tmp_path / "tiny")
     module = configured(tt[0].TorchtuneGRPOModule, "tiny-llama", kl_coef=0.1, **nodes(tmp_path / "tiny"))
     named = configured(tt[0].TorchtuneGRPOModule, "tiny-llama")

@@ -20,7 +20,7 @@ from tlt_lightning.spot import (
     plot_timeline,
 )
 
-B, I, T = WorkerState.BUSY, WorkerState.IDLE, WorkerState.TRAINING
+BUSY, IDLE, TRAINING = WorkerState.BUSY, WorkerState.IDLE, WorkerState.TRAINING
 STEP_S = 0.03
 
 
@@ -32,17 +32,17 @@ def states(timeline, worker=None):
 # ---------------------------------------------------------------------------------- single process
 def test_single_worker_trains_within_budget():
     coord = WorkerCoordinator(CoordinatorConfig(max_steps=3))
-    assert not coord.distributed and coord.world_size == 1 and coord.state is B
+    assert not coord.distributed and coord.world_size == 1 and coord.state is BUSY
     coord.rollout_started()
     coord.share_done()
-    assert coord.state is I
+    assert coord.state is IDLE
     calls = []
     window = coord.maybe_train(lambda: calls.append(time.time()))
     assert window.steps == 3 == len(calls) and not window.preempted and window.latency_s is None
-    assert coord.state is I
+    assert coord.state is IDLE
     coord.wait_rollout_end()
-    assert coord.state is B and coord.finished_last()  # alone: always the last one done
-    assert [s.state for s in coord.timeline()][-4:] == [I, T, I, B]
+    assert coord.state is BUSY and coord.finished_last()  # alone: always the last one done
+    assert [s.state for s in coord.timeline()][-4:] == [IDLE, TRAINING, IDLE, BUSY]
     assert coord.state_dict()["train_steps"] == 3 and coord.state_dict()["windows"] == 1
 
 
@@ -64,10 +64,10 @@ def test_single_worker_local_preemption_stops_after_the_running_step():
     window = coord.maybe_train(step)
     # The step that was running finishes; no step starts after the signal.
     assert events == ["start", "end"] * 2 + ["start", "preempt", "end"]
-    assert window.preempted and window.steps == 3 and coord.state is B
+    assert window.preempted and window.steps == 3 and coord.state is BUSY
     assert window.latency_s is not None and window.latency_s >= 0
     assert coord.stats()["preemption_latency_p50"] == pytest.approx(window.latency_s)
-    assert [s.state for s in coord.timeline()][-3:] == [I, T, B]
+    assert [s.state for s in coord.timeline()][-3:] == [IDLE, TRAINING, BUSY]
 
 
 def test_no_data_means_no_training():
@@ -75,7 +75,7 @@ def test_no_data_means_no_training():
     coord.rollout_started()
     coord.share_done()
     window = coord.maybe_train(lambda: None, has_data=False)
-    assert window.steps == 0 and coord.state is I and coord.windows == 0
+    assert window.steps == 0 and coord.state is IDLE and coord.windows == 0
     coord.wait_rollout_end()
     coord.rollout_started()
     coord.share_done()
@@ -123,12 +123,12 @@ def test_state_dict_tolerates_missing_keys():
 
 def test_idle_fraction_and_plot(tmp_path):
     timeline = [
-        Segment(0, B, 0.0, 1.0),
-        Segment(0, I, 1.0, 1.5),
-        Segment(0, T, 1.5, 4.0),
-        Segment(0, B, 4.0, 5.0),
-        Segment(1, B, 0.0, 4.0),
-        Segment(1, B, 4.0, 5.0),
+        Segment(0, BUSY, 0.0, 1.0),
+        Segment(0, IDLE, 1.0, 1.5),
+        Segment(0, TRAINING, 1.5, 4.0),
+        Segment(0, BUSY, 4.0, 5.0),
+        Segment(1, BUSY, 0.0, 4.0),
+        Segment(1, BUSY, 4.0, 5.0),
     ]
     assert idle_fraction_recovered(timeline) == pytest.approx(2.5 / 3.0)
     assert idle_fraction_recovered(timeline[4:]) == 0.0
@@ -195,8 +195,8 @@ def test_two_gloo_workers_unbalanced_rollouts(tmp_path):
     timeline = [Segment(w, WorkerState(s), a, b) for w, s, a, b in r0["timeline"]]
     assert r0["timeline"] == r1["timeline"]  # gathered: every rank sees all workers
     seq0, seq1 = states(timeline, 0), states(timeline, 1)
-    assert seq0[:4] == [B, B, I, T] and T not in seq1[:4]
-    assert seq0.count(T) == 1 and seq1.count(T) == 1
+    assert seq0[:4] == [BUSY, BUSY, IDLE, TRAINING] and TRAINING not in seq1[:4]
+    assert seq0.count(TRAINING) == 1 and seq1.count(TRAINING) == 1
     assert idle_fraction_recovered(timeline) > 0  # the tail was (partly) spent training
 
 
@@ -227,7 +227,7 @@ def _local_preempt_worker(rank: int, world: int, init: str, out: str) -> None:
             coord.wait_rollout_end()
             assert coord.state is WorkerState.BUSY
             seq = states(coord.timeline())
-            assert seq[-3:] == [T, I, B], seq
+            assert seq[-3:] == [TRAINING, IDLE, BUSY], seq
     finally:
         dist.destroy_process_group()
 

@@ -124,6 +124,9 @@ def test_config_errors_name_the_field(kwargs, match):
 
 
 def test_the_package_does_not_import_lightning():
-    code = "import sys, tlt_lightning.spot; print(sorted(m for m in sys.modules if m.split('.')[0] == 'lightning'))"
+    code = (
+        "import sys, tlt_lightning.spot; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lightning'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"

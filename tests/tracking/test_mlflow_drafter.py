@@ -1,4 +1,5 @@
-"""The drafter in MLflow's model registry: one version per checkpoint of a GRPO fit, loaded back in one call."""
+"""The drafter in MLflow's model registry: one version per checkpoint of a GRPO fit, loaded back in one
+call."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Lightning glue: thin callbacks over the drafter, scheduling and tracking objects, and fit's progress bar."""
+"""Lightning glue: thin callbacks over the drafter, scheduling and tracking objects, and fit's progress
+bar."""
 
 from tlt_lightning.callbacks.bandit import BanditCallback
 from tlt_lightning.callbacks.drift import DrafterDriftProbe

@@ -11,11 +11,12 @@ forward time) and a memory saving, and the peak activation memory must stay unde
    programming, the static every-other-block baseline and a cost-benefit greedy. There is no learned
    (RL) policy: the DP is exact and takes milliseconds, so a learned policy could only match it
    (the reasons are in :mod:`~tlt_lightning.efficiency.activation_plan`);
-3. **apply** (:func:`apply_activation_checkpointing`): the chosen blocks' ``forward`` goes through non-reentrant
-   ``torch.utils.checkpoint``; the returned handle removes it again.
+3. **apply** (:func:`apply_activation_checkpointing`): the chosen blocks' ``forward`` goes through
+   non-reentrant ``torch.utils.checkpoint``; the returned handle removes it again.
 
-:class:`DynamicActivationCheckpointing` does all three; :class:`~tlt_lightning.efficiency.callbacks.ActivationCheckpointingCallback`
-does it inside a Lightning fit.
+:class:`DynamicActivationCheckpointing` does all three;
+:class:`~tlt_lightning.efficiency.callbacks.ActivationCheckpointingCallback` does it inside a Lightning
+fit.
 
 Example:
     >>> from tlt_lightning.models import load_model
@@ -203,7 +204,8 @@ class DynamicActivationCheckpointing:
     def __post_init__(self) -> None:
         if (self.memory_budget is None) == (self.budget_fraction is None):
             raise ValueError(
-                f"give exactly one of memory_budget and budget_fraction, got memory_budget={self.memory_budget!r}, "
+                "give exactly one of memory_budget and budget_fraction, got "
+                f"memory_budget={self.memory_budget!r}, "
                 f"budget_fraction={self.budget_fraction!r}"
             )
         b = self.memory_budget
@@ -225,8 +227,8 @@ class DynamicActivationCheckpointing:
         budget = self.budget_bytes(profile)
         if self.budget_fraction is not None and budget < profile.min_peak_bytes:
             raise ValueError(
-                f"budget_fraction={self.budget_fraction} gives memory_budget={budget} bytes, below the minimum "
-                f"possible peak {profile.min_peak_bytes} bytes (fraction "
+                f"budget_fraction={self.budget_fraction} gives memory_budget={budget} bytes, "
+                f"below the minimum possible peak {profile.min_peak_bytes} bytes (fraction "
                 f"{profile.min_peak_bytes / profile.max_peak_bytes:.3f}, every block checkpointed)"
             )
         return plan_optimal(profile, budget, self.resolution)

@@ -8,9 +8,9 @@ once, however many checkpointed blocks share it). While a block runs (forward, o
 recomputation during backward, when everything before it is still held and everything after it is
 freed) memory reaches ``m + peak``. The code between blocks (embeddings, norms, residual adds, the
 head, the loss) is a :class:`Gap` that is never checkpointed. An output no later op reads (attention
-weights returned next to the attention output) counts as dropped by the caller at once. The predicted peak is the largest of
-these points; with HF Llama models it matches the meter's measurement to the byte without
-checkpointing and errs high (never low, in our tests) with it: recomputation stops early.
+weights returned next to the attention output) counts as dropped by the caller at once. The predicted
+peak is the largest of these points; with HF Llama models it matches the meter's measurement to the
+byte without checkpointing and errs high (never low, in our tests) with it: recomputation stops early.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class BlockCost(NamedTuple):
     output_bytes: int  # the part of ``held_bytes`` that is its output (all a checkpointed block keeps)
     peak_bytes: int  # the most bytes created in the block alive at once while it runs
     seconds: float  # forward time: what checkpointing costs in recomputation
-    # Indices into ``ActivationCheckpointProfile.transient_bytes``: inputs that would be freed before the end of
-    # the forward but that a checkpoint keeps alive (position ids, masks: often shared by all blocks).
+    # Indices into ``ActivationCheckpointProfile.transient_bytes``: inputs that would be freed before the
+    # end of the forward but that a checkpoint keeps alive (position ids, masks: often shared by all blocks).
     transient: tuple[int, ...] = ()
 
 
@@ -151,7 +151,8 @@ def profile_blocks(
         >>> from tlt_lightning.models import load_model
         >>> model = load_model("tiny-llama").model.train()
         >>> ids = torch.randint(3, 128, (2, 32))
-        >>> profile = profile_blocks(list(model.model.layers), lambda: model(ids, labels=ids, use_cache=False).loss)
+        >>> step = lambda: model(ids, labels=ids, use_cache=False).loss
+        >>> profile = profile_blocks(list(model.model.layers), step)
         >>> len(profile), profile.max_peak_bytes > profile.min_peak_bytes
         (4, True)
     """

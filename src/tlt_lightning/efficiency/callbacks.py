@@ -57,19 +57,20 @@ class ActivationCheckpointingCallback(L.Callback):
     ``data = profile_batch_fn(pl_module, batch)`` once, outside the measurement, then runs
     ``forward_fn(pl_module, data)`` ``repeats + 1`` times (forward only, no optimizer step) to
     profile the blocks, plans with
-    :class:`~tlt_lightning.efficiency.activation_checkpointing.DynamicActivationCheckpointing` and checkpoints the chosen
-    blocks for the rest of the fit (removed at ``teardown``). Logs ``checkpoint/blocks``,
-    ``checkpoint/predicted_peak_mib`` and ``checkpoint/budget_mib``. The plan is saved with Lightning
-    checkpoints and reused on resume without profiling again. Models must be called with
-    ``use_cache=False`` in training (a KV cache would be written again by the recomputation).
+    :class:`~tlt_lightning.efficiency.activation_checkpointing.DynamicActivationCheckpointing` and
+    checkpoints the chosen blocks for the rest of the fit (removed at ``teardown``). Logs
+    ``checkpoint/blocks``, ``checkpoint/predicted_peak_mib`` and ``checkpoint/budget_mib``. The plan is
+    saved with Lightning checkpoints and reused on resume without profiling again. Models must be
+    called with ``use_cache=False`` in training (a KV cache would be written again by the
+    recomputation).
 
     Args:
         memory_budget: peak activation bytes (see :mod:`~tlt_lightning.efficiency.memory`), or ``None``
             with ``budget_fraction``.
         budget_fraction: the budget as a fraction in (0, 1] of the peak without checkpointing.
         blocks: module-name patterns of the candidate blocks (see
-            :func:`~tlt_lightning.efficiency.activation_checkpointing.find_blocks`), relative to the LightningModule;
-            ``None``: the children of its longest ``nn.ModuleList``.
+            :func:`~tlt_lightning.efficiency.activation_checkpointing.find_blocks`), relative to the
+            LightningModule; ``None``: the children of its longest ``nn.ModuleList``.
         forward_fn: ``(pl_module, data) -> scalar loss``, one training forward on the profiling
             batch, calling each block exactly once; default: the module's ``training_step``, which
             must then only compute the loss (automatic optimization). A module with manual
@@ -82,8 +83,11 @@ class ActivationCheckpointingCallback(L.Callback):
         repeats: timed profiling runs.
 
     Example:
-        >>> # L.Trainer(callbacks=[ActivationCheckpointingCallback(budget_fraction=0.6, blocks="model.model.layers.*")])
-        >>> # on a GRPOModule (no forward): profile its policy's training forward on the worst-case micro-batch
+        >>> # L.Trainer(callbacks=[
+        >>> #     ActivationCheckpointingCallback(budget_fraction=0.6, blocks="model.model.layers.*")
+        >>> # ])
+        >>> # on a GRPOModule (no forward): profile its policy's training forward on the worst-case
+        >>> # micro-batch
         >>> # ActivationCheckpointingCallback(budget_fraction=0.6, blocks="policy.model.layers.*",
         >>> #                              forward_fn=grpo_policy_loss, profile_batch_fn=grpo_profile_batch)
     """
@@ -121,10 +125,10 @@ class ActivationCheckpointingCallback(L.Callback):
             return
         if self.forward_fn is None and not pl_module.automatic_optimization:
             raise ValueError(
-                f"forward_fn=None profiles training_step, but {type(pl_module).__name__} uses manual optimization "
-                "(its training_step would step the optimizer while profiling): pass forward_fn (and "
-                "profile_batch_fn), e.g. forward_fn=grpo_policy_loss, profile_batch_fn=grpo_profile_batch from "
-                "tlt_lightning.efficiency for a GRPOModule"
+                f"forward_fn=None profiles training_step, but {type(pl_module).__name__} uses manual "
+                "optimization (its training_step would step the optimizer while profiling): pass forward_fn "
+                "(and profile_batch_fn), e.g. forward_fn=grpo_policy_loss, "
+                "profile_batch_fn=grpo_profile_batch from tlt_lightning.efficiency for a GRPOModule"
             )
         data = self.profile_batch_fn(pl_module, batch)
         if self.forward_fn is None:
@@ -162,7 +166,8 @@ class ActivationCheckpointingCallback(L.Callback):
 
 
 class LayerwisePrecisionCallback(L.Callback):
-    """Apply :class:`~tlt_lightning.efficiency.precision.LayerwisePrecision` for the fit; fp16: per-group scalers.
+    """Apply :class:`~tlt_lightning.efficiency.precision.LayerwisePrecision` for the fit; fp16: per-group
+    scalers.
 
     Use with the Trainer's default ``precision="32-true"``: this callback does the autocast per
     group. It transforms at ``on_fit_start``: after ``configure_model`` (a GRPO policy exists by

@@ -112,7 +112,8 @@ def hidden_state_loss(
     """
     if student.shape != teacher.shape:
         raise ValueError(
-            f"student and teacher hidden states must match, got {tuple(student.shape)} and {tuple(teacher.shape)}"
+            "student and teacher hidden states must match, got "
+            f"{tuple(student.shape)} and {tuple(teacher.shape)}"
         )
     s, t = student.float(), teacher.detach().float()
     if normalize:
@@ -179,7 +180,8 @@ class DistillConfig:
         if self.layer_map is not None:
             if not isinstance(self.layer_map, Mapping):
                 raise ValueError(
-                    f"layer_map must be a mapping student layer -> teacher layer or None, got {self.layer_map!r}"
+                    "layer_map must be a mapping student layer -> teacher layer or None, "
+                    f"got {self.layer_map!r}"
                 )
             for s, t in self.layer_map.items():
                 if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in (s, t)):
@@ -269,12 +271,14 @@ class HierarchicalDistillation(nn.Module):
             if s > student_layers:
                 raise ValueError(
                     f"layer_map entry {s}: {t} points to student layer {s}, which does not exist "
-                    f"(the student has hidden states 0..{student_layers}: 0 embeddings, i the output of layer i)"
+                    f"(the student has hidden states 0..{student_layers}: 0 embeddings, "
+                    "i the output of layer i)"
                 )
             if t > teacher_layers:
                 raise ValueError(
                     f"layer_map entry {s}: {t} points to teacher layer {t}, which does not exist "
-                    f"(the teacher has hidden states 0..{teacher_layers}: 0 embeddings, i the output of layer i)"
+                    f"(the teacher has hidden states 0..{teacher_layers}: 0 embeddings, "
+                    "i the output of layer i)"
                 )
         self.layer_map: tuple[tuple[int, int], ...] = tuple(mapping.items())
         self.projections = nn.ModuleList(
@@ -330,7 +334,8 @@ class HierarchicalDistillation(nn.Module):
             ):
                 if len(states) != layers + 1:
                     raise ValueError(
-                        f"{name} must hold {layers + 1} hidden states (embeddings + {layers} layers), got {len(states)}"
+                        f"{name} must hold {layers + 1} hidden states (embeddings + {layers} layers), "
+                        f"got {len(states)}"
                     )
             per_layer = torch.stack(
                 [

@@ -15,8 +15,9 @@ the callback's ``profile_batch_fn`` and ``forward_fn`` for it:
   :meth:`~tlt_lightning.rl.GRPOModule.policy_logprobs` and
   :meth:`~tlt_lightning.rl.GRPOModule.policy_loss` hooks, so a subclass's model and loss are profiled.
 
-The other efficiency helpers need nothing extra on a GRPOModule: ``LayerwisePrecisionCallback(module="policy")``
-and DoRA on ``module.policy`` (see :mod:`~tlt_lightning.efficiency.dora`).
+The other efficiency helpers need nothing extra on a GRPOModule:
+``LayerwisePrecisionCallback(module="policy")`` and DoRA on ``module.policy`` (see
+:mod:`~tlt_lightning.efficiency.dora`).
 
 Example:
     >>> from tlt_lightning.efficiency import ActivationCheckpointingCallback

@@ -22,7 +22,8 @@ cannot put its ``DistributedSampler`` into this batch sampler: use ``Trainer(use
 Example:
     >>> from torch.utils.data import DataLoader
     >>> scorer = LossScorer(proxy, dataset, collate)  # doctest: +SKIP
-    >>> sampler = ImportanceSampler(len(dataset), scorer, ImportanceSamplerConfig(batch_size=32))  # doctest: +SKIP
+    >>> config = ImportanceSamplerConfig(batch_size=32)
+    >>> sampler = ImportanceSampler(len(dataset), scorer, config)  # doctest: +SKIP
     >>> loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)  # doctest: +SKIP
 """
 

@@ -124,7 +124,8 @@ class DistillationModule(L.LightningModule):
         lr: AdamW learning rate.
 
     Example:
-        >>> module = DistillationModule(student, teacher, DistillConfig(hidden_loss="cosine"))  # doctest: +SKIP
+        >>> config = DistillConfig(hidden_loss="cosine")
+        >>> module = DistillationModule(student, teacher, config)  # doctest: +SKIP
         >>> L.Trainer(max_steps=100).fit(module, loader)  # doctest: +SKIP
     """
 

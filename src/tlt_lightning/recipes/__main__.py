@@ -1,4 +1,5 @@
-"""What ``tune run tlt_lightning.recipes.grpo_torchtune --config CFG`` runs (and ``python -m tlt_lightning.recipes``).
+"""What ``tune run tlt_lightning.recipes.grpo_torchtune --config CFG`` runs (and
+``python -m tlt_lightning.recipes``).
 
 torchtune 0.6.1's ``tune run`` takes a recipe that is not one of its own for a file path: it drops the
 last dotted part as if it were an extension (``os.path.splitext``) and runs the rest,

@@ -3,8 +3,9 @@
 The target samples responses to task prompts (temperature 1, as in RL), the rollout engine keeps
 the hidden states of the forward passes it already runs, and the drafter learns to predict the
 target's next feature and next-token distribution from them. A held-out tenth of the rollouts
-measures top-1 agreement and acceptance at temperature 1 before and after. Output: ``model.safetensors`` + ``drafter_config.json``
-(loadable with :func:`~tlt_lightning.drafter.load_drafter`), ``warmup.json`` and ``warmup.png``.
+measures top-1 agreement and acceptance at temperature 1 before and after. Output:
+``model.safetensors`` + ``drafter_config.json`` (loadable with
+:func:`~tlt_lightning.drafter.load_drafter`), ``warmup.json`` and ``warmup.png``.
 """
 
 from __future__ import annotations
@@ -160,8 +161,8 @@ def _sample(
         rollouts, rollout_s = done, seconds
     else:
         print(
-            f"[drafter warmup] sampling {len(prompts) - len(done)} of {len(prompts)} rollouts of {args.model} "
-            f"({args.dtype}) on {args.task} ...",
+            f"[drafter warmup] sampling {len(prompts) - len(done)} of {len(prompts)} rollouts of "
+            f"{args.model} ({args.dtype}) on {args.task} ...",
             flush=True,
         )
         sampler = (
@@ -188,14 +189,11 @@ def _sample(
     return rollouts, rollout_s
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    _check_args(args)
-    loaded = load_model(args.model)
-    if loaded.tokenizer is None:
-        raise ValueError(f"--model {args.model!r} has no tokenizer: warm-up samples real task prompts")
-    target = HFTarget(loaded.model)
-    config, drafter = _initial_drafter(args, target)
-    prompts = task_prompts(loaded.tokenizer, args.task, args.prompts, seed=args.seed)
+def _rollouts(
+    args: argparse.Namespace, tokenizer: Any, target: HFTarget, config: DrafterConfig
+) -> tuple[list[Rollout], list[Rollout], float]:
+    """``(sampled rollouts, --more-rollouts, sampling seconds)``, all with the target's features."""
+    prompts = task_prompts(tokenizer, args.task, args.prompts, seed=args.seed)
     prompts = [p for p in prompts for _ in range(args.samples)]
     more = load_more_rollouts(args.more_rollouts, _cache_key(args, config))  # before sampling: fail fast
     rollouts, rollout_s = _sample(args, target, config, prompts)
@@ -206,22 +204,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             target if args.dtype == "float32" else HFTarget(load_model(args.model, dtype=args.dtype).model)
         )
         rollouts, more = (_fill_features(model, rs, config.rollout_feature_layers) for rs in (rollouts, more))
-    held_out = max(1, len(rollouts) // 10)
-    train, valid = rollouts[held_out:] + more, rollouts[:held_out]
+    return rollouts, more, rollout_s
 
-    counts = torch.bincount(torch.cat([r.token_ids for r in train]), minlength=target.info.vocab_size)
-    if drafter is None:
-        drafter = Drafter(config, target, token_counts=counts if config.reduced_vocab else None)
-    loss_cfg = DrafterLoss.for_kind(args.kind, unroll_steps=args.unroll, accept_weight=args.accept_weight)
-    valid_batches = make_batches(valid, config, args.batch_size, shuffle=False, max_len=args.max_len)
-    before = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
-    print(
-        f"[drafter warmup] {drafter.num_trainable_parameters() / 1e6:.2f}M trainable parameters "
-        f"(target {sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M); "
-        f"training {args.steps} steps on {sum(r.length for r in train)} tokens ...",
-        flush=True,
-    )
-    out = Path(args.out)
+
+def _train(
+    args: argparse.Namespace,
+    drafter: Drafter,
+    target: HFTarget,
+    train: list[Rollout],
+    loss_cfg: DrafterLoss,
+    out: Path,
+) -> tuple[list[dict[str, float]], float]:
+    """``(the training metrics of each step, seconds)``; saves to ``out`` every ``--save-every`` steps."""
 
     def checkpoint(step: int, metrics: dict[str, float]) -> None:
         if args.save_every and step % args.save_every == 0 and step < args.steps:
@@ -243,7 +237,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         on_step=checkpoint,
         autocast_dtype=torch.bfloat16 if args.train_dtype == "bfloat16" else None,
     )
-    train_s = time.perf_counter() - start
+    return history, time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    _check_args(args)
+    loaded = load_model(args.model)
+    if loaded.tokenizer is None:
+        raise ValueError(f"--model {args.model!r} has no tokenizer: warm-up samples real task prompts")
+    target = HFTarget(loaded.model)
+    config, drafter = _initial_drafter(args, target)
+    rollouts, more, rollout_s = _rollouts(args, loaded.tokenizer, target, config)
+    held_out = max(1, len(rollouts) // 10)
+    train, valid = rollouts[held_out:] + more, rollouts[:held_out]
+
+    counts = torch.bincount(torch.cat([r.token_ids for r in train]), minlength=target.info.vocab_size)
+    if drafter is None:
+        drafter = Drafter(config, target, token_counts=counts if config.reduced_vocab else None)
+    loss_cfg = DrafterLoss.for_kind(args.kind, unroll_steps=args.unroll, accept_weight=args.accept_weight)
+    valid_batches = make_batches(valid, config, args.batch_size, shuffle=False, max_len=args.max_len)
+    before = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
+    print(
+        f"[drafter warmup] {drafter.num_trainable_parameters() / 1e6:.2f}M trainable parameters "
+        f"(target {sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M); "
+        f"training {args.steps} steps on {sum(r.length for r in train)} tokens ...",
+        flush=True,
+    )
+    out = Path(args.out)
+    history, train_s = _train(args, drafter, target, train, loss_cfg, out)
     after = evaluate_drafter(drafter, target, valid_batches, loss_cfg)
     # Renormalised on the draft vocabulary above, as the training metrics; this is what sampling accepts.
     after_sd = evaluate_drafter(drafter, target, valid_batches, loss_cfg, full_vocab=True)

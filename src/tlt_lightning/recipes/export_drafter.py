@@ -42,8 +42,9 @@ def run(args: argparse.Namespace) -> None:
         config = read_drafter_config(args.checkpoint)
         if args.kind is not None and args.kind != config.kind:
             raise ValueError(
-                f"{args.checkpoint} is an {config.kind} drafter and --kind is {args.kind}: a checkpoint is never "
-                f"converted; train an {args.kind} drafter (`tlt-lightning drafter warmup --kind {args.kind}`)"
+                f"{args.checkpoint} is an {config.kind} drafter and --kind is {args.kind}: "
+                f"a checkpoint is never converted; train an {args.kind} drafter "
+                f"(`tlt-lightning drafter warmup --kind {args.kind}`)"
             )
         model = args.model or checkpoint_target(args.checkpoint, config)
         target = HFTarget(load_model(model, seed=args.seed).model)
@@ -55,7 +56,8 @@ def run(args: argparse.Namespace) -> None:
         f"{config.draft_vocab} of {config.vocab_size}" if config.reduced_vocab else f"all {config.vocab_size}"
     )
     print(
-        f"[export-drafter] wrote a {config.kind} drafter ({vocab} tokens) for {model} to {out}, for {args.engine}"
+        f"[export-drafter] wrote a {config.kind} drafter ({vocab} tokens) for {model} to {out}, "
+        f"for {args.engine}"
     )
 
 
@@ -84,8 +86,8 @@ def _export_fit(args: argparse.Namespace) -> None:
     )  # the pair loads back (EAGLE-3: its head is the policy's)
     print(
         f"[export-drafter] wrote the step-{done.step} policy of {done.checkpoint} to {done.policy_dir}"
-        f"{' (with its tokenizer)' if done.tokenizer else ''} and its {done.kind} drafter ({done.drafter_source}) "
-        f"to {done.drafter_dir}, for {args.engine}; see {done.out / 'README.md'}"
+        f"{' (with its tokenizer)' if done.tokenizer else ''} and its {done.kind} drafter "
+        f"({done.drafter_source}) to {done.drafter_dir}, for {args.engine}; see {done.out / 'README.md'}"
     )
 
 
@@ -137,7 +139,7 @@ def checkpoint_target(checkpoint: str | Path, config: DrafterConfig) -> str:
     if len(names) != 1:
         found = f"registry models {names} match" if names else "no registry model matches"
         raise ValueError(
-            f"cannot tell the target of {checkpoint}: its target is a {shape[0]} model with hidden size {shape[1]}, "
-            f"{shape[2]} layers and {shape[3]} tokens, and {found}; pass --model NAME_OR_HF_DIR"
+            f"cannot tell the target of {checkpoint}: its target is a {shape[0]} model with hidden size "
+            f"{shape[1]}, {shape[2]} layers and {shape[3]} tokens, and {found}; pass --model NAME_OR_HF_DIR"
         )
     return names[0]

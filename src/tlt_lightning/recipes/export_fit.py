@@ -127,9 +127,10 @@ def _load_policy(model: nn.Module, weights: dict[str, torch.Tensor], where: Path
     untied = [k for k in missing if params[k].data_ptr() not in loaded]
     if untied or unexpected:
         raise ValueError(
-            f"the policy in {where} does not fit a transformers {type(model).__name__}: missing {untied[:5]}, "
-            f"unexpected {unexpected[:5]} (a TorchtuneGRPOModule checkpoint holds a torchtune model, which "
-            "has no save_pretrained; or pass --model with the architecture the run trained)"
+            f"the policy in {where} does not fit a transformers {type(model).__name__}: "
+            f"missing {untied[:5]}, unexpected {unexpected[:5]} (a TorchtuneGRPOModule checkpoint holds "
+            "a torchtune model, which has no save_pretrained; "
+            "or pass --model with the architecture the run trained)"
         )
 
 
@@ -149,15 +150,50 @@ def _drafter_state(
     return (found[0]["drafter_config"], found[0]["drafter"]) if found else None
 
 
+def _fit_drafter(
+    checkpoint: Mapping[str, Any], ckpt_path: Path, target: HFTarget, kind: str | None
+) -> tuple[Drafter, str]:
+    """``(drafter, where it came from)``: the one trained in the fit, else the one the run loaded."""
+    hp = checkpoint.get("hyper_parameters") or {}
+    state = _drafter_state(checkpoint, ckpt_path)
+    if state is not None:
+        config, weights = state
+        drafter = Drafter(DrafterConfig.from_dict(dict(config)), target)
+        drafter.load_state_dict(weights, strict=True)
+        drafter_source = "checkpoint"
+    elif drafter_path := (hp.get("speculative") or {}).get("drafter_path"):
+        drafter, drafter_source = load_drafter(drafter_path, target), str(drafter_path)
+    else:
+        raise ValueError(
+            f"{ckpt_path} holds no trained drafter (the run had no SpotDrafterCallback) and the run loaded "
+            "none (drafter_path is null): there is no drafter to export with this policy"
+        )
+    if kind is not None and kind != drafter.config.kind:
+        raise ValueError(
+            f"the run's drafter is an {drafter.config.kind} drafter and --kind is {kind}: "
+            "a drafter is never converted"
+        )
+    return drafter, drafter_source
+
+
+def _check_out_dir(out: Path) -> None:
+    """Refuse an ``out`` that exists and is not an earlier export (those are replaced)."""
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / EXPORT_RECORD).is_file())):
+        raise ValueError(f"{out} exists and is not a policy+drafter export; refusing to overwrite it")
+
+
 def _readme(record: dict[str, Any]) -> str:
     method = METHODS[record["kind"]]
     return "\n".join(
         [
             f"# RL policy and its {record['kind']} drafter (tlt-lightning, step {record['step']})",
             "",
-            f"Exported by `tlt-lightning export-drafter --from-fit` from `{record['checkpoint']}`: the policy as",
-            "trained at that step (`target/`, transformers) and the drafter trained beside it (`drafter/`, EAGLE",
-            f"format for {record['engine']}). Serve them together; speculative decoding never changes the output.",
+            f"Exported by `tlt-lightning export-drafter --from-fit` from `{record['checkpoint']}`: "
+            "the policy as",
+            "trained at that step (`target/`, transformers) and the drafter trained beside it "
+            "(`drafter/`, EAGLE",
+            f"format for {record['engine']}). "
+            "Serve them together; speculative decoding never changes the output.",
             "",
             "```bash",
             f"vllm serve {POLICY_DIR} --speculative-config "
@@ -166,12 +202,14 @@ def _readme(record: dict[str, Any]) -> str:
             "",
             "```python",
             "from vllm import LLM",
-            f'llm = LLM(model="{POLICY_DIR}", speculative_config={{"method": "{method}", "model": "{DRAFTER_DIR}",',
+            f'llm = LLM(model="{POLICY_DIR}", '
+            f'speculative_config={{"method": "{method}", "model": "{DRAFTER_DIR}",',
             '                                               "num_speculative_tokens": 4})',
             "```",
             "",
             "(paths relative to this directory). With tlt-lightning's vLLM rollout backend:",
-            f'`VLLMRolloutBackend(VLLMBackendConfig(model="{POLICY_DIR}", drafter="{DRAFTER_DIR}"), rollout_config)`.',
+            f'`VLLMRolloutBackend(VLLMBackendConfig(model="{POLICY_DIR}", drafter="{DRAFTER_DIR}"), '
+            "rollout_config)`.",
             ""
             if record["tokenizer"]
             else "\nThe policy has no tokenizer (a tiny random model): send token-id prompts.",
@@ -221,31 +259,13 @@ def export_fit(
         )
     dtype = dtype or hp.get("dtype", "float32")
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / EXPORT_RECORD).is_file())):
-        raise ValueError(f"{out} exists and is not a policy+drafter export; refusing to overwrite it")
+    _check_out_dir(out)
 
     loaded = load_model(model, dtype=hp.get("dtype", "float32"), seed=int(hp.get("seed", 0)))
     policy = loaded.model
     _load_policy(policy, policy_state_dict(checkpoint), ckpt_path)
     policy = policy.to(getattr(torch, dtype)).eval()
-    target = HFTarget(policy)
-    state = _drafter_state(checkpoint, ckpt_path)
-    if state is not None:
-        config, weights = state
-        drafter = Drafter(DrafterConfig.from_dict(dict(config)), target)
-        drafter.load_state_dict(weights, strict=True)
-        drafter_source = "checkpoint"
-    elif drafter_path := (hp.get("speculative") or {}).get("drafter_path"):
-        drafter, drafter_source = load_drafter(drafter_path, target), str(drafter_path)
-    else:
-        raise ValueError(
-            f"{ckpt_path} holds no trained drafter (the run had no SpotDrafterCallback) and the run loaded none "
-            "(drafter_path is null): there is no drafter to export with this policy"
-        )
-    if kind is not None and kind != drafter.config.kind:
-        raise ValueError(
-            f"the run's drafter is an {drafter.config.kind} drafter and --kind is {kind}: a drafter is never converted"
-        )
+    drafter, drafter_source = _fit_drafter(checkpoint, ckpt_path, HFTarget(policy), kind)
     record = {
         "checkpoint": str(ckpt_path),
         "step": int(checkpoint.get("global_step", 0)),

@@ -181,7 +181,8 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> DictC
             imported or does not take a key (the message names it).
 
     Example:
-        >>> cfg = load_config("configs/grpo_torchtune.yaml", ["module.optim.lr=0.05", "logger=null"])  # doctest: +SKIP
+        >>> overrides = ["module.optim.lr=0.05", "logger=null"]
+        >>> cfg = load_config("configs/grpo_torchtune.yaml", overrides)  # doctest: +SKIP
     """
     if not Path(path).is_file():
         raise ValueError(f"config file {path} not found")
@@ -298,7 +299,8 @@ def run_command(args: Any) -> None:
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    """GRPO + TLT from a torchtune recipe config (``tune run tlt_lightning.recipes.grpo_torchtune --config CFG``)."""
+    """GRPO + TLT from a torchtune recipe config
+    (``tune run tlt_lightning.recipes.grpo_torchtune --config CFG``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may wait on a hub download
     check_config(cfg)
     config.log_config(recipe_name="tlt_lightning.recipes.grpo_torchtune", cfg=cfg)

@@ -13,10 +13,11 @@ LightningCLI fills each group from its own YAML section::
 Example:
     >>> OptimConfig(lr=1e-5, group_size=8).group_size
     8
-    >>> OptimConfig(group_size=1)
+    >>> OptimConfig(group_size=1)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: optim.group_size must be an int >= 2 (GRPO's advantage is a reward minus its group's mean: a group of 1 has advantage 0 everywhere and trains nothing; use 4-16), got 1
+    ValueError: optim.group_size must be an int >= 2 (GRPO's advantage is a reward minus its group's mean:
+    a group of 1 has advantage 0 everywhere and trains nothing; use 4-16), got 1
 """
 
 from __future__ import annotations

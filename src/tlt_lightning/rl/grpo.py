@@ -180,6 +180,77 @@ def grpo_loss(
         >>> round(float(out.loss), 4), float(out.clip_fraction)
         (-0.85, 0.5)
     """
+    _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, aggregation)
+    eps_high = _check_coefficients(clip_eps, clip_eps_high, kl_coef, ref_logprobs)
+
+    m = mask.to(logprobs.dtype)
+    adv = advantages.to(logprobs.dtype)[:, None]  # [B, 1]
+    ratio = (logprobs - old_logprobs).exp()  # [B, T]
+    clipped = ratio.clamp(1 - clip_eps, 1 + eps_high)
+    pg = -torch.minimum(ratio * adv, clipped * adv)  # [B, T]
+    kl = torch.zeros_like(pg) if ref_logprobs is None else _k3_kl(logprobs, ref_logprobs)
+
+    denom = _denominator(m, aggregation, num_items)
+    pg_loss = _masked_sum(pg, m, aggregation) / denom
+    kl_loss = _masked_sum(kl, m, aggregation) / denom
+    loss = pg_loss + kl_coef * kl_loss if kl_coef > 0 else pg_loss
+    clip_fraction, ratio_mean = _clip_stats(ratio, adv, m, clip_eps, eps_high)
+    return GRPOLossOutput(loss, pg_loss, kl_loss, clip_fraction, ratio_mean)
+
+
+def _k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of ``KL(policy || reference)``: ``exp(d) - d - 1`` with ``d = ref - logp``.
+
+    Unbiased and never negative. ``[B, T]`` in, ``[B, T]`` out.
+    """
+    d = ref_logprobs - logprobs
+    return d.exp() - d - 1
+
+
+def _masked_sum(values: torch.Tensor, m: torch.Tensor, aggregation: Aggregation) -> torch.Tensor:
+    """``values`` ``[B, T]`` summed over the tokens where ``m`` is 1: per token (``"token"``) or as
+    the sum of each sequence's mean (``"sequence"``). Scalar."""
+    if aggregation == "token":
+        return (values * m).sum()
+    per_seq = m.sum(1).clamp(min=1)  # [B]
+    return ((values * m).sum(1) / per_seq).sum()
+
+
+def _denominator(
+    m: torch.Tensor, aggregation: Aggregation, num_items: float | torch.Tensor | None
+) -> torch.Tensor:
+    """``num_items``, or this batch's token (``"token"``) or sequence count; at least 1. Scalar."""
+    if num_items is not None:
+        count = torch.as_tensor(num_items, dtype=m.dtype, device=m.device)
+    elif aggregation == "token":
+        count = m.sum()
+    else:
+        count = torch.tensor(float(m.shape[0]), device=m.device)
+    return count.clamp(min=1)
+
+
+def _clip_stats(
+    ratio: torch.Tensor, adv: torch.Tensor, m: torch.Tensor, clip_eps: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(clip_fraction, ratio_mean)`` over the masked tokens, detached: the share of tokens where the
+    clip was active (the clipped side is the one that bounds the objective) and the mean ratio."""
+    with torch.no_grad():
+        tokens = m.sum().clamp(min=1)
+        is_clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
+        clip_fraction = (is_clipped.to(m.dtype) * m).sum() / tokens
+        ratio_mean = (ratio * m).sum() / tokens
+    return clip_fraction, ratio_mean
+
+
+def _check_loss_inputs(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    aggregation: str,
+) -> None:
+    """Refuse tensors whose shapes do not match ``logprobs`` ``[B, T]`` and an unknown aggregation."""
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {list(logprobs.shape)}")
     shape = logprobs.shape
@@ -189,6 +260,12 @@ def grpo_loss(
     if advantages.shape != shape[:1]:
         raise ValueError(f"advantages must be [B] = [{shape[0]}], got shape {list(advantages.shape)}")
     check(aggregation in AGGREGATIONS, "aggregation", aggregation, f"one of {AGGREGATIONS}")
+
+
+def _check_coefficients(
+    clip_eps: float, clip_eps_high: float | None, kl_coef: float, ref_logprobs: torch.Tensor | None
+) -> float:
+    """Refuse clip ranges and KL weights out of range; returns the upper clip range."""
     if not 0 <= clip_eps < 1:
         raise ValueError(f"clip_eps must be in [0, 1), got {clip_eps!r}")
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -198,34 +275,4 @@ def grpo_loss(
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef!r}")
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (the frozen reference's log-probabilities)")
-
-    m = mask.to(logprobs.dtype)
-    adv = advantages.to(logprobs.dtype)[:, None]  # [B, 1]
-    log_ratio = logprobs - old_logprobs
-    ratio = log_ratio.exp()
-    clipped = ratio.clamp(1 - clip_eps, 1 + eps_high)
-    pg = -torch.minimum(ratio * adv, clipped * adv)  # [B, T]
-    if ref_logprobs is not None:
-        d = ref_logprobs - logprobs
-        kl = d.exp() - d - 1
-    else:
-        kl = torch.zeros_like(pg)
-
-    if aggregation == "token":
-        count = m.sum()
-        reduce = lambda x: (x * m).sum()
-    else:
-        count = torch.tensor(float(shape[0]), device=m.device)
-        per_seq = m.sum(1).clamp(min=1)
-        reduce = lambda x: ((x * m).sum(1) / per_seq).sum()
-    denom = count if num_items is None else torch.as_tensor(num_items, dtype=m.dtype, device=m.device)
-    denom = denom.clamp(min=1)
-    pg_loss, kl_loss = reduce(pg) / denom, reduce(kl) / denom
-    loss = pg_loss + kl_coef * kl_loss if kl_coef > 0 else pg_loss
-
-    with torch.no_grad():
-        tokens = m.sum().clamp(min=1)
-        is_clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
-        clip_fraction = (is_clipped.to(m.dtype) * m).sum() / tokens
-        ratio_mean = (ratio * m).sum() / tokens
-    return GRPOLossOutput(loss, pg_loss, kl_loss, clip_fraction, ratio_mean)
+    return eps_high

@@ -1,24 +1,14 @@
 """GRPOModule: GRPO training of a causal LM as a LightningModule, with speculative rollouts.
 
-One training step (one optimizer step) on a batch of ``P`` prompt indices:
-
-1. **Rollouts** (:meth:`GRPOModule.rollout`): every prompt ``G`` times through a
-   :class:`~tlt_lightning.rollout.SpeculativeRolloutLoop` when a drafter is attached, else a plain
-   :class:`~tlt_lightning.rollout.RolloutEngine`, on the current policy weights, with a
-   ``torch.Generator`` seeded from ``(seed, global_step, rank)`` (see *Resume* below).
-2. **Rewards** (:meth:`GRPOModule.compute_rewards`): the prompt source scores each completion. A
-   reward that raises or is not finite stops the run, naming the task and the prompt index.
-3. **Advantages**: :func:`~tlt_lightning.rl.grpo.group_advantages` within each group of ``G``.
-4. **Policy update** over micro-batches of sequences (gradient accumulation with
-   ``manual_backward``): :meth:`GRPOModule.policy_logprobs` then :meth:`GRPOModule.policy_loss`.
-   A non-finite loss or gradient norm is caught before the optimizer step, on every rank
-   (:mod:`tlt_lightning.rl.optimize`: old log-probabilities, the log-probability check, DDP).
-
-Rollout precision: ``rollout_dtype="bfloat16"`` samples on a bf16 mirror of the fp32 policy
-(:mod:`tlt_lightning.rl.rollout_models` says what that changes).
-
-Resume. A run resumed from a Lightning checkpoint continues bit for bit like the uninterrupted run
-whenever that run is itself reproducible (:mod:`tlt_lightning.rl.run_state` says what is saved).
+One training step (one optimizer step) on a batch of ``P`` prompt indices: every prompt ``G`` times
+through our engine (speculative when a drafter is attached) or vLLM, with a generator seeded from
+``(seed, global_step, rank)`` (:meth:`GRPOModule.rollout`); rewards from the prompt source, a failing
+or non-finite one stopping the run with the task and prompt named (:meth:`GRPOModule.compute_rewards`);
+advantages within each group (:func:`~tlt_lightning.rl.grpo.group_advantages`); the policy update over
+micro-batches, a non-finite loss or gradient caught on every rank before the optimizer step
+(:mod:`tlt_lightning.rl.optimize`). :mod:`tlt_lightning.rl.rollout_models` says what the rollouts run
+on; a resumed run continues bit for bit like an uninterrupted reproducible one
+(:mod:`tlt_lightning.rl.run_state`).
 """
 
 from __future__ import annotations
@@ -30,25 +20,23 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from tlt_lightning.drafter import Drafter
 from tlt_lightning.models import HFTarget, TargetModel, load_model, resolve_decode, resolve_dtype
 from tlt_lightning.rl.batch import PolicyBatch, completion_logprobs, policy_batch
-from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig, as_config
+from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig
 from tlt_lightning.rl.grpo import GRPOLossOutput, group_advantages, grpo_loss
 from tlt_lightning.rl.listeners import RolloutListener, RolloutListeners
-from tlt_lightning.rl.module_settings import ROLLOUT_BACKENDS, check_settings, group_hparams
+from tlt_lightning.rl.module_settings import ROLLOUT_BACKENDS, check_settings, config_groups, group_hparams
 from tlt_lightning.rl.optimize import StepCheck, any_rank, clip_and_check, optimize
 from tlt_lightning.rl.rollout_models import (
     apply_decode,
-    draft_arms,
+    compile_rollouts,
+    generate,
     module_drafter,
-    rollout_backend,
     rollout_models,
     sync_mirror,
-    warm_up_rollouts,
 )
 from tlt_lightning.rl.run_state import grpo_state, restore_grpo_state, rollout_seed
 from tlt_lightning.rl.scoring import (
@@ -78,21 +66,16 @@ class GRPOModule(L.LightningModule):
     Args:
         model: registry name (``"smollm2-135m"``, ``"tiny-llama"``, ...) or a local HF directory.
         dtype: parameter dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
-        rollout_dtype: sample the rollouts on a copy of the policy in this dtype, refreshed after
-            every optimizer step (``"bfloat16"``: fast CPU/GPU decoding with fp32 training);
-            ``"auto"``: bf16 where the device multiplies it natively, else the policy itself
-            (:func:`~tlt_lightning.models.resolve_dtype`; resolved in ``configure_model`` as
-            ``self.rollout_dtype``); ``None``: on the policy itself.
-        weight_layout: how the rollout model lays out its linear weights (:mod:`tlt_lightning.models.layout`;
-            values unchanged): ``"packed"`` (default: on a CPU, rollouts multiply by oneDNN-packed
-            copies, 1.0-1.3x faster in bf16 and more in fp32; training is untouched),
-            ``"out_in"`` (PyTorch's) or ``"in_out"`` (cheaper fp32 verification of 4+ drafted
-            tokens on some CPUs, dearer plain decoding of large batches).
-        rollout_decode: how rollouts run decode and verify forwards (``HFTarget(decode=)``): ``"auto"``
-            (default: ``"compiled"`` where it pays, a CUDA device or a CPU with a C++ compiler, for a
-            model of 10M+ parameters; else ``"hf"``, :func:`~tlt_lightning.models.resolve_decode`),
-            ``"compiled"``, ``"lean"`` or ``"hf"``. Graphs compile once, before the first rollout
-            (:meth:`compile_rollouts`), and serve every step while the weights change in place.
+        rollout_dtype: sample on a mirror of the policy in this dtype, refreshed after every optimizer
+            step; ``"auto"``: bf16 where the device multiplies it natively
+            (:func:`~tlt_lightning.models.resolve_dtype`), else, like ``None``, the policy itself.
+        weight_layout: the rollout model's linear weights (:mod:`tlt_lightning.models.layout`):
+            ``"packed"`` (default: oneDNN-packed copies on a CPU), ``"out_in"`` or ``"in_out"``.
+        rollout_decode: the rollouts' decode and verify forwards (``HFTarget(decode=)``): ``"auto"``
+            (default: ``"compiled"`` where it pays, :func:`~tlt_lightning.models.resolve_decode`,
+            else ``"hf"``), ``"compiled"``, ``"lean"`` or ``"hf"``. Graphs compile once, before the
+            first rollout (:func:`~tlt_lightning.rl.rollout_models.compile_rollouts`), and serve every
+            step as the weights change.
         task: the reasoning-gym task (a :class:`~tlt_lightning.rl.tasks.TaskConfig` or its fields
             as a dict; default ``TaskConfig()``). Ignored when a ``prompt_source`` is given.
         rollout: how responses are sampled, a :class:`~tlt_lightning.rollout.RolloutConfig`
@@ -105,39 +88,30 @@ class GRPOModule(L.LightningModule):
         check_logprobs: check that the rollout's log-probabilities agree with the training
             forward's (when ``top_p == 1`` and ``top_k == 0``, where they describe the same
             distribution); a mean absolute difference above ``logprob_tolerance`` stops the run.
-        logprob_tolerance: in nats; ``None``: 0.01 for float32, 0.2 for 16-bit weights, rollouts or
-            training precision (``Trainer(precision="bf16-mixed")``, the default where bf16 is native; bf16
-            drifts ~0.04 between the KV-cached decode and the full forward on SmolLM2; a token
+        logprob_tolerance: in nats; ``None``: 0.01 for float32, 0.2 where weights, rollouts or training
+            are 16-bit (bf16 drifts a little between the cached decode and the full forward; a token
             misalignment costs several nats).
         rollout_progress: show a progress bar of finished requests during rollouts (rank 0).
         seed: seeds rollouts, the tiny models' weights and a fresh drafter.
         prompt_source: prompts and rewards; default: the task's, built at setup from the model's
             tokenizer. Tiny models have none: pass a :class:`~tlt_lightning.rl.TokenPromptSource`.
-        rollout_backend: ``"engine"`` (ours: :class:`RolloutEngine` / :class:`SpeculativeRolloutLoop`)
-            or ``"vllm"`` (:class:`~tlt_lightning.rl.vllm_rollouts.VLLMRollouts`: vLLM serves the
-            policy, and with ``speculative`` the drafter as its EAGLE speculator, both refreshed in
-            place every step; needs vLLM in this environment).
-        vllm: settings of the vLLM engine, :class:`~tlt_lightning.vllm.VLLMBackendConfig` fields
-            (``num_speculative_tokens``, ``dtype``, ``gpu_memory_utilization``, ``enforce_eager``, ...).
-        max_abs_reward: a reward or correctness beyond ``+-max_abs_reward`` stops the run with a
-            :class:`RewardError` naming the task, like a non-finite one (float32 sums of rewards near
-            ``3e38`` overflow and the mean reward becomes NaN).
+        rollout_backend: ``"engine"`` (ours) or ``"vllm"``
+            (:class:`~tlt_lightning.rl.vllm_rollouts.VLLMRollouts`: the policy, and its drafter as
+            EAGLE speculator, served by vLLM and refreshed in place every step).
+        vllm: :class:`~tlt_lightning.vllm.VLLMBackendConfig` fields for the vLLM engine.
+        max_abs_reward: a reward beyond ``+-max_abs_reward`` stops the run like a non-finite one
+            (:class:`RewardError`; float32 sums of rewards near ``3e38`` overflow).
 
     Hooks and attributes for callbacks and subclasses:
-        :meth:`configure_policy` and :meth:`make_target` (which model is trained, and its adapter),
-        :meth:`configure_reference` and :meth:`reference_logprobs` (the KL reference),
-        :meth:`rollout`, :meth:`compute_rewards`, :meth:`policy_logprobs`, :meth:`policy_loss`;
-        ``draft_strategy`` (any :class:`~tlt_lightning.speculative.DraftStrategy`, e.g. the
-        bandit), ``drafter`` (``None`` or a :class:`~tlt_lightning.drafter.Drafter` on
-        ``rollout_target``; not a submodule: it has its own trainer and checkpoints),
-        ``rollout_target`` (the adapter rollouts run on: the policy or its ``rollout_dtype``
-        mirror), ``policy_target`` (the policy's own adapter, e.g. to train a drafter in the
-        policy's precision), ``rollout_feature_layers`` (extra target
-        layers the rollouts return, e.g. drafter training data), ``last_rollout``;
-        :meth:`add_rollout_listener` (a :class:`~tlt_lightning.rl.RolloutListener` told about every step).
-        ``training_step`` returns ``{"loss", "rollout", "rewards", "advantages", "times"}`` to
-        ``on_train_batch_end`` (``times``: this rank's ``rollout_s``, ``reward_s``, ``train_s``,
-        ``compile_s``).
+        :meth:`configure_policy` and :meth:`make_target` (the trained model and its adapter),
+        :meth:`configure_reference`, :meth:`reference_logprobs`, :meth:`rollout`,
+        :meth:`compute_rewards`, :meth:`policy_logprobs`, :meth:`policy_loss`; ``draft_strategy``
+        (a :class:`~tlt_lightning.speculative.DraftStrategy`), ``drafter`` (not a submodule: it has its
+        own trainer and checkpoints), ``rollout_target`` and ``policy_target`` (the adapters of the
+        rollout model and of the policy), ``rollout_feature_layers`` (extra layers the rollouts return),
+        ``last_rollout``, :meth:`add_rollout_listener`. ``training_step`` returns ``{"loss", "rollout",
+        "rewards", "advantages", "times"}`` (``times``: this rank's ``rollout_s``, ``reward_s``,
+        ``train_s``, ``compile_s``).
 
     Example:
         >>> source = TokenPromptSource([[5, 6, 7], [8, 9], [3], [4, 2]], reward_fn)  # doctest: +SKIP
@@ -174,31 +148,13 @@ class GRPOModule(L.LightningModule):
         max_abs_reward: float = 1e6,
     ) -> None:
         super().__init__()
-        self.task_config = as_config(task, TaskConfig, "task")
-        self.rollout_settings = as_config(rollout, RolloutConfig, "rollout")
-        self.optim_config = as_config(optim, OptimConfig, "optim")
-        self.speculative_config = as_config(speculative, SpeculativeConfig, "speculative")
-        check_settings(
-            self.rollout_settings,
-            max_abs_reward,
-            seed,
-            logprob_tolerance,
-            rollout_dtype,
-            weight_layout,
-            prompt_source,
-            rollout_backend,
-            rollout_decode,
-        )
-        self.vllm_rollouts = VLLMRollouts(vllm) if rollout_backend == "vllm" else None  # validates `vllm`
+        groups = config_groups(task, rollout, optim, speculative)
+        self.task_config, self.rollout_settings, self.optim_config, self.speculative_config = groups
         self.save_hyperparameters(ignore=["prompt_source"])
-        groups = group_hparams(
-            task=self.task_config,
-            rollout=self.rollout_settings,
-            optim=self.optim_config,
-            speculative=self.speculative_config,
-        )
+        check_settings(self.rollout_settings, self.hparams, prompt_source)
+        self.vllm_rollouts = VLLMRollouts(vllm) if rollout_backend == "vllm" else None  # validates `vllm`
         for hparams in (self.hparams, self._hparams_initial):  # also the initial copy Lightning logs
-            hparams.update(groups)
+            hparams.update(group_hparams(**groups._asdict()))
         self.automatic_optimization = False
 
         self.prompt_source: PromptSource | None = prompt_source
@@ -213,8 +169,7 @@ class GRPOModule(L.LightningModule):
         self.rollout_policy: nn.Module | None = None  # the rollout_dtype mirror, when there is one
         self.rollout_target: TargetModel | None = None
         self.rollout_decode: str = rollout_decode  # "auto" resolves in configure_model
-        self.compile_seconds: float | None = None  # compile_rollouts(), with compiled decoding
-        self._rollouts_compiled = False
+        self.compile_seconds: float | None = None  # compile_rollouts(), at the first rollout
         self.policy_target: TargetModel | None = None
         self.tokenizer = None
         self.accept_length = MeanAcceptLength()
@@ -267,7 +222,8 @@ class GRPOModule(L.LightningModule):
         return policy, loaded.tokenizer, self.make_target(policy)
 
     def configure_reference(self) -> nn.Module:
-        """The KL reference (``kl_coef > 0``): the initial policy, rebuilt from ``model``; frozen by the caller."""
+        """The KL reference (``kl_coef > 0``): the initial policy, rebuilt from ``model``; frozen by the
+        caller."""
         return load_model(self.hparams.model, dtype=self.hparams.dtype, seed=self.hparams.seed).model
 
     def make_target(self, module: nn.Module) -> TargetModel:
@@ -296,27 +252,6 @@ class GRPOModule(L.LightningModule):
                 module.to(self.device)
         self.sync_rollout_policy()  # after a checkpoint restore too
 
-    def compile_rollouts(self) -> float:
-        """Compile the rollout graphs (``rollout_decode="compiled"``) once, right before the first rollout,
-        when its drafter, feature layers and strategy are known (the listeners' ``begin_step`` set them).
-
-        Returns the seconds it took (0 if nothing compiled), which are logged as ``time/compile_s``,
-        printed, and kept out of the step's rollout time (``times["compile_s"]`` of the step's output).
-        """
-        if self._rollouts_compiled or self.vllm_rollouts is not None:
-            return 0.0
-        self._rollouts_compiled = True
-        drafter = self.drafter if self.speculative_config.enabled else None
-        prompts = [self.prompt_source.prompt_ids(i) for i in range(min(2, len(self.prompt_source)))]
-        arms = draft_arms(self.draft_strategy)
-        seconds = warm_up_rollouts(self.rollout_target, self.rollout_config(), prompts, drafter, arms)
-        if seconds is None:
-            return 0.0
-        self.compile_seconds = seconds
-        rank_zero_info(f"Compiled the rollout graphs in {seconds:.1f} s, before the first rollout")
-        self.log("time/compile_s", seconds)
-        return seconds
-
     def on_fit_end(self) -> None:
         if self.vllm_rollouts is not None:
             self.vllm_rollouts.close()
@@ -343,7 +278,8 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------ hooks
     def rollout_config(self) -> RolloutConfig:
-        """The step's :class:`RolloutConfig`: ``rollout`` with the layers ``rollout_feature_layers`` asks for too."""
+        """The step's :class:`RolloutConfig`: ``rollout`` with the layers ``rollout_feature_layers`` asks
+        for too."""
         layers = dict.fromkeys((*self.rollout_settings.feature_layers, *self.rollout_feature_layers))
         return replace(self.rollout_settings, feature_layers=tuple(layers))
 
@@ -365,34 +301,9 @@ class GRPOModule(L.LightningModule):
     def rollout(
         self, prompts: Sequence[Sequence[int]], generator: torch.Generator | None = None
     ) -> RolloutResult:
-        """Sample one response per prompt on the current policy (speculatively when a drafter is attached)."""
-        hp, spec, config = self.hparams, self.speculative_config, self.rollout_config()
-        progress = hp.rollout_progress and self.global_rank == 0
-        was_training = self.policy.training
-        self.policy.eval()
-        try:
-            if self.vllm_rollouts is not None:
-                policy = self.rollout_policy if self.rollout_policy is not None else self.policy
-                return self.vllm_rollouts.generate(
-                    prompts,
-                    config,
-                    policy=policy,
-                    drafter=self.drafter if spec.enabled else None,
-                    target=self.rollout_target,
-                    step=self.global_step,
-                    generator=generator,
-                    progress=progress,
-                )
-            backend = rollout_backend(
-                self.rollout_target,
-                config,
-                self.drafter if spec.enabled else None,
-                self.draft_strategy,
-                spec.threshold,
-            )
-            return backend.generate(prompts, generator=generator, progress=progress)
-        finally:
-            self.policy.train(was_training)
+        """Sample one response per prompt on the current policy (speculatively when a drafter is
+        attached), on the module's rollout backend (:func:`~tlt_lightning.rl.rollout_models.generate`)."""
+        return generate(self, prompts, generator)
 
     def compute_rewards(self, indices: torch.Tensor, result: RolloutResult) -> RewardBatch:
         """Score every rollout; ``indices`` ``[N]`` are their prompts' dataset indices.
@@ -444,7 +355,7 @@ class GRPOModule(L.LightningModule):
         prompts = [self.prompt_source.prompt_ids(int(i)) for i in indices]
         listeners = self._rollout_listeners
         listeners.begin_step(self)
-        compile_s = self.compile_rollouts()
+        compile_s = compile_rollouts(self)
         listeners.before_rollout()
         result = self.rollout(prompts, self.rollout_generator())
         self.last_rollout = result
@@ -468,19 +379,9 @@ class GRPOModule(L.LightningModule):
 
         log_step(self, result, rewards, parts, reward_time, train_time)
         listeners.end_step(self, result)
-        times = {
-            "rollout_s": result.stats.total_time,
-            "reward_s": reward_time,
-            "train_s": train_time,
-            "compile_s": compile_s,
-        }
-        return {
-            "loss": parts["loss"],
-            "rollout": result,
-            "rewards": rewards,
-            "advantages": advantages,
-            "times": times,
-        }
+        times = {"rollout_s": result.stats.total_time, "reward_s": reward_time, "train_s": train_time}
+        out = {"loss": parts["loss"], "rollout": result, "rewards": rewards, "advantages": advantages}
+        return {**out, "times": {**times, "compile_s": compile_s}}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Clip and check the step's accumulated gradient, right before the update, after every

@@ -3,36 +3,62 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from tlt_lightning.models import DECODE_PATHS, WEIGHT_LAYOUTS
+from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig, as_config
 from tlt_lightning.rl.sources import PromptSource
+from tlt_lightning.rl.tasks import TaskConfig
 from tlt_lightning.rollout import RolloutConfig
 from tlt_lightning.validation import check, is_int
 
-__all__ = ["ROLLOUT_BACKENDS", "ROLLOUT_DECODES", "check_settings", "group_hparams"]
+__all__ = [
+    "ROLLOUT_BACKENDS",
+    "ROLLOUT_DECODES",
+    "ConfigGroups",
+    "check_settings",
+    "config_groups",
+    "group_hparams",
+]
 
 ROLLOUT_BACKENDS = ("engine", "vllm")
 ROLLOUT_DECODES = ("auto", *DECODE_PATHS)
 
 
-def check_settings(
-    rollout: RolloutConfig,
-    max_abs_reward: Any,
-    seed: Any,
-    logprob_tolerance: Any,
-    rollout_dtype: Any,
-    weight_layout: Any,
-    prompt_source: Any,
-    rollout_backend: Any,
-    rollout_decode: Any = "auto",
-) -> None:
-    """Check :class:`~tlt_lightning.rl.GRPOModule`'s arguments of these names.
+class ConfigGroups(NamedTuple):
+    """:class:`~tlt_lightning.rl.GRPOModule`'s config groups, as their dataclasses."""
+
+    task: TaskConfig
+    rollout: RolloutConfig
+    optim: OptimConfig
+    speculative: SpeculativeConfig
+
+
+def config_groups(task: Any, rollout: Any, optim: Any, speculative: Any) -> ConfigGroups:
+    """The groups from their dataclasses, dicts of their fields or (task) ``None``
+    (:func:`~tlt_lightning.rl.config.as_config`)."""
+    return ConfigGroups(
+        as_config(task, TaskConfig, "task"),
+        as_config(rollout, RolloutConfig, "rollout"),
+        as_config(optim, OptimConfig, "optim"),
+        as_config(speculative, SpeculativeConfig, "speculative"),
+    )
+
+
+def check_settings(rollout: RolloutConfig, hparams: Mapping[str, Any], prompt_source: Any) -> None:
+    """Check :class:`~tlt_lightning.rl.GRPOModule`'s arguments beside its groups: the rollout
+    temperature, ``prompt_source`` and, from ``hparams`` (its saved arguments), ``max_abs_reward``,
+    ``seed``, ``logprob_tolerance``, ``rollout_dtype``, ``weight_layout``, ``rollout_backend`` and
+    ``rollout_decode``.
 
     Raises:
         ValueError: one is out of range; the message names it, the value and what is allowed.
     """
+    max_abs_reward, seed = hparams["max_abs_reward"], hparams["seed"]
+    logprob_tolerance, rollout_dtype = hparams["logprob_tolerance"], hparams["rollout_dtype"]
+    weight_layout, rollout_backend = hparams["weight_layout"], hparams["rollout_backend"]
     check(
         0 < rollout.temperature < math.inf,
         "rollout.temperature",
@@ -68,15 +94,10 @@ def check_settings(
         "a PromptSource (name, __len__, prompt_ids, score) or None",
     )
     check(
-        rollout_decode in ROLLOUT_DECODES,
-        "rollout_decode",
-        rollout_decode,
-        f"one of {ROLLOUT_DECODES}",
-    )
-    check(
         rollout_backend in ROLLOUT_BACKENDS, "rollout_backend", rollout_backend, f"one of {ROLLOUT_BACKENDS}"
     )
-    check(rollout_decode in ROLLOUT_DECODES, "rollout_decode", rollout_decode, f"one of {ROLLOUT_DECODES}")
+    decode = hparams["rollout_decode"]
+    check(decode in ROLLOUT_DECODES, "rollout_decode", decode, f"one of {ROLLOUT_DECODES}")
 
 
 def group_hparams(**groups: Any) -> dict[str, dict[str, Any]]:

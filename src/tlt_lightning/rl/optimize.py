@@ -160,9 +160,9 @@ def clip_and_check(module: GRPOModule, optimizer: torch.optim.Optimizer) -> None
         if drifted:
             raise RuntimeError(
                 f"at {where} the policy's log-probabilities of the rollout tokens differ from the "
-                f"rollout's by {float(check.drift):.4g} nats on average (logprob_tolerance={check.tolerance}): "
-                "the rollout and the training forward disagree (misaligned tokens, stale weights or a lossy "
-                "rollout); the optimizer step was skipped"
+                f"rollout's by {float(check.drift):.4g} nats on average "
+                f"(logprob_tolerance={check.tolerance}): the rollout and the training forward disagree "
+                "(misaligned tokens, stale weights or a lossy rollout); the optimizer step was skipped"
             )
         raise NonFiniteLossError(
             f"stopping at {where}: another rank's loss, gradient or log-probabilities failed their check"

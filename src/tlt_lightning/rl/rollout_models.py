@@ -2,7 +2,9 @@
 
 The rollouts sample from the policy itself or from its ``rollout_dtype`` mirror (:func:`rollout_models`),
 with the linear weights laid out for fast decoding (:func:`apply_weight_layout`), and draft with the
-module's drafter (:func:`module_drafter`) when speculative rollouts are on (:func:`rollout_backend`).
+module's drafter (:func:`module_drafter`) when speculative rollouts are on (:func:`rollout_backend`);
+:func:`generate` samples a module's rollouts on vLLM or on our engine. With compiled decoding
+(:func:`apply_decode`), :func:`compile_rollouts` compiles the graphs once, before the first rollout.
 
 Rollout precision. ``rollout_dtype="bfloat16"`` samples on a bf16 mirror of the fp32 policy
 (about 2.5x faster decoding on CPUs with AMX, and what vLLM does on GPUs), refreshed after every
@@ -18,22 +20,29 @@ import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter
 from tlt_lightning.models import HFTarget, TargetModel, set_weight_layout
 from tlt_lightning.rl.config import SpeculativeConfig
-from tlt_lightning.rollout import RolloutConfig, RolloutEngine
+from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
 from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
 from tlt_lightning.scheduling import BucketedStrategy
 from tlt_lightning.speculative import Arm, DraftSpec, DraftStrategy
 
+if TYPE_CHECKING:
+    from tlt_lightning.rl.module import GRPOModule
+
 __all__ = [
     "apply_decode",
     "apply_weight_layout",
+    "compile_rollouts",
     "draft_arms",
+    "generate",
     "module_drafter",
     "rollout_backend",
     "rollout_mirror",
@@ -125,6 +134,37 @@ def rollout_backend(
     return SpeculativeRolloutLoop(target, drafter, config, strategy, threshold=threshold)
 
 
+def generate(
+    module: GRPOModule, prompts: Sequence[Sequence[int]], generator: torch.Generator | None
+) -> RolloutResult:
+    """``module``'s rollouts of ``prompts`` (:meth:`~tlt_lightning.rl.GRPOModule.rollout`): on its vLLM
+    engine when it has one, else on :func:`rollout_backend`; the policy in eval mode meanwhile."""
+    spec, config = module.speculative_config, module.rollout_config()
+    drafter = module.drafter if spec.enabled else None
+    progress = module.hparams.rollout_progress and module.global_rank == 0
+    was_training = module.policy.training
+    module.policy.eval()
+    try:
+        if module.vllm_rollouts is not None:
+            policy = module.rollout_policy if module.rollout_policy is not None else module.policy
+            return module.vllm_rollouts.generate(
+                prompts,
+                config,
+                policy=policy,
+                drafter=drafter,
+                target=module.rollout_target,
+                step=module.global_step,
+                generator=generator,
+                progress=progress,
+            )
+        backend = rollout_backend(
+            module.rollout_target, config, drafter, module.draft_strategy, spec.threshold
+        )
+        return backend.generate(prompts, generator=generator, progress=progress)
+    finally:
+        module.policy.train(was_training)
+
+
 def apply_decode(target: TargetModel, decode: str) -> str:
     """Run ``target``'s decode and verify forwards by ``decode`` (:meth:`HFTarget.set_decode`); returns the
     path taken. Other adapters keep their own (``"hf"`` is returned)."""
@@ -171,3 +211,24 @@ def warm_up_rollouts(
             loop = SpeculativeRolloutLoop(target, drafter, short, arm, threshold=len(group) + 1)
             loop.generate(group, generator=torch.Generator().manual_seed(0))
     return time.perf_counter() - start
+
+
+def compile_rollouts(module: GRPOModule) -> float:
+    """Compile ``module``'s rollout graphs once, right before its first rollout, when the drafter, feature
+    layers and strategy arms are known (:func:`warm_up_rollouts` on two of its prompts).
+
+    Returns the seconds it took: 0 after the first call, or without compiled decoding. They are logged
+    as ``time/compile_s``, printed, kept in ``module.compile_seconds`` and out of the rollout's time.
+    """
+    if module.compile_seconds is not None or module.vllm_rollouts is not None:
+        return 0.0
+    source = module.prompt_source
+    prompts = [source.prompt_ids(i) for i in range(min(2, len(source)))]
+    drafter = module.drafter if module.speculative_config.enabled else None
+    arms = draft_arms(module.draft_strategy)
+    seconds = warm_up_rollouts(module.rollout_target, module.rollout_config(), prompts, drafter, arms)
+    module.compile_seconds = seconds or 0.0
+    if seconds is not None:
+        rank_zero_info(f"Compiled the rollout graphs in {seconds:.1f} s, before the first rollout")
+        module.log("time/compile_s", seconds)
+    return seconds or 0.0

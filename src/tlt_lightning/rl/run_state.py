@@ -73,7 +73,8 @@ def set_global_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:
-    """A 63-bit seed for the rollouts of ``step`` on ``rank``: a hash of the three, so steps never share one."""
+    """A 63-bit seed for the rollouts of ``step`` on ``rank``: a hash of the three, so steps never share
+    one."""
     digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
@@ -97,7 +98,8 @@ def restore_grpo_state(
     checkpoint: dict[str, Any], seed: int, source: PromptSource | None, optim: OptimConfig
 ) -> None:
     """Restore the global random states of ``checkpoint["grpo"]``, warning when the seed or the prompt
-    source differ from the checkpoint's, and set the restored optimizer's lr and weight decay to ``optim``'s."""
+    source differ from the checkpoint's, and set the restored optimizer's lr and weight decay to
+    ``optim``'s."""
     grpo = checkpoint.get("grpo", {})
     saved = grpo.get("seed")
     if saved is not None and saved != seed:

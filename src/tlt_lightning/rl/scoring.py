@@ -6,11 +6,13 @@ with a :class:`RewardError` naming the task, the reward function and the prompt 
 Example:
     >>> from tlt_lightning.rl import TokenPromptSource
     >>> source = TokenPromptSource([[1, 2]], lambda prompt, completion: 0.5, name="half")
-    >>> check_rewards(RewardBatch(torch.tensor([0.5, float("nan")]), torch.zeros(2)), torch.zeros(2, dtype=torch.long),
-    ...               source, group_size=2, limit=1e6)
+    >>> rewards = RewardBatch(torch.tensor([0.5, float("nan")]), torch.zeros(2))
+    >>> indices = torch.zeros(2, dtype=torch.long)
+    >>> check_rewards(rewards, indices, source, group_size=2, limit=1e6)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    tlt_lightning.rl.scoring.RewardError: the reward total of task 'half' is nan on prompt index 0 (sample 1 of its group): rewards must be finite and within +-max_abs_reward=1e+06
+    tlt_lightning.rl.scoring.RewardError: the reward total of task 'half' is nan on prompt index 0
+    (sample 1 of its group): rewards must be finite and within +-max_abs_reward=1e+06
 """
 
 from __future__ import annotations
@@ -150,7 +152,8 @@ def agreed_rewards(
     limit: float,
     any_rank: Callable[[bool], bool],
 ) -> RewardBatch:
-    """``compute()``'s rewards, checked (:func:`check_rewards`), with every rank stopping if any rank's failed.
+    """``compute()``'s rewards, checked (:func:`check_rewards`), with every rank stopping if any rank's
+    failed.
 
     A failure is held until every rank knows (``any_rank``: whether the flag is set on any rank, a
     collective), so that none hangs in a later collective.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,7 +34,10 @@ def log_step(
     module.log("rollout/tokens_per_s", module.rollout_tokens_per_s.compute(), prog_bar=True)
     module.accept_length.reset()
     module.rollout_tokens_per_s.reset()
-    log = lambda name, value, **kw: module.log(name, value, sync_dist=True, **kw)
+
+    def log(name: str, value: Any, **kw: Any) -> None:
+        module.log(name, value, sync_dist=True, **kw)
+
     log("reward/mean", rewards.total.mean(), prog_bar=True)
     log("reward/std", rewards.total.std() if rewards.total.numel() > 1 else torch.tensor(0.0))
     log("reward/accuracy", (rewards.correctness >= 1).float().mean())

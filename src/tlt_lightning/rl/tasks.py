@@ -61,7 +61,8 @@ SUPPORTED_TASKS: dict[str, AnswerKind] = {
     "countdown": "expression",
     "gsm_symbolic": "number",
 }
-"""The reasoning-gym tasks :class:`TaskConfig` accepts, each with how its answers look (picks the extraction rules)."""
+"""The reasoning-gym tasks :class:`TaskConfig` accepts, each with how its answers look (picks the
+extraction rules)."""
 
 # The easiest settings of each task: SmolLM2-135M solves ~20-25% of chain_sum/basic_arithmetic
 # problems under them at temperature 1, and none of countdown's (docs/tasks.md).
@@ -362,6 +363,7 @@ class TaskDataset(Dataset):
 
 
 def task_prompts(tokenizer: Any, task: str, count: int, seed: int = 0) -> list[list[int]]:
-    """``count`` real prompts of reasoning-gym ``task`` rendered with the model's chat template (token ids)."""
+    """``count`` real prompts of reasoning-gym ``task`` rendered with the model's chat template (token
+    ids)."""
     dataset = TaskDataset(TaskConfig(name=task, size=count, seed=seed), tokenizer)
     return [list(dataset[i].input_ids) for i in range(count)]

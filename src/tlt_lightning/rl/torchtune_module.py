@@ -121,7 +121,9 @@ class TorchtuneGRPOModule(GRPOModule):
 
     Example:
         >>> source = TokenPromptSource([[5, 6, 7], [8, 9], [3], [4, 2]], reward_fn)  # doctest: +SKIP
-        >>> module = TorchtuneGRPOModule(model="tiny-llama", speculative={"drafter_kind": "eagle1"}, prompt_source=source)  # doctest: +SKIP
+        >>> module = TorchtuneGRPOModule(
+        ...     model="tiny-llama", speculative={"drafter_kind": "eagle1"}, prompt_source=source
+        ... )  # doctest: +SKIP
         >>> Trainer(max_steps=2, accelerator="cpu").fit(module)  # doctest: +SKIP
     """
 
@@ -147,12 +149,13 @@ class TorchtuneGRPOModule(GRPOModule):
                 )
         if (builder is None) != (checkpointer is None):
             raise ValueError(
-                f"builder and checkpointer go together (the builder makes the decoder, the checkpointer loads its "
-                f"weights), got builder={builder!r}, checkpointer={checkpointer!r}"
+                "builder and checkpointer go together (the builder makes the decoder, the checkpointer "
+                f"loads its weights), got builder={builder!r}, checkpointer={checkpointer!r}"
             )
         if tokenizer is not None and builder is None:
             raise ValueError(
-                "tokenizer needs builder and checkpointer (without them the tokenizer is the one `model` names)"
+                "tokenizer needs builder and checkpointer "
+                "(without them the tokenizer is the one `model` names)"
             )
         if checkpointer is not None and "checkpoint_dir" not in checkpointer:
             raise ValueError(
@@ -216,7 +219,8 @@ class TorchtuneGRPOModule(GRPOModule):
         return decoder.to(DTYPES[hp.dtype]), tokenizer
 
     def configure_prompt_source(self) -> PromptSource:
-        """The task's prompts, rendered by a torchtune tokenizer (:func:`torchtune_chat_render`) or the parent's way."""
+        """The task's prompts, rendered by a torchtune tokenizer (:func:`torchtune_chat_render`) or the
+        parent's way."""
         if self.tokenizer is None or isinstance(self.tokenizer, PreTrainedTokenizerBase):
             return super().configure_prompt_source()
         dataset = TaskDataset(self.task_config, self.tokenizer, render=torchtune_chat_render(self.tokenizer))

@@ -46,7 +46,8 @@ def check_vllm_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
     unknown = sorted(set(settings) - fields)
     if unknown:
         raise ValueError(
-            f"vllm: unknown settings {unknown}; allowed: {sorted(fields)} (model and drafter are the module's)"
+            f"vllm: unknown settings {unknown}; allowed: {sorted(fields)} "
+            "(model and drafter are the module's)"
         )
     VLLMBackendConfig(model=".", **settings)  # validates each value, naming the field
     return settings

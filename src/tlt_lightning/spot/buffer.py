@@ -209,7 +209,8 @@ class RolloutBuffer:
             self._shape = self._shape or shape
         if shape != self._shape:
             raise ValueError(
-                f"rollouts[{index}].features have [C, H] = {list(shape)}, the buffer holds {list(self._shape)}"
+                f"rollouts[{index}].features have [C, H] = {list(shape)}, "
+                f"the buffer holds {list(self._shape)}"
             )
         if T < 2:
             return None

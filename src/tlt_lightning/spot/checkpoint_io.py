@@ -106,7 +106,8 @@ def load_checkpoint(
     bad = [k for k in set(expected) & set(tensors) if tensors[k].shape != expected[k].shape]
     if missing or unexpected or bad:
         raise ValueError(
-            f"{path} does not fit the drafter: missing {missing}, unexpected {unexpected}, shape mismatch {bad}"
+            f"{path} does not fit the drafter: missing {missing}, unexpected {unexpected}, "
+            f"shape mismatch {bad}"
         )
     drafter.load_state_dict(tensors, strict=True)
     if optimizer is not None and (path / OPTIMIZER_NAME).is_file():

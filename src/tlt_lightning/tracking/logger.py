@@ -140,7 +140,8 @@ def tracking_logger(
 
 
 def is_tracking_logger(path: Any) -> bool:
-    """Whether the dotted ``path`` (a config's ``class_path`` or ``_component_``) names :func:`tracking_logger`.
+    """Whether the dotted ``path`` (a config's ``class_path`` or ``_component_``) names
+    :func:`tracking_logger`.
 
     Compared by the object it imports, so ``tlt_lightning.tracking.tracking_logger`` and
     ``tlt_lightning.tracking.logger.tracking_logger`` both count; a path that does not import is not it.

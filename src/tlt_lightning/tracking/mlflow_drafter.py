@@ -142,7 +142,8 @@ def log_drafter_version(
     rl_step: int,
     target_model: str | None = None,
 ) -> ModelVersion:
-    """Log a drafter checkpoint to run ``run_id`` as an MLflow model and register it as a new version of ``name``.
+    """Log a drafter checkpoint to run ``run_id`` as an MLflow model and register it as a new version of
+    ``name``.
 
     The model (the checkpoint's files, ``MLmodel``, environment files: see
     :func:`~tlt_lightning.tracking.mlflow_pyfunc.save_drafter_model`) goes under

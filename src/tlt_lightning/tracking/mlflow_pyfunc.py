@@ -69,7 +69,8 @@ _COPIED = (WEIGHTS_NAME, CONFIG_NAME, "meta.json")  # not optimizer.pt: not need
 
 
 def target_signature(config: DrafterConfig) -> dict[str, Any]:
-    """What a target must be for this drafter: ``model_type``, ``hidden_size``, ``num_layers``, ``vocab_size``."""
+    """What a target must be for this drafter: ``model_type``, ``hidden_size``, ``num_layers``,
+    ``vocab_size``."""
     return {
         "model_type": config.model_type,
         "hidden_size": config.hidden_size,

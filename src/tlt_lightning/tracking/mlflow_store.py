@@ -100,5 +100,6 @@ def prepare_store(
             return client.create_experiment(experiment_name, artifact_location=artifact_location)
     except Exception as err:
         raise TrackingStoreError(
-            f"MLflow tracking store {tracking_uri!r} could not be opened ({step}): {type(err).__name__}: {err}"
+            f"MLflow tracking store {tracking_uri!r} could not be opened ({step}): "
+            f"{type(err).__name__}: {err}"
         ) from err
