@@ -13,7 +13,7 @@ accuracy and the process's peak memory.
 A step's time is its slowest rank's (DDP ranks meet in every step). The speedup is the ratio of the
 runs' median step times after ``--skip-steps``; the baseline's rollout share of the step is reported
 next to it (what a faster rollout can give at most). Rollout graphs compile once,
-and right before the first rollout (``compile_s`` of a rank's first step, taken out of its wall time);
+right before the first rollout (``compile_s`` of a rank's first step, taken out of its wall time);
 the second run reuses Inductor's on-disk cache, so its compile seconds show a warm start.
 """
 
