@@ -168,7 +168,15 @@ def hf_attention_mask(model: PreTrainedModel, mask: torch.Tensor) -> torch.Tenso
     )
 
 
-def _eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
+def eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
+    """The end-of-sequence token ids of a transformers model (generation config first, then config).
+
+    Args:
+        model: a transformers ``PreTrainedModel``.
+
+    Returns:
+        The ids as a tuple, empty when the model names none.
+    """
     eos = model.generation_config.eos_token_id if model.generation_config else None
     if eos is None:
         eos = model.config.eos_token_id
@@ -234,7 +242,7 @@ class HFTarget(nn.Module):
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=head_dim,
             max_positions=config.max_position_embeddings,
-            eos_token_ids=_eos_ids(model),
+            eos_token_ids=eos_ids(model),
         )
         self.weight_layout = "out_in"
         self._head_copy: tuple[tuple[int, int], torch.Tensor] | None = None
