@@ -458,7 +458,10 @@ def test_compiled_drafter_steps_change_no_emitted_token(compiled_pair, kind, cap
     assert drafter._compiled.graph_calls and not drafter._compiled._warned
     no_warnings(caplog)
     # Same drafts up to rounding: acceptance within a few percent of the eager drafter's.
-    mean = lambda r: float(r.stats.accept_lengths.float().mean())
+
+    def mean(r):
+        return float(r.stats.accept_lengths.float().mean())
+
     assert mean(result) == pytest.approx(mean(reference), rel=0.1)
 
 

@@ -248,7 +248,10 @@ def test_sampled_round_trip_carries_logprobs_and_repeats_per_generator(served):
     a = backend.generate(served.prompts, generator=torch.Generator().manual_seed(0))
     b = backend.generate(served.prompts, generator=torch.Generator().manual_seed(0))
     c = backend.generate(served.prompts, generator=torch.Generator().manual_seed(1))
-    tokens = lambda res: [r.token_ids.tolist() for r in res.rollouts]
+
+    def tokens(res):
+        return [r.token_ids.tolist() for r in res.rollouts]
+
     assert tokens(a) == tokens(b) != tokens(c)
     for r in a.rollouts:
         assert r.logprobs.dtype == torch.float32 and r.logprobs.shape == r.token_ids.shape

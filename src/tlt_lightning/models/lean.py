@@ -127,6 +127,17 @@ def _call_module(x: torch.Tensor, module: nn.Module, name: str) -> torch.Tensor:
     return module(x)
 
 
+def _one_by_one(linear: Linear) -> Linears:
+    """The default :data:`Linears`: ``linear`` applied to each module in turn."""
+
+    def linears(
+        x: torch.Tensor, modules: tuple[nn.Module, ...], names: tuple[str, ...]
+    ) -> list[torch.Tensor]:
+        return [linear(x, m, n) for m, n in zip(modules, names)]
+
+    return linears
+
+
 def lean_forward(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -187,7 +198,7 @@ def lean_decoder(
     ``linears`` (:data:`Linears`; default: ``linear`` on each) for the projections of one input.
     """
     if linears is None:
-        linears = lambda x, modules, names: [linear(x, m, n) for m, n in zip(modules, names)]
+        linears = _one_by_one(linear)
     decoder = model.get_decoder()
     n, q = input_ids.shape
     num_layers = len(decoder.layers)

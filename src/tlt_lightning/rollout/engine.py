@@ -297,7 +297,10 @@ class RolloutEngine:
         if cfg.feature_layers:
             shape = (B, width, len(cfg.feature_layers), info.hidden_size)
             features = torch.zeros(shape, dtype=self.target.dtype, device=device)
-        zeros = lambda: torch.zeros(B, dtype=torch.long, device=device)
+
+        def zeros() -> torch.Tensor:  # [B] long
+            return torch.zeros(B, dtype=torch.long, device=device)
+
         return ActiveBatch(
             cache=self.target.new_cache(B, width + self.cache_margin),
             request=torch.arange(B, device=device),

@@ -193,6 +193,7 @@ def draft_sampled_tree(
     greedy = sampling.greedy
     hidden = hidden[:, None]  # [n, w, H]: outputs of the nodes whose children come next
     tokens, probs = [], []  # per level: [n, w_d] target ids; [n, w_{d-1}, Vd] their law
+    branches = 1  # children per node of the level fed last (set below once level d is drafted)
     for d, w in enumerate(widths):
         if d > 0:  # feed level d - 1: pairs (its parents' outputs, its tokens) at position L + d - 1
             idx = torch.arange(starts[d - 1], starts[d], device=device)

@@ -312,7 +312,10 @@ class SpecCounters:
 
     def __sub__(self, other: SpecCounters) -> SpecCounters:
         K = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        pad = lambda v: tuple(v) + (0,) * (K - len(v))
+
+        def pad(v: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(v) + (0,) * (K - len(v))
+
         return SpecCounters(
             self.drafts - other.drafts,
             self.draft_tokens - other.draft_tokens,
