@@ -22,12 +22,8 @@ from tlt_lightning.drafter.export import eagle_state_dict
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.vllm import backend as vb
-from tlt_lightning.vllm.backend import (
-    VLLMBackendConfig,
-    VLLMRolloutBackend,
-    llm_kwargs,
-    resolve_method,
-)
+from tlt_lightning.vllm.backend import VLLMRolloutBackend
+from tlt_lightning.vllm.config import VLLMBackendConfig, llm_kwargs, resolve_method
 from tlt_lightning.vllm.convert import (
     SpecCounters,
     TargetLimits,
