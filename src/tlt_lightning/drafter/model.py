@@ -69,7 +69,8 @@ class Drafter(nn.Module):
         for name, module in (("embedding", refs.embedding), ("LM head", refs.head)):
             if tuple(module.weight.shape) != (V, H):
                 raise ValueError(
-                    f"target {name} weight is {list(module.weight.shape)}, expected [vocab_size={V}, hidden_size={H}]"
+                    f"target {name} weight is {list(module.weight.shape)}, "
+                    f"expected [vocab_size={V}, hidden_size={H}]"
                 )
         self.config = config
         self._refs = refs
@@ -239,7 +240,8 @@ class Drafter(nn.Module):
         kv_len = cache.begin_step(n, positions if slots is None else slots) if cache is not None else q
         if attention_mask.shape != (n, 1, q, kv_len):
             raise ValueError(
-                f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, q, kv_len]}, got {list(attention_mask.shape)}"
+                f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, q, kv_len]}, "
+                f"got {list(attention_mask.shape)}"
             )
         # Drafting (cached, no autograd) may run compiled; training stays eager by design.
         if (
@@ -261,7 +263,8 @@ class Drafter(nn.Module):
         attention_mask: torch.Tensor,
         cache: AttentionCache | None,
     ) -> torch.Tensor:
-        """:meth:`forward` after its checks (``cache.begin_step`` done): embed, rotate, the layer; ``[n, q, H]``."""
+        """:meth:`forward` after its checks (``cache.begin_step`` done): embed, rotate, the layer;
+        ``[n, q, H]``."""
         embeds = self.embed(tokens)
         hidden_in = hidden_in.to(self.dtype)
         cos, sin = self.rotary_emb(embeds, positions)
