@@ -102,7 +102,8 @@ def check_lean_model(model: nn.Module) -> None:
 
 
 def lean_applies(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bool:
-    """Whether a forward of ``[n, q]`` tokens takes the lean path: inference, ``q <= MAX_LEAN_QUERIES``, bool mask."""
+    """Whether a forward of ``[n, q]`` tokens takes the lean path: inference,
+    ``q <= MAX_LEAN_QUERIES``, bool mask."""
     return (
         input_ids.shape[1] <= MAX_LEAN_QUERIES
         and attention_mask.dtype == torch.bool
@@ -146,7 +147,8 @@ def lean_forward(
     cache: KVCache,
     feature_layers: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The decoder of a Llama/Qwen2 ``*ForCausalLM`` over new tokens, writing their keys/values into ``cache``.
+    """The decoder of a Llama/Qwen2 ``*ForCausalLM`` over new tokens, writing their keys/values into
+    ``cache``.
 
     The caller has declared the writes (:func:`~tlt_lightning.models.target.begin_forward`).
 
