@@ -45,7 +45,8 @@ def generate_rollouts(
     temperature: float = 0.0,
     seed: int = 0,
 ):
-    """``prompts`` random 4-token prompts, ``tokens`` new tokens each, with the drafter's training features."""
+    """``prompts`` random 4-token prompts, ``tokens`` new tokens each, with the drafter's training
+    features."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, target.info.vocab_size, (prompts, 4), generator=g).tolist()
     rollout_cfg = RolloutConfig(

@@ -384,7 +384,8 @@ def test_export_replaces_an_export_but_not_other_directories(tmp_path, llama):
 
 
 def test_an_export_with_the_side_file_at_the_top_level_still_imports(tmp_path, llama):
-    """Exports written before ``draft_vocab/`` kept the side files beside the weights; re-exporting replaces them."""
+    """Exports written before ``draft_vocab/`` kept the side files beside the weights; re-exporting
+    replaces them."""
     d, out = export(tmp_path, llama, "eagle1", DRAFT_VOCAB)
     for name in ("draft_vocab.safetensors", "hot_token_ids.pt"):
         (out / "draft_vocab" / name).rename(out / name)

@@ -1,4 +1,5 @@
-"""The C++ decode attention kernel equals grouped attention in fp32, in place on cache views, and fails clearly."""
+"""The C++ decode attention kernel equals grouped attention in fp32, in place on cache views, and
+fails clearly."""
 
 import warnings
 from pathlib import Path
@@ -77,7 +78,8 @@ def test_avx512_code_without_bf16_dots_equals_grouped_attention(without_bf16_dot
 
 
 def test_long_rows_and_masked_tails():
-    """Keys past a row's length masked (what the graphs pass), lengths not multiples of 16; a permuted query."""
+    """Keys past a row's length masked (what the graphs pass), lengths not multiples of 16; a permuted
+    query."""
     query, key, value, mask = case(3, 9, 3, 1, 300, 64, torch.bfloat16)
     mask[:] = True
     mask[1, ..., 17:] = False
@@ -135,7 +137,8 @@ def test_bad_inputs_raise_with_the_expected_shapes(change, message):
 
 
 def test_a_failing_build_warns_once_and_reports_unavailable(monkeypatch):
-    """No compiler (or ninja): available() is False with one warning naming the fallback, never an exception."""
+    """No compiler (or ninja): available() is False with one warning naming the fallback, never an
+    exception."""
     from torch.utils import cpp_extension
 
     def fail(**kwargs):

@@ -212,7 +212,8 @@ def test_a_switched_model_runs_in_a_process_that_unpickles_it(tmp_path):
 
 
 def head_dim_64_qwen2() -> Qwen2ForCausalLM:
-    """A small random Qwen2 in bf16 whose heads (64) the C++ kernel has vector code for (seeded: always the same)."""
+    """A small random Qwen2 in bf16 whose heads (64) the C++ kernel has vector code for (seeded: always
+    the same)."""
     config = Qwen2Config(
         vocab_size=128,
         hidden_size=256,

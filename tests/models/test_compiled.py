@@ -38,7 +38,8 @@ def compiled_pair(tiny_target, request) -> tuple[HFTarget, HFTarget]:
 
 
 def expected_graphs(target: HFTarget, features: tuple[int, ...]) -> set[Bucket]:
-    """The graphs the shared bucket may compile: the static bucket, or the dynamic graph (and one of one row)."""
+    """The graphs the shared bucket may compile: the static bucket, or the dynamic graph (and one of one
+    row)."""
     if not target._compiled.dynamic:
         return {Bucket(16, 8, 256, features)}
     return {Bucket(0, 8, 0, features), Bucket(0, 8, 0, features, all_slots=True), Bucket(1, 8, 0, features)}
@@ -74,7 +75,8 @@ def test_plain_greedy_decode_equals_transformers(compiled_pair, caplog):
 
 @pytest.mark.parametrize("arm", [DraftSpec(4), DraftSpec(3, 3, 6), DraftSpec(3, 2, sampled=True)], ids=str)
 def test_chain_and_tree_verification_equal_plain_greedy(compiled_pair, arm, caplog):
-    """Speculative greedy verifying through the graphs (chains of 5, trees of 7 tokens) equals plain greedy."""
+    """Speculative greedy verifying through the graphs (chains of 5, trees of 7 tokens) equals plain
+    greedy."""
     hf, compiled = compiled_pair
     drafter = Drafter(DrafterConfig.from_target(hf, draft_vocab_size=96), hf)
     prompts = random_prompts(10, seed=13)
@@ -116,7 +118,8 @@ def decode_once(
 
 
 def test_weights_updated_after_compiling_are_followed(tiny_llama, fresh_compile):
-    """The RL case: an optimizer changes the weights in place; the graph reads them (and their packed copies) anew."""
+    """The RL case: an optimizer changes the weights in place; the graph reads them (and their packed
+    copies) anew."""
     model = copy.deepcopy(tiny_llama.model)  # never change the shared fixture's weights
     hf = HFTarget(model)
     compiled = HFTarget(model, decode="compiled", compile_config=SHARED)
@@ -134,8 +137,9 @@ def test_weights_updated_after_compiling_are_followed(tiny_llama, fresh_compile)
 
 @pytest.mark.parametrize("config", [SHARED, DYNAMIC], ids=["static", "dynamic"])
 def test_graphs_never_serve_another_model_of_the_same_shapes(tiny_llama, config):
-    """The graphs skip dynamo's guards on the model's modules: a second model of the same shapes whose norms
-    differ in a plain attribute (their epsilon, baked into a graph) gets graphs of its own, not the first's."""
+    """The graphs skip dynamo's guards on the model's modules: a second model of the same shapes whose
+    norms differ in a plain attribute (their epsilon, baked into a graph) gets graphs of its own, not
+    the first's."""
     other = copy.deepcopy(tiny_llama.model)
     for module in other.modules():
         if hasattr(module, "variance_epsilon"):
@@ -316,8 +320,9 @@ def test_dynamic_graphs_serve_every_row_count_and_length_without_recompiling(
 
 
 def test_calls_skip_guards_only_into_graphs_compiled_for_their_inputs(tiny_llama, fresh_compile):
-    """A static graph is compiled for its cache's shape, and Inductor's kernels for the thread count: a cache
-    of another size, or another thread count, never reaches the guard-free call of a graph built for others."""
+    """A static graph is compiled for its cache's shape, and Inductor's kernels for the thread count: a
+    cache of another size, or another thread count, never reaches the guard-free call of a graph built
+    for others."""
     compiled = HFTarget(tiny_llama.model, decode="compiled", compile_config=SHARED)
     lens = torch.tensor([5, 9])
     expected = decode_once(tiny_llama, lens)
@@ -458,7 +463,10 @@ def test_compiled_drafter_steps_change_no_emitted_token(compiled_pair, kind, cap
     assert drafter._compiled.graph_calls and not drafter._compiled._warned
     no_warnings(caplog)
     # Same drafts up to rounding: acceptance within a few percent of the eager drafter's.
-    mean = lambda r: float(r.stats.accept_lengths.float().mean())
+
+    def mean(r):
+        return float(r.stats.accept_lengths.float().mean())
+
     assert mean(result) == pytest.approx(mean(reference), rel=0.1)
 
 
@@ -467,7 +475,8 @@ def test_compiled_drafter_steps_change_no_emitted_token(compiled_pair, kind, cap
     ("name", "dtype", "tolerance"), [("tiny-llama", "float32", 1e-5), ("tiny-qwen2", "bfloat16", 5e-2)]
 )
 def test_hidden_states_within_the_documented_tolerance(name, dtype, tolerance, config):
-    """models.compiled's documented tolerance: largest difference / largest |hidden| (decode, 3 rows of 3 tokens)."""
+    """models.compiled's documented tolerance: largest difference / largest |hidden| (decode, 3 rows of
+    3 tokens)."""
     model = load_model(name, dtype=dtype, seed=0).model
     hf, compiled = HFTarget(model), HFTarget(model, decode="compiled", compile_config=config)
     lens = torch.tensor([5, 9, 3])
@@ -513,7 +522,8 @@ def test_one_row_bf16_decode_takes_row_gemv_within_the_tolerance(row_gemv, monke
 
 @pytest.mark.parametrize("matmul_attention", [True, False])
 def test_graphs_of_several_rows_attend_by_matmul_on_a_cpu(matmul_attention, monkeypatch, fresh_compile):
-    """Several rows: grouped_matmul_attention (unless turned off); one row: the flash kernel. Same tolerance."""
+    """Several rows: grouped_matmul_attention (unless turned off); one row: the flash kernel. Same
+    tolerance."""
     calls = count_calls(monkeypatch, "grouped_matmul_attention")
     model = load_model("tiny-qwen2", dtype="bfloat16", seed=0).model
     config = CompileConfig(query_buckets=(4,), matmul_attention=matmul_attention)

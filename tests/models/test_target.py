@@ -82,7 +82,8 @@ def test_attention_without_explicit_masks_is_refused(tiny_llama):
     model.config._attn_implementation = "flash_attention_2"  # what loading with it sets (no flash-attn here)
     with pytest.raises(
         ValueError,
-        match="attn_implementation='flash_attention_2' does not take; load the model with attn_implementation='sdpa'",
+        match="attn_implementation='flash_attention_2' does not take; "
+        "load the model with attn_implementation='sdpa'",
     ):
         HFTarget(model)
 

@@ -37,9 +37,9 @@ class _ShiftedCache(KVCache):
 class OracleDrafter:
     """Drafts with the target itself, so its draft distribution equals the target's.
 
-    Used with ``drafter_context="prompt"``. A pair at drafter position ``p`` is ``(f_p, x_{p+1})``: the oracle reads ``x_{p+1}`` at target
-    position ``p + 1`` in a full target cache of its own. It needs ``x_0``, which it takes to be
-    ``BOS``: the prompts of the tests using it start with ``BOS``.
+    Used with ``drafter_context="prompt"``. A pair at drafter position ``p`` is ``(f_p, x_{p+1})``:
+    the oracle reads ``x_{p+1}`` at target position ``p + 1`` in a full target cache of its own. It
+    needs ``x_0``, which it takes to be ``BOS``: the prompts of the tests using it start with ``BOS``.
     """
 
     weight_layout = "out_in"  # its weights are the target's
@@ -338,7 +338,8 @@ def test_sampling_is_exact_end_to_end(temperature, top_p, arm):
 
 @pytest.mark.parametrize("arm", [DraftSpec(2), DraftSpec(2, 2, 3)], ids=str)
 def test_sampling_is_exact_through_the_lean_forward(arm):
-    """The lean decode path (``HFTarget(decode="lean")``) verifies chains and trees: still the target's law."""
+    """The lean decode path (``HFTarget(decode="lean")``) verifies chains and trees: still the target's
+    law."""
     assert_sampling_exact(1.0, 0.9, arm, decode="lean")
 
 

@@ -237,7 +237,7 @@ def test_heatmap_png_is_written(tmp_path):
     run_strategy(bandit, SimulatedSDEnvironment(change_at=None), 300)
     edges, rows = bandit.heatmap_data(num_bins=10)
     assert len(edges) == 11 and [label for label, _, _ in rows] == list(bandit.bucket_labels)
-    for _, keys, matrix in rows:
+    for _, _keys, matrix in rows:
         col_sums = [sum(col) for col in zip(*matrix)]
         assert all(math.isnan(s) or s == pytest.approx(1.0) for s in col_sums)
     path = bandit.plot_heatmap(tmp_path / "sub" / "heat.png")

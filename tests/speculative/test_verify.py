@@ -24,7 +24,6 @@ from tlt_lightning.speculative import (
     verify_chain,
     verify_tree,
 )
-from tlt_lightning.speculative.verify import tree_attention_mask, tree_depths
 
 ALPHA = 1e-3
 START = 0
@@ -394,29 +393,6 @@ def test_same_seed_same_result() -> None:
 def test_emitted_pads_after_next_token() -> None:
     result = VerifyResult(torch.tensor([0, 2]), torch.tensor([9, 8]), torch.tensor([[-1, -1], [0, 1]]))
     assert result.emitted(torch.tensor([[5, 6], [7, 4]])).tolist() == [[9, -1, -1], [7, 4, 8]]
-
-
-def test_tree_depths_and_mask() -> None:
-    parents = torch.tensor(TREE)
-    assert tree_depths(parents).tolist() == [0, 0, 1, 1, 1, 0, 2, 2]
-    mask = tree_attention_mask(parents)
-    ancestors = {0: [0], 1: [1], 2: [0, 2], 3: [1, 3], 4: [0, 4], 5: [5], 6: [0, 2, 6], 7: [0, 2, 7]}
-    expected = torch.zeros(8, 8, dtype=torch.bool)
-    for i, js in ancestors.items():
-        expected[i, js] = True
-    assert torch.equal(mask, expected)
-    batched = torch.stack([parents, torch.tensor([-1, 0, 1, 2, 3, 4, 5, 6])])
-    assert torch.equal(tree_attention_mask(batched)[0], expected)
-    assert torch.equal(tree_attention_mask(batched)[1], torch.ones(8, 8, dtype=torch.bool).tril())
-    assert tree_depths(batched)[1].tolist() == list(range(8))
-
-
-@pytest.mark.parametrize("bad", [[0, -1], [-1, 1], [-2, 0]])
-def test_parents_must_be_topological(bad) -> None:
-    with pytest.raises(ValueError, match="parents must satisfy"):
-        tree_depths(torch.tensor(bad))
-    with pytest.raises(ValueError, match="parents must satisfy"):
-        tree_attention_mask(torch.tensor(bad))
 
 
 def test_chain_shape_errors_name_the_argument() -> None:

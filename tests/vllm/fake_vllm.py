@@ -1,4 +1,5 @@
-"""A CPU stand-in for the parts of vLLM the rollout backend uses (``LLM``, ``SamplingParams``, ``TokensPrompt``).
+"""A CPU stand-in for the parts of vLLM the rollout backend uses (``LLM``, ``SamplingParams``,
+``TokensPrompt``).
 
 ``FakeLLM`` serves a transformers checkpoint directory with our own :class:`RolloutEngine`, one
 request at a time, and answers in vLLM's output shapes (``RequestOutput.outputs[0].token_ids``,

@@ -22,12 +22,8 @@ from tlt_lightning.drafter.export import eagle_state_dict
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.vllm import backend as vb
-from tlt_lightning.vllm.backend import (
-    VLLMBackendConfig,
-    VLLMRolloutBackend,
-    llm_kwargs,
-    resolve_method,
-)
+from tlt_lightning.vllm.backend import VLLMRolloutBackend
+from tlt_lightning.vllm.config import VLLMBackendConfig, llm_kwargs, resolve_method
 from tlt_lightning.vllm.convert import (
     SpecCounters,
     TargetLimits,
@@ -248,7 +244,10 @@ def test_sampled_round_trip_carries_logprobs_and_repeats_per_generator(served):
     a = backend.generate(served.prompts, generator=torch.Generator().manual_seed(0))
     b = backend.generate(served.prompts, generator=torch.Generator().manual_seed(0))
     c = backend.generate(served.prompts, generator=torch.Generator().manual_seed(1))
-    tokens = lambda res: [r.token_ids.tolist() for r in res.rollouts]
+
+    def tokens(res):
+        return [r.token_ids.tolist() for r in res.rollouts]
+
     assert tokens(a) == tokens(b) != tokens(c)
     for r in a.rollouts:
         assert r.logprobs.dtype == torch.float32 and r.logprobs.shape == r.token_ids.shape

@@ -221,7 +221,8 @@ def make_batches(
         than 2 tokens are skipped. Bad rollouts raise here, not on access.
 
     Example:
-        >>> # rollouts = engine.with_config(feature_layers=cfg.rollout_feature_layers).generate(prompts).rollouts
+        >>> # engine = engine.with_config(feature_layers=cfg.rollout_feature_layers)
+        >>> # rollouts = engine.generate(prompts).rollouts
         >>> # batches = make_batches(rollouts, cfg, batch_size=8)
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:

@@ -76,7 +76,8 @@ class DrafterConfig:
         check(self.kind in DRAFTER_KINDS, "kind", self.kind, f"one of {DRAFTER_KINDS}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"model_type {self.model_type!r} is not supported by the drafter; supported: {SUPPORTED_MODEL_TYPES}"
+                f"model_type {self.model_type!r} is not supported by the drafter; "
+                f"supported: {SUPPORTED_MODEL_TYPES}"
             )
         for name in (
             "hidden_size",
@@ -109,7 +110,8 @@ class DrafterConfig:
             positive_int("draft_vocab_size", self.draft_vocab_size)
             if self.draft_vocab_size > self.vocab_size:
                 raise ValueError(
-                    f"draft_vocab_size must be <= vocab_size ({self.vocab_size}) or None, got {self.draft_vocab_size}"
+                    f"draft_vocab_size must be <= vocab_size ({self.vocab_size}) or None, "
+                    f"got {self.draft_vocab_size}"
                 )
             if self.draft_vocab_size == self.vocab_size:  # one canonical form for "full vocabulary"
                 object.__setattr__(self, "draft_vocab_size", None)

@@ -7,10 +7,11 @@ loaders (vLLM ``model_executor/models/llama_eagle.py``, ``llama_eagle3.py``; SGL
 
 * **EAGLE-1** (vLLM: ``architectures: ["LlamaForCausalLM"]``, which it maps to
   ``EagleLlamaForCausalLM``; SGLang: ``["LlamaForCausalLMEagle"]``, and its ``fc`` has a bias, so
-  an SGLang export carries an explicit zero ``fc.bias``): ``fc.weight`` ``[H, 2H]`` over ``cat(embed, feature)``, then
-  one Llama layer without ``input_layernorm`` (``layers.0.*``); its output goes through the
-  *target's* LM head unnormalised. No ``lm_head``, no ``d2t``: the engines draft over the full
-  vocabulary (a reduced draft vocabulary travels in a side file, see :mod:`.export`).
+  an SGLang export carries an explicit zero ``fc.bias``): ``fc.weight`` ``[H, 2H]`` over
+  ``cat(embed, feature)``, then one Llama layer without ``input_layernorm`` (``layers.0.*``); its
+  output goes through the *target's* LM head unnormalised. No ``lm_head``, no ``d2t``: the engines
+  draft over the full vocabulary (a reduced draft vocabulary travels in a side file, see
+  :mod:`.export`).
 * **EAGLE-3** (``architectures: ["LlamaForCausalLMEagle3"]``): ``fc.weight`` ``[H, 3H]`` fuses three
   target layers; ``midlayer.*`` is a Llama layer whose q/k/v read ``cat(input_layernorm(embed),
   hidden_norm(g))`` (``2H``) with residual ``g`` (``norm_before_residual: false``); ``norm.weight``
@@ -91,9 +92,9 @@ def check_exportable(config: DrafterConfig, engine: str = "vllm") -> None:
         )
     if engine == "sglang" and config.kind == "eagle3" and (config.attention_bias or config.o_proj_bias):
         raise ValueError(
-            f"cannot export for SGLang: this eagle3 drafter has attention biases (a {config.model_type!r} target's "
-            "q/k/v biases), and SGLang's EAGLE-3 layer has none, so it would silently drop them; export with "
-            "engine='vllm', or use an eagle1 drafter for SGLang"
+            "cannot export for SGLang: this eagle3 drafter has attention biases "
+            f"(a {config.model_type!r} target's q/k/v biases), and SGLang's EAGLE-3 layer has none, "
+            "so it would silently drop them; export with engine='vllm', or use an eagle1 drafter for SGLang"
         )
 
 
@@ -204,7 +205,8 @@ def config_from_eagle(
     record = data.get(TLT_KEY) or {}
     if record.get("target_model_type", info.model_type) != info.model_type:
         raise ValueError(
-            f"the export was made for a {record['target_model_type']!r} target, got a {info.model_type!r} target"
+            f"the export was made for a {record['target_model_type']!r} target, "
+            f"got a {info.model_type!r} target"
         )
     H, heads = _field(data, "hidden_size"), _field(data, "num_attention_heads")
     rope = data.get("rope_parameters") or {

@@ -258,6 +258,24 @@ def import_drafter(
     """
     export_dir = Path(export_dir)
     data = _read_json(export_dir / EXPORT_CONFIG)
+    tensors = _read_tensors(export_dir)
+    d2t = tensors.get("d2t")
+    draft_vocab = int(d2t.numel()) if d2t is not None else None
+    config = config_from_eagle(data, target, draft_vocab_size=draft_vocab)
+    _check_record(data, config, export_dir)
+    drafter = Drafter(config, target, dtype=dtype)
+    _complete_draft_vocab(tensors, config, export_dir)
+    head = tensors.pop("lm_head.weight", None)
+    embed = tensors.pop("embed_tokens.weight", None)  # not loaded either: the target's embedding is used
+    _check_fits(tensors, drafter.state_dict(), config, export_dir)
+    drafter.load_state_dict(tensors, strict=True)
+    if check_head:
+        _check_shared(drafter, embed, head, export_dir)
+    return drafter
+
+
+def _read_tensors(export_dir: Path) -> dict[str, torch.Tensor]:
+    """The export's weights, with its reduced draft vocabulary (``d2t``, ``t2d``) if it has one."""
     tensors = _load(export_dir / EXPORT_WEIGHTS)
     for vocab_file in (
         export_dir / EXPORT_SIDE_DIR / EXPORT_VOCAB,
@@ -266,9 +284,11 @@ def import_drafter(
         if vocab_file.is_file():
             tensors.update(_load(vocab_file))
             break
-    d2t = tensors.get("d2t")
-    draft_vocab = int(d2t.numel()) if d2t is not None else None
-    config = config_from_eagle(data, target, draft_vocab_size=draft_vocab)
+    return tensors
+
+
+def _check_record(data: dict, config: DrafterConfig, export_dir: Path) -> None:
+    """Require the EAGLE keys of an export of ours to agree with the drafter config it recorded."""
     record = data.get(TLT_KEY, {}).get("drafter_config")
     if record is not None:
         recorded = DrafterConfig.from_dict(record)
@@ -277,7 +297,11 @@ def import_drafter(
             raise ValueError(
                 f"{export_dir / EXPORT_CONFIG}: the EAGLE keys disagree with its record on {diff}"
             )
-    drafter = Drafter(config, target, dtype=dtype)
+
+
+def _complete_draft_vocab(tensors: dict[str, torch.Tensor], config: DrafterConfig, export_dir: Path) -> None:
+    """Bring the draft-vocabulary tensors to our layout: ``t2d`` rebuilt from ``d2t`` where an export
+    omits it, and identity offsets of a full vocabulary dropped."""
     if config.reduced_vocab and "t2d" not in tensors and "d2t" in tensors:  # vLLM needs no t2d: some omit it
         ids = torch.arange(tensors["d2t"].numel()) + tensors["d2t"]
         tensors["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
@@ -287,9 +311,15 @@ def import_drafter(
         if bool(tensors["d2t"].any()):
             raise ValueError(f"{export_dir}: d2t is not all zero, but the draft vocabulary is the full one")
         tensors.pop("d2t"), tensors.pop("t2d", None)
-    head = tensors.pop("lm_head.weight", None)
-    embed = tensors.pop("embed_tokens.weight", None)  # not loaded either: the target's embedding is used
-    expected = drafter.state_dict()
+
+
+def _check_fits(
+    tensors: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    config: DrafterConfig,
+    export_dir: Path,
+) -> None:
+    """Require ``tensors`` to be the drafter's state dict: names and shapes; zero biases are dropped."""
     for name in sorted(set(tensors) - set(expected)):
         if name.endswith(".bias") and not bool((tensors[name] == 0).all()):
             raise ValueError(
@@ -307,22 +337,23 @@ def import_drafter(
             )
     if config.reduced_vocab:
         check_draft_vocab(tensors["d2t"], tensors["t2d"], config, export_dir)
-    drafter.load_state_dict(tensors, strict=True)
-    if check_head:
-        shared = []
-        if embed is not None:
-            shared.append(
-                ("embed_tokens.weight", "embedding", embed, drafter._refs.embedding.weight.detach())
+
+
+def _check_shared(
+    drafter: Drafter, embed: torch.Tensor | None, head: torch.Tensor | None, export_dir: Path
+) -> None:
+    """Require an exported embedding (if any) and EAGLE-3 LM head to be the target's own."""
+    shared = []
+    if embed is not None:
+        shared.append(("embed_tokens.weight", "embedding", embed, drafter._refs.embedding.weight.detach()))
+    if drafter.config.kind == "eagle3":
+        shared.append(("lm_head.weight", "LM head on the draft vocabulary", head, drafter._head()[0]))
+    for name, what, stored, ours in shared:
+        if not _same(stored, ours):
+            raise ValueError(
+                f"{export_dir}: {name} is not the target's {what} (the export was made for other target "
+                "weights); pass check_head=False to load it anyway"
             )
-        if config.kind == "eagle3":
-            shared.append(("lm_head.weight", "LM head on the draft vocabulary", head, drafter._head()[0]))
-        for name, what, stored, ours in shared:
-            if not _same(stored, ours):
-                raise ValueError(
-                    f"{export_dir}: {name} is not the target's {what} (the export was made for other target "
-                    "weights); pass check_head=False to load it anyway"
-                )
-    return drafter
 
 
 def _same(stored: torch.Tensor | None, ours: torch.Tensor) -> bool:

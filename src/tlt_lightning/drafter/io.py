@@ -96,7 +96,8 @@ def replace_directory(directory: Path, write: Callable[[Path], None]) -> Path:
 
 
 def read_drafter_config(directory: str | os.PathLike) -> DrafterConfig:
-    """The :class:`DrafterConfig` of a checkpoint (``ValueError`` if missing, corrupt or of another version)."""
+    """The :class:`DrafterConfig` of a checkpoint (``ValueError`` if missing, corrupt or of another
+    version)."""
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise ValueError(f"{path} not found: {Path(directory)} is not a drafter checkpoint")
@@ -121,7 +122,8 @@ def load_drafter(
     Args:
         directory: the checkpoint directory, or an MLflow URI of one: ``models:/<name>/<version>``,
             ``models:/<name>@<alias>`` (a registered drafter version) or ``runs:/<run id>/<path>``
-            (downloaded to a temporary directory, see :func:`~tlt_lightning.drafter.mlflow_uri.download_drafter`).
+            (downloaded to a temporary directory, see
+            :func:`~tlt_lightning.drafter.mlflow_uri.download_drafter`).
         target: the target it drafts for (its config must match; its embedding and LM head are used).
         dtype: parameter dtype (default: the target's).
         tracking_uri: the MLflow store of a URI; ``None``: ``$MLFLOW_TRACKING_URI``, else the store

@@ -142,7 +142,8 @@ class Eagle1Layer(nn.Module):
 
 
 class Eagle3Layer(nn.Module):
-    """EAGLE-3's midlayer: attention over ``[input_layernorm(embed), hidden_norm(g)]`` (2H), residual ``g``."""
+    """EAGLE-3's midlayer: attention over ``[input_layernorm(embed), hidden_norm(g)]`` (2H),
+    residual ``g``."""
 
     def __init__(self, config: DrafterConfig, hf_config: Any) -> None:
         super().__init__()

@@ -132,7 +132,8 @@ def _version_number(client: Any, name: str, ver: str | None, alias: str | None, 
     if alias is not None:
         if alias not in registered.aliases:
             raise ValueError(
-                f"registered model {name!r} has no alias {alias!r}; aliases: {sorted(registered.aliases) or 'none'}"
+                f"registered model {name!r} has no alias {alias!r}; "
+                f"aliases: {sorted(registered.aliases) or 'none'}"
                 f", versions: {versions}"
             )
         return int(registered.aliases[alias])

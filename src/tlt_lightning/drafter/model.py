@@ -16,8 +16,6 @@ Data flow for a batch of ``n`` rows of ``q`` new positions::
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,69 +23,13 @@ from torch import nn
 from tlt_lightning.drafter.compiled import CompiledDrafterStep
 from tlt_lightning.drafter.config import DrafterConfig
 from tlt_lightning.drafter.layers import ARCH, AttentionCache, Eagle1Layer, Eagle3Layer, hf_config
+from tlt_lightning.drafter.target_refs import target_refs
 from tlt_lightning.models.compiled import CompileConfig
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import PackedWeight, set_weight_layout
-from tlt_lightning.models.target import HFTarget, TargetModel
+from tlt_lightning.models.target import TargetModel
 
 __all__ = ["AttentionCache", "Drafter"]
-
-
-class _TargetRefs:
-    """Unregistered references to the target's embedding and LM head: shared, never copied."""
-
-    __slots__ = ("embedding", "head")
-
-    def __init__(self, embedding: nn.Module, head: nn.Module) -> None:
-        self.embedding, self.head = embedding, head
-
-    def __deepcopy__(self, memo: dict) -> _TargetRefs:
-        return self  # a copied drafter (e.g. for an async checkpoint) still reads the live target
-
-
-class _TiedHead:
-    """An LM head tied to an embedding (torchtune's ``TiedLinear``): ``weight`` ``[V, H]`` is the
-    embedding's own parameter, read at each use (so it follows in-place updates); no bias."""
-
-    __slots__ = ("tied",)
-    bias = None
-
-    def __init__(self, tied: nn.Module) -> None:
-        self.tied = tied
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.tied.weight
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., H]`` -> ``[..., V]`` logits."""
-        return F.linear(hidden, self.weight)
-
-
-def _torchtune_head(output: object) -> nn.Module | _TiedHead:
-    from torchtune.modules import TiedLinear  # torchtune is imported: a TorchtuneTarget exists
-
-    if isinstance(output, TiedLinear):
-        return _TiedHead(output.tied_module)
-    if isinstance(output, nn.Linear):
-        return output
-    raise TypeError(
-        f"Drafter needs the torchtune decoder's output to be an nn.Linear or a TiedLinear (a [V, H] weight), "
-        f"got {type(output).__name__}"
-    )
-
-
-def _target_modules(target: TargetModel) -> _TargetRefs:
-    if isinstance(target, HFTarget):
-        return _TargetRefs(target.model.get_input_embeddings(), target.model.get_output_embeddings())
-    # Only a loaded adapter module can have made `target`: never import torchtune for the check.
-    tt = sys.modules.get("tlt_lightning.models.torchtune_target")
-    if tt is not None and isinstance(target, tt.TorchtuneTarget):
-        return _TargetRefs(target.decoder.tok_embeddings, _torchtune_head(target.decoder.output))
-    raise TypeError(
-        "Drafter needs the target's embedding and LM head modules; supported adapters: HFTarget and "
-        f"TorchtuneTarget (torchtune extra), got {type(target).__name__}"
-    )
 
 
 class Drafter(nn.Module):
@@ -122,12 +64,13 @@ class Drafter(nn.Module):
     ) -> None:
         super().__init__()
         config.check_target(target)
-        refs = _target_modules(target)
+        refs = target_refs(target)
         H, V = config.hidden_size, config.vocab_size
         for name, module in (("embedding", refs.embedding), ("LM head", refs.head)):
             if tuple(module.weight.shape) != (V, H):
                 raise ValueError(
-                    f"target {name} weight is {list(module.weight.shape)}, expected [vocab_size={V}, hidden_size={H}]"
+                    f"target {name} weight is {list(module.weight.shape)}, "
+                    f"expected [vocab_size={V}, hidden_size={H}]"
                 )
         self.config = config
         self._refs = refs
@@ -297,7 +240,8 @@ class Drafter(nn.Module):
         kv_len = cache.begin_step(n, positions if slots is None else slots) if cache is not None else q
         if attention_mask.shape != (n, 1, q, kv_len):
             raise ValueError(
-                f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, q, kv_len]}, got {list(attention_mask.shape)}"
+                f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, q, kv_len]}, "
+                f"got {list(attention_mask.shape)}"
             )
         # Drafting (cached, no autograd) may run compiled; training stays eager by design.
         if (
@@ -319,7 +263,8 @@ class Drafter(nn.Module):
         attention_mask: torch.Tensor,
         cache: AttentionCache | None,
     ) -> torch.Tensor:
-        """:meth:`forward` after its checks (``cache.begin_step`` done): embed, rotate, the layer; ``[n, q, H]``."""
+        """:meth:`forward` after its checks (``cache.begin_step`` done): embed, rotate, the layer;
+        ``[n, q, H]``."""
         embeds = self.embed(tokens)
         hidden_in = hidden_in.to(self.dtype)
         cos, sin = self.rotary_emb(embeds, positions)

@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from tlt_lightning.drafter.batches import DrafterBatch, make_batches, unroll_mask
+from tlt_lightning.drafter.config import DrafterConfig
 from tlt_lightning.drafter.losses import DrafterLoss, draft_vocab_mass
 from tlt_lightning.drafter.model import Drafter
 from tlt_lightning.models.target import TargetModel
 from tlt_lightning.rollout.types import Rollout
+from tlt_lightning.validation import check, positive_int
 
 __all__ = [
     "ConcatCache",
@@ -237,42 +239,73 @@ def warmup_drafter(
         >>> # history = warmup_drafter(drafter, target, result.rollouts, steps=200, lr=3e-3, batch_size=8)
         >>> # history[-1]["top1"]
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
-    if lr_warmup < 0:
-        raise ValueError(f"lr_warmup must be >= 0, got {lr_warmup!r}")
+    positive_int("steps", steps)
+    check(lr > 0, "lr", lr, "> 0")
+    check(lr_warmup >= 0, "lr_warmup", lr_warmup, ">= 0")
     generator = torch.Generator().manual_seed(seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    schedule = _warmup_schedule(optimizer, steps, lr_warmup)
+    batches = _epochs(rollouts, drafter.config, batch_size, generator, max_len, pack_budget)
+    precision = torch.autocast(drafter.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
 
-    def rate(t: int) -> float:  # linear warm-up, then cosine decay to 10%
+    def train_step(batch: DrafterBatch) -> dict[str, float]:
+        with precision:
+            metrics = drafter_train_step(drafter, target, batch, optimizer, loss_cfg, max_grad_norm)
+        schedule.step()
+        return metrics
+
+    return _run_steps(map(train_step, itertools.islice(batches, steps)), steps, progress, on_step)
+
+
+def _warmup_schedule(
+    optimizer: torch.optim.Optimizer, steps: int, lr_warmup: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over ``lr_warmup`` steps, then cosine decay to 10% of the rate at ``steps``."""
+
+    def rate(t: int) -> float:
         warm = min(1.0, (t + 1) / (lr_warmup + 1))
         return warm * (0.1 + 0.45 * (1 + math.cos(math.pi * min(t / steps, 1.0))))
 
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
 
-    def epochs():
-        from tlt_lightning.drafter.packing import pack_batches  # packing builds on this module
 
-        while True:
-            if pack_budget is None:
-                batches = make_batches(rollouts, drafter.config, batch_size, True, generator, max_len)
-            else:
-                batches = pack_batches(rollouts, drafter.config, pack_budget, batch_size, True, generator)
-            if not batches:
-                raise ValueError("no training samples: every rollout has fewer than 2 tokens")
-            yield from batches
+def _epochs(
+    rollouts: Sequence[Rollout],
+    config: DrafterConfig,
+    batch_size: int,
+    generator: torch.Generator,
+    max_len: int | None,
+    pack_budget: int | None,
+) -> Iterator[DrafterBatch]:
+    """Batches of ``rollouts`` without end, reshuffled every epoch (packed when ``pack_budget`` is set)."""
+    from tlt_lightning.drafter.packing import pack_batches  # packing builds on this module
 
-    history = []
+    while True:
+        if pack_budget is None:
+            batches = make_batches(rollouts, config, batch_size, True, generator, max_len)
+        else:
+            batches = pack_batches(rollouts, config, pack_budget, batch_size, True, generator)
+        if not batches:
+            raise ValueError("no training samples: every rollout has fewer than 2 tokens")
+        yield from batches
+
+
+def _run_steps(
+    steps_metrics: Iterator[dict[str, float]],
+    steps: int,
+    progress: bool,
+    on_step: Callable[[int, dict[str, float]], None] | None,
+) -> list[dict[str, float]]:
+    """Drive the training steps with a progress bar and ``on_step``; Ctrl-C after a step ends early.
+
+    Returns:
+        The metrics of the steps that ran.
+    """
+    history: list[dict[str, float]] = []
     bar = tqdm(total=steps, desc="drafter warm-up", disable=not progress, leave=False)
-    precision = torch.autocast(drafter.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     try:
-        for batch in itertools.islice(epochs(), steps):
-            with precision:
-                metrics = drafter_train_step(drafter, target, batch, optimizer, loss_cfg, max_grad_norm)
-            schedule.step()
+        for metrics in steps_metrics:
             history.append(metrics)
             if on_step is not None:
                 on_step(len(history), metrics)

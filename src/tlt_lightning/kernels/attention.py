@@ -1,4 +1,5 @@
-"""A C++ decode attention kernel for CPUs, built on first use with the machine's compiler (``torch.utils.cpp_extension``).
+"""A C++ decode attention kernel for CPUs, built on first use with the machine's compiler
+(``torch.utils.cpp_extension``).
 
 :func:`decode_attention` is grouped-query attention of a few new tokens per row over the key/value
 cache: each key/value head is read once, in place, for all the query heads and tokens it serves, with
@@ -46,7 +47,8 @@ def _(
 
 
 def _cpu_tag() -> str:
-    """A short hash of the CPU's model and flags: builds with ``-march=native`` are not shared between CPUs."""
+    """A short hash of the CPU's model and flags: builds with ``-march=native`` are not shared between
+    CPUs."""
     cpuinfo, described = Path("/proc/cpuinfo"), ""
     if cpuinfo.exists():
         lines = cpuinfo.read_text().splitlines()
@@ -76,7 +78,8 @@ def build(name: str = "tlt_decode_attention", flags: tuple[str, ...] = ()) -> No
 
 @functools.cache
 def available() -> bool:
-    """Build (the first call on a machine, ~10 s) and load the kernel; ``False``, with one warning, if that fails."""
+    """Build (the first call on a machine, ~10 s) and load the kernel; ``False``, with one warning, if
+    that fails."""
     try:
         build()
     except Exception as err:  # noqa: BLE001 - no compiler, no ninja, a failing build: any of them means "not here"
@@ -92,13 +95,15 @@ def available() -> bool:
 def decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Grouped-query attention with :func:`~tlt_lightning.models.attention.grouped_sdpa`'s contract (module docstring).
+    """Grouped-query attention with :func:`~tlt_lightning.models.attention.grouped_sdpa`'s contract
+    (module docstring).
 
     Query head ``h`` reads key/value head ``h // g`` (``g = H_q / H_kv``).
 
     Args:
         query: ``[n, H_q, q, D]``.
-        key, value: ``[n, H_kv, kv, D]`` (views of the cache are read in place where rows of ``D`` are contiguous).
+        key, value: ``[n, H_kv, kv, D]`` (views of the cache are read in place where rows of ``D`` are
+            contiguous).
         mask: ``[n, 1, q, kv]`` bool, True where a query may attend a key.
         scale: softmax scale.
 

@@ -116,7 +116,8 @@ def grouped_matmul_attention(
     softmax; the flash kernel spends most of a call with few queries on fixed work per block. Whole
     compiled steps of SmolLM2 (bf16, one AMD Zen 5 core, ``benchmarks/compiled_steps.py``): 8 rows over
     200 keys 23.4 -> 22.8 ms, 32 rows 58.0 -> 54.1 ms, 8 rows of 4 queries over 250 keys 41.0 -> 40.0 ms;
-    more where it reads whole cache rows (:attr:`~tlt_lightning.models.compiled.CompileConfig.all_slots_ratio`).
+    more where it reads whole cache rows
+    (:attr:`~tlt_lightning.models.compiled.CompileConfig.all_slots_ratio`).
     Arguments and return as :func:`grouped_sdpa`'s.
     """
     grouped_query, mask = _grouped(query, key, mask)

@@ -102,7 +102,8 @@ class KVCache:
         return self.keys[layer_idx, :n, :, : self._kv_len], self.values[layer_idx, :n, :, : self._kv_len]
 
     def view(self, start: int, stop: int) -> KVCache:
-        """Rows ``[start, stop)`` as a cache of their own that shares this one's storage (for chunked prefill)."""
+        """Rows ``[start, stop)`` as a cache of their own that shares this one's storage (for chunked
+        prefill)."""
         view = object.__new__(KVCache)
         view.keys, view.values = self.keys[:, start:stop], self.values[:, start:stop]
         view.lengths, view.max_len = self.lengths[start:stop], self.max_len

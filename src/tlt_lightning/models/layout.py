@@ -50,7 +50,8 @@ def column_major(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _packable_dtypes(ops: Any = None) -> tuple[torch.dtype, ...]:
-    """The dtypes the packed layout multiplies in on this CPU: those whose oneDNN ops give ``F.linear``'s result.
+    """The dtypes the packed layout multiplies in on this CPU: those whose oneDNN ops give
+    ``F.linear``'s result.
 
     The ops (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what Inductor's weight
     prepacking calls) are private to torch: tested with torch 2.13, admitted up to the ``<2.15`` bound of
@@ -82,16 +83,17 @@ def _packable_dtypes(ops: Any = None) -> tuple[torch.dtype, ...]:
                     packable.append(dtype)
     except (AttributeError, RuntimeError, TypeError) as err:  # an op missing or with another signature
         warnings.warn(
-            f"weight_layout='packed' multiplies with F.linear: torch {torch.__version__}'s private oneDNN ops "
-            f"failed a check ({type(err).__name__}: {err}); decoding on a CPU is slower, nothing else changes",
+            f"weight_layout='packed' multiplies with F.linear: torch {torch.__version__}'s private "
+            f"oneDNN ops failed a check ({type(err).__name__}: {err}); decoding on a CPU is slower, "
+            "nothing else changes",
             stacklevel=2,
         )
         return ()
     if len(packable) < len(dtypes):
         wrong = [str(d) for d in dtypes if d not in packable]
         warnings.warn(
-            f"weight_layout='packed' multiplies with F.linear in {wrong}: torch {torch.__version__}'s private oneDNN "
-            "ops gave another result than F.linear there",
+            f"weight_layout='packed' multiplies with F.linear in {wrong}: torch {torch.__version__}'s "
+            "private oneDNN ops gave another result than F.linear there",
             stacklevel=2,
         )
     return tuple(packable)
@@ -138,7 +140,8 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x.to(dtype), self.packed(weight), bias, "none", [], "")
 
     def packed(self, *weights: torch.Tensor) -> torch.Tensor:
-        """The packed copy of ``weights`` (CPU tensors of a dtype in ``packable_dtypes()``), remade if one changed.
+        """The packed copy of ``weights`` (CPU tensors of a dtype in ``packable_dtypes()``), remade if
+        one changed.
 
         Several weights of one input size are packed as one, stacked along the outputs (``torch.cat``):
         one product computes all of them (merged q/k/v projections)."""

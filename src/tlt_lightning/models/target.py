@@ -142,7 +142,8 @@ def begin_forward(
     kv_len = cache.begin_step(n, positions if slots is None else slots)
     if attention_mask.shape != (n, 1, q, kv_len):
         raise ValueError(
-            f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, q, kv_len]}, got {list(attention_mask.shape)}"
+            f"attention_mask must be [n, 1, q, kv_len] = {[n, 1, q, kv_len]}, "
+            f"got {list(attention_mask.shape)}"
         )
     return kv_len
 
@@ -168,7 +169,15 @@ def hf_attention_mask(model: PreTrainedModel, mask: torch.Tensor) -> torch.Tenso
     )
 
 
-def _eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
+def eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
+    """The end-of-sequence token ids of a transformers model (generation config first, then config).
+
+    Args:
+        model: a transformers ``PreTrainedModel``.
+
+    Returns:
+        The ids as a tuple, empty when the model names none.
+    """
     eos = model.generation_config.eos_token_id if model.generation_config else None
     if eos is None:
         eos = model.config.eos_token_id
@@ -195,9 +204,10 @@ class HFTarget(nn.Module):
             (:func:`~tlt_lightning.models.lean.check_lean_model`). ``"compiled"`` (opt-in) runs
             those forwards through compiled graphs, one per shape bucket
             (:class:`~tlt_lightning.models.compiled.CompiledDecode`; fp32 greedy outputs equal; hidden
-            states within 1e-5 (fp32) / 5e-2 (bf16) of the largest value), the eager lean forward where a call fits no graph; a model the
-            lean path cannot run logs a warning and decodes with ``"hf"`` (``"lean"`` if only its
-            linears are wrapped). :attr:`compile_seconds` is the compile time so far.
+            states within 1e-5 (fp32) / 5e-2 (bf16) of the largest value), the eager lean forward
+            where a call fits no graph; a model the lean path cannot run logs a warning and decodes
+            with ``"hf"`` (``"lean"`` if only its linears are wrapped). :attr:`compile_seconds` is
+            the compile time so far.
         compile_config: buckets and mode for ``decode="compiled"``.
 
     Example:
@@ -227,7 +237,7 @@ class HFTarget(nn.Module):
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=head_dim,
             max_positions=config.max_position_embeddings,
-            eos_token_ids=_eos_ids(model),
+            eos_token_ids=eos_ids(model),
         )
         self.weight_layout = "out_in"
         self._head_copy: tuple[tuple[int, int], torch.Tensor] | None = None

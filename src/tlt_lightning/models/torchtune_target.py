@@ -33,7 +33,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from tlt_lightning.models.attention import MAX_GROUPED_QUERIES, grouped_sdpa
 from tlt_lightning.models.kv_cache import KVCache
-from tlt_lightning.models.target import TargetInfo, TargetOutput, _eos_ids, begin_forward
+from tlt_lightning.models.target import TargetInfo, TargetOutput, begin_forward, eos_ids
 
 try:
     from torchtune.models.convert_weights import hf_to_tune
@@ -149,7 +149,7 @@ class TorchtuneTarget(nn.Module):
     @classmethod
     def from_hf(cls, model: PreTrainedModel) -> TorchtuneTarget:
         """The torchtune twin of a transformers Llama / Qwen2 model (same weights, copied)."""
-        return cls(torchtune_from_hf(model), model.config, _eos_ids(model))
+        return cls(torchtune_from_hf(model), model.config, eos_ids(model))
 
     @property
     def hf_config(self) -> PretrainedConfig:

@@ -40,7 +40,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrai
 
 from tlt_lightning.models import ModelNotFoundError, load_model, load_tokenizer, model_dir
 from tlt_lightning.models.registry import DTYPES
-from tlt_lightning.models.target import TargetModel, _eos_ids
+from tlt_lightning.models.target import TargetModel, eos_ids
 from tlt_lightning.models.torchtune_target import TorchtuneTarget, TransformerDecoder, torchtune_from_hf
 from tlt_lightning.rl.batch import PolicyBatch
 from tlt_lightning.rl.grpo import token_logprobs
@@ -174,7 +174,7 @@ class TorchtuneGRPOModule(GRPOModule):
             decoder, tokenizer = self._build_from_nodes()
         else:
             loaded = load_model(hp.model, dtype=hp.dtype, seed=hp.seed)
-            self._hf_config, self._eos_token_ids = loaded.model.config, _eos_ids(loaded.model)
+            self._hf_config, self._eos_token_ids = loaded.model.config, eos_ids(loaded.model)
             decoder, tokenizer = torchtune_from_hf(loaded.model), loaded.tokenizer
         decoder.train()
         return decoder, tokenizer, self.make_target(decoder)

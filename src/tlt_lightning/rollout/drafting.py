@@ -67,7 +67,8 @@ class DraftModel(Protocol):
         ...
 
     def lift(self, features: torch.Tensor) -> torch.Tensor:
-        """``[n, q, C, H]`` target features (``C = len(config.feature_layers)``) -> ``[n, q, H]`` its input."""
+        """``[n, q, C, H]`` target features (``C = len(config.feature_layers)``) -> ``[n, q, H]`` its
+        input."""
         ...
 
     def __call__(

@@ -115,6 +115,108 @@ class DecodeStep(Protocol):
     def __call__(self, batch: ActiveBatch, generator: torch.Generator | None) -> Emission: ...
 
 
+@dataclass
+class _Ledger:
+    """What :meth:`RolloutEngine.generate` records per request beyond the batch's transcripts.
+
+    Attributes:
+        eos: ``[E]`` int64, the target's end-of-sequence ids.
+        logprobs: ``[B, max_new_tokens]`` float32 log-probability of each generated token, by request.
+        finish_time: seconds from the start of the rollout to each request's last token.
+        finish_eos: ``[B]`` bool, the request ended on an EOS token (else on its length limit).
+        lengths: ``[B]`` int64, tokens each finished request generated.
+    """
+
+    eos: torch.Tensor
+    logprobs: torch.Tensor
+    finish_time: list[float]
+    finish_eos: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def empty(cls, B: int, max_new_tokens: int, eos_ids: Sequence[int], device: torch.device) -> _Ledger:
+        return cls(
+            eos=torch.tensor(eos_ids, dtype=torch.long, device=device),
+            logprobs=torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device),
+            finish_time=[0.0] * B,
+            finish_eos=torch.zeros(B, dtype=torch.bool, device=device),
+            lengths=torch.zeros(B, dtype=torch.long, device=device),
+        )
+
+    def record(self, batch: ActiveBatch, emission: Emission) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the emission of the last forward for rows ``[0, n)`` into the transcripts.
+
+        A row keeps its tokens up to its length limit and its first EOS. Returns ``[n]`` the tokens
+        kept per row and ``[n]`` bool, the rows that hit an EOS.
+        """
+        n, req, device = batch.n, batch.request[: batch.n], self.eos.device
+        counts = emission.counts.clamp(max=batch.limit[:n] - batch.generated[:n])
+        offs = torch.arange(emission.tokens.shape[1], device=device)
+        is_eos = torch.isin(emission.tokens, self.eos) & (offs[None] < counts[:, None])
+        hit_eos = is_eos.any(1)
+        counts = torch.where(hit_eos, is_eos.int().argmax(1) + 1, counts)
+        rows, cols = (offs[None] < counts[:, None]).nonzero(as_tuple=True)
+        pos = batch.prompt_len[req[rows]] + batch.generated[rows] + cols  # absolute positions
+        batch.seq[req[rows], pos] = emission.tokens[rows, cols]
+        self.logprobs[req[rows], batch.generated[rows] + cols] = emission.logprobs[rows, cols]
+        if emission.features is not None and batch.features is not None:
+            batch.features[req[rows], pos - 1] = emission.features[rows, cols].to(batch.features.dtype)
+        batch.generated[:n] += counts
+        batch.last_token[:n] = emission.tokens.gather(1, (counts - 1)[:, None]).squeeze(1)
+        return counts, hit_eos
+
+    def retire(self, batch: ActiveBatch, hit_eos: torch.Tensor, start: float) -> int:
+        """Remove the rows that finished (EOS or length limit) from the batch; returns how many."""
+        n, req = batch.n, batch.request[: batch.n]
+        finished = hit_eos | (batch.generated[:n] >= batch.limit[:n])
+        if not bool(finished.any()):
+            return 0
+        now = time.perf_counter() - start
+        done = req[finished].tolist()
+        for r in done:
+            self.finish_time[r] = now
+        self.finish_eos[req[finished]] = hit_eos[finished]
+        self.lengths[req[finished]] = batch.generated[:n][finished]
+        batch.remove(finished)
+        return len(done)
+
+    def rollouts(self, ids: list[torch.Tensor], batch: ActiveBatch, first_time: float) -> list[Rollout]:
+        """One :class:`Rollout` per request, in order, cut from the transcripts."""
+        rollouts = []
+        for i in range(len(ids)):
+            p, t = int(batch.prompt_len[i]), int(self.lengths[i])
+            rollouts.append(
+                Rollout(
+                    prompt_ids=ids[i],
+                    token_ids=batch.seq[i, p : p + t].clone(),
+                    logprobs=self.logprobs[i, :t].clone(),
+                    finish_reason="eos" if bool(self.finish_eos[i]) else "length",
+                    first_token_time=first_time,
+                    finish_time=self.finish_time[i],
+                    features=batch.features[i, p - 1 : p - 1 + t].clone()
+                    if batch.features is not None
+                    else None,
+                )
+            )
+        return rollouts
+
+
+def _timed_step(
+    step: DecodeStep, batch: ActiveBatch, generator: torch.Generator | None, stats: RolloutStats
+) -> Emission:
+    """Run one decode step and append its time, batch size and arm to ``stats``."""
+    t0, cpu0 = time.perf_counter(), time.thread_time()
+    n = batch.n
+    emission = step(batch, generator)
+    stats.step_times.append(time.perf_counter() - t0)
+    stats.step_cpu_times.append(time.thread_time() - cpu0)
+    stats.step_batch_sizes.append(n)
+    stats.step_speculative.append(emission.arm is not None)
+    stats.step_arms.append(emission.arm)
+    stats.step_draft_depths.append(emission.draft_depth)
+    return emission
+
+
 def causal_decode_mask(lengths: torch.Tensor, q: int, kv_len: int) -> torch.Tensor:
     """``[n, 1, q, kv_len]`` bool: query ``j`` of row ``i`` sees slots ``<= lengths[i] + j``."""
     slots = torch.arange(kv_len, device=lengths.device)
@@ -207,85 +309,31 @@ class RolloutEngine:
             One :class:`Rollout` per prompt, in order, and the run's :class:`RolloutStats`.
         """
         cfg, info = self.config, self.target.info
-        ids = validate_prompts(prompts, self.target.info.max_positions, self.target.info.vocab_size)
+        ids = validate_prompts(prompts, info.max_positions, info.vocab_size)
         step = step or PlainStep(self.target, cfg)
-        device, B = self.target.device, len(ids)
         batch = self._new_batch(ids)
-        logprobs = torch.zeros(B, cfg.max_new_tokens, dtype=torch.float32, device=device)
-        first_time, finish_time = [0.0] * B, [0.0] * B
-        finish_eos = torch.zeros(B, dtype=torch.bool, device=device)
-        lengths = torch.zeros(B, dtype=torch.long, device=device)
-        eos = torch.tensor(info.eos_token_ids, dtype=torch.long, device=device)
-
+        ledger = _Ledger.empty(len(ids), cfg.max_new_tokens, info.eos_token_ids, self.target.device)
         stats = RolloutStats()
         start = time.perf_counter()
         emission = self._prefill(ids, batch, generator)
-        stats.prefill_time, stats.prefill_tokens = time.perf_counter() - start, B
-        first_time[:] = [stats.prefill_time] * B
+        stats.prefill_time, stats.prefill_tokens = time.perf_counter() - start, len(ids)
         step.start(batch)
-        bar = tqdm(total=B, desc="rollout", unit="req", disable=not progress, leave=False)
+        bar = tqdm(total=len(ids), desc="rollout", unit="req", disable=not progress, leave=False)
         from_step = False
         while True:
-            # Record the emission of the previous forward for rows [0, n).
-            n, req = batch.n, batch.request[: batch.n]
-            counts = emission.counts.clamp(max=batch.limit[:n] - batch.generated[:n])
-            offs = torch.arange(emission.tokens.shape[1], device=device)
-            is_eos = torch.isin(emission.tokens, eos) & (offs[None] < counts[:, None])
-            hit_eos = is_eos.any(1)
-            counts = torch.where(hit_eos, is_eos.int().argmax(1) + 1, counts)
-            rows, cols = (offs[None] < counts[:, None]).nonzero(as_tuple=True)
-            pos = batch.prompt_len[req[rows]] + batch.generated[rows] + cols  # absolute positions
-            batch.seq[req[rows], pos] = emission.tokens[rows, cols]
-            logprobs[req[rows], batch.generated[rows] + cols] = emission.logprobs[rows, cols]
-            if emission.features is not None and batch.features is not None:
-                batch.features[req[rows], pos - 1] = emission.features[rows, cols].to(batch.features.dtype)
-            batch.generated[:n] += counts
+            counts, hit_eos = ledger.record(batch, emission)
             if from_step:
                 stats.step_tokens.append(int(counts.sum()))
                 if emission.arm is not None:
                     stats.accept_lengths = torch.cat([stats.accept_lengths, counts.cpu()])
-            batch.last_token[:n] = emission.tokens.gather(1, (counts - 1)[:, None]).squeeze(1)
-            finished = hit_eos | (batch.generated[:n] >= batch.limit[:n])
-            if bool(finished.any()):
-                now = time.perf_counter() - start
-                done = req[finished].tolist()
-                for r in done:
-                    finish_time[r] = now
-                finish_eos[req[finished]] = hit_eos[finished]
-                lengths[req[finished]] = batch.generated[:n][finished]
-                batch.remove(finished)
-                bar.update(len(done))
+            bar.update(ledger.retire(batch, hit_eos, start))
             if batch.n == 0:
                 break
-            t0, cpu0 = time.perf_counter(), time.thread_time()
-            n = batch.n
-            emission = step(batch, generator)
-            stats.step_times.append(time.perf_counter() - t0)
-            stats.step_cpu_times.append(time.thread_time() - cpu0)
-            stats.step_batch_sizes.append(n)
-            stats.step_speculative.append(emission.arm is not None)
-            stats.step_arms.append(emission.arm)
-            stats.step_draft_depths.append(emission.draft_depth)
+            emission = _timed_step(step, batch, generator, stats)
             from_step = True
         bar.close()
         stats.total_time = time.perf_counter() - start
-        rollouts = []
-        for i in range(B):
-            p, t = int(batch.prompt_len[i]), int(lengths[i])
-            rollouts.append(
-                Rollout(
-                    prompt_ids=ids[i],
-                    token_ids=batch.seq[i, p : p + t].clone(),
-                    logprobs=logprobs[i, :t].clone(),
-                    finish_reason="eos" if bool(finish_eos[i]) else "length",
-                    first_token_time=first_time[i],
-                    finish_time=finish_time[i],
-                    features=batch.features[i, p - 1 : p - 1 + t].clone()
-                    if batch.features is not None
-                    else None,
-                )
-            )
-        return RolloutResult(rollouts, stats)
+        return RolloutResult(ledger.rollouts(ids, batch, stats.prefill_time), stats)
 
     def _new_batch(self, ids: list[torch.Tensor]) -> ActiveBatch:
         """Empty state for ``B`` prompts: cache, row bookkeeping and transcripts."""
@@ -297,7 +345,10 @@ class RolloutEngine:
         if cfg.feature_layers:
             shape = (B, width, len(cfg.feature_layers), info.hidden_size)
             features = torch.zeros(shape, dtype=self.target.dtype, device=device)
-        zeros = lambda: torch.zeros(B, dtype=torch.long, device=device)
+
+        def zeros() -> torch.Tensor:  # [B] long
+            return torch.zeros(B, dtype=torch.long, device=device)
+
         return ActiveBatch(
             cache=self.target.new_cache(B, width + self.cache_margin),
             request=torch.arange(B, device=device),

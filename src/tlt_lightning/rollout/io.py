@@ -5,8 +5,9 @@ The states are 1-4 vectors of ``hidden_size`` per token (SmolLM2, EAGLE-1: 197 M
 countdown rollouts in fp32), the tokens ~13 bytes per generated token, prompts included (1.1 MB for
 the same rollouts). A file keeps token ids, log-probabilities, finish reasons and timings,
 concatenated with offsets, a JSON ``metadata`` dict (the sampling settings) and, unless
-``features=False``, the features. Without them it is small enough to keep in git, and :func:`tlt_lightning.drafter.target_features`
-recomputes them with one teacher-forced forward (on a loaded 2-core CPU at ~2x the sampling rate).
+``features=False``, the features. Without them it is small enough to keep in git, and
+:func:`tlt_lightning.drafter.target_features` recomputes them with one teacher-forced forward (on a
+loaded 2-core CPU at ~2x the sampling rate).
 Nothing is unpickled on load.
 """
 
@@ -50,7 +51,8 @@ def save_rollouts(
             per token and one dtype); ``False``: tokens only.
 
     Example:
-        >>> r = Rollout(torch.tensor([5, 6]), torch.tensor([7, 2]), torch.tensor([-0.5, -0.1]), "eos", 0.1, 0.2)
+        >>> tokens, logprobs = torch.tensor([7, 2]), torch.tensor([-0.5, -0.1])
+        >>> r = Rollout(torch.tensor([5, 6]), tokens, logprobs, "eos", 0.1, 0.2)
         >>> import tempfile; p = Path(tempfile.mkdtemp()) / "r.safetensors"
         >>> _ = save_rollouts(p, [r], {"task": "countdown"}, features=False)
         >>> loaded, meta = load_rollouts(p)

@@ -20,6 +20,9 @@ from tlt_lightning.speculative import DraftSpec, DraftStrategy, as_strategy
 
 __all__ = ["SpeculativeRolloutLoop", "SpeculativeStep"]
 
+DEFAULT_STRATEGY = DraftSpec(4)
+"""The arm a :class:`SpeculativeRolloutLoop` drafts with unless told otherwise: a 4-token chain."""
+
 
 class SpeculativeRolloutLoop:
     """Runs rollouts of prompt batches with lossless speculative decoding in the tail.
@@ -50,7 +53,7 @@ class SpeculativeRolloutLoop:
         target: TargetModel,
         drafter: DraftModel,
         config: RolloutConfig | None = None,
-        strategy: DraftStrategy | DraftSpec | None = DraftSpec(4),
+        strategy: DraftStrategy | DraftSpec | None = DEFAULT_STRATEGY,
         threshold: int = 32,
         max_depth: int = 32,
         drafter_context: str = "response",

@@ -11,10 +11,10 @@ tokens costs nearly their full price, in the tail it is weight-bound and they ar
 
 Drafter bookkeeping. The drafter reads pairs ``(f_p, x_{p+1})``: the target's features at position
 ``p`` and the token that followed, from the last prompt position on (the context it is trained
-with). Its own cache holds one entry per position; its committed length ``dl`` trails the target's ``L`` and catches up at the start of every speculative step, from
-the features the engine keeps in the batch transcripts (so switching speculation on mid-rollout,
-or after plain steps, needs no extra target forward). Draft positions beyond ``L`` are scratch and
-are simply overwritten next time.
+with). Its own cache holds one entry per position; its committed length ``dl`` trails the target's
+``L`` and catches up at the start of every speculative step, from the features the engine keeps in
+the batch transcripts (so switching speculation on mid-rollout, or after plain steps, needs no extra
+target forward). Draft positions beyond ``L`` are scratch and are simply overwritten next time.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ class SpeculativeStep:
             raise ValueError(f"drafter_context must be 'response' or 'prompt', got {drafter_context!r}")
         if tuple(config.feature_layers[: len(layers)]) != layers:
             raise ValueError(
-                f"config.feature_layers {config.feature_layers} must start with the drafter's feature_layers {layers}"
+                f"config.feature_layers {config.feature_layers} must start with the drafter's "
+                f"feature_layers {layers}"
             )
         if threshold < 1:
             raise ValueError(f"threshold must be >= 1, got {threshold}")

@@ -24,7 +24,7 @@ from tlt_lightning.rollout.drafting import DraftModel, draft_probs
 from tlt_lightning.rollout.engine import ActiveBatch, Emission
 from tlt_lightning.rollout.types import RolloutConfig
 from tlt_lightning.speculative import DraftSpec, SamplingParams, sample, sampling_probs, verify_tree
-from tlt_lightning.speculative.verify import tree_attention_mask, tree_depths
+from tlt_lightning.speculative.tree import tree_attention_mask, tree_depths
 
 __all__ = ["DraftTree", "draft_best_tree", "draft_sampled_tree", "level_tree", "verify_draft_tree"]
 
@@ -55,7 +55,7 @@ def level_tree(widths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, tor
 
     Returns:
         ``parents`` ``[N]`` (``-1``: the root's children), ``depth`` ``[N]`` and ``anc`` ``[N, N]``
-        (:func:`~tlt_lightning.speculative.tree_attention_mask`), ``N = sum(widths)``.
+        (:func:`~tlt_lightning.speculative.tree.tree_attention_mask`), ``N = sum(widths)``.
 
     Example:
         >>> level_tree((2, 4, 4))[0].tolist()
@@ -193,6 +193,7 @@ def draft_sampled_tree(
     greedy = sampling.greedy
     hidden = hidden[:, None]  # [n, w, H]: outputs of the nodes whose children come next
     tokens, probs = [], []  # per level: [n, w_d] target ids; [n, w_{d-1}, Vd] their law
+    branches = 1  # children per node of the level fed last (set below once level d is drafted)
     for d, w in enumerate(widths):
         if d > 0:  # feed level d - 1: pairs (its parents' outputs, its tokens) at position L + d - 1
             idx = torch.arange(starts[d - 1], starts[d], device=device)

@@ -40,7 +40,7 @@ class RolloutConfig:
         if self.prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be > 0, got {self.prefill_chunk!r}")
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
-        self.sampling  # validates temperature / top_p / top_k
+        SamplingParams(self.temperature, self.top_p, self.top_k)  # raises on a bad temperature/top_p/top_k
 
     @property
     def sampling(self) -> SamplingParams:

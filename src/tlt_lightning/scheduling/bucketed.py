@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tlt_lightning.scheduling.checks import (
+    arm_from_dict,
+    arm_to_dict,
+    check_arms,
+    check_batch_size,
+    check_cost_model,
+    check_thresholds,
+    finite,
+)
 from tlt_lightning.scheduling.heatmap import save_heatmaps
 from tlt_lightning.scheduling.step_cost import StepCostModel
 from tlt_lightning.speculative import Arm, DraftSpec, arm_key
@@ -35,21 +43,6 @@ def default_arms() -> tuple[Arm, ...]:
     return (None, DraftSpec(2), DraftSpec(4), DraftSpec(6), DraftSpec(4, 2, 8), DraftSpec(5, 4, 16))
 
 
-def _arm_to_dict(arm: Arm) -> dict[str, Any] | None:
-    return None if arm is None else dataclasses.asdict(arm)
-
-
-def _arm_from_dict(data: Any) -> Arm:
-    if data is None:
-        return None
-    if not isinstance(data, Mapping):
-        raise TypeError(f"state_dict arms must be dicts of DraftSpec fields or None, got {data!r}")
-    try:
-        return DraftSpec(**data)
-    except TypeError as err:  # unknown or missing fields
-        raise ValueError(f"state_dict arm {dict(data)!r} is not a valid DraftSpec: {err}") from err
-
-
 class Decision(NamedTuple):
     """One logged update: which arm ran in which bucket, its reward, and why it was chosen.
 
@@ -62,22 +55,6 @@ class Decision(NamedTuple):
     arm: Arm
     reward: float
     mode: str
-
-
-def _check_batch_size(batch_size: Any) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    return batch_size
-
-
-def _finite(name: str, value: Any) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError) as err:
-        raise TypeError(f"{name} must be a real number, got {value!r}") from err
-    if not math.isfinite(out):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return out
 
 
 class BucketedStrategy:
@@ -112,12 +89,16 @@ class BucketedStrategy:
         per_request: bool = False,
         cost_model: StepCostModel | None = None,
     ) -> None:
-        self.bucket_thresholds = self._check_thresholds(bucket_thresholds)
+        self.bucket_thresholds = check_thresholds(bucket_thresholds)
         self.bucket_labels: tuple[str, ...] = tuple(
             str(lo) if hi == lo + 1 else (f"{lo}-{hi - 1}" if hi else f"{lo}+")
             for lo, hi in zip(self.bucket_thresholds, (*self.bucket_thresholds[1:], None))
         )
-        self.arms: tuple[tuple[Arm, ...], ...] = self._check_arms(arms, len(self.bucket_thresholds))
+        self.arms: tuple[tuple[Arm, ...], ...] = (
+            (default_arms(),) * len(self.bucket_thresholds)
+            if arms is None
+            else check_arms(arms, len(self.bucket_thresholds))
+        )
         if isinstance(max_history, bool) or not isinstance(max_history, int) or max_history < 0:
             raise ValueError(f"max_history must be an int >= 0, got {max_history!r}")
         self._index = [{arm: i for i, arm in enumerate(bucket)} for bucket in self.arms]
@@ -126,20 +107,12 @@ class BucketedStrategy:
         self._num_updates = 0
         self._pending: dict[int, tuple[int, str]] = {}  # bucket -> (arm index, mode) of the last select
         self.per_request = bool(per_request)
-        self.cost_model = self._check_cost_model(cost_model)
+        self.cost_model = check_cost_model(cost_model)
 
     @property
     def reproducible(self) -> bool:
         """Whether rewards use the modelled step cost (``cost_model``) instead of wall time."""
         return self.cost_model is not None
-
-    @staticmethod
-    def _check_cost_model(cost_model: Any) -> StepCostModel | None:
-        if cost_model is not None and not isinstance(cost_model, StepCostModel):
-            raise TypeError(
-                f"cost_model must be a StepCostModel or None (wall time), got {type(cost_model).__name__}"
-            )
-        return cost_model
 
     def use_cost_model(self, cost_model: StepCostModel | None) -> None:
         """Switch reproducible mode on (a :class:`StepCostModel`) or off (``None``) before any update.
@@ -147,58 +120,13 @@ class BucketedStrategy:
         Raises:
             ValueError: the strategy already learned from rewards of the other kind.
         """
-        cost_model = self._check_cost_model(cost_model)
+        cost_model = check_cost_model(cost_model)
         if self._num_updates and cost_model != self.cost_model:
             raise ValueError(
                 f"cannot change cost_model after {self._num_updates} updates (its statistics are rewards "
                 "of the other kind): set it when the strategy is built"
             )
         self.cost_model = cost_model
-
-    # ----------------------------------------------------------------------------- validation
-    @staticmethod
-    def _check_thresholds(thresholds: Sequence[int]) -> tuple[int, ...]:
-        values = tuple(thresholds) if isinstance(thresholds, Sequence) else ()
-        ok = (
-            len(values) > 0
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in values)
-            and values[0] == 1
-            and all(a < b for a, b in itertools.pairwise(values))
-        )
-        if not ok:
-            raise ValueError(
-                f"bucket_thresholds must be strictly increasing ints starting at 1, got {thresholds!r}"
-            )
-        return values
-
-    @staticmethod
-    def _check_arms(arms: Any, num_buckets: int) -> tuple[tuple[Arm, ...], ...]:
-        if arms is None:
-            return (default_arms(),) * num_buckets
-        if isinstance(arms, (str, bytes)) or not isinstance(arms, Sequence):
-            raise TypeError(f"arms must be a sequence of DraftSpec/None or of such sequences, got {arms!r}")
-        if len(arms) == 0:
-            raise ValueError("arms must not be empty: give at least one DraftSpec or None")
-        nested = [isinstance(a, (list, tuple)) for a in arms]
-        if all(nested):
-            if len(arms) != num_buckets:
-                raise ValueError(
-                    f"arms has {len(arms)} per-bucket lists but bucket_thresholds defines {num_buckets} buckets"
-                )
-            per_bucket = [tuple(bucket) for bucket in arms]
-        elif not any(nested):
-            per_bucket = [tuple(arms)] * num_buckets
-        else:
-            raise TypeError(f"arms must be all arms or all per-bucket lists, not a mix: {arms!r}")
-        for i, bucket in enumerate(per_bucket):
-            if not bucket:
-                raise ValueError(f"arms for bucket {i} is empty: every bucket needs at least one arm")
-            for arm in bucket:
-                if arm is not None and not isinstance(arm, DraftSpec):
-                    raise TypeError(f"arms must hold DraftSpec instances or None, got {arm!r}")
-            if len(set(bucket)) != len(bucket):
-                raise ValueError(f"arms for bucket {i} has duplicates: {[arm_key(a) for a in bucket]}")
-        return tuple(per_bucket)
 
     def _check_update(self, batch_size: int, arm: Arm, accepted_tokens: float, step_time: float):
         b = self.bucket_of(batch_size)
@@ -208,10 +136,10 @@ class BucketedStrategy:
                 f"unknown arm {arm!r} for bucket {self.bucket_labels[b]!r}; "
                 f"configured arms: {[arm_key(a) for a in self.arms[b]]}"
             )
-        tokens = _finite("accepted_tokens", accepted_tokens)
+        tokens = finite("accepted_tokens", accepted_tokens)
         if tokens < 0:
             raise ValueError(f"accepted_tokens must be >= 0, got {accepted_tokens!r}")
-        seconds = _finite("step_time", step_time)
+        seconds = finite("step_time", step_time)
         if seconds <= 0:
             raise ValueError(f"step_time must be finite and > 0 seconds, got {step_time!r}")
         if self.cost_model is not None:  # reproducible: the model's cost, not the clock's
@@ -221,7 +149,7 @@ class BucketedStrategy:
     # ----------------------------------------------------------------------------- public API
     def bucket_of(self, batch_size: int) -> int:
         """Index of the bucket holding ``batch_size`` (an int >= 1)."""
-        return bisect.bisect_right(self.bucket_thresholds, _check_batch_size(batch_size)) - 1
+        return bisect.bisect_right(self.bucket_thresholds, check_batch_size(batch_size)) - 1
 
     def select(self, batch_size: int) -> Arm:
         """The arm for a decode step of ``batch_size`` active requests; untried arms go first."""
@@ -308,7 +236,7 @@ class BucketedStrategy:
         """Plain-Python state (lists, dicts, numbers, strings): arms, counts, statistics, RNG, log."""
         return {
             "bucket_thresholds": list(self.bucket_thresholds),
-            "arms": [[_arm_to_dict(a) for a in bucket] for bucket in self.arms],
+            "arms": [[arm_to_dict(a) for a in bucket] for bucket in self.arms],
             "per_request": self.per_request,
             "cost_model": None if self.cost_model is None else dataclasses.asdict(self.cost_model),
             "counts": self.counts,
@@ -350,7 +278,7 @@ class BucketedStrategy:
                 f"the configured bucket_thresholds {list(self.bucket_thresholds)}"
             )
         if "arms" in state_dict:
-            saved = [[arm_key(_arm_from_dict(a)) for a in bucket] for bucket in state_dict["arms"]]
+            saved = [[arm_key(arm_from_dict(a)) for a in bucket] for bucket in state_dict["arms"]]
             configured = [[arm_key(a) for a in bucket] for bucket in self.arms]
             if saved != configured:
                 raise ValueError(f"state_dict arms {saved} do not match the configured arms {configured}")

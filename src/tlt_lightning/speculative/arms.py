@@ -100,7 +100,8 @@ class DraftSpec:
         if self.sampled:
             if n != sum(self.level_widths):
                 raise ValueError(
-                    f"a sampled tree verifies all its {sum(self.level_widths)} nodes, got num_draft_tokens={n}"
+                    f"a sampled tree verifies all its {sum(self.level_widths)} nodes, "
+                    f"got num_draft_tokens={n}"
                 )
         elif not isinstance(n, int) or not lo <= n <= hi:
             raise ValueError(
@@ -137,7 +138,8 @@ _ARM_NAME = re.compile(r"off|chain(\d+)(?:x(\d+)(?:f(\d+))?|@(\d*\.?\d+))?|tree(
 
 
 def arm_key(arm: Arm) -> str:
-    """A short unique name for an arm: ``"off"``, ``"chain4"``, ``"tree5x4/16"`` (see :meth:`DraftSpec.__str__`)."""
+    """A short unique name for an arm: ``"off"``, ``"chain4"``, ``"tree5x4/16"`` (see
+    :meth:`DraftSpec.__str__`)."""
     return "off" if arm is None else str(arm)
 
 
@@ -213,7 +215,8 @@ def as_strategy(strategy: DraftStrategy | DraftSpec | None) -> DraftStrategy:
         return _Always(strategy)
     if not isinstance(strategy, DraftStrategy):
         raise TypeError(
-            f"strategy must be a DraftSpec, None (plain decoding) or a DraftStrategy (with select and update), "
+            "strategy must be a DraftSpec, None (plain decoding) or a DraftStrategy "
+            "(with select and update), "
             f"got {type(strategy).__name__}"
         )
     return strategy

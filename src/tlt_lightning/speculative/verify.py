@@ -6,6 +6,18 @@ exact: the emitted tokens have the same distribution as sampling the target toke
 any temperature, top-p or top-k, as long as the inputs say truthfully how the drafts were made.
 The target distributions must come from :func:`~tlt_lightning.speculative.sampling.sampling_probs`
 (the processed distribution the plain rollout samples from), never from raw logits.
+
+Why tree verification (:func:`verify_tree`) is lossless. One sibling step is ordinary speculative
+sampling with proposal ``q_j``: it outputs ``x`` with probability ``min(p, q_j)(x)`` and otherwise a
+draw from the residual, so its output has law ``p`` *provided* the continuation after a rejection has
+law ``normalise(max(0, p - q_j))``. The continuation is the same procedure on the remaining siblings,
+whose next proposal ``q_{j+1}`` is the true law of the next sibling given the earlier ones; by
+induction from the last sibling (which falls back to sampling the residual), the first emitted token
+has law ``p``. Given that token came from accepting child ``c``, ``c``'s subtree was drafted from
+``c``'s token alone, independent of the coins, so the same argument applies one level down with the
+target's next-token distribution: the whole emitted sequence has the target's law. A node whose
+proposal gives its token no mass (``q_j(x) = 0``: e.g. siblings drawn without replacement past the
+end of ``q``'s support) is skipped, as if absent.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from tlt_lightning.speculative.sampling import sample
+from tlt_lightning.speculative.tree import tree_attention_mask, tree_depths
 
 __all__ = [
     "SiblingRule",
@@ -190,21 +203,11 @@ def verify_tree(
     accept ``x`` with probability ``p(x)``, else zero ``x`` out of ``p`` and renormalise, which is
     exactly EAGLE's ``qx = 1`` rule and SGLang's target-only tree sampling.
 
-    Why it is lossless. One sibling step is ordinary speculative sampling with proposal ``q_j``:
-    it outputs ``x`` with probability ``min(p, q_j)(x)`` and otherwise a draw from the residual,
-    so its output has law ``p`` *provided* the continuation after a rejection has law
-    ``normalise(max(0, p - q_j))``. The continuation is the same procedure on the remaining
-    siblings, whose next proposal ``q_{j+1}`` is the true law of the next sibling given the earlier
-    ones; by induction from the last sibling (which falls back to sampling the residual), the first
-    emitted token has law ``p``. Given that token came from accepting child ``c``, ``c``'s subtree
-    was drafted from ``c``'s token alone, independent of the coins, so the same argument applies
-    one level down with the target's next-token distribution: the whole emitted sequence has the
-    target's law. A node whose proposal gives its token no mass (``q_j(x) = 0``: e.g. siblings
-    drawn without replacement past the end of ``q``'s support) is skipped, as if absent. Each rule
-    is exact only for drafts made the way it says: the ``q``-based rules
-    are biased for deterministic top-k children (the top token is not a sample of ``q``), and the
-    deterministic rule wastes acceptance on sampled children. A one-hot (greedy) target accepts the
-    first child whose token is the argmax under every rule, and corrects with the argmax.
+    The module docstring says why this is lossless. Each rule is exact only for drafts made the way
+    it says: the ``q``-based rules are biased for deterministic top-k children (the top token is not a
+    sample of ``q``), and the deterministic rule wastes acceptance on sampled children. A one-hot
+    (greedy) target accepts the first child whose token is the argmax under every rule, and corrects
+    with the argmax.
 
     Args:
         target_probs: ``[B, N + 1, V]``; row 0 is the target's distribution at the root (for the
@@ -232,6 +235,27 @@ def verify_tree(
         >>> r.accepted_nodes.tolist(), r.next_token.tolist()
         ([[1]], [0])
     """
+    _check_tree_inputs(target_probs, draft_probs, tree_tokens, parents, siblings)
+    batch, n_nodes = tree_tokens.shape
+    device = target_probs.device
+    levels = int(tree_depths(parents).max()) + 1 if n_nodes else 0
+    parents = parents.to(device=device, dtype=torch.long).expand(batch, n_nodes)
+    u = torch.rand(batch, n_nodes, generator=generator, device=device)  # [B, N] one coin per node
+    proposals = None if siblings == "deterministic" else draft_probs
+    rejected_leave = siblings == "without_replacement"
+    walk = _walk_tree(target_probs, proposals, tree_tokens.long(), parents, u, levels, rejected_leave)
+    return VerifyResult(walk.num_accepted, sample(walk.p, generator), walk.nodes)
+
+
+def _check_tree_inputs(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    tree_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    siblings: str,
+) -> None:
+    """The shape and dtype checks of :func:`verify_tree` (``parents``' order is checked by
+    :func:`tree_depths`)."""
     if siblings not in _SIBLING_RULES:
         raise ValueError(f"siblings must be one of {_SIBLING_RULES}, got {siblings!r}")
     _check_tokens("tree_tokens", tree_tokens, 2)
@@ -249,116 +273,111 @@ def verify_tree(
             f"parents must have shape [{n_nodes}] or [{batch}, {n_nodes}], got {list(parents.shape)}"
         )
 
-    device = target_probs.device
-    depths = tree_depths(parents)
-    levels = int(depths.max()) + 1 if n_nodes else 0
-    parents = parents.to(device=device, dtype=torch.long).expand(batch, n_nodes)
-    tokens = tree_tokens.long()
-    rows = torch.arange(batch, device=device)
-    u = torch.rand(batch, n_nodes, generator=generator, device=device)
 
-    current = torch.full((batch,), -1, dtype=torch.long, device=device)
+class _TreeWalk(NamedTuple):
+    """Where every row's walk down the tree ended.
+
+    Attributes:
+        num_accepted: ``[B]`` int64, accepted nodes (one per level descended).
+        nodes: ``[B, D]`` int64, the accepted nodes in order, ``-1`` beyond ``num_accepted``.
+        p: ``[B, V]`` float32, the law ``next_token`` is drawn from (the target's after the last
+            accepted node, less the residuals of the children rejected there).
+    """
+
+    num_accepted: torch.Tensor
+    nodes: torch.Tensor
+    p: torch.Tensor
+
+
+def _walk_tree(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    u: torch.Tensor,
+    levels: int,
+    without_replacement: bool,
+) -> _TreeWalk:
+    """Recursive rejection sampling over the nodes in index order, all rows at once.
+
+    Args:
+        target_probs, draft_probs: ``[B, N + 1, V]`` as :func:`verify_tree` takes them;
+            ``draft_probs`` is ``None`` for deterministic children (each one-hot on its token).
+        tokens: ``[B, N]`` int64 token of each node.
+        parents: ``[B, N]`` int64 parent of each node, ``-1`` for the root's children.
+        u: ``[B, N]`` uniform coins, one per node.
+        levels: ``D``, the number of tree levels.
+        without_replacement: siblings were drawn without replacement (a rejected token leaves ``q``).
+    """
+    batch, n_nodes = tokens.shape
+    device = target_probs.device
+    rows = torch.arange(batch, device=device)
+    current = torch.full((batch,), -1, dtype=torch.long, device=device)  # [B] node each row stands at
     num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
     nodes = torch.full((batch, levels), -1, dtype=torch.long, device=device)
-    p = target_probs[:, 0].float()
-    q = None if siblings == "deterministic" else draft_probs[:, 0].float()
+    p = target_probs[:, 0].float()  # [B, V]
+    q = None if draft_probs is None else draft_probs[:, 0].float()  # [B, V]
     # Index order visits every child of a node after the node and in sibling order; a row only
     # looks at the nodes whose parent is where it stands, so siblings may be interleaved.
     for n in range(n_nodes):
-        x = tokens[:, n : n + 1]
-        candidate = current == parents[:, n]
-        p_x = p.gather(1, x).squeeze(1)
-        if q is None:
-            # q_j is one-hot on x: accept with p(x); the residual is p with x zeroed.
-            accept = candidate & _accept(u[:, n], p_x, torch.ones_like(p_x))
-            p_rejected = _normalise(p.scatter(1, x, 0.0), p)
-        else:
-            # A node its proposal gives no mass (a sibling drawn past the end of q's support) is
-            # skipped: never accepted, and p and q stay as they are.
-            q_x = q.gather(1, x).squeeze(1)
-            candidate = candidate & (q_x > 0)
-            accept = candidate & _accept(u[:, n], p_x, q_x)
-            p_rejected = _residual(p, q)
-        reject = (candidate & ~accept).unsqueeze(1)
-        descend = accept.unsqueeze(1)
+        x = tokens[:, n : n + 1]  # [B, 1]
+        accept, reject, p_rejected = _try_child(p, q, x, u[:, n], current == parents[:, n])
+        descend = accept.unsqueeze(1)  # [B, 1]
         p = torch.where(descend, target_probs[:, n + 1].float(), torch.where(reject, p_rejected, p))
         if q is not None:
-            if siblings == "without_replacement":
-                q = torch.where(reject, _normalise(q.scatter(1, x, 0.0), q), q)
-            q = torch.where(descend, draft_probs[:, n + 1].float(), q)
+            q = _next_proposal(q, x, reject, descend, draft_probs[:, n + 1], without_replacement)
         col = num_accepted.clamp(max=max(levels - 1, 0))
         nodes[rows, col] = torch.where(accept, n, nodes[rows, col])
         num_accepted = num_accepted + accept.long()
         current = torch.where(accept, n, current)
-    return VerifyResult(num_accepted, sample(p, generator), nodes)
+    return _TreeWalk(num_accepted, nodes, p)
 
 
-def _check_parents(parents: torch.Tensor) -> None:
-    if parents.ndim not in (1, 2):
-        raise ValueError(f"parents must have shape [N] or [B, N], got {list(parents.shape)}")
-    _check_tokens("parents", parents, parents.ndim)
-    index = torch.arange(parents.shape[-1], device=parents.device)
-    if bool(((parents < -1) | (parents >= index)).any()):
-        raise ValueError(
-            "parents must satisfy -1 <= parents[n] < n (topological order, -1 = root), "
-            f"got {parents.tolist()}"
-        )
-
-
-def tree_depths(parents: torch.Tensor) -> torch.Tensor:
-    """Depth of each tree node: 0 for the root's children.
-
-    Node ``n`` is the ``depths[n] + 1``-th token after the root, so its position id is
-    ``root_position + 1 + depths[n]`` and an accepted node sits in ``accepted_nodes[:, depths[n]]``.
+def _try_child(
+    p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor, u: torch.Tensor, candidate: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sibling step: the rows standing at a node's parent try the node.
 
     Args:
-        parents: ``[N]`` or ``[B, N]`` int64, ``-1`` for the root's children, ``parents[n] < n``.
+        p: ``[B, V]`` float32, the target law at each row's node, less its rejected children.
+        q: ``[B, V]`` float32, the law this child was drawn from given its earlier siblings, or
+            ``None`` for a deterministic child (``q`` one-hot on its token: accept with ``p(x)``,
+            the residual is ``p`` with ``x`` zeroed).
+        x: ``[B, 1]`` int64, the child's token.
+        u: ``[B]`` uniform coins.
+        candidate: ``[B]`` bool, the rows standing at the child's parent.
 
     Returns:
-        int64 tensor shaped like ``parents``.
-
-    Raises:
-        ValueError: bad shape or not topologically ordered.
-
-    Example:
-        >>> tree_depths(torch.tensor([-1, -1, 0, 2])).tolist()
-        [0, 0, 1, 2]
+        ``accept`` ``[B]`` bool; ``reject`` ``[B, 1]`` bool, the candidates that rejected it; and
+        ``[B, V]`` the residual law a rejecting row moves on with.
     """
-    _check_parents(parents)
-    parents = parents.long()
-    depths = torch.zeros_like(parents)
-    for n in range(parents.shape[-1]):
-        parent = parents[..., n : n + 1]
-        above = depths.gather(-1, parent.clamp(min=0)) + 1
-        depths[..., n : n + 1] = torch.where(parent < 0, 0, above)
-    return depths
+    p_x = p.gather(1, x).squeeze(1)  # [B]
+    if q is None:
+        accept = candidate & _accept(u, p_x, torch.ones_like(p_x))
+        p_rejected = _normalise(p.scatter(1, x, 0.0), p)
+    else:
+        # A node its proposal gives no mass (a sibling drawn past the end of q's support) is
+        # skipped: never accepted, and p and q stay as they are.
+        q_x = q.gather(1, x).squeeze(1)
+        candidate = candidate & (q_x > 0)
+        accept = candidate & _accept(u, p_x, q_x)
+        p_rejected = _residual(p, q)
+    return accept, (candidate & ~accept).unsqueeze(1), p_rejected
 
 
-def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:
-    """Which tree nodes each node may attend to: itself and its ancestors.
+def _next_proposal(
+    q: torch.Tensor,
+    x: torch.Tensor,
+    reject: torch.Tensor,
+    descend: torch.Tensor,
+    q_child: torch.Tensor,
+    without_replacement: bool,
+) -> torch.Tensor:
+    """``[B, V]`` float32: the law the next node a row tries was drawn from.
 
-    Args:
-        parents: ``[N]`` or ``[B, N]`` int64, ``-1`` for the root's children, ``parents[n] < n``.
-
-    Returns:
-        ``[N, N]`` or ``[B, N, N]`` bool; ``mask[..., i, j]`` is true iff ``j == i`` or ``j`` is an
-        ancestor of ``i``. The committed prefix is visible to all nodes and is not included.
-
-    Raises:
-        ValueError: bad shape or not topologically ordered.
-
-    Example:
-        >>> tree_attention_mask(torch.tensor([-1, 0, -1])).int().tolist()
-        [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    A row that rejected ``x`` drawn without replacement drops it from ``q``; a row that accepted it
+    moves on to ``q_child`` (``[B, V]``), the law of the accepted node's children.
     """
-    _check_parents(parents)
-    parents = parents.long()
-    n_nodes = parents.shape[-1]
-    eye = torch.eye(n_nodes, dtype=torch.bool, device=parents.device)
-    mask = eye.expand(*parents.shape[:-1], n_nodes, n_nodes).clone()
-    for n in range(n_nodes):
-        parent = parents[..., n]
-        index = parent.clamp(min=0)[..., None, None].expand(*parent.shape, 1, n_nodes)
-        ancestors = mask.gather(-2, index).squeeze(-2) & (parent >= 0).unsqueeze(-1)
-        mask[..., n, :] |= ancestors
-    return mask
+    if without_replacement:
+        q = torch.where(reject, _normalise(q.scatter(1, x, 0.0), q), q)
+    return torch.where(descend, q_child.float(), q)

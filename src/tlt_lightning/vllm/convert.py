@@ -65,7 +65,8 @@ class TargetLimits:
 
     @classmethod
     def from_model_dir(cls, path: str | Path, max_model_len: int | None = None) -> TargetLimits:
-        """Read the limits of a transformers checkpoint directory (``config.json``, ``generation_config.json``).
+        """Read the limits of a transformers checkpoint directory (``config.json``,
+        ``generation_config.json``).
 
         EOS ids come from ``generation_config.json`` when it names any, else ``config.json``, the
         order :class:`~tlt_lightning.models.HFTarget` uses.
@@ -95,7 +96,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class VLLMRequest:
-    """One request in vLLM's terms: ``TokensPrompt(prompt_token_ids=...)`` and ``SamplingParams(**sampling)``."""
+    """One request in vLLM's terms: ``TokensPrompt(prompt_token_ids=...)`` and
+    ``SamplingParams(**sampling)``."""
 
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
@@ -112,12 +114,13 @@ def check_supported(config: RolloutConfig, limits: TargetLimits) -> None:
     if config.feature_layers:
         raise ValueError(
             f"feature_layers must be empty for the vLLM backend (it returns no hidden states), got "
-            f"{config.feature_layers}; compute drafter features with a target forward over the rollouts instead"
+            f"{config.feature_layers}; compute drafter features with a target forward over the rollouts "
+            "instead"
         )
     if 0 < config.temperature < SAMPLING_EPS:
         raise ValueError(
-            f"temperature must be 0 (greedy) or >= {SAMPLING_EPS} for the vLLM backend (vLLM samples greedily "
-            f"below that), got {config.temperature!r}"
+            f"temperature must be 0 (greedy) or >= {SAMPLING_EPS} for the vLLM backend "
+            f"(vLLM samples greedily below that), got {config.temperature!r}"
         )
     if config.top_k > limits.vocab_size:
         raise ValueError(
@@ -260,12 +263,13 @@ def rollouts_from_outputs(
         reason = _FINISH.get(completion.finish_reason)
         if reason is None:
             raise ValueError(
-                f"{where}: vLLM finished it with reason {completion.finish_reason!r}; expected one of {sorted(_FINISH)}"
+                f"{where}: vLLM finished it with reason {completion.finish_reason!r}; "
+                f"expected one of {sorted(_FINISH)}"
             )
         if reason == "eos" and (not tokens or tokens[-1] not in eos):
             raise ValueError(
-                f"{where}: vLLM stopped it (stop_reason {getattr(completion, 'stop_reason', None)!r}) but its "
-                f"last token is not an EOS id {sorted(eos)}"
+                f"{where}: vLLM stopped it (stop_reason {getattr(completion, 'stop_reason', None)!r}) "
+                f"but its last token is not an EOS id {sorted(eos)}"
             )
         if len(tokens) > req.sampling["max_tokens"]:
             raise ValueError(f"{where}: {len(tokens)} tokens exceed max_tokens={req.sampling['max_tokens']}")
@@ -312,7 +316,10 @@ class SpecCounters:
 
     def __sub__(self, other: SpecCounters) -> SpecCounters:
         K = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        pad = lambda v: tuple(v) + (0,) * (K - len(v))
+
+        def pad(v: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(v) + (0,) * (K - len(v))
+
         return SpecCounters(
             self.drafts - other.drafts,
             self.draft_tokens - other.draft_tokens,

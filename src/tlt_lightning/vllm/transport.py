@@ -150,7 +150,8 @@ class TLTWorkerExtension:
     """
 
     def tlt_load_weights(self, component: str, weights: WeightList) -> int:
-        """Load ``(name, tensor)`` pairs (checkpoint / EAGLE names) into ``component``; returns their count."""
+        """Load ``(name, tensor)`` pairs (checkpoint / EAGLE names) into ``component``; returns their
+        count."""
         model = component_model(self.model_runner, component)
         config = self.vllm_config
         target = component == "target"

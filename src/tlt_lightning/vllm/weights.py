@@ -115,8 +115,10 @@ def _fit(what: str, names: set[str], expected: set[str]) -> None:
     missing, unexpected = sorted(expected - names), sorted(names - expected)
     if missing or unexpected:
         raise ValueError(
-            f"{what} weights do not fit the served model: missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
-            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} (a refresh must cover every tensor)"
+            f"{what} weights do not fit the served model: "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
+            "(a refresh must cover every tensor)"
         )
 
 

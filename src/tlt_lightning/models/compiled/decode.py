@@ -23,7 +23,8 @@ def check_compiled_model(model: nn.Module) -> None:
     for name, module in model.get_decoder().named_modules():
         if isinstance(module, nn.Linear) and type(module) not in (nn.Linear, PackedLinear):
             raise TypeError(
-                f"decode='compiled' multiplies by the decoder's nn.Linear weights, {name} is {type(module).__name__}; "
+                "decode='compiled' multiplies by the decoder's nn.Linear weights, "
+                f"{name} is {type(module).__name__}; "
                 "use decode='lean' for this model"
             )
 
@@ -40,8 +41,10 @@ class CompiledDecode(BucketedGraphs):
 
     Example:
         >>> from tlt_lightning.models import load_model
-        >>> decode = CompiledDecode(load_model("tiny-llama").model, CompileConfig(batch_buckets=(2,)))  # doctest: +SKIP
-        >>> decode.new_cache(num_layers=4, max_batch=1, num_kv_heads=2, max_len=10, head_dim=16).keys.shape  # doctest: +SKIP
+        >>> model = load_model("tiny-llama").model  # doctest: +SKIP
+        >>> decode = CompiledDecode(model, CompileConfig(batch_buckets=(2,)))  # doctest: +SKIP
+        >>> sizes = dict(num_layers=4, max_batch=1, num_kv_heads=2, max_len=10, head_dim=16)
+        >>> decode.new_cache(**sizes).keys.shape  # doctest: +SKIP
         torch.Size([4, 2, 2, 257, 16])
     """
 

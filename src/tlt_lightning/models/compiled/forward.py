@@ -20,7 +20,8 @@ __all__ = ["StaticKV", "merged_groups", "static_forward"]
 
 
 class StaticKV:
-    """The key/value store of a traced forward: per-layer ``[B, H, S, D]`` buffers written at ``slots``, read to ``kv_len``.
+    """The key/value store of a traced forward: per-layer ``[B, H, S, D]`` buffers written at
+    ``slots``, read to ``kv_len``.
 
     ``update`` has :meth:`KVCache.update`'s contract, for ``n`` padded rows (rows ``[0, n)`` of the buffers).
     The buffers are one tensor per layer (views of the cache's ``[L, B, H, S, D]``), each written
@@ -86,12 +87,13 @@ def static_forward(
     all_slots: bool = False,
     cpp_attention: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The traced function: :func:`lean_decoder` over a :class:`StaticKV`, linears multiplying by ``packed``
-    (keyed by name, projections of one input by their merged copy, keyed ``"+".join(names)``, where there is
-    one; or, with ``one_row_gemv`` and a single row of one token, by :func:`row_gemv`); with ``matmul_attention``
-    and several rows, attending by :func:`grouped_matmul_attention`, over every cache slot if ``all_slots``
-    (the slots past ``mask`` masked out; they hold zeros or earlier keys, finite either way); with
-    ``cpp_attention``, attending by :func:`~tlt_lightning.kernels.decode_attention` instead."""
+    """The traced function: :func:`lean_decoder` over a :class:`StaticKV`, linears multiplying by
+    ``packed`` (keyed by name, projections of one input by their merged copy, keyed
+    ``"+".join(names)``, where there is one; or, with ``one_row_gemv`` and a single row of one token,
+    by :func:`row_gemv`); with ``matmul_attention`` and several rows, attending by
+    :func:`grouped_matmul_attention`, over every cache slot if ``all_slots`` (the slots past ``mask``
+    masked out; they hold zeros or earlier keys, finite either way); with ``cpp_attention``,
+    attending by :func:`~tlt_lightning.kernels.decode_attention` instead."""
     gemv = one_row_gemv and input_ids.numel() == 1
     attention = grouped_matmul_attention if matmul_attention and input_ids.shape[0] > 1 else None
     attention = kernels.decode_attention if cpp_attention else attention

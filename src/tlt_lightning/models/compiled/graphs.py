@@ -71,7 +71,8 @@ class Padded(NamedTuple):
 
 
 class BucketedGraphs:
-    """What every compiled step shares: buckets, caches with room for padding, padding, timing, fallback warnings.
+    """What every compiled step shares: buckets, caches with room for padding, padding, timing,
+    fallback warnings.
 
     Subclasses compile their traced function with :meth:`compile` and call :meth:`pad` then :meth:`launch`.
 
@@ -114,9 +115,10 @@ class BucketedGraphs:
         compiled graph, which with ``config.skip_guards`` later calls run directly (:meth:`launch`).
 
         Its graphs skip dynamo's guards on the model's modules (``skip_guard_on_all_nn_modules_unsafe``):
-        they cost time at every call, and what they check cannot change under these graphs but the weights'
-        dtype, device and layout (:mod:`~tlt_lightning.models.layout`), which :meth:`launch` checks itself. Weights updated in
-        place, or replaced by tensors of the same kind, are read afresh every call."""
+        they cost time at every call, and what they check cannot change under these graphs but the
+        weights' dtype, device and layout (:mod:`~tlt_lightning.models.layout`), which :meth:`launch`
+        checks itself. Weights updated in place, or replaced by tensors of the same kind, are read
+        afresh every call."""
         self._options = {
             **torch._inductor.list_mode_options(self.mode, dynamic=False),
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
@@ -175,7 +177,8 @@ class BucketedGraphs:
         return self._views[1], self._views[2]
 
     def bucket(self, n: int, q: int, kv_len: int, feature_layers: tuple[int, ...] = ()) -> Bucket | None:
-        """The shape a forward of ``n`` rows, ``q`` new tokens each, over ``kv_len`` key slots runs at (or ``None``).
+        """The shape a forward of ``n`` rows, ``q`` new tokens each, over ``kv_len`` key slots runs at
+        (or ``None``).
 
         Static graphs: rows up to a batch bucket, keys to a multiple of ``kv_step``. Dynamic ones: rows
         and keys as they are (``n`` within the largest batch bucket)."""
@@ -251,7 +254,8 @@ class BucketedGraphs:
         return Padded(bucket, ids, pos, where, mask, n, q)
 
     def mark_rows(self, *tensors: torch.Tensor) -> None:
-        """Mark dimension 0 (rows) of the graph inputs dynamic, where graphs are dynamic and rows are not one."""
+        """Mark dimension 0 (rows) of the graph inputs dynamic, where graphs are dynamic and rows are not
+        one."""
         if self.dynamic and tensors[0].shape[0] > 1:
             for t in tensors:
                 torch._dynamo.mark_dynamic(t, 0)
@@ -321,7 +325,8 @@ class BucketedGraphs:
         return out
 
     def unpad(self, x: torch.Tensor | None, padded: Padded) -> torch.Tensor | None:
-        """``[B, Q, ...]`` graph output -> ``[n, q, ...]`` (copied out of CUDA graph memory, which the next replay reuses)."""
+        """``[B, Q, ...]`` graph output -> ``[n, q, ...]`` (copied out of CUDA graph memory, which the
+        next replay reuses)."""
         if x is None:
             return None
         x = x[: padded.n, : padded.q]
