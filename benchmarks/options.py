@@ -9,6 +9,7 @@ from __future__ import annotations
 from argparse import SUPPRESS
 
 from jsonargparse import ArgumentParser
+from jsonargparse.typing import NonNegativeInt, PositiveInt
 
 __all__ = ["BENCHMARKS", "DECODE_PATHS", "EFFICIENCY_PARTS", "SPOT_PARTS", "WEIGHT_LAYOUTS"]
 
@@ -36,11 +37,17 @@ def bench_rollout(p: ArgumentParser) -> None:
         "forward compiled per shape bucket (fp32 greedy: same tokens; compile time reported apart)",
     )
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
-    p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 128])
-    p.add_argument("--max-new-tokens", type=int, default=128, help="per request, fixed-batch workload")
-    p.add_argument("--long-tail-requests", type=int, default=128, help="0 skips the long-tail workload")
-    p.add_argument("--long-tail-max-new", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=2, help="alternating runs per workload (medians reported)")
+    p.add_argument("--batch-sizes", type=PositiveInt, nargs="*", default=[1, 8, 32, 128])
+    p.add_argument(
+        "--max-new-tokens", type=PositiveInt, default=128, help="per request, fixed-batch workload"
+    )
+    p.add_argument(
+        "--long-tail-requests", type=NonNegativeInt, default=128, help="0 skips the long-tail workload"
+    )
+    p.add_argument("--long-tail-max-new", type=PositiveInt, default=512)
+    p.add_argument(
+        "--repeats", type=PositiveInt, default=2, help="alternating runs per workload (medians reported)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="runs/bench/rollout.json", help="where to write the results")
     sd = p.add_argument_group("speculative decoding (--speculative)")
@@ -56,12 +63,12 @@ def bench_rollout(p: ArgumentParser) -> None:
         "(every arm of each, labelled DIRNAME/ARM), the long tail uses the first",
     )
     sd.add_argument(
-        "--depth", type=int, default=4, help="draft steps per speculation (chain length, tree depth)"
+        "--depth", type=PositiveInt, default=4, help="draft steps per speculation (chain length, tree depth)"
     )
-    sd.add_argument("--topk", type=int, default=1, help="children per tree node (1 = chain)")
+    sd.add_argument("--topk", type=PositiveInt, default=1, help="children per tree node (1 = chain)")
     sd.add_argument(
         "--draft-tokens",
-        type=int,
+        type=PositiveInt,
         default=None,
         help="tree nodes verified per step (default: 2 x depth for trees)",
     )
@@ -79,7 +86,9 @@ def bench_rollout(p: ArgumentParser) -> None:
         "chain10@0.3 (stops below that confidence), chain6x2, tree4x2/8; the long tail "
         "uses the first",
     )
-    sd.add_argument("--threshold", type=int, default=32, help="speculate below this many active requests")
+    sd.add_argument(
+        "--threshold", type=PositiveInt, default=32, help="speculate below this many active requests"
+    )
     sd.add_argument(
         "--temperature",
         type=float,
@@ -90,7 +99,7 @@ def bench_rollout(p: ArgumentParser) -> None:
     )
     sd.add_argument(
         "--assistant-layers",
-        type=int,
+        type=NonNegativeInt,
         default=6,
         help="batch-1 peer: HF assisted generation with the target's first N layers as the "
         "assistant (0 skips it)",
@@ -99,14 +108,14 @@ def bench_rollout(p: ArgumentParser) -> None:
 
 
 def bench_activation_checkpointing(parser: ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64)")
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--layers", type=PositiveInt, default=8)
+    parser.add_argument("--hidden", type=PositiveInt, default=256, help="hidden size (heads of 64)")
+    parser.add_argument("--vocab", type=PositiveInt, default=8192)
+    parser.add_argument("--seq-len", type=PositiveInt, default=512)
+    parser.add_argument("--batch-size", type=PositiveInt, default=2)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds")
-    parser.add_argument("--steps", type=int, default=2, help="train steps per variant and round")
+    parser.add_argument("--repeats", type=PositiveInt, default=5, help="interleaved timing rounds")
+    parser.add_argument("--steps", type=PositiveInt, default=2, help="train steps per variant and round")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="runs/bench/activation_checkpointing.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
@@ -123,28 +132,28 @@ def bench_strategies(p: ArgumentParser) -> None:
         help="layout of the linear weights (see `python -m benchmarks layout`)",
     )
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
-    p.add_argument("--requests", type=int, default=128, help="prompts in the long-tail rollout")
+    p.add_argument("--requests", type=PositiveInt, default=128, help="prompts in the long-tail rollout")
     p.add_argument(
         "--groups",
-        type=int,
+        type=PositiveInt,
         default=1,
         help="prompt groups of --requests each: every run rolls out all of them (totals reported)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=PositiveInt, default=512)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument(
-        "--threshold", type=int, default=32, help="strategies apply below this many active requests"
+        "--threshold", type=PositiveInt, default=32, help="strategies apply below this many active requests"
     )
     p.add_argument(
         "--warm-rollouts",
-        type=int,
+        type=PositiveInt,
         default=1,
         help="bandit rollouts on other prompts before the measured ones",
     )
     p.add_argument("--epsilon", type=float, default=0.1, help="BEG-MAB exploration probability")
     p.add_argument(
         "--epsilon-half-life",
-        type=int,
+        type=PositiveInt,
         default=None,
         help="decay each bucket's epsilon with this half-life in decisions (default: constant)",
     )
@@ -173,14 +182,14 @@ def bench_strategies(p: ArgumentParser) -> None:
 def bench_e2e(p: ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument("--task", default="countdown", help="reasoning-gym task (easy settings)")
-    p.add_argument("--steps", type=int, default=6, help="GRPO optimizer steps per run")
-    p.add_argument("--prompts-per-step", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=384)
+    p.add_argument("--steps", type=PositiveInt, default=6, help="GRPO optimizer steps per run")
+    p.add_argument("--prompts-per-step", type=PositiveInt, default=4)
+    p.add_argument("--group-size", type=PositiveInt, default=8)
+    p.add_argument("--max-new-tokens", type=PositiveInt, default=384)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument(
         "--micro-batch-size",
-        type=int,
+        type=PositiveInt,
         default=4,
         help="sequences per training forward/backward (bounds the [B, T, vocab] logits in memory)",
     )
@@ -197,24 +206,28 @@ def bench_e2e(p: ArgumentParser) -> None:
         help="Lightning precision of both runs' training step (bf16-mixed: autocast, fast on AMX CPUs)",
     )
     p.add_argument("--drafter", default=None, help="warmed-up drafter directory (default: a fresh drafter)")
-    p.add_argument("--threshold", type=int, default=8, help="speculate below this many active requests")
     p.add_argument(
-        "--depth", type=int, default=4, help="chain depth of the fixed strategy (without --bandit)"
+        "--threshold", type=PositiveInt, default=8, help="speculate below this many active requests"
+    )
+    p.add_argument(
+        "--depth", type=PositiveInt, default=4, help="chain depth of the fixed strategy (without --bandit)"
     )
     p.add_argument("--bandit", action="store_true", help="choose the strategy with BEG-MAB (BanditCallback)")
     p.add_argument(
         "--drafter-steps",
-        type=int,
+        type=PositiveInt,
         default=4,
         help="drafter steps per RL step (single worker: paid for, no idle time to hide them)",
     )
     p.add_argument(
         "--drift-every",
-        type=int,
+        type=NonNegativeInt,
         default=0,
         help="probe the spot-trained vs a frozen drafter every N RL steps (DrafterDriftProbe; 0 = off)",
     )
-    p.add_argument("--drift-tokens", type=int, default=128, help="response cap of the drift probe rollouts")
+    p.add_argument(
+        "--drift-tokens", type=PositiveInt, default=128, help="response cap of the drift probe rollouts"
+    )
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer as a peer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="Lightning progress bars")
@@ -235,22 +248,24 @@ def bench_spot(p: ArgumentParser) -> None:
         default=None,
         help="a `drafter warmup --rollouts-cache` file to take rollouts from (eagle1 features recomputed)",
     )
-    g.add_argument("--packing-rollouts", type=int, default=64, help="rollouts per epoch")
-    g.add_argument("--packing-budget", type=int, default=1024, help="samples per packed row")
-    g.add_argument("--packing-repeats", type=int, default=3)
+    g.add_argument("--packing-rollouts", type=PositiveInt, default=64, help="rollouts per epoch")
+    g.add_argument("--packing-budget", type=PositiveInt, default=1024, help="samples per packed row")
+    g.add_argument("--packing-repeats", type=PositiveInt, default=3)
     g = p.add_argument_group("preemption")
-    g.add_argument("--windows", type=int, default=60, help="rollouts (training windows) to time")
+    g.add_argument("--windows", type=PositiveInt, default=60, help="rollouts (training windows) to time")
     g = p.add_argument_group("checkpoint")
     g.add_argument(
-        "--checkpoint-repeats", type=int, default=5, help="sync / async saves to time (alternating)"
+        "--checkpoint-repeats", type=PositiveInt, default=5, help="sync / async saves to time (alternating)"
     )
     g = p.add_argument_group("ddp")
-    g.add_argument("--steps", type=int, default=5, help="GRPO steps per fit")
-    g.add_argument("--prompts-per-step", type=int, default=4, help="over both ranks")
-    g.add_argument("--group-size", type=int, default=8)
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--threshold", type=int, default=8, help="speculate below this many active requests")
-    g.add_argument("--depth", type=int, default=6, help="chain depth")
+    g.add_argument("--steps", type=PositiveInt, default=5, help="GRPO steps per fit")
+    g.add_argument("--prompts-per-step", type=PositiveInt, default=4, help="over both ranks")
+    g.add_argument("--group-size", type=PositiveInt, default=8)
+    g.add_argument("--max-new-tokens", type=PositiveInt, default=256)
+    g.add_argument(
+        "--threshold", type=PositiveInt, default=8, help="speculate below this many active requests"
+    )
+    g.add_argument("--depth", type=PositiveInt, default=6, help="chain depth")
     g.add_argument("--out", default="runs/bench/spot", help="working directory of the fits")
     p.add_argument("--json", default="runs/bench/spot.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
@@ -264,35 +279,41 @@ def bench_efficiency(parser: ArgumentParser) -> None:
         default=None,
         help='JSON reasoning-gym settings (default: {"min_terms": 2, "max_terms": 3, "max_digits": 1})',
     )
-    parser.add_argument("--train-size", type=int, default=4096)
-    parser.add_argument("--eval-size", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--train-size", type=PositiveInt, default=4096)
+    parser.add_argument("--eval-size", type=PositiveInt, default=512)
+    parser.add_argument("--batch-size", type=PositiveInt, default=32)
     parser.add_argument(
         "--steps",
-        type=int,
+        type=PositiveInt,
         default=None,
         help="learner / student steps (sampler: the token budget is steps x batch x mean length; "
         "default 400 sampler, 300 distill and qat)",
     )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
-        "--hidden", type=int, default=None, help="learner / student width (default 128 sampler, 64 else)"
+        "--hidden",
+        type=PositiveInt,
+        default=None,
+        help="learner / student width (default 128 sampler, 64 else)",
     )
     parser.add_argument(
-        "--layers", type=int, default=None, help="learner / student layers (default 4 sampler, 3 else)"
+        "--layers",
+        type=PositiveInt,
+        default=None,
+        help="learner / student layers (default 4 sampler, 3 else)",
     )
-    parser.add_argument("--evals", type=int, default=5, help="evaluations along each run")
+    parser.add_argument("--evals", type=PositiveInt, default=5, help="evaluations along each run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--seeds", type=int, default=1, help="sampler: repeat every variant with this many seeds"
+        "--seeds", type=PositiveInt, default=1, help="sampler: repeat every variant with this many seeds"
     )
     sampler = parser.add_argument_group("sampler")
     sampler.add_argument("--candidate-factor", type=float, default=10)
     sampler.add_argument("--temperature", type=float, default=1.0)
-    sampler.add_argument("--proxy-hidden", type=int, default=64)
-    sampler.add_argument("--proxy-layers", type=int, default=2)
+    sampler.add_argument("--proxy-hidden", type=PositiveInt, default=64)
+    sampler.add_argument("--proxy-layers", type=PositiveInt, default=2)
     sampler.add_argument(
-        "--holdout-steps", type=int, default=300, help="training steps of the RHO-LOSS holdout proxy"
+        "--holdout-steps", type=PositiveInt, default=300, help="training steps of the RHO-LOSS holdout proxy"
     )
     sampler.add_argument(
         "--rho-learner",
@@ -301,16 +322,19 @@ def bench_efficiency(parser: ArgumentParser) -> None:
         "instead of the online proxy's",
     )
     teacher = parser.add_argument_group("distill / qat")
-    teacher.add_argument("--teacher-hidden", type=int, default=128)
-    teacher.add_argument("--teacher-layers", type=int, default=6)
-    teacher.add_argument("--teacher-steps", type=int, default=500)
+    teacher.add_argument("--teacher-hidden", type=PositiveInt, default=128)
+    teacher.add_argument("--teacher-layers", type=PositiveInt, default=6)
+    teacher.add_argument("--teacher-steps", type=PositiveInt, default=500)
     teacher.add_argument("--kd-temperature", type=float, default=2.0)
     teacher.add_argument("--hidden-weight", type=float, default=1.0)
     teacher.add_argument("--ce-weight", type=float, default=1.0)
-    teacher.add_argument("--qat-steps", type=int, default=150, help="qat: steps after the fp32 phase")
+    teacher.add_argument("--qat-steps", type=PositiveInt, default=150, help="qat: steps after the fp32 phase")
     teacher.add_argument("--qat-lr", type=float, default=1e-3)
     teacher.add_argument(
-        "--group-size", type=int, default=32, help="qat: INT4 group size (0: one scale per output channel)"
+        "--group-size",
+        type=PositiveInt,
+        default=32,
+        help="qat: INT4 group size (0: one scale per output channel)",
     )
     teacher.add_argument(
         "--scratch",
@@ -325,8 +349,10 @@ def bench_layout(p: ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 32, 128], help="plain decoding")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="per request")
+    p.add_argument(
+        "--batch-sizes", type=PositiveInt, nargs="+", default=[1, 4, 32, 128], help="plain decoding"
+    )
+    p.add_argument("--max-new-tokens", type=PositiveInt, default=64, help="per request")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--drafter", default=None, metavar="DIR", help="also time speculative decoding at batch 1")
     p.add_argument(
@@ -343,7 +369,9 @@ def bench_layout(p: ArgumentParser) -> None:
         choices=WEIGHT_LAYOUTS,
         help="layouts to compare; speedups are against the first",
     )
-    p.add_argument("--repeats", type=int, default=3, help="prompt groups; the layouts' order rotates on each")
+    p.add_argument(
+        "--repeats", type=PositiveInt, default=3, help="prompt groups; the layouts' order rotates on each"
+    )
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--json", default="runs/bench/layout.json", help="where to write the results")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
@@ -367,24 +395,34 @@ def bench_peers(p: ArgumentParser) -> None:
         "--drafter", default="examples/drafters/smollm2-countdown", help="drafter checkpoint directory"
     )
     p.add_argument(
-        "--k", type=int, default=3, help="drafted tokens per step: our chain{k}, vLLM num_speculative_tokens"
+        "--k",
+        type=PositiveInt,
+        default=3,
+        help="drafted tokens per step: our chain{k}, vLLM num_speculative_tokens",
     )
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
-    p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32])
-    p.add_argument("--max-new-tokens", type=int, default=128, help="fixed-batch workload, EOS ignored")
+    p.add_argument("--batch-sizes", type=PositiveInt, nargs="*", default=[1, 8, 32])
+    p.add_argument(
+        "--max-new-tokens", type=PositiveInt, default=128, help="fixed-batch workload, EOS ignored"
+    )
     p.add_argument(
         "--sampled-batch-sizes",
-        type=int,
+        type=PositiveInt,
         nargs="*",
         default=[1],
         help="fixed batches at T=1: ours and ours-sd vs vLLM plain (none: skipped)",
     )
-    p.add_argument("--long-tail-requests", type=int, default=128, help="0 skips the long tail")
-    p.add_argument("--long-tail-max-new", type=int, default=512)
+    p.add_argument("--long-tail-requests", type=NonNegativeInt, default=128, help="0 skips the long tail")
+    p.add_argument("--long-tail-max-new", type=PositiveInt, default=512)
     p.add_argument(
-        "--threshold", type=int, default=32, help="ours-sd in the long tail: speculate below this many active"
+        "--threshold",
+        type=PositiveInt,
+        default=32,
+        help="ours-sd in the long tail: speculate below this many active",
     )
-    p.add_argument("--repeats", type=int, default=3, help="alternating runs per workload (medians reported)")
+    p.add_argument(
+        "--repeats", type=PositiveInt, default=3, help="alternating runs per workload (medians reported)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--no-speculative", dest="speculative", action="store_false", help="skip the speculative phase"
@@ -398,7 +436,7 @@ def bench_peers(p: ArgumentParser) -> None:
         default=0.2,
         help="on a CPU: share of the NUMA node's memory for vLLM's KV cache",
     )
-    v.add_argument("--max-model-len", type=int, default=2048)
+    v.add_argument("--max-model-len", type=PositiveInt, default=2048)
     v.add_argument(
         "--vllm-threads-bind",
         default="nobind",
@@ -411,7 +449,7 @@ def bench_peers(p: ArgumentParser) -> None:
 
 
 def bench_bandit(p: ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=8000)
+    p.add_argument("--steps", type=int, default=8000)  # checked by the benchmark (a ValueError)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="runs/bench/bandit.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")

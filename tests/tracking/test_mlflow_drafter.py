@@ -315,7 +315,9 @@ def test_a_registered_version_whose_weights_were_changed_is_refused(standalone, 
     save_drafter(tampered, tmp_path / "tampered")
     stored.write_bytes((tmp_path / "tampered" / "model.safetensors").read_bytes())
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    with pytest.raises(ValueError, match=r"'my-drafter' version 1: model.safetensors has sha256 .* registered"):
+    with pytest.raises(
+        ValueError, match=r"'my-drafter' version 1: model.safetensors has sha256 .* registered"
+    ):
         load_drafter_from_mlflow("models:/my-drafter/1", tiny_llama, tracking_uri=uri)
     with pytest.raises(ValueError, match=r"the stored file was changed after registration; refusing"):
         load_drafter("models:/my-drafter/1", tiny_llama, tracking_uri=uri)
