@@ -10,6 +10,7 @@ from __future__ import annotations
 from argparse import SUPPRESS
 
 from jsonargparse import ArgumentParser
+from jsonargparse.typing import NonNegativeInt, PositiveInt
 
 from benchmarks.options_training import (
     EFFICIENCY_PARTS,
@@ -45,11 +46,17 @@ def bench_rollout(p: ArgumentParser) -> None:
         "forward compiled per shape bucket (fp32 greedy: same tokens; compile time reported apart)",
     )
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
-    p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 128])
-    p.add_argument("--max-new-tokens", type=int, default=128, help="per request, fixed-batch workload")
-    p.add_argument("--long-tail-requests", type=int, default=128, help="0 skips the long-tail workload")
-    p.add_argument("--long-tail-max-new", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=2, help="alternating runs per workload (medians reported)")
+    p.add_argument("--batch-sizes", type=PositiveInt, nargs="*", default=[1, 8, 32, 128])
+    p.add_argument(
+        "--max-new-tokens", type=PositiveInt, default=128, help="per request, fixed-batch workload"
+    )
+    p.add_argument(
+        "--long-tail-requests", type=NonNegativeInt, default=128, help="0 skips the long-tail workload"
+    )
+    p.add_argument("--long-tail-max-new", type=PositiveInt, default=512)
+    p.add_argument(
+        "--repeats", type=PositiveInt, default=2, help="alternating runs per workload (medians reported)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="runs/bench/rollout.json", help="where to write the results")
     sd = p.add_argument_group("speculative decoding (--speculative)")
@@ -65,12 +72,12 @@ def bench_rollout(p: ArgumentParser) -> None:
         "(every arm of each, labelled DIRNAME/ARM), the long tail uses the first",
     )
     sd.add_argument(
-        "--depth", type=int, default=4, help="draft steps per speculation (chain length, tree depth)"
+        "--depth", type=PositiveInt, default=4, help="draft steps per speculation (chain length, tree depth)"
     )
-    sd.add_argument("--topk", type=int, default=1, help="children per tree node (1 = chain)")
+    sd.add_argument("--topk", type=PositiveInt, default=1, help="children per tree node (1 = chain)")
     sd.add_argument(
         "--draft-tokens",
-        type=int,
+        type=PositiveInt,
         default=None,
         help="tree nodes verified per step (default: 2 x depth for trees)",
     )
@@ -88,7 +95,9 @@ def bench_rollout(p: ArgumentParser) -> None:
         "chain10@0.3 (stops below that confidence), chain6x2, tree4x2/8; the long tail "
         "uses the first",
     )
-    sd.add_argument("--threshold", type=int, default=32, help="speculate below this many active requests")
+    sd.add_argument(
+        "--threshold", type=PositiveInt, default=32, help="speculate below this many active requests"
+    )
     sd.add_argument(
         "--temperature",
         type=float,
@@ -99,7 +108,7 @@ def bench_rollout(p: ArgumentParser) -> None:
     )
     sd.add_argument(
         "--assistant-layers",
-        type=int,
+        type=NonNegativeInt,
         default=6,
         help="batch-1 peer: HF assisted generation with the target's first N layers as the "
         "assistant (0 skips it)",
@@ -118,28 +127,28 @@ def bench_strategies(p: ArgumentParser) -> None:
         help="layout of the linear weights (see `python -m benchmarks layout`)",
     )
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
-    p.add_argument("--requests", type=int, default=128, help="prompts in the long-tail rollout")
+    p.add_argument("--requests", type=PositiveInt, default=128, help="prompts in the long-tail rollout")
     p.add_argument(
         "--groups",
-        type=int,
+        type=PositiveInt,
         default=1,
         help="prompt groups of --requests each: every run rolls out all of them (totals reported)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=PositiveInt, default=512)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument(
-        "--threshold", type=int, default=32, help="strategies apply below this many active requests"
+        "--threshold", type=PositiveInt, default=32, help="strategies apply below this many active requests"
     )
     p.add_argument(
         "--warm-rollouts",
-        type=int,
+        type=PositiveInt,
         default=1,
         help="bandit rollouts on other prompts before the measured ones",
     )
     p.add_argument("--epsilon", type=float, default=0.1, help="BEG-MAB exploration probability")
     p.add_argument(
         "--epsilon-half-life",
-        type=int,
+        type=PositiveInt,
         default=None,
         help="decay each bucket's epsilon with this half-life in decisions (default: constant)",
     )
@@ -169,8 +178,10 @@ def bench_layout(p: ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 32, 128], help="plain decoding")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="per request")
+    p.add_argument(
+        "--batch-sizes", type=PositiveInt, nargs="+", default=[1, 4, 32, 128], help="plain decoding"
+    )
+    p.add_argument("--max-new-tokens", type=PositiveInt, default=64, help="per request")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--drafter", default=None, metavar="DIR", help="also time speculative decoding at batch 1")
     p.add_argument(
@@ -187,7 +198,9 @@ def bench_layout(p: ArgumentParser) -> None:
         choices=WEIGHT_LAYOUTS,
         help="layouts to compare; speedups are against the first",
     )
-    p.add_argument("--repeats", type=int, default=3, help="prompt groups; the layouts' order rotates on each")
+    p.add_argument(
+        "--repeats", type=PositiveInt, default=3, help="prompt groups; the layouts' order rotates on each"
+    )
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--json", default="runs/bench/layout.json", help="where to write the results")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
@@ -211,24 +224,34 @@ def bench_peers(p: ArgumentParser) -> None:
         "--drafter", default="examples/drafters/smollm2-countdown", help="drafter checkpoint directory"
     )
     p.add_argument(
-        "--k", type=int, default=3, help="drafted tokens per step: our chain{k}, vLLM num_speculative_tokens"
+        "--k",
+        type=PositiveInt,
+        default=3,
+        help="drafted tokens per step: our chain{k}, vLLM num_speculative_tokens",
     )
     p.add_argument("--task", default="countdown", help="reasoning-gym task for the prompts")
-    p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32])
-    p.add_argument("--max-new-tokens", type=int, default=128, help="fixed-batch workload, EOS ignored")
+    p.add_argument("--batch-sizes", type=PositiveInt, nargs="*", default=[1, 8, 32])
+    p.add_argument(
+        "--max-new-tokens", type=PositiveInt, default=128, help="fixed-batch workload, EOS ignored"
+    )
     p.add_argument(
         "--sampled-batch-sizes",
-        type=int,
+        type=PositiveInt,
         nargs="*",
         default=[1],
         help="fixed batches at T=1: ours and ours-sd vs vLLM plain (none: skipped)",
     )
-    p.add_argument("--long-tail-requests", type=int, default=128, help="0 skips the long tail")
-    p.add_argument("--long-tail-max-new", type=int, default=512)
+    p.add_argument("--long-tail-requests", type=NonNegativeInt, default=128, help="0 skips the long tail")
+    p.add_argument("--long-tail-max-new", type=PositiveInt, default=512)
     p.add_argument(
-        "--threshold", type=int, default=32, help="ours-sd in the long tail: speculate below this many active"
+        "--threshold",
+        type=PositiveInt,
+        default=32,
+        help="ours-sd in the long tail: speculate below this many active",
     )
-    p.add_argument("--repeats", type=int, default=3, help="alternating runs per workload (medians reported)")
+    p.add_argument(
+        "--repeats", type=PositiveInt, default=3, help="alternating runs per workload (medians reported)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--no-speculative", dest="speculative", action="store_false", help="skip the speculative phase"
@@ -242,7 +265,7 @@ def bench_peers(p: ArgumentParser) -> None:
         default=0.2,
         help="on a CPU: share of the NUMA node's memory for vLLM's KV cache",
     )
-    v.add_argument("--max-model-len", type=int, default=2048)
+    v.add_argument("--max-model-len", type=PositiveInt, default=2048)
     v.add_argument(
         "--vllm-threads-bind",
         default="nobind",

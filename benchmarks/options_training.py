@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from jsonargparse import ArgumentParser
+from jsonargparse.typing import NonNegativeInt, PositiveInt
 
 __all__ = [
     "EFFICIENCY_PARTS",
@@ -19,14 +20,14 @@ EFFICIENCY_PARTS = ("sampler", "distill", "qat")  # efficiency --part (benchmark
 
 
 def bench_activation_checkpointing(parser: ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64)")
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--layers", type=PositiveInt, default=8)
+    parser.add_argument("--hidden", type=PositiveInt, default=256, help="hidden size (heads of 64)")
+    parser.add_argument("--vocab", type=PositiveInt, default=8192)
+    parser.add_argument("--seq-len", type=PositiveInt, default=512)
+    parser.add_argument("--batch-size", type=PositiveInt, default=2)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds")
-    parser.add_argument("--steps", type=int, default=2, help="train steps per variant and round")
+    parser.add_argument("--repeats", type=PositiveInt, default=5, help="interleaved timing rounds")
+    parser.add_argument("--steps", type=PositiveInt, default=2, help="train steps per variant and round")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="runs/bench/activation_checkpointing.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
@@ -35,14 +36,14 @@ def bench_activation_checkpointing(parser: ArgumentParser) -> None:
 def bench_e2e(p: ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name or local HF directory")
     p.add_argument("--task", default="countdown", help="reasoning-gym task (easy settings)")
-    p.add_argument("--steps", type=int, default=6, help="GRPO optimizer steps per run")
-    p.add_argument("--prompts-per-step", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=384)
+    p.add_argument("--steps", type=PositiveInt, default=6, help="GRPO optimizer steps per run")
+    p.add_argument("--prompts-per-step", type=PositiveInt, default=4)
+    p.add_argument("--group-size", type=PositiveInt, default=8)
+    p.add_argument("--max-new-tokens", type=PositiveInt, default=384)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument(
         "--micro-batch-size",
-        type=int,
+        type=PositiveInt,
         default=4,
         help="sequences per training forward/backward (bounds the [B, T, vocab] logits in memory)",
     )
@@ -59,24 +60,28 @@ def bench_e2e(p: ArgumentParser) -> None:
         help="Lightning precision of both runs' training step (bf16-mixed: autocast, fast on AMX CPUs)",
     )
     p.add_argument("--drafter", default=None, help="warmed-up drafter directory (default: a fresh drafter)")
-    p.add_argument("--threshold", type=int, default=8, help="speculate below this many active requests")
     p.add_argument(
-        "--depth", type=int, default=4, help="chain depth of the fixed strategy (without --bandit)"
+        "--threshold", type=PositiveInt, default=8, help="speculate below this many active requests"
+    )
+    p.add_argument(
+        "--depth", type=PositiveInt, default=4, help="chain depth of the fixed strategy (without --bandit)"
     )
     p.add_argument("--bandit", action="store_true", help="choose the strategy with BEG-MAB (BanditCallback)")
     p.add_argument(
         "--drafter-steps",
-        type=int,
+        type=PositiveInt,
         default=4,
         help="drafter steps per RL step (single worker: paid for, no idle time to hide them)",
     )
     p.add_argument(
         "--drift-every",
-        type=int,
+        type=NonNegativeInt,
         default=0,
         help="probe the spot-trained vs a frozen drafter every N RL steps (DrafterDriftProbe; 0 = off)",
     )
-    p.add_argument("--drift-tokens", type=int, default=128, help="response cap of the drift probe rollouts")
+    p.add_argument(
+        "--drift-tokens", type=PositiveInt, default=128, help="response cap of the drift probe rollouts"
+    )
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer as a peer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="Lightning progress bars")
@@ -104,22 +109,24 @@ def bench_spot(p: ArgumentParser) -> None:
         default=None,
         help="a `drafter warmup --rollouts-cache` file to take rollouts from (eagle1 features recomputed)",
     )
-    g.add_argument("--packing-rollouts", type=int, default=64, help="rollouts per epoch")
-    g.add_argument("--packing-budget", type=int, default=1024, help="samples per packed row")
-    g.add_argument("--packing-repeats", type=int, default=3)
+    g.add_argument("--packing-rollouts", type=PositiveInt, default=64, help="rollouts per epoch")
+    g.add_argument("--packing-budget", type=PositiveInt, default=1024, help="samples per packed row")
+    g.add_argument("--packing-repeats", type=PositiveInt, default=3)
     g = p.add_argument_group("preemption")
-    g.add_argument("--windows", type=int, default=60, help="rollouts (training windows) to time")
+    g.add_argument("--windows", type=PositiveInt, default=60, help="rollouts (training windows) to time")
     g = p.add_argument_group("checkpoint")
     g.add_argument(
-        "--checkpoint-repeats", type=int, default=5, help="sync / async saves to time (alternating)"
+        "--checkpoint-repeats", type=PositiveInt, default=5, help="sync / async saves to time (alternating)"
     )
     g = p.add_argument_group("ddp")
-    g.add_argument("--steps", type=int, default=5, help="GRPO steps per fit")
-    g.add_argument("--prompts-per-step", type=int, default=4, help="over both ranks")
-    g.add_argument("--group-size", type=int, default=8)
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--threshold", type=int, default=8, help="speculate below this many active requests")
-    g.add_argument("--depth", type=int, default=6, help="chain depth")
+    g.add_argument("--steps", type=PositiveInt, default=5, help="GRPO steps per fit")
+    g.add_argument("--prompts-per-step", type=PositiveInt, default=4, help="over both ranks")
+    g.add_argument("--group-size", type=PositiveInt, default=8)
+    g.add_argument("--max-new-tokens", type=PositiveInt, default=256)
+    g.add_argument(
+        "--threshold", type=PositiveInt, default=8, help="speculate below this many active requests"
+    )
+    g.add_argument("--depth", type=PositiveInt, default=6, help="chain depth")
     g.add_argument("--out", default="runs/bench/spot", help="working directory of the fits")
     p.add_argument("--json", default="runs/bench/spot.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
@@ -133,35 +140,41 @@ def bench_efficiency(parser: ArgumentParser) -> None:
         default=None,
         help='JSON reasoning-gym settings (default: {"min_terms": 2, "max_terms": 3, "max_digits": 1})',
     )
-    parser.add_argument("--train-size", type=int, default=4096)
-    parser.add_argument("--eval-size", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--train-size", type=PositiveInt, default=4096)
+    parser.add_argument("--eval-size", type=PositiveInt, default=512)
+    parser.add_argument("--batch-size", type=PositiveInt, default=32)
     parser.add_argument(
         "--steps",
-        type=int,
+        type=PositiveInt,
         default=None,
         help="learner / student steps (sampler: the token budget is steps x batch x mean length; "
         "default 400 sampler, 300 distill and qat)",
     )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
-        "--hidden", type=int, default=None, help="learner / student width (default 128 sampler, 64 else)"
+        "--hidden",
+        type=PositiveInt,
+        default=None,
+        help="learner / student width (default 128 sampler, 64 else)",
     )
     parser.add_argument(
-        "--layers", type=int, default=None, help="learner / student layers (default 4 sampler, 3 else)"
+        "--layers",
+        type=PositiveInt,
+        default=None,
+        help="learner / student layers (default 4 sampler, 3 else)",
     )
-    parser.add_argument("--evals", type=int, default=5, help="evaluations along each run")
+    parser.add_argument("--evals", type=PositiveInt, default=5, help="evaluations along each run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--seeds", type=int, default=1, help="sampler: repeat every variant with this many seeds"
+        "--seeds", type=PositiveInt, default=1, help="sampler: repeat every variant with this many seeds"
     )
     sampler = parser.add_argument_group("sampler")
     sampler.add_argument("--candidate-factor", type=float, default=10)
     sampler.add_argument("--temperature", type=float, default=1.0)
-    sampler.add_argument("--proxy-hidden", type=int, default=64)
-    sampler.add_argument("--proxy-layers", type=int, default=2)
+    sampler.add_argument("--proxy-hidden", type=PositiveInt, default=64)
+    sampler.add_argument("--proxy-layers", type=PositiveInt, default=2)
     sampler.add_argument(
-        "--holdout-steps", type=int, default=300, help="training steps of the RHO-LOSS holdout proxy"
+        "--holdout-steps", type=PositiveInt, default=300, help="training steps of the RHO-LOSS holdout proxy"
     )
     sampler.add_argument(
         "--rho-learner",
@@ -170,16 +183,19 @@ def bench_efficiency(parser: ArgumentParser) -> None:
         "instead of the online proxy's",
     )
     teacher = parser.add_argument_group("distill / qat")
-    teacher.add_argument("--teacher-hidden", type=int, default=128)
-    teacher.add_argument("--teacher-layers", type=int, default=6)
-    teacher.add_argument("--teacher-steps", type=int, default=500)
+    teacher.add_argument("--teacher-hidden", type=PositiveInt, default=128)
+    teacher.add_argument("--teacher-layers", type=PositiveInt, default=6)
+    teacher.add_argument("--teacher-steps", type=PositiveInt, default=500)
     teacher.add_argument("--kd-temperature", type=float, default=2.0)
     teacher.add_argument("--hidden-weight", type=float, default=1.0)
     teacher.add_argument("--ce-weight", type=float, default=1.0)
-    teacher.add_argument("--qat-steps", type=int, default=150, help="qat: steps after the fp32 phase")
+    teacher.add_argument("--qat-steps", type=PositiveInt, default=150, help="qat: steps after the fp32 phase")
     teacher.add_argument("--qat-lr", type=float, default=1e-3)
     teacher.add_argument(
-        "--group-size", type=int, default=32, help="qat: INT4 group size (0: one scale per output channel)"
+        "--group-size",
+        type=PositiveInt,
+        default=32,
+        help="qat: INT4 group size (0: one scale per output channel)",
     )
     teacher.add_argument(
         "--scratch",

@@ -139,3 +139,18 @@ def test_third_party_warnings_are_filtered_at_the_command_line_only():
         timeout=300,
     )
     assert library.returncode == 0 and "torchao" in library.stderr  # a library user keeps every warning
+
+
+@pytest.mark.parametrize(
+    ("argv", "restriction"),
+    [
+        (["drafter", "warmup", "--rollout-batch", "0"], "v>0"),
+        (["drafter", "warmup", "--batch-size", "-3"], "v>0"),
+        (["drafter", "warmup", "--max-new-tokens", "-1"], "v>0"),
+        (["drafter", "warmup", "--pack", "-1"], "v>=0"),
+    ],
+)
+def test_negative_or_zero_sizes_are_refused(argv, restriction, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert f"does not conform to restriction {restriction}" in capsys.readouterr().err

@@ -15,7 +15,7 @@ ROOT = Path(tlt_lightning.__file__).parent
 # and the ones below, never from above. The top floor holds the tools: recipes (CLI workflows), the CLI
 # and its fit entry point. The benchmarks live outside the package (a checkout's benchmarks/).
 FLOORS = (
-    ("validation",),
+    ("validation", "safe_load"),
     ("speculative", "kernels"),
     ("models", "reports"),
     ("rollout",),

@@ -17,6 +17,7 @@ from argparse import SUPPRESS
 from typing import Any, NoReturn
 
 from jsonargparse import ArgumentParser
+from jsonargparse.typing import NonNegativeInt, PositiveInt
 
 __all__ = ["BENCH_MOVED", "COMMANDS", "GROUPS", "TOP_COMMANDS", "Parser", "build_parser", "plain"]
 
@@ -91,22 +92,26 @@ def _warmup_sampling(p: ArgumentParser) -> None:
         help="target dtype while sampling the rollouts (bfloat16 is much faster on CPUs with AMX)",
     )
     p.add_argument("--task", default="basic_arithmetic", help="reasoning-gym task for the prompts")
-    p.add_argument("--prompts", type=int, default=256, help="task prompts to sample")
-    p.add_argument("--samples", type=int, default=1, help="responses per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--prompts", type=PositiveInt, default=256, help="task prompts to sample")
+    p.add_argument("--samples", type=PositiveInt, default=1, help="responses per prompt")
+    p.add_argument("--max-new-tokens", type=PositiveInt, default=256)
     p.add_argument("--temperature", type=float, default=1.0)
 
 
 def _warmup_training(p: ArgumentParser) -> None:
     """The warm-up's drafter and training options."""
     p.add_argument("--kind", default="eagle1", choices=["eagle1", "eagle3"])
-    p.add_argument("--draft-vocab", type=int, default=8192, help="0 = the full vocabulary")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences (with --pack: packed rows) per step")
-    p.add_argument("--max-len", type=int, default=256, help="samples per sequence (longer ones are cut)")
+    p.add_argument("--draft-vocab", type=NonNegativeInt, default=8192, help="0 = the full vocabulary")
+    p.add_argument("--steps", type=int, default=1000)  # checked by the warm-up (a ValueError)
+    p.add_argument(
+        "--batch-size", type=PositiveInt, default=8, help="sequences (with --pack: packed rows) per step"
+    )
+    p.add_argument(
+        "--max-len", type=PositiveInt, default=256, help="samples per sequence (longer ones are cut)"
+    )
     p.add_argument(
         "--pack",
-        type=int,
+        type=NonNegativeInt,
         default=0,
         metavar="BUDGET",
         help="pack the training sequences into rows of BUDGET samples (no padding; 0 = pad)",
@@ -121,11 +126,11 @@ def _warmup_training(p: ArgumentParser) -> None:
     )
     p.add_argument(
         "--lr-warmup",
-        type=int,
+        type=NonNegativeInt,
         default=0,
         help="steps of linear learning-rate warm-up (use ~50 with --init-from)",
     )
-    p.add_argument("--unroll", type=int, default=1, help="multi-step unroll during training")
+    p.add_argument("--unroll", type=PositiveInt, default=1, help="multi-step unroll during training")
     p.add_argument(
         "--accept-weight",
         type=float,
@@ -135,7 +140,7 @@ def _warmup_training(p: ArgumentParser) -> None:
     )
     p.add_argument(
         "--save-every",
-        type=int,
+        type=NonNegativeInt,
         default=0,
         metavar="N",
         help=(
@@ -146,7 +151,7 @@ def _warmup_training(p: ArgumentParser) -> None:
 
 def _warmup_run_files(p: ArgumentParser) -> None:
     """The warm-up's batching and seed, and the files it reads and writes."""
-    p.add_argument("--rollout-batch", type=int, default=64, help="requests per rollout call")
+    p.add_argument("--rollout-batch", type=PositiveInt, default=64, help="requests per rollout call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/drafter/warmup", help="output directory")
     p.add_argument(
@@ -194,16 +199,18 @@ def drafter_evaluate(p: ArgumentParser) -> None:
     )
     p.add_argument(
         "--first",
-        type=int,
+        type=NonNegativeInt,
         default=0,
         metavar="N",
         help="evaluate on the file's first N rollouts (0 = its first tenth: the held-out set of a "
         "warm-up that sampled this file)",
     )
     p.add_argument("--model", default=None, help="the target (default: the model the file was sampled with)")
-    p.add_argument("--unroll", type=int, default=3, help="draft steps evaluated per position")
-    p.add_argument("--max-len", type=int, default=256, help="positions per rollout (the warm-up's default)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--unroll", type=PositiveInt, default=3, help="draft steps evaluated per position")
+    p.add_argument(
+        "--max-len", type=PositiveInt, default=256, help="positions per rollout (the warm-up's default)"
+    )
+    p.add_argument("--batch-size", type=PositiveInt, default=8)
     p.add_argument(
         "--renormalise",
         action="store_true",
@@ -338,7 +345,9 @@ def build_parser(description: str = "") -> ArgumentParser:
     options sit under ``ns[group][command]`` (``ns.drafter.warmup``), the others' under ``ns[command]``.
     """
     parser = Parser(prog="tlt-lightning", description=description)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--threads", type=PositiveInt, default=None, help="torch threads (default: torch's choice)"
+    )
     parser.add_argument(
         "--traceback",
         action="store_true",

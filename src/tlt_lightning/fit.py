@@ -47,8 +47,9 @@ from typing_extensions import override
 from tlt_lightning.callbacks.progress import GRPOProgressBar
 from tlt_lightning.drafter.mlflow_uri import DEFAULT_TRACKING_URI
 from tlt_lightning.models import training_precision
-from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, read_checkpoint
+from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, checkpoint_weights_only, read_checkpoint
 from tlt_lightning.rl.module import GRPOModule
+from tlt_lightning.safe_load import refusing_pickled_objects
 from tlt_lightning.tracking.logger import default_artifact_location, is_tracking_logger, prepare_logger_store
 from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, canonical_tracking_uri, resumable_run_id
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError
@@ -231,6 +232,7 @@ class GRPOCLI(LightningCLI):
         if not subcommand:
             return
         config = self.config[subcommand]
+        config.weights_only = checkpoint_weights_only(config.get("weights_only"))
         ckpt_path = config.get("ckpt_path")
         if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_NAMES:
             return
@@ -284,7 +286,8 @@ def main(args: Sequence[str]) -> None:
     program = sys.argv[0] if sys.argv and Path(sys.argv[0]).name == "tlt-lightning" else "tlt-lightning"
     saved, sys.argv = sys.argv, [program, *args]
     try:
-        GRPOCLI()
+        with refusing_pickled_objects("the checkpoint --ckpt_path names"):
+            GRPOCLI()
     except TrackingStoreError as err:  # the store, not the config: one line naming it and the cause
         raise SystemExit(f"tlt-lightning fit: {err}") from err
     finally:

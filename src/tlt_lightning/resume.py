@@ -15,18 +15,16 @@ Example:
 from __future__ import annotations
 
 import os
-import pickle
-import zipfile
 from collections.abc import Mapping
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig
 from tlt_lightning.rl.tasks import TaskConfig
 from tlt_lightning.rollout import RolloutConfig
+from tlt_lightning.safe_load import TRUST_ENV, load_torch_file, trusts_checkpoints
+from tlt_lightning.tracking.mlflow_resume import LIGHTNING_CKPT_NAMES
 from tlt_lightning.validation import check
 
 __all__ = [
@@ -34,6 +32,7 @@ __all__ = [
     "LIGHTNING_CKPT_NAMES",
     "RESUME_OVERRIDES",
     "check_resume",
+    "checkpoint_weights_only",
     "read_checkpoint",
     "resume_conflicts",
 ]
@@ -45,10 +44,22 @@ HARMLESS_ON_RESUME = frozenset({"rollout_progress", "check_logprobs", "logprob_t
 """Module settings that change what is shown or checked, never what is sampled or learned: a
 resumed run takes the new value without asking."""
 
-LIGHTNING_CKPT_NAMES = frozenset({"last", "best", "hpc", "registry"})
-"""``ckpt_path`` values Lightning resolves itself (not files)."""
-
 _KEYS_NOT_SETTINGS = ("_instantiator", "_class_path")  # what LightningCLI adds to hparams
+
+
+def checkpoint_weights_only(weights_only: bool | None) -> bool:
+    """What ``Trainer.fit(weights_only=...)`` gets: ``True`` (no pickled objects are read) unless the
+    checkpoints are trusted (:data:`~tlt_lightning.safe_load.TRUST_ENV`).
+
+    Raises:
+        ValueError: ``weights_only=False`` without that trust (a full unpickle runs code from the file).
+    """
+    if weights_only is False and not trusts_checkpoints():
+        raise ValueError(
+            "weights_only=False reads the checkpoint with a full unpickle, which runs any code the file "
+            f"holds: set {TRUST_ENV}=1 as well if you trust it (or drop weights_only)"
+        )
+    return (not trusts_checkpoints()) if weights_only is None else bool(weights_only)
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -70,17 +81,9 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             "resume from an older checkpoint"
         )
     try:
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:  # the legacy (non-zip) format cannot be memory-mapped
-            if "mmap" not in str(err):
-                raise
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError, zipfile.BadZipFile, ValueError) as err:
-        raise ValueError(
-            f"ckpt_path {str(path)!r} is corrupt or not a Lightning checkpoint "
-            f"({type(err).__name__}: {err}); resume from another checkpoint"
-        ) from err
+        checkpoint = load_torch_file(path, "a Lightning checkpoint", mmap=True)
+    except ValueError as err:
+        raise ValueError(f"ckpt_path {err}; resume from another checkpoint") from err
     if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
         raise ValueError(f"ckpt_path {str(path)!r} is not a Lightning checkpoint (no state_dict)")
     return dict(checkpoint)

@@ -133,3 +133,18 @@ def test_choices_match_the_library():
 
     assert DECODE_PATHS == decode_paths and WEIGHT_LAYOUTS == weight_layouts
     assert SPOT_PARTS == spot.PARTS and EFFICIENCY_PARTS == efficiency.PARTS
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["rollout", "--batch-sizes", "-3"],
+        ["rollout", "--batch-sizes", "1", "0"],
+        ["rollout", "--max-new-tokens", "0"],
+        ["strategies", "--requests", "-1"],
+    ],
+)
+def test_negative_or_zero_sizes_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse(argv)
+    assert "does not conform to restriction v>0" in capsys.readouterr().err

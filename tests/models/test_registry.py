@@ -153,3 +153,11 @@ def test_signatures_are_those_of_the_loaded_models(name):
 @pytest.mark.slow
 def test_smollm2_signature_is_that_of_the_loaded_model(smollm2):
     assert registry.SIGNATURES["smollm2-135m"] == _signature(smollm2.model)
+
+
+@pytest.mark.parametrize("name", ["../", "runs/../tiny-llama", "tiny-llama/..", "."])
+def test_a_model_name_with_dot_dot_parts_is_refused_at_once(name):
+    with pytest.raises(ValueError, match=r"model must be a registry name or a directory path without '\.\.'"):
+        load_model(name)
+    with pytest.raises(ValueError, match=r"pass the directory's absolute path"):
+        model_dir(name)

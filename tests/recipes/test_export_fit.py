@@ -111,6 +111,8 @@ def test_cli_exports_the_policy_and_its_drafter_as_vllm_loads_them(fit_run, tmp_
         resolve_method(VLLMBackendConfig(model=str(out / "target"), drafter=str(out / "drafter"))) == "eagle"
     )
     record = json.loads((out / "export.json").read_text())
+    files = record.pop("files")  # the manifest: every file the export wrote
+    assert {"export.json", "README.md", "target/config.json", "drafter/config.json"} <= set(files)
     assert record | {"checkpoint": None} == {
         "checkpoint": None,
         "step": 2,
@@ -143,6 +145,25 @@ def test_a_checkpoint_file_exports_the_same_and_a_re_export_replaces(fit_run, tm
     with pytest.raises(ValueError, match=r"mine exists and is not a policy\+drafter export; refusing"):
         export_fit(fit_run, tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_a_re_export_never_deletes_files_it_did_not_write(fit_run, tmp_path):
+    out = tmp_path / "out"
+    export_fit(fit_run, out)
+    for planted in (out / "notes.txt", out / "target" / "my_adapter.json"):
+        planted.write_text("keep me")
+        with pytest.raises(
+            SystemExit, match=rf"also holds files an export did not write: \['{planted.relative_to(out)}'\]"
+        ):
+            cli.main(["export-drafter", "--from-fit", str(fit_run), str(out)])
+        assert planted.read_text() == "keep me"
+        planted.unlink()
+    record = json.loads((out / "export.json").read_text())
+    del record["files"]  # an export of an older version: no manifest, so nothing proves the files are its own
+    (out / "export.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"an export without a file list .* delete it yourself"):
+        export_fit(fit_run, out)
+    assert (out / "target" / "config.json").is_file()
 
 
 def test_an_eagle3_drafter_exports_with_the_trained_policy_head(tmp_path, monkeypatch):

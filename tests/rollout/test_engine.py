@@ -191,3 +191,19 @@ def test_greedy_sample_tokens_breaks_bf16_ties_as_argmax():
     assert torch.equal(tokens, logits.float().argmax(-1))
     assert torch.equal(tokens, (logits == logits.amax(-1, keepdim=True)).int().argmax(-1))
     assert not logprobs.any()
+
+
+def test_max_new_tokens_past_the_context_is_capped_with_one_warning_and_small_buffers():
+    target = without_eos()
+    prompts = [random_prompts(1, seed=4, low=500, high=501)[0], [5, 6]]  # context is 512 tokens
+    widths = []
+    new_cache = target.new_cache
+    target.new_cache = lambda batch, width: widths.append(width) or new_cache(batch, width)
+    capped = RolloutEngine(target, RolloutConfig(max_new_tokens=100_000, temperature=0))
+    with pytest.warns(UserWarning, match=r"max_new_tokens=100000 reaches past the model's context \(512"):
+        result = capped.generate(prompts)
+    exact = RolloutEngine(target, RolloutConfig(max_new_tokens=510, temperature=0)).generate(prompts)
+    assert widths == [512, 512]  # sized by what can be generated, not by max_new_tokens
+    assert [r.length for r in result.rollouts] == [12, 510]
+    for a, b in zip(result.rollouts, exact.rollouts, strict=True):
+        assert torch.equal(a.token_ids, b.token_ids) and a.finish_reason == b.finish_reason == "length"

@@ -381,7 +381,7 @@ def test_load_of_corrupt_files_raises_value_error_naming_the_file(complete):
     d, path = complete
     opt = torch.optim.AdamW(d.parameters())
     (path / "optimizer.pt").write_bytes(b"\x80\x04garbage" * 8)
-    with pytest.raises(ValueError, match=r"optimizer.pt is corrupt or not an optimizer state"):
+    with pytest.raises(ValueError, match=r"optimizer.pt' is corrupt or not an optimizer state"):
         AsyncCheckpointer.load(path, d, opt)
     (path / "model.safetensors").write_bytes(b"\x00garbage" * 10)
     with pytest.raises(ValueError, match=r"model.safetensors is corrupt or not a safetensors file"):

@@ -306,3 +306,19 @@ def test_drafter_model_name():
     # load_drafter_from_mlflow's default store is the one `tlt-lightning fit` writes to.
     fit_store = inspect.signature(tracking_logger).parameters["tracking_uri"].default
     assert mlflow_drafter.DEFAULT_TRACKING_URI == fit_store
+
+
+def test_a_registered_version_whose_weights_were_changed_is_refused(standalone, tmp_path, tiny_llama):
+    client, run_id, directory, drafter = standalone
+    log_drafter_version(client, run_id, directory, "my-drafter", rl_step=5)
+    (stored,) = (tmp_path / "artifacts").rglob("model.safetensors")
+    tampered = Drafter(DrafterConfig.from_target(tiny_llama, "eagle3", 64), tiny_llama)
+    save_drafter(tampered, tmp_path / "tampered")
+    stored.write_bytes((tmp_path / "tampered" / "model.safetensors").read_bytes())
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(
+        ValueError, match=r"'my-drafter' version 1: model.safetensors has sha256 .* registered"
+    ):
+        load_drafter_from_mlflow("models:/my-drafter/1", tiny_llama, tracking_uri=uri)
+    with pytest.raises(ValueError, match=r"the stored file was changed after registration; refusing"):
+        load_drafter("models:/my-drafter/1", tiny_llama, tracking_uri=uri)

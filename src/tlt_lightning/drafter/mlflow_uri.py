@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "DEFAULT_TRACKING_URI",
     "URI_SCHEMES",
     "download_drafter",
+    "file_sha256",
     "import_mlflow",
     "is_mlflow_uri",
     "quote_filter_value",
@@ -146,6 +148,32 @@ def _version_number(client: Any, name: str, ver: str | None, alias: str | None, 
     return int(ver)
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes, hex (what a registered drafter version's ``sha256`` tag holds)."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_sha256(client: Any, name: str, number: int, local: Path) -> None:
+    """Refuse a downloaded version whose weights are not the ones registered (tag ``sha256``)."""
+    from tlt_lightning.drafter.io import WEIGHTS_NAME  # io imports this module
+
+    recorded = client.get_model_version(name, str(number)).tags.get("sha256")
+    weights = local / WEIGHTS_NAME
+    if recorded is None or not weights.is_file():  # registered elsewhere, or not a drafter: load_drafter says
+        return
+    found = file_sha256(weights)
+    if found != recorded:
+        raise ValueError(
+            f"registered drafter {name!r} version {number}: {WEIGHTS_NAME} has sha256 {found}, but the "
+            f"version was registered with sha256 {recorded}: the stored file was changed after "
+            "registration; refusing to load it (register the drafter again from a trusted checkpoint)"
+        )
+
+
 def _run_artifact(client: Any, location: str, uri: str) -> None:
     """Check that a ``runs:/<run id>/<path>`` URI names an existing run and artifact directory."""
     mlflow = import_mlflow()
@@ -191,7 +219,8 @@ def download_drafter(
     Raises:
         ModuleNotFoundError: MLflow is not installed (the ``mlflow`` extra).
         ValueError: a malformed URI; no such store, registered model, version, alias, run or
-            artifact (the message names those that exist).
+            artifact (the message names those that exist); a registered version whose weights file
+            does not match the ``sha256`` tag it was registered with.
     """
     if not isinstance(location, str) or not location.strip():
         raise ValueError(f"location must be {_FORMS}, got {location!r}")
@@ -213,5 +242,9 @@ def download_drafter(
     else:
         number = _version_number(client, name, ver, alias, uri)
         source = client.get_model_version_download_uri(name, str(number))
-    local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst), tracking_uri=uri)
-    return Path(local)
+    local = Path(
+        mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst), tracking_uri=uri)
+    )
+    if not is_run:
+        _check_sha256(client, name, number, local)
+    return local

@@ -43,6 +43,7 @@ __all__ = [
     "ModelNotFoundError",
     "available_models",
     "cache_dir",
+    "check_model_name",
     "load_model",
     "load_tokenizer",
     "model_dir",
@@ -228,6 +229,21 @@ def _smollm2_dir() -> Path:
     return _save_once(target, convert)
 
 
+def check_model_name(name: str) -> None:
+    """Refuse a model name with ``..`` parts (or none naming the model): runs, drafters and registered
+    versions are named after it, so such a name would fail only after training.
+
+    Raises:
+        ValueError: naming the model and what to pass instead.
+    """
+    parts = Path(str(name)).expanduser().parts
+    if not parts or ".." in parts or Path(str(name)).name in ("", ".", ".."):
+        raise ValueError(
+            f"model must be a registry name or a directory path without '..' parts, got {name!r}: "
+            "pass the directory's absolute path"
+        )
+
+
 def model_dir(name: str, seed: int = 0) -> Path:
     """A transformers directory (``config.json`` + safetensors) of registry model ``name``, written on
     first use.
@@ -240,6 +256,7 @@ def model_dir(name: str, seed: int = 0) -> Path:
         >>> (model_dir("tiny-llama") / "config.json").is_file()  # doctest: +SKIP
         True
     """
+    check_model_name(name)
     if name == "smollm2-135m":
         return _smollm2_dir()
     if name in TINY_MODELS:
@@ -278,6 +295,7 @@ def load_model(name: str, dtype: str = "float32", seed: int = 0) -> LoadedModel:
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_model_name(name)
     torch_dtype = DTYPES[dtype]
     if name in TINY_MODELS:
         with torch.random.fork_rng(devices=[]):

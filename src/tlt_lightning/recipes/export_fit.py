@@ -176,12 +176,6 @@ def _fit_drafter(
     return drafter, drafter_source
 
 
-def _check_out_dir(out: Path) -> None:
-    """Refuse an ``out`` that exists and is not an earlier export (those are replaced)."""
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / EXPORT_RECORD).is_file())):
-        raise ValueError(f"{out} exists and is not a policy+drafter export; refusing to overwrite it")
-
-
 def _readme(record: dict[str, Any]) -> str:
     method = METHODS[record["kind"]]
     return "\n".join(
@@ -218,6 +212,42 @@ def _readme(record: dict[str, Any]) -> str:
     )
 
 
+def _files(directory: Path) -> list[str]:
+    """Every file under ``directory``, as ``/``-separated paths relative to it."""
+    return [p.relative_to(directory).as_posix() for p in directory.rglob("*") if not p.is_dir()]
+
+
+def check_replaceable(out: Path) -> None:
+    """Refuse an ``out`` that :func:`export_fit` may not replace: anything but an empty directory or an
+    earlier export whose every file is one it wrote (listed in its ``export.json``).
+
+    Raises:
+        ValueError: naming the files an export did not write (replacing the directory would delete them).
+    """
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    record_path = out / EXPORT_RECORD
+    if not out.is_dir() or not record_path.is_file():
+        raise ValueError(f"{out} exists and is not a policy+drafter export; refusing to overwrite it")
+    try:
+        written = json.loads(record_path.read_text()).get("files")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise ValueError(
+            f"{record_path} is not an export record ({err}); refusing to overwrite {out}"
+        ) from err
+    if not isinstance(written, list):
+        raise ValueError(
+            f"{out} is an export without a file list ({EXPORT_RECORD} of an older version): replacing it "
+            "could delete files it did not write; delete it yourself or export to another directory"
+        )
+    foreign = sorted(set(_files(out)) - set(written))
+    if foreign:
+        raise ValueError(
+            f"{out} is an earlier export but also holds files an export did not write: {foreign}; "
+            "re-exporting replaces the whole directory, so move them away or export to another directory"
+        )
+
+
 def export_fit(
     source: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -230,8 +260,9 @@ def export_fit(
 
     Args:
         source: a fit run's directory or one of its ``.ckpt`` files (:func:`find_fit_checkpoint`).
-        out_dir: the export directory; an earlier export there is replaced, any other non-empty
-            directory is refused.
+        out_dir: the export directory; an earlier export there is replaced (only when it holds
+            nothing but the files it wrote: :func:`check_replaceable`), any other non-empty directory
+            is refused.
         model: the policy's architecture and tokenizer (registry name or HF directory); default the
             run's ``model`` setting.
         dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` for both; default the run's ``dtype``.
@@ -259,7 +290,7 @@ def export_fit(
         )
     dtype = dtype or hp.get("dtype", "float32")
     out = Path(out_dir)
-    _check_out_dir(out)
+    check_replaceable(out)
 
     loaded = load_model(model, dtype=hp.get("dtype", "float32"), seed=int(hp.get("seed", 0)))
     policy = loaded.model
@@ -285,6 +316,8 @@ def export_fit(
             loaded.tokenizer.save_pretrained(tmp / POLICY_DIR)
         export_drafter_model(drafter, tmp / DRAFTER_DIR, dtype=dtype, engine=engine)
         (tmp / "README.md").write_text(_readme(record))
+        # The manifest: what a later export may replace (and nothing else).
+        record["files"] = sorted([*_files(tmp), EXPORT_RECORD])
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
     replace_directory(out, write)

@@ -59,6 +59,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from tlt_lightning.drafter.mlflow_uri import DEFAULT_TRACKING_URI
 from tlt_lightning.models.hardware import training_precision
+from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, checkpoint_weights_only, read_checkpoint
+from tlt_lightning.safe_load import refusing_pickled_objects
 from tlt_lightning.tracking.logger import is_tracking_logger
 from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, resumable_run_id
 from tlt_lightning.tracking.run_directory import run_dir, save_run_config
@@ -266,6 +268,9 @@ def run(cfg: DictConfig) -> tuple[Trainer, LightningModule]:
         threads = plain["threads"]
         check(isinstance(threads, int) and threads >= 1, "threads", threads, "an int >= 1 or null")
         torch.set_num_threads(plain["threads"])
+    ckpt_path = plain.get("ckpt_path")
+    if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_NAMES:
+        read_checkpoint(ckpt_path)  # a clear error for a missing, corrupt or pickled-object file, early
     L.seed_everything(plain.get("seed", 0))
     module = build_module(cfg)
     logger_node = plain.get("logger") if _enabled(plain.get("logger")) else None
@@ -281,7 +286,9 @@ def run(cfg: DictConfig) -> tuple[Trainer, LightningModule]:
     # As `fit` does: unless the config says otherwise, train in the precision that pays here.
     precision = {} if "precision" in plain["trainer"] else {"precision": training_precision()}
     trainer = config.instantiate(cfg.trainer, logger=logger, callbacks=callbacks, **precision)
-    trainer.fit(module, ckpt_path=plain.get("ckpt_path"))
+    # No pickled objects are read from the checkpoint unless TLT_LIGHTNING_TRUST_CHECKPOINTS=1.
+    with refusing_pickled_objects(f"the checkpoint ckpt_path={ckpt_path!r} names"):
+        trainer.fit(module, ckpt_path=ckpt_path, weights_only=checkpoint_weights_only(None))
     return trainer, module
 
 

@@ -13,6 +13,7 @@ the speculative loop supplies steps that emit several.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
@@ -312,7 +313,7 @@ class RolloutEngine:
         ids = validate_prompts(prompts, info.max_positions, info.vocab_size)
         step = step or PlainStep(self.target, cfg)
         batch = self._new_batch(ids)
-        ledger = _Ledger.empty(len(ids), cfg.max_new_tokens, info.eos_token_ids, self.target.device)
+        ledger = _Ledger.empty(len(ids), int(batch.limit.max()), info.eos_token_ids, self.target.device)
         stats = RolloutStats()
         start = time.perf_counter()
         emission = self._prefill(ids, batch, generator)
@@ -340,7 +341,14 @@ class RolloutEngine:
         cfg, info, device, B = self.config, self.target.info, self.target.device, len(ids)
         prompt_len = torch.tensor([p.numel() for p in ids], device=device)
         limit = (info.max_positions - prompt_len).clamp(max=cfg.max_new_tokens)
-        width = int(prompt_len.max()) + cfg.max_new_tokens
+        if bool((limit < cfg.max_new_tokens).any()):  # the same text each time: Python shows it once
+            warnings.warn(
+                f"max_new_tokens={cfg.max_new_tokens} reaches past the model's context "
+                f"({info.max_positions} positions): responses stop where the context ends, and the "
+                "buffers are sized to what can be generated",
+                stacklevel=4,
+            )
+        width = int((prompt_len + limit).max())  # no buffer beyond what a row can generate
         features = None
         if cfg.feature_layers:
             shape = (B, width, len(cfg.feature_layers), info.hidden_size)

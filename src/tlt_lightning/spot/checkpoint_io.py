@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,6 +26,7 @@ from safetensors.torch import load_file
 
 from tlt_lightning.drafter.io import WEIGHTS_NAME, check_finite_tensors
 from tlt_lightning.drafter.model import Drafter
+from tlt_lightning.safe_load import load_torch_file
 
 __all__ = [
     "META_NAME",
@@ -111,14 +111,11 @@ def load_checkpoint(
         )
     drafter.load_state_dict(tensors, strict=True)
     if optimizer is not None and (path / OPTIMIZER_NAME).is_file():
-        try:
-            state = torch.load(path / OPTIMIZER_NAME, weights_only=True)
-        except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as err:
-            raise ValueError(
-                f"{path / OPTIMIZER_NAME} is corrupt or not an optimizer state: {type(err).__name__}: {err}"
-            ) from err
+        state = load_torch_file(path / OPTIMIZER_NAME, "an optimizer state")
+        if not isinstance(state, dict) or not {"state", "param_groups"} <= set(state):
+            raise ValueError(f"{path / OPTIMIZER_NAME} is not an optimizer state (no state / param_groups)")
         try:
             optimizer.load_state_dict(state)
-        except (ValueError, KeyError, TypeError) as err:
+        except (ValueError, KeyError, TypeError, IndexError) as err:
             raise ValueError(f"{path / OPTIMIZER_NAME} does not fit the optimizer: {err}") from err
     return CheckpointInfo(path, int(meta.get("step", 0)), dict(meta.get("extra", {})))

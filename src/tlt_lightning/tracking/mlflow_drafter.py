@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -42,6 +41,7 @@ from tlt_lightning.drafter.io import CONFIG_NAME, WEIGHTS_NAME, load_drafter
 from tlt_lightning.drafter.mlflow_uri import (
     DEFAULT_TRACKING_URI,
     download_drafter,
+    file_sha256,
     import_mlflow,
     quote_filter_value,
 )
@@ -92,14 +92,6 @@ def drafter_model_name(model: str | os.PathLike) -> str:
     if not slug:
         raise ValueError(f"model must name a model (a registry name or a directory), got {model!r}")
     return f"tlt-drafter-{slug}"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _kind_and_vocab(directory: Path) -> tuple[str, int]:
@@ -178,7 +170,7 @@ def log_drafter_version(
     kind, vocab = _kind_and_vocab(directory)
     import_mlflow()  # ModuleNotFoundError naming the extra, before anything is searched or logged
     artifact_path = f"{DRAFTER_ARTIFACT_PATH}/step-{rl_step:08d}"
-    digest = _sha256(directory / WEIGHTS_NAME)
+    digest = file_sha256(directory / WEIGHTS_NAME)
     # The same checkpoint registered before (a resumed fit saving its restored step again, a retry):
     # that version, not a duplicate.
     same = client.search_model_versions(

@@ -27,17 +27,18 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
+from tlt_lightning.safe_load import load_torch_file
 from tlt_lightning.tracking.lightning_mlflow import mlflow_loggers
 from tlt_lightning.tracking.mlflow_store import sqlite_path
 
 __all__ = [
+    "LIGHTNING_CKPT_NAMES",
     "MLFLOW_RUN_KEY",
     "MLflowRunCheckpoint",
     "ResumableMLFlowLogger",
@@ -49,6 +50,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MLFLOW_RUN_KEY = "mlflow_run"
+
+LIGHTNING_CKPT_NAMES = frozenset({"last", "best", "hpc", "registry"})
+"""``ckpt_path`` values Lightning resolves itself (not files, even where a file of that name exists)."""
 
 
 def canonical_tracking_uri(tracking_uri: str) -> str:
@@ -82,13 +86,17 @@ class MLflowRunCheckpoint(L.Callback):
 def mlflow_run_in_checkpoint(path: str | os.PathLike) -> dict[str, str] | None:
     """The MLflow run a Lightning checkpoint was saved from (see :class:`MLflowRunCheckpoint`).
 
-    Reads only the checkpoint's metadata (tensors are memory-mapped, not read).
+    Reads only the checkpoint's metadata (tensors are memory-mapped, not read), and no pickled
+    objects (see :func:`~tlt_lightning.safe_load.load_torch_file`).
 
     Returns:
         ``{"run_id", "experiment_id", "tracking_uri"}``, or ``None`` when the checkpoint names no
         run (saved without MLflow, or before runs were recorded).
+
+    Raises:
+        ValueError: the file holds pickled objects (refused unless trusted), or is not a torch file.
     """
-    checkpoint = torch.load(Path(path), map_location="cpu", mmap=True, weights_only=False)
+    checkpoint = load_torch_file(path, "a Lightning checkpoint", mmap=True)
     run = checkpoint.get(MLFLOW_RUN_KEY) if isinstance(checkpoint, dict) else None
     if not isinstance(run, dict) or not run.get("run_id"):
         return None
@@ -100,9 +108,9 @@ def resumable_run_id(ckpt_path: str | os.PathLike, tracking_uri: str) -> str | N
 
     ``None`` (with a warning saying why: a new run starts) when the checkpoint names no run, names
     a run of another store, or a run the store does not have. ``ckpt_path`` values that are not
-    files (Lightning's ``"last"``, ``"hpc"``) give ``None`` silently.
+    files (Lightning's ``"last"``, ``"hpc"``: :data:`LIGHTNING_CKPT_NAMES`) give ``None`` silently.
     """
-    if not Path(ckpt_path).is_file():
+    if str(ckpt_path) in LIGHTNING_CKPT_NAMES or not Path(ckpt_path).is_file():
         return None
     run = mlflow_run_in_checkpoint(ckpt_path)
     if run is None:
