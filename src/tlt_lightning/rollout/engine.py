@@ -2,9 +2,8 @@
 
 Requests leave the batch as soon as they finish (EOS, ``max_new_tokens`` or the context length):
 the last active row moves into the finished row's slot, so every decode step runs on the active
-requests only. That is what makes the long tail cheap in wall-clock terms, and it is the setting
-in which speculative decoding pays: in the tail, few rows remain and each step is bound by
-reading the weights, so verifying several drafted tokens costs little more than one.
+requests only: the long tail is cheap in wall-clock terms, and speculative decoding pays there (few
+rows, each step bound by reading the weights: verifying several drafts costs little more than one).
 
 A decode step is pluggable (:class:`DecodeStep`): :class:`PlainStep` samples one token per request;
 the speculative loop supplies steps that emit several.
@@ -342,12 +341,8 @@ class RolloutEngine:
         prompt_len = torch.tensor([p.numel() for p in ids], device=device)
         limit = (info.max_positions - prompt_len).clamp(max=cfg.max_new_tokens)
         if bool((limit < cfg.max_new_tokens).any()):  # the same text each time: Python shows it once
-            warnings.warn(
-                f"max_new_tokens={cfg.max_new_tokens} reaches past the model's context "
-                f"({info.max_positions} positions): responses stop where the context ends, and the "
-                "buffers are sized to what can be generated",
-                stacklevel=4,
-            )
+            past = f"max_new_tokens={cfg.max_new_tokens} reaches past the model's context"
+            warnings.warn(f"{past} ({info.max_positions}): responses stop where it ends", stacklevel=4)
         width = int((prompt_len + limit).max())  # no buffer beyond what a row can generate
         features = None
         if cfg.feature_layers:
