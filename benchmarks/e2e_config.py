@@ -20,6 +20,7 @@ the second run reuses Inductor's on-disk cache, so its compile seconds show a wa
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import resource
@@ -38,7 +39,6 @@ from tlt_lightning.callbacks import SpotDrafterCallback
 __all__ = ["RankRecorder", "run", "summarise", "without_tlt"]
 
 TLT_CALLBACKS = ("SpotDrafterCallback", "BanditCallback")
-PARTS = ("rollout_s", "drafter_s", "reward_s", "train_s")
 
 
 class RankRecorder(L.Callback):
@@ -87,7 +87,7 @@ class RankRecorder(L.Callback):
 
 def without_tlt(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` (a fit config as a dict) with TLT removed: its callbacks gone, speculation off."""
-    out = json.loads(json.dumps(config))
+    out = copy.deepcopy(config)
     trainer = out.setdefault("trainer", {})
     trainer["callbacks"] = [
         c
@@ -104,7 +104,7 @@ def _fit(config: dict[str, Any], name: str, args: argparse.Namespace) -> tuple[P
     records = out / "records"
     for stale in records.glob("rank*.jsonl"):
         stale.unlink()
-    config = json.loads(json.dumps(config))
+    config = copy.deepcopy(config)
     trainer = config.setdefault("trainer", {})
     trainer.update(max_steps=args.steps, default_root_dir=str(out / "fit"))
     if args.devices is not None:
@@ -193,11 +193,14 @@ def plot(payload: dict[str, Any], steps: dict[str, list[list[dict[str, Any]]]], 
         ranks = run_steps[min(len(run_steps) - 1, payload["skip_steps"])]
         for r in ranks:
             left = 0.0
-            for part in PARTS:
-                width = r[part] if part != "drafter_s" else 0.0  # drafter time overlaps the others' tail
-                bx.barh(row, width, left=left, color=colors[part], label=part if row == 0 else None)
-                left += width
-            bx.barh(row, r["drafter_s"], left=r["rollout_s"], height=0.3, color=colors["drafter_s"])
+            for part in ("rollout_s", "reward_s", "train_s"):  # one after the other
+                bx.barh(row, r[part], left=left, color=colors[part], label=part if row == 0 else None)
+                left += r[part]
+            # The drafter trains while the other ranks are still in their rollouts: a thin bar over them.
+            label = "drafter_s" if row == 0 else None
+            bx.barh(
+                row, r["drafter_s"], left=r["rollout_s"], height=0.3, color=colors["drafter_s"], label=label
+            )
             bx.plot([r["wall_s"]], [row], "k|", markersize=14)
             labels.append(f"{name} rank {r['rank']}")
             row += 1
