@@ -39,7 +39,7 @@ _NONE = object()  # "no observation yet" (an arm can be None: SD off)
 
 
 def _metric_key(arm: Any) -> str:
-    return arm_key(arm).replace("/", "_")  # "tree5x4/16" would read as a nested metric path
+    return arm_key(arm).replace("/", "_")  # "tree5x4/15" would read as a nested metric path
 
 
 def bucket_table(values: dict[str, dict[str, float | None]]) -> dict[str, dict[str, Any]]:
