@@ -451,7 +451,7 @@ def test_cli_export_drafter_writes_a_loadable_export(tmp_path, llama, capsys):
         cli.main(["export-drafter", str(ckpt), str(out), "--model", "tiny-llama", "--dtype", "bfloat16"]) == 0
     )
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    with pytest.raises(SystemExit, match=r"export-drafter: .*drafter_config.json not found"):
+    with pytest.raises(SystemExit, match=r"export-drafter: .*config.json not found"):
         cli.main(["export-drafter", str(tmp_path / "missing"), str(tmp_path / "x"), "--model", "tiny-llama"])
     with pytest.raises(SystemExit, match="drafter config does not match the target: model_type is 'llama'"):
         cli.main(["export-drafter", str(ckpt), str(tmp_path / "y"), "--model", "tiny-qwen2"])

@@ -36,7 +36,7 @@ from tlt_lightning.drafter.eagle_format import (
     config_from_eagle,
     eagle_config,
 )
-from tlt_lightning.drafter.io import CONFIG_NAME as CHECKPOINT_CONFIG
+from tlt_lightning.drafter.hub import config_path
 from tlt_lightning.drafter.io import check_draft_vocab, load_drafter, replace_directory
 from tlt_lightning.drafter.model import Drafter
 from tlt_lightning.drafter.model_card import model_card
@@ -202,7 +202,7 @@ def export_drafter(
     """Export a :func:`~tlt_lightning.drafter.save_drafter` checkpoint for vLLM / SGLang.
 
     Args:
-        drafter_dir: the drafter checkpoint (``model.safetensors`` + ``drafter_config.json``).
+        drafter_dir: the drafter checkpoint (``model.safetensors`` + ``config.json``).
         out_dir: the export directory (see :func:`export_drafter_model`).
         target: the target the drafter drafts for (its architecture is checked, its LM head rows
             become the EAGLE-3 ``lm_head``).
@@ -219,7 +219,8 @@ def export_drafter(
         >>> target = HFTarget(load_model("smollm2-135m").model)  # doctest: +SKIP
         >>> export_drafter("runs/drafter/warmup", "runs/drafter/eagle", target)  # doctest: +SKIP
     """
-    raw = _read_json(Path(drafter_dir) / CHECKPOINT_CONFIG).get("config")
+    path = config_path(Path(drafter_dir))
+    raw = _read_json(path).get("config") if path is not None else None
     if isinstance(raw, dict) and "model_type" in raw:
         check_model_type(raw["model_type"])  # before DrafterConfig, whose own message is less specific
     return export_drafter_model(load_drafter(drafter_dir, target), out_dir, dtype=dtype, engine=engine)
