@@ -62,7 +62,7 @@ def checkpoint_config(config: DrafterConfig) -> dict[str, Any]:
 
 
 def config_path(directory: Path) -> Path | None:
-    """The checkpoint's config file: ``config.json``, else the legacy ``drafter_config.json``, else ``None``."""
+    """The checkpoint's config: ``config.json``, else the legacy ``drafter_config.json``, else ``None``."""
     for path in (directory / CONFIG_NAME, directory / LEGACY_CONFIG_NAME):
         if path.is_file():
             return path
@@ -100,7 +100,9 @@ def read_drafter_config(directory: str | os.PathLike) -> DrafterConfig:
             "a drafter checkpoint (an exported drafter loads with import_drafter)"
         )
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format_version must be {FORMAT_VERSION}, got {meta.get('format_version')!r}")
+        raise ValueError(
+            f"{path}: format_version must be {FORMAT_VERSION}, got {meta.get('format_version')!r}"
+        )
     return DrafterConfig.from_dict(meta.get("config"))
 
 

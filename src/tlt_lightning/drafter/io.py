@@ -1,4 +1,4 @@
-"""Drafter checkpoints on disk: :func:`save_drafter` (atomic) and :func:`load_drafter` (paths and MLflow URIs).
+"""Drafter checkpoints on disk: :func:`save_drafter` (atomic), :func:`load_drafter` (paths, MLflow URIs).
 
 The format is the Hugging Face layout of ``Drafter.save_pretrained`` (``config.json`` +
 ``model.safetensors`` + ``README.md``, see :mod:`tlt_lightning.drafter.hub`); checkpoints of the

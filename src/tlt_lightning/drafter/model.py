@@ -58,8 +58,7 @@ class Drafter(nn.Module, DrafterHubMixin):
         >>> sorted(drafter.state_dict())[:2]
         ['fc.weight', 'layers.0.mlp.down_proj.weight']
         >>> drafter.save_pretrained("/tmp/tiny-drafter")  # doctest: +SKIP
-        >>> Drafter.from_pretrained("/tmp/tiny-drafter", target=target).config == drafter.config  # doctest: +SKIP
-        True
+        >>> Drafter.from_pretrained("/tmp/tiny-drafter", target=target)  # doctest: +SKIP
     """
 
     def __init__(

@@ -71,7 +71,12 @@ __all__ = [
 
 FLAVOR_NAME = "tlt_drafter"
 PREDICT_PARAMS = {"max_new_tokens": 32, "num_draft_tokens": 4}
-_COPIED = (WEIGHTS_NAME, CONFIG_NAME, LEGACY_CONFIG_NAME, "meta.json")  # not optimizer.pt: not needed to draft
+_COPIED = (
+    WEIGHTS_NAME,
+    CONFIG_NAME,
+    LEGACY_CONFIG_NAME,
+    "meta.json",
+)  # not optimizer.pt: not needed to draft
 
 
 def target_signature(config: DrafterConfig) -> dict[str, Any]:
