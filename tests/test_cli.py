@@ -622,7 +622,7 @@ def test_a_command_line_error_is_one_line_without_third_party_warnings(tmp_path)
     )
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
-        f"export-drafter: {missing}/drafter_config.json not found: {missing} is not a drafter checkpoint"
+        f"export-drafter: {missing}/config.json not found: {missing} is not a drafter checkpoint"
     ]
 
 

@@ -2,7 +2,7 @@
 ``runs:/<run id>/<path>``, resolved to a local directory with MLflow's own artifact utilities.
 
 Every registered drafter version is an MLflow model whose directory *is* a drafter checkpoint
-(``model.safetensors`` + ``drafter_config.json``, beside its ``MLmodel``), so a downloaded URI loads
+(``model.safetensors`` + ``config.json``, beside its ``MLmodel``), so a downloaded URI loads
 with :func:`~tlt_lightning.drafter.load_drafter` and exports with
 :func:`~tlt_lightning.drafter.export_drafter` like any checkpoint directory.
 
