@@ -39,6 +39,7 @@ from importlib import import_module
 from pathlib import Path
 
 from tlt_lightning.cli_options import BENCH_MOVED, GROUPS, build_parser
+from tlt_lightning.validation import MissingExtraError
 
 __all__ = ["TRACEBACK_ENV", "command_args", "main", "short_error"]
 
@@ -114,9 +115,10 @@ def main(argv: Sequence[str] | None = None, short_errors: bool | None = None) ->
 
     Args:
         argv: the arguments after the program name; ``None``: ``sys.argv[1:]``.
-        short_errors: a ``ValueError``/``TypeError`` prints :func:`short_error` to stderr and returns
-            1 instead of propagating (unless ``--traceback`` or the environment variable asks for
-            the traceback); ``None``: only on the command line (``argv is None``), so that Python
+        short_errors: a ``ValueError``/``TypeError``, or a missing extra
+            (:class:`~tlt_lightning.validation.MissingExtraError`), prints :func:`short_error` to stderr
+            and returns 1 instead of propagating (unless ``--traceback`` or the environment variable
+            asks for the traceback); ``None``: only on the command line (``argv is None``), so that Python
             callers get the exception itself.
     """
     if short_errors is None:
@@ -126,7 +128,7 @@ def main(argv: Sequence[str] | None = None, short_errors: bool | None = None) ->
         return _main(argv)
     try:
         return _main(argv)
-    except (ValueError, TypeError) as err:  # user input: the message says what and how to fix it
+    except (ValueError, TypeError, MissingExtraError) as err:  # the message says what and how to fix it
         print(short_error(err), file=sys.stderr)
         return 1
 
