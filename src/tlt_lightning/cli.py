@@ -24,7 +24,8 @@ with a two-line error naming the closest valid option (exit status 2). On the co
 with a short message and exit status 1 instead of a long traceback; ``--traceback`` before the
 subcommand, or ``TLT_LIGHTNING_TRACEBACK=1`` in the environment, shows the whole traceback. ``fit`` is
 handed to :mod:`tlt_lightning.fit` (LightningCLI, also jsonargparse) before the parser sees it:
-``tlt-lightning fit --help`` lists its options, and ``fit`` also takes ``--threads`` after its name.
+``tlt-lightning fit --help`` lists its top-level options (``--print_config`` every setting), and ``fit``
+also takes ``--threads`` after its name.
 """
 
 from __future__ import annotations
