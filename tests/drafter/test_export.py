@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from tlt_lightning.drafter import (
     save_drafter,
 )
 from tlt_lightning.drafter.eagle_format import flat_eagle_config
+from tlt_lightning.drafter.export import VLLM_CPU_HEAD_SIZES
 from tlt_lightning.drafter.io import CONFIG_NAME
 from tlt_lightning.models import HFTarget, load_model
 
@@ -495,3 +497,16 @@ def test_cli_export_drafter_infers_the_target_and_checks_the_kind(tmp_path, llam
         r"128 tokens, and no registry model matches; pass --model NAME_OR_HF_DIR",
     ):
         cli.main(["export-drafter", str(ckpt), str(tmp_path / "z")])
+
+
+def test_a_head_size_vllm_cpu_cannot_run_is_exported_with_a_warning(tmp_path, llama):
+    d = trained_drafter(llama, "eagle1", None)
+    assert d.config.head_dim not in VLLM_CPU_HEAD_SIZES  # tiny models: vLLM-CPU cannot serve them
+    with pytest.warns(UserWarning, match=rf"head_dim {d.config.head_dim} .* vLLM on a CPU cannot serve"):
+        out = export_drafter_model(d, tmp_path / "vllm")
+    assert (out / "config.json").is_file()  # still written: GPU vLLM serves it
+    fits = Drafter(dataclasses.replace(d.config, head_dim=64), llama)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export_drafter_model(fits, tmp_path / "fits")
+        export_drafter_model(d, tmp_path / "sglang", engine="sglang")

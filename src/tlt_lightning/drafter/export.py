@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,11 +51,17 @@ __all__ = [
     "EXPORT_VOCAB",
     "EXPORT_WEIGHTS",
     "HOT_TOKENS",
+    "VLLM_CPU_HEAD_SIZES",
     "eagle_state_dict",
     "export_drafter",
     "export_drafter_model",
     "import_drafter",
 ]
+
+# Head sizes vLLM-CPU's attention runs (vllm/v1/attention/backends/cpu_attn.py,
+# CPUAttentionBackend.get_supported_head_sizes). GPU vLLM's backends take more (FlashAttention: multiples
+# of 8 up to 256), so an export with another head size is still written, with a warning.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 EXPORT_CONFIG = "config.json"
 EXPORT_WEIGHTS = "model.safetensors"
@@ -174,6 +181,10 @@ def export_drafter_model(
         ValueError: the target architecture has no EAGLE drafter in vLLM / SGLang, or another
             reason of :func:`~tlt_lightning.drafter.eagle_format.check_exportable`.
 
+    Warns:
+        UserWarning: ``engine="vllm"`` and a ``head_dim`` vLLM-CPU cannot run
+            (:data:`VLLM_CPU_HEAD_SIZES`; tiny test models have 16): the export serves on GPU vLLM.
+
     Example:
         >>> export_drafter_model(drafter, "runs/eagle", dtype="bfloat16")  # doctest: +SKIP
     """
@@ -182,6 +193,13 @@ def export_drafter_model(
     card = card or ModelCardInfo()
     config = eagle_config(c, dtype, engine, verifier=verifier)
     tensors = eagle_state_dict(drafter, dtype, engine)
+    if engine == "vllm" and c.head_dim not in VLLM_CPU_HEAD_SIZES:
+        warnings.warn(
+            f"head_dim {c.head_dim} (the target's) is not among vLLM-CPU's head sizes {VLLM_CPU_HEAD_SIZES}: "
+            "vLLM on a CPU cannot serve this target and drafter; GPU vLLM can",
+            UserWarning,
+            stacklevel=2,
+        )
     side: dict[str, torch.Tensor] = {}
     if c.kind == "eagle1" and c.reduced_vocab:
         side = {k: tensors.pop(k) for k in ("d2t", "t2d")}

@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tlt_lightning.validation import MissingExtraError
+
 __all__ = [
     "DEFAULT_TRACKING_URI",
     "URI_SCHEMES",
@@ -48,7 +50,7 @@ def import_mlflow() -> Any:
     try:
         import mlflow
     except ImportError as err:
-        raise ModuleNotFoundError(
+        raise MissingExtraError(
             f"MLflow is not installed: the drafter registry needs the mlflow extra ({_INSTALL})"
         ) from err
     return mlflow
