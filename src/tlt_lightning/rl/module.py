@@ -264,8 +264,9 @@ class GRPOModule(L.LightningModule):
             sync_mirror(self.policy, self.rollout_policy)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        optim = self.optim_config
-        return torch.optim.AdamW(self.policy.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+        fused = self.device.type in ("cpu", "cuda")  # one kernel: faster, and no param-sized temporaries
+        lr, decay = self.optim_config.lr, self.optim_config.weight_decay
+        return torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=decay, fused=fused)
 
     def train_dataloader(self) -> PromptIndexLoader:
         # Sequential order (reasoning-gym already draws its problems at random); under DDP Lightning
