@@ -46,6 +46,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import MLFlowLogger
 from typing_extensions import override
 
+from tlt_lightning.callbacks import BanditCallback, SpotDrafterCallback
 from tlt_lightning.callbacks.progress import GRPOProgressBar
 from tlt_lightning.cli_options import Parser
 from tlt_lightning.drafter.mlflow_uri import DEFAULT_TRACKING_URI
@@ -283,6 +284,13 @@ class GRPOCLI(LightningCLI):
             shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(conflicts.items()))
             kept = "kept the checkpoint's" if mode == "checkpoint" else "applied"
             log.warning("resuming from %s: %s changed module settings (%s)", ckpt_path, kept, shown)
+
+    def before_fit(self) -> None:
+        # The prompt source and the callbacks compare their settings as the checkpoint loads.
+        mode = self.config[self.subcommand].get("resume_overrides") or "refuse"
+        for obj in (self.model, *self.trainer.callbacks):
+            if isinstance(obj, (GRPOModule, SpotDrafterCallback, BanditCallback)):
+                obj.resume_overrides = mode
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand

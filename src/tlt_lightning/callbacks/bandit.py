@@ -32,11 +32,17 @@ from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.scheduling import BEGMABStrategy, BucketedStrategy, StepCostModel
 from tlt_lightning.speculative import arm_key
 from tlt_lightning.tracking import log_artifact, run_dir
+from tlt_lightning.validation import check_resumed_settings
 
 __all__ = ["BanditCallback", "bucket_table"]
 
 
 _NONE = object()  # "no observation yet" (an arm can be None: SD off)
+_FIXED = {  # settings a resumed run cannot change
+    "strategy": "the checkpoint's statistics are another strategy's",
+    "seed": "the strategy's random state is the checkpoint's",
+    "reproducible": "the checkpoint's statistics are in other units",
+}
 
 
 def _metric_key(arm: Any) -> str:
@@ -133,6 +139,7 @@ class BanditCallback(L.Callback):
         self.heatmap_bins, self.log_arm_counts = heatmap_bins, bool(log_arm_counts)
         self._last = -1  # index of the last decision already logged
         self.run_dir: Path | None = None  # the run's own directory, set at setup
+        self.resume_overrides = "refuse"  # resumed with other settings: refused, or "apply" them
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -233,13 +240,34 @@ class BanditCallback(L.Callback):
             if path is not None:  # no heat map without matplotlib (warned once)
                 log_artifact(trainer, path, "bandit")
 
+    def settings(self) -> dict[str, Any]:
+        """What shapes the strategy's decisions: its class and plain constructor settings, ``reproducible``;
+        saved in every checkpoint and compared on resume
+        (:func:`~tlt_lightning.validation.check_resumed_settings`)."""
+        strategy = self.strategy
+        names = inspect.signature(type(strategy)).parameters
+        plain = {n: getattr(strategy, n) for n in names if hasattr(strategy, n)}
+        return {
+            "strategy": type(strategy).__name__,
+            **{n: v for n, v in plain.items() if v is None or isinstance(v, (bool, int, float, str))},
+            "reproducible": self.reproducible,
+        }
+
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.strategy.state_dict()
+        return {**self.strategy.state_dict(), "settings": self.settings()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Delegates to the strategy's (missing keys keep theirs); decisions made before are not re-logged."""
+        """Delegates to the strategy's (missing keys keep theirs); decisions made before are not re-logged.
+
+        Raises:
+            ValueError: the checkpoint's :meth:`settings` differ and ``resume_overrides`` is not
+                ``"apply"``, or the strategy's class or seed differ (its statistics and RNG state are
+                the checkpoint's).
+        """
+        saved = state_dict.get("settings")
+        check_resumed_settings("BanditCallback", saved, self.settings(), self.resume_overrides, _FIXED)
         self.strategy.load_state_dict(state_dict)
         last = self.strategy.last_decision
         self._last = last.step if last is not None else -1

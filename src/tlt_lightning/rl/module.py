@@ -160,6 +160,7 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
 
         self.prompt_source: PromptSource | None = prompt_source
+        self.resume_overrides = "refuse"  # a resumed fit's other prompt source: refused, or "apply" it
         self.draft_strategy: DraftStrategy = DraftSpec(self.speculative_config.sd_steps)
         self.drafter: Drafter | None = None
         self.rollout_feature_layers: tuple[int, ...] = ()
@@ -396,4 +397,5 @@ class GRPOModule(L.LightningModule):
         checkpoint["grpo"] = grpo_state(self.hparams.seed, self.prompt_source)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        restore_grpo_state(checkpoint, self.hparams.seed, self.prompt_source, self.optim_config)
+        hp = self.hparams
+        restore_grpo_state(checkpoint, hp.seed, self.prompt_source, self.optim_config, self.resume_overrides)
