@@ -21,6 +21,7 @@ from typing import Any
 __all__ = [
     "RESUME_OVERRIDES",
     "MissingExtraError",
+    "UserError",
     "check",
     "check_resumed_settings",
     "flat_settings",
@@ -40,6 +41,12 @@ class MissingExtraError(ModuleNotFoundError):
         >>> isinstance(err, ImportError)  # what callers catching ImportError already catch
         True
     """
+
+
+class UserError(Exception):
+    """Base of the errors a user fixes that are not ``ValueError``/``TypeError`` (a reward function that
+    returns NaN, a loss that diverged, a tracking store that cannot be opened): the command line answers
+    them, like those two, with one short screen (``tlt_lightning.cli.short_error``), not a traceback."""
 
 
 def check(condition: bool, name: str, value: Any, allowed: str) -> None:
