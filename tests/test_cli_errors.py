@@ -185,3 +185,20 @@ def test_other_errors_keep_their_traceback():
     wrapped = RuntimeError("a background write failed")
     wrapped.__cause__ = cause
     assert cli.user_error(wrapped) is cause
+
+
+def test_traceback_flag_gives_the_user_error_itself(tmp_path):
+    from tlt_lightning.rl.scoring import RewardError
+
+    argv = [
+        "--traceback",
+        "fit",
+        "--config",
+        TINY,
+        "--trainer.max_steps=1",
+        "--trainer.logger=false",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--model.prompt_source={__name__}.NanRewardSource",
+    ]
+    with pytest.raises(RewardError, match="the reward total of task 'nan-task'"):
+        cli.main(argv, short_errors=True)

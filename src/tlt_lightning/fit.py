@@ -267,7 +267,8 @@ class GRPOCLI(LightningCLI):
             type=Literal["refuse", "apply", "checkpoint"],
             default="refuse",
             help="with --ckpt_path, module settings that differ from the checkpoint's: 'refuse' (list them "
-            "and stop), 'apply' them, or keep the 'checkpoint' values",
+            "and stop), 'apply' them, or keep the 'checkpoint' values; a changed prompt source or callback "
+            "setting is applied with 'apply', else refused",
         )
         # Unless a config or flag says otherwise, train in the precision that pays on this machine:
         # bf16 autocast where bf16 products are native (AMX / AVX512-BF16 CPUs, GPUs), else fp32.

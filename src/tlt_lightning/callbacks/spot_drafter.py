@@ -315,11 +315,9 @@ class SpotDrafterCallback(L.Callback):
         )
         if changed and "optimizer" in state_dict:  # applied: the restored optimizer takes the new values
             state_dict = {**state_dict, "optimizer": copy.deepcopy(state_dict["optimizer"])}
+            training = self.config.training
             for group in state_dict["optimizer"].get("param_groups", []):
-                group["lr"], group["weight_decay"] = (
-                    self.config.training.lr,
-                    self.config.training.weight_decay,
-                )
+                group["lr"], group["weight_decay"] = training.lr, training.weight_decay
         if self._module is None:
             self._pending = dict(state_dict)
         else:
