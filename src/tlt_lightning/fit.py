@@ -50,6 +50,7 @@ from tlt_lightning.callbacks import BanditCallback, SpotDrafterCallback
 from tlt_lightning.callbacks.progress import GRPOProgressBar
 from tlt_lightning.cli_options import Parser
 from tlt_lightning.drafter.mlflow_uri import DEFAULT_TRACKING_URI
+from tlt_lightning.efficiency import ActivationCheckpointingCallback, LayerwisePrecisionCallback
 from tlt_lightning.models import training_precision
 from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, checkpoint_weights_only, read_checkpoint
 from tlt_lightning.rl.module import GRPOModule
@@ -71,6 +72,14 @@ FIT_HELP_EPILOG = (
     "--trainer.KEY=VALUE (nested: --model.optim.lr=3e-5); `tlt-lightning fit --config CONFIG --print_config` "
     "prints them all with their values. They are GRPOModule's and lightning's Trainer's arguments, "
     "documented there."
+)
+# What compares its saved settings as the checkpoint loads (its `resume_overrides` says what to do).
+_COMPARE_ON_LOAD = (
+    GRPOModule,
+    SpotDrafterCallback,
+    BanditCallback,
+    ActivationCheckpointingCallback,
+    LayerwisePrecisionCallback,
 )
 
 
@@ -299,7 +308,7 @@ class GRPOCLI(LightningCLI):
         # The prompt source and the callbacks compare their settings as the checkpoint loads.
         mode = self.config[self.subcommand].get("resume_overrides") or "refuse"
         for obj in (self.model, *self.trainer.callbacks):
-            if isinstance(obj, (GRPOModule, SpotDrafterCallback, BanditCallback)):
+            if isinstance(obj, _COMPARE_ON_LOAD):
                 obj.resume_overrides = mode
 
     def before_instantiate_classes(self) -> None:

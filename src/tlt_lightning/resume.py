@@ -8,7 +8,7 @@ settings that differ from the checkpoint's, listing each one as ``old -> new`` a
 uninterrupted one), ``--resume_overrides=checkpoint`` keeps the checkpoint's (Lightning's behaviour).
 What is known once the fit has started is compared as the checkpoint loads, with the same choice
 (:func:`~tlt_lightning.validation.check_resumed_settings`): the prompt source (the module) and the
-callbacks' settings (``SpotDrafterCallback``, ``BanditCallback``); those are applied or refused (the
+callbacks' settings (spot drafter, bandit, efficiency callbacks); those are applied or refused (the
 checkpoint's values cannot be restored into objects built from the config), never mixed.
 
 Example:
