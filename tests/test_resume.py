@@ -274,7 +274,7 @@ def test_resume_refuses_another_prompt_source_and_callback_settings_or_applies_t
     config = tlt_config(tmp_path)
     _, half = fit(tmp_path, config, "half", "--trainer.max_steps=2")
     assert callback_state(half, "SpotDrafterCallback")["settings"]["config"]["kind"] == "eagle1"
-    assert callback_state(half, "BanditCallback")["settings"]["epsilon"] == 0.3
+    assert callback_state(half, "BanditCallback")["settings"]["strategy/epsilon"] == 0.3
     assert len(half["grpo"]["prompt_source"]["sha256"]) == 16
     other = yaml.safe_load(config.read_text())
     source = other["model"]["prompt_source"]["init_args"]
@@ -294,7 +294,7 @@ def test_resume_refuses_another_prompt_source_and_callback_settings_or_applies_t
         cli.main(resume_argv(tmp_path, changed))
     spot["init_args"]["config"]["training"]["lr"] = 3e-4
     changed.write_text(yaml.safe_dump(other))
-    with pytest.raises(ValueError, match=r"BanditCallback.epsilon: 0.3 -> 0.5\n"):
+    with pytest.raises(ValueError, match=r"BanditCallback.strategy/epsilon: 0.3 -> 0.5\n"):
         cli.main(resume_argv(tmp_path, changed, "--resume_overrides=checkpoint"))
     # Never applicable: the drafter's weights and the bandit's random state are the checkpoint's.
     spot["init_args"]["config"]["kind"] = "eagle3"
@@ -306,7 +306,9 @@ def test_resume_refuses_another_prompt_source_and_callback_settings_or_applies_t
     spot["init_args"]["config"]["kind"] = "eagle1"
     bandit["init_args"]["strategy"]["init_args"]["seed"] = 2
     changed.write_text(yaml.safe_dump(other))
-    with pytest.raises(ValueError, match=r"BanditCallback.seed: 1 -> 2 \(the strategy's random state"):
+    with pytest.raises(
+        ValueError, match=r"BanditCallback.strategy/seed: 1 -> 2 \(the strategy's random state"
+    ):
         cli.main(resume_argv(tmp_path, changed, "--resume_overrides=apply"))
     # Applied on request: the new prompts, the bandit's epsilon, the drafter's lr (its optimizer too).
     bandit["init_args"]["strategy"]["init_args"]["seed"] = 1
@@ -317,7 +319,7 @@ def test_resume_refuses_another_prompt_source_and_callback_settings_or_applies_t
     resumed = torch.load(next((tmp_path / "resumed").rglob("last.ckpt")), weights_only=False)
     assert resumed["global_step"] == 3
     assert resumed["grpo"]["prompt_source"]["sha256"] != half["grpo"]["prompt_source"]["sha256"]
-    assert callback_state(resumed, "BanditCallback")["settings"]["epsilon"] == 0.5
+    assert callback_state(resumed, "BanditCallback")["settings"]["strategy/epsilon"] == 0.5
     spot_state = callback_state(resumed, "SpotDrafterCallback")
     assert spot_state["settings"]["config"]["training"]["lr"] == 1e-3
     assert spot_state["optimizer"]["param_groups"][0]["lr"] == 1e-3

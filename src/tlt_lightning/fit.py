@@ -36,7 +36,7 @@ import warnings
 from argparse import Action
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 import torch
 from jsonargparse import DefaultHelpFormatter
@@ -219,15 +219,6 @@ class FitParser(Parser, LightningArgumentParser):
         kwargs.setdefault("formatter_class", ConciseHelpFormatter)
         kwargs.setdefault("epilog", FIT_HELP_EPILOG)
         super().__init__(*args, **kwargs)
-
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        # A misspelt key inside a class's arguments (a callback's init_args): the key and the class,
-        # not every type the value could have had (12 lines and more).
-        lines = message.splitlines()
-        named = [line.strip() for line in lines[1:] if "not accepted" in line or "Problem with" in line]
-        if len(lines) > 3 and named:
-            message = "\n  ".join([lines[0], *list(dict.fromkeys(named))[:2]])
-        super().error(message, ex)
 
 
 class GRPOCLI(LightningCLI):

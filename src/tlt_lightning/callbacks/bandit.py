@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections import Counter
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ __all__ = ["BanditCallback", "bucket_table"]
 _NONE = object()  # "no observation yet" (an arm can be None: SD off)
 _FIXED = {  # settings a resumed run cannot change
     "strategy": "the checkpoint's statistics are another strategy's",
-    "seed": "the strategy's random state is the checkpoint's",
+    "strategy/arms": "the checkpoint's statistics are of other arms",
+    "strategy/seed": "the strategy's random state is the checkpoint's",
     "reproducible": "the checkpoint's statistics are in other units",
 }
 
@@ -165,7 +167,12 @@ class BanditCallback(L.Callback):
         names = inspect.signature(type(strategy)).parameters
         settings = {
             "strategy": type(strategy).__name__,
-            **{f"strategy/{k}": v for k, v in vars(strategy).items() if k in names},
+            # A cost model as its fields: loggers copy params, and a frozen dataclass cannot be copied.
+            **{
+                f"strategy/{k}": asdict(v) if is_dataclass(v) else v
+                for k, v in vars(strategy).items()
+                if k in names
+            },
             # One string: bucket labels such as "21+" are no valid MLflow parameter names.
             "strategy/arms": "; ".join(
                 f"{label}: {' '.join(map(arm_key, arms))}"
@@ -241,16 +248,15 @@ class BanditCallback(L.Callback):
                 log_artifact(trainer, path, "bandit")
 
     def settings(self) -> dict[str, Any]:
-        """What shapes the strategy's decisions: its class and plain constructor settings, ``reproducible``;
-        saved in every checkpoint and compared on resume
-        (:func:`~tlt_lightning.validation.check_resumed_settings`)."""
-        strategy = self.strategy
-        names = inspect.signature(type(strategy)).parameters
-        plain = {n: getattr(strategy, n) for n in names if hasattr(strategy, n)}
+        """What shapes the strategy's decisions, saved in every checkpoint and compared on resume
+        (:func:`~tlt_lightning.validation.check_resumed_settings`): :meth:`params` without the ``bandit/``
+        prefix, the display settings or objects (a cost model is compared by the strategy itself)."""
+        params = {name.removeprefix("bandit/"): value for name, value in self.params().items()}
         return {
-            "strategy": type(strategy).__name__,
-            **{n: v for n, v in plain.items() if v is None or isinstance(v, (bool, int, float, str))},
-            "reproducible": self.reproducible,
+            name: value
+            for name, value in params.items()
+            if name not in ("heatmap_bins", "log_arm_counts")
+            and (value is None or isinstance(value, (bool, int, float, str)))
         }
 
     @override
