@@ -269,8 +269,8 @@ class BanditCallback(L.Callback):
 
         Raises:
             ValueError: the checkpoint's :meth:`settings` differ and ``resume_overrides`` is not
-                ``"apply"``, or the strategy's class or seed differ (its statistics and RNG state are
-                the checkpoint's).
+                ``"apply"``, or the strategy's class, arms, seed or ``reproducible`` differ (its
+                statistics and RNG state are the checkpoint's).
         """
         saved = state_dict.get("settings")
         check_resumed_settings("BanditCallback", saved, self.settings(), self.resume_overrides, _FIXED)
