@@ -158,7 +158,6 @@ class GRPOModule(L.LightningModule):
         # LightningCLI's: how load_from_checkpoint rebuilds the module (kept in the checkpoint), no setting.
         self._hparams_initial.pop("_instantiator", None)
         self.automatic_optimization = False
-
         self.prompt_source: PromptSource | None = prompt_source
         self.resume_overrides = "refuse"  # a resumed fit's other prompt source: refused, or "apply" it
         self.draft_strategy: DraftStrategy = DraftSpec(self.speculative_config.sd_steps)
