@@ -158,8 +158,8 @@ class GRPOModule(L.LightningModule):
         # LightningCLI's: how load_from_checkpoint rebuilds the module (kept in the checkpoint), no setting.
         self._hparams_initial.pop("_instantiator", None)
         self.automatic_optimization = False
-
         self.prompt_source: PromptSource | None = prompt_source
+        self.resume_overrides = "refuse"  # a resumed fit's other prompt source: refused, or "apply" it
         self.draft_strategy: DraftStrategy = DraftSpec(self.speculative_config.sd_steps)
         self.drafter: Drafter | None = None
         self.rollout_feature_layers: tuple[int, ...] = ()
@@ -397,4 +397,5 @@ class GRPOModule(L.LightningModule):
         checkpoint["grpo"] = grpo_state(self.hparams.seed, self.prompt_source)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        restore_grpo_state(checkpoint, self.hparams.seed, self.prompt_source, self.optim_config)
+        hp = self.hparams
+        restore_grpo_state(checkpoint, hp.seed, self.prompt_source, self.optim_config, self.resume_overrides)
