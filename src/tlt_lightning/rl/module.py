@@ -7,8 +7,7 @@ or non-finite one stopping the run with the task and prompt named (:meth:`GRPOMo
 advantages within each group (:func:`~tlt_lightning.rl.grpo.group_advantages`); the policy update over
 micro-batches, a non-finite loss or gradient caught on every rank before the optimizer step
 (:mod:`tlt_lightning.rl.optimize`). :mod:`tlt_lightning.rl.rollout_models` says what the rollouts run
-on; a resumed run continues bit for bit like an uninterrupted reproducible one
-(:mod:`tlt_lightning.rl.run_state`).
+on; a resumed run continues bit for bit like an uninterrupted one (:mod:`tlt_lightning.rl.run_state`).
 """
 
 from __future__ import annotations
