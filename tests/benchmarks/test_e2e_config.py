@@ -53,6 +53,9 @@ def test_both_runs_of_a_tiny_config_are_recorded_per_rank_and_step(tmp_path):
             assert record["wall_s"] >= record["rollout_s"] + record["train_s"] > 0
             assert len(record["lengths"]) == 16 and record["tokens"] == sum(record["lengths"])
             assert 0 <= record["tail_share"] <= 1 and record["peak_rss_mb"] > 0
+            assert {"rollout", "train"} <= set(record["phase_peak_mb"])
+        tensors = steps[0][0]["tensors_mb"]  # after step 1: Adam's state exists, the gradients are freed
+        assert tensors["policy"] > 0 and tensors["optimizer"] > tensors["policy"] and tensors["grads"] == 0
         assert payload["runs"][name] == summarise(steps, 0)
     base = read_records(tmp_path / "out" / "baseline" / "records")[1]
     assert all(r["accept_length"] == 0.0 for (r,) in base)  # no speculative step without TLT

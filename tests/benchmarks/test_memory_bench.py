@@ -1,0 +1,43 @@
+"""``python -m benchmarks memory``: a fit's tensors by owner and its peak memory by phase."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import yaml
+
+from benchmarks.memory import MemoryProbe, rss_mb, run
+from tests.benchmarks.test_e2e_config import tiny_config
+
+
+def test_the_probe_keeps_each_phases_peak_and_starts_over_when_taken():
+    probe = MemoryProbe(interval=0.001)
+    try:
+        probe.before_rollout()
+        time.sleep(0.05)
+        probe.after_rollout(None)
+        time.sleep(0.05)
+        peaks = probe.take()
+        assert {"rollout", "train"} <= set(peaks) and 0 < peaks["train"] <= rss_mb() + 1
+        time.sleep(0.05)
+        assert set(probe.take()) == {"train"}  # only what was sampled since the last take
+    finally:
+        probe.close()
+
+
+def test_a_tiny_fit_is_broken_down_by_owner_and_phase(tmp_path, capsys):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config()))
+    args = argparse.Namespace(
+        config=str(path), steps=2, devices=None, threads=1, out=str(tmp_path / "out"),
+        json=str(tmp_path / "memory.json"),
+    )  # fmt: skip
+    payload = run(args)
+    (rank,) = payload["ranks"].values()
+    assert rank["peak_rss_mb"] >= max(rank["phase_peak_mb"].values()) > 0
+    assert {"setup", "rollout", "train"} <= set(rank["phase_peak_mb"])
+    assert rank["tensors_mb"]["policy"] > 0 and rank["tensors_mb"]["drafter"] > 0
+    assert json.loads((tmp_path / "memory.json").read_text())["ranks"]["0"] == rank
+    assert "peak RSS by phase" in capsys.readouterr().out
