@@ -14,6 +14,7 @@ from tests.helpers import assert_same, callback_state
 from tlt_lightning import cli
 from tlt_lightning.resume import check_resume, read_checkpoint, resume_conflicts
 from tlt_lightning.rl import OptimConfig
+from tlt_lightning.tracking.run_directory import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "grpo_tiny.yaml"
@@ -174,7 +175,7 @@ def test_resume_with_other_settings_is_refused_listing_the_keys(tmp_path, monkey
         f"--trainer.default_root_dir={tmp_path}",
     ]
     assert cli.main([*base, "--trainer.max_steps=1"]) == 0
-    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    ckpt = latest_checkpoint(tmp_path)  # without a logger, each fit in its own version_<N>/checkpoints
     resume = [*base, "--trainer.max_steps=2", f"--ckpt_path={ckpt}"]
     with pytest.raises(
         ValueError, match=r"(?s)model.optim.lr: 0.01 -> 0.5\n  model.seed: 0 -> 3\n.*--resume_overrides=apply"
@@ -188,7 +189,7 @@ def test_resume_with_other_settings_is_refused_listing_the_keys(tmp_path, monkey
     # Applied on request: the new lr reaches the optimizer, the module warns about the seed.
     with pytest.warns(UserWarning, match="resuming with seed=3 from a checkpoint trained with seed=0"):
         assert cli.main([*resume, "--model.optim.lr=0.5", "--model.seed=3", "--resume_overrides=apply"]) == 0
-    after = torch.load(ckpt, weights_only=False)
+    after = torch.load(latest_checkpoint(tmp_path), weights_only=False)
     assert after["global_step"] == 2 and after["hyper_parameters"]["optim"]["lr"] == 0.5
     assert after["optimizer_states"][0]["param_groups"][0]["lr"] == 0.5
     # Or the checkpoint's values (Lightning's behaviour), now said out loud.
@@ -197,14 +198,15 @@ def test_resume_with_other_settings_is_refused_listing_the_keys(tmp_path, monkey
             [
                 *base,
                 "--trainer.max_steps=3",
-                f"--ckpt_path={ckpt}",
+                "--ckpt_path=last",  # the newest: the resumed fit's, step 2
                 "--model.optim.lr=0.1",
                 "--resume_overrides=checkpoint",
             ]
         )
         == 0
     )
-    assert torch.load(ckpt, weights_only=False)["hyper_parameters"]["optim"]["lr"] == 0.5
+    final = torch.load(latest_checkpoint(tmp_path), weights_only=False)
+    assert final["global_step"] == 3 and final["hyper_parameters"]["optim"]["lr"] == 0.5
 
 
 def test_resume_overrides_takes_only_its_three_values(capsys):

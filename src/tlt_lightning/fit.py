@@ -21,9 +21,18 @@ with MLflow (:func:`~tlt_lightning.tracking.run_dir`): Lightning's ``checkpoints
 ``config.yaml`` (also the run's artifact), the callbacks' ``drafter/``, ``bandit/`` and ``drift/``
 outputs.
 
+Without a logger (``--trainer.logger=false``) the run's directory is ``<default_root_dir>/version_<N>/``,
+checkpoints included, so that two fits never share a ``last.ckpt``.
+
 ``--ckpt_path PATH`` resumes a run: into the same MLflow run (every checkpoint names its run), which
 is marked ``FINISHED`` when the resumed fit ends, with the resumed fit's config saved beside the
-first as ``config-resume-<n>.yaml``.
+first as ``config-resume-<n>.yaml``. ``--ckpt_path=last`` resumes the newest ``last.ckpt`` under
+``default_root_dir``, and refuses when there is none.
+
+SIGTERM (a scheduler's preemption) or SIGINT (Ctrl+C) stops the fit at the end of the current step
+(:class:`~tlt_lightning.callbacks.CheckpointOnSignal`): ``last.ckpt`` is saved, the MLflow run is
+marked ``KILLED``, one line says what was saved and how to resume, and the exit status is
+``128 + signal`` (143 for SIGTERM, 130 for SIGINT).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -42,21 +52,24 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from tlt_lightning.callbacks.progress import GRPOProgressBar
+from tlt_lightning.callbacks.signals import CheckpointOnSignal
 from tlt_lightning.drafter.mlflow_uri import DEFAULT_TRACKING_URI
 from tlt_lightning.models import training_precision
 from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, checkpoint_weights_only, read_checkpoint
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.safe_load import refusing_pickled_objects
+from tlt_lightning.tracking.lightning_mlflow import mlflow_loggers
 from tlt_lightning.tracking.logger import default_artifact_location, is_tracking_logger, prepare_logger_store
 from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, canonical_tracking_uri, resumable_run_id
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError
-from tlt_lightning.tracking.run_directory import run_dir, save_run_config
+from tlt_lightning.tracking.run_directory import latest_checkpoint, run_dir, save_run_config
 from tlt_lightning.validation import check
 
-__all__ = ["GRPOCLI", "SaveLastAtTrainEnd", "TrackingSaveConfig", "main"]
+__all__ = ["GRPOCLI", "CheckpointsInRunDir", "SaveLastAtTrainEnd", "TrackingSaveConfig", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +91,24 @@ class SaveLastAtTrainEnd(Callback):
             due = isinstance(callback, ModelCheckpoint) and bool(callback.save_last)
             if due and not callback._should_skip_saving_checkpoint(trainer):
                 callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+class CheckpointsInRunDir(Callback):
+    """Without a logger, ``ModelCheckpoint`` s with no ``dirpath`` write in the run's own directory.
+
+    Lightning's default there is ``<default_root_dir>/checkpoints/``, one ``last.ckpt`` for every fit on
+    that root; this makes it ``<default_root_dir>/version_<N>/checkpoints/`` (:func:`run_dir`), beside
+    the run's other files. With a logger Lightning's default already is the run's directory.
+    """
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Lightning calls the checkpoint callbacks' setup last, where they resolve their dirpath.
+        if trainer.loggers:
+            return
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = str(run_dir(trainer) / "checkpoints")
 
 
 class TrackingSaveConfig(SaveConfigCallback):
@@ -193,7 +224,15 @@ class GRPOCLI(LightningCLI):
             save_config_kwargs={"save_to_log_dir": False},
             # Every checkpoint names its MLflow run: `fit --ckpt_path` continues that run.
             # A last.ckpt of the final step, whatever every_n_train_steps is.
-            trainer_defaults={"callbacks": [MLflowRunCheckpoint(), SaveLastAtTrainEnd()]},
+            # SIGTERM / SIGINT: last.ckpt at the end of the step (then exit 128 + signal, see fit).
+            trainer_defaults={
+                "callbacks": [
+                    MLflowRunCheckpoint(),
+                    SaveLastAtTrainEnd(),
+                    CheckpointsInRunDir(),
+                    CheckpointOnSignal(),
+                ]
+            },
             seed_everything_default=0,
             auto_configure_optimizers=False,
             parser_kwargs={"fit": {"prog": "tlt-lightning fit"}},
@@ -234,6 +273,10 @@ class GRPOCLI(LightningCLI):
         config = self.config[subcommand]
         config.weights_only = checkpoint_weights_only(config.get("weights_only"))
         ckpt_path = config.get("ckpt_path")
+        if str(ckpt_path) == "last":  # Lightning looks in the new run's (empty) directory only
+            root = config.get("trainer", {}).get("default_root_dir") or os.getcwd()
+            config.ckpt_path = ckpt_path = str(latest_checkpoint(root))
+            log.info("ckpt_path 'last': resuming from %s", ckpt_path)
         if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_NAMES:
             return
         saved = read_checkpoint(ckpt_path).get("hyper_parameters") or {}
@@ -262,6 +305,33 @@ class GRPOCLI(LightningCLI):
         ):
             if config.get("ckpt_path") and logger.get("run_id") is None:
                 logger.run_id = resumable_run_id(str(config.ckpt_path), logger.tracking_uri)
+
+    def fit(self, **kwargs: Any) -> None:
+        """``Trainer.fit``; when SIGTERM or SIGINT stopped it (see
+        :class:`~tlt_lightning.callbacks.CheckpointOnSignal`): the MLflow run marked ``KILLED``, one line
+        on stderr, and ``SystemExit(128 + signal)``."""
+        try:
+            self.trainer.fit(**kwargs)
+        except SIGTERMException as stop:
+            raise SystemExit(self._stopped()) from stop
+
+    def _stopped(self) -> int:
+        """After a stop by a signal: mark the MLflow run, say what was saved. Returns the exit status."""
+        stops = [c for c in self.trainer.callbacks if isinstance(c, CheckpointOnSignal)]
+        got = (stops[0].signal if stops else None) or signal.SIGTERM
+        saved = stops[0].saved if stops else None
+        if not self.trainer.is_global_zero:
+            return 128 + got
+        runs = []
+        for logger in mlflow_loggers(self.trainer):  # after Lightning's FAILED
+            logger.experiment.set_terminated(logger.run_id, "KILLED")
+            runs.append(logger.run_id)
+        done = f"saved {saved}" if saved else "nothing saved (no ModelCheckpoint)"
+        marked = f"; MLflow run {', '.join(runs)} marked KILLED" if runs else ""
+        resume = f"; resume: the same command with --ckpt_path={saved}" if saved else ""
+        stopped = f"tlt-lightning fit: stopped by {got.name} after step {self.trainer.global_step}"
+        print(f"{stopped}: {done}{marked}{resume}", file=sys.stderr)
+        return 128 + got
 
     def _default_progress_bar(self, trainer: Any) -> None:
         """:class:`~tlt_lightning.callbacks.GRPOProgressBar` is the trainer's default bar: none with

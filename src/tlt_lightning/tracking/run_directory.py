@@ -9,7 +9,8 @@ directory of that run, the one Lightning's ``ModelCheckpoint`` puts ``checkpoint
     <default_root_dir>/version_<N>/                   no logger: the first free N, claimed atomically
 
 So two runs on one ``default_root_dir`` never share (or prune) each other's files, and a run resumed
-into the same MLflow run (``fit --ckpt_path``) finds its own files again.
+into the same MLflow run (``fit --ckpt_path``) finds its own files again. ``fit --ckpt_path=last``
+resumes the newest ``last.ckpt`` under ``default_root_dir`` (:func:`latest_checkpoint`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.loggers import MLFlowLogger
 
-__all__ = ["run_dir", "save_run_config"]
+__all__ = ["latest_checkpoint", "run_dir", "save_run_config"]
 
 _RESOLVED: weakref.WeakKeyDictionary[L.Trainer, Path] = weakref.WeakKeyDictionary()
 _VERSION = re.compile(r"^version_(\d+)$")
@@ -100,3 +101,19 @@ def save_run_config(trainer: L.Trainer, text: str, filename: str = "config.yaml"
         logger.experiment.log_text(logger.run_id, text, name)
     (directory / name).write_text(text)
     return directory / name
+
+
+def latest_checkpoint(root: str | Path) -> Path:
+    """The newest ``last.ckpt`` of the runs under ``root`` (``<run dir>/checkpoints/last*.ckpt``, by time).
+
+    Raises:
+        ValueError: there is none; the message names where it looked.
+    """
+    pattern = "**/checkpoints/last*.ckpt"
+    found = [p for p in Path(root).glob(pattern) if p.is_file()]
+    if not found:
+        raise ValueError(
+            f"ckpt_path 'last': no checkpoint matches {str(Path(root, pattern))!r}: pass a .ckpt file, the "
+            "run's --trainer.default_root_dir, or no --ckpt_path to start a new run"
+        )
+    return max(found, key=lambda p: p.stat().st_mtime_ns)
