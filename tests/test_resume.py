@@ -230,3 +230,32 @@ def test_resume_from_an_empty_checkpoint_is_a_short_error(tmp_path, monkeypatch,
     assert cli.main(argv, short_errors=True) == 1
     err = capsys.readouterr().err
     assert "ValueError: ckpt_path" in err and "is empty (0 bytes)" in err and "EOFError" not in err
+
+
+def test_ckpt_path_last_takes_the_newest_run_and_runs_without_logger_share_no_checkpoint(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
+    base = [
+        "fit",
+        "--config",
+        str(TINY),
+        "--trainer.logger=false",
+        "--model.rollout_progress=false",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    # Nothing to resume: refused in one line naming where it looked, nothing started.
+    assert cli.main([*base, "--ckpt_path=last"], short_errors=True) == 1
+    looked = f"ckpt_path 'last': no checkpoint matches '{tmp_path}/**/checkpoints/last*.ckpt'"
+    assert looked in capsys.readouterr().err and not list(tmp_path.iterdir())
+    # Two runs on one root dir: each its own version_<N>/checkpoints/last.ckpt.
+    for seed in (1, 2):
+        assert cli.main([*base, "--trainer.max_steps=1", f"--model.seed={seed}"]) == 0
+    first, second = sorted(tmp_path.glob("version_*/checkpoints/last.ckpt"))
+    assert (first.parts[-3], second.parts[-3]) == ("version_0", "version_1")
+    # `last` is the newest run's (seed 2: the first run's seed 1 would be refused as a changed setting).
+    assert cli.main([*base, "--trainer.max_steps=2", "--model.seed=2", "--ckpt_path=last"]) == 0
+    resumed = latest_checkpoint(tmp_path)
+    assert resumed.parts[-3] == "version_2" and torch.load(resumed, weights_only=False)["global_step"] == 2
+    assert [torch.load(p, weights_only=False)["global_step"] for p in (first, second)] == [1, 1]

@@ -317,9 +317,9 @@ class GRPOCLI(LightningCLI):
 
     def _stopped(self) -> int:
         """After a stop by a signal: mark the MLflow run, say what was saved. Returns the exit status."""
-        stops = [c for c in self.trainer.callbacks if isinstance(c, CheckpointOnSignal)]
-        got = (stops[0].signal if stops else None) or signal.SIGTERM
-        saved = stops[0].saved if stops else None
+        stops = (c for c in self.trainer.callbacks if isinstance(c, CheckpointOnSignal))
+        stop = next(stops, CheckpointOnSignal())  # none in the trainer: nothing saved, SIGTERM
+        got, saved = stop.signal or signal.SIGTERM, stop.saved
         if not self.trainer.is_global_zero:
             return 128 + got
         runs = []

@@ -14,7 +14,6 @@ import signal
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -44,7 +43,6 @@ class CheckpointOnSignal(L.Callback):
     def __init__(self) -> None:
         self.signal: signal.Signals | None = None
         self.saved: Path | None = None
-        self._sigint: Any = None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -52,12 +50,11 @@ class CheckpointOnSignal(L.Callback):
         self.signal, self.saved = None, None
         handler = signal.getsignal(signal.SIGINT)
         if threading.current_thread() is threading.main_thread() and handler is signal.default_int_handler:
-            self._sigint = handler
             signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         self.signal = signal.SIGINT
-        signal.signal(signal.SIGINT, self._sigint)  # a second Ctrl+C interrupts at once
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl+C interrupts at once
         stop = signal.getsignal(signal.SIGTERM)  # Lightning's: stop at the end of this step
         if callable(stop):
             stop(signum, frame)

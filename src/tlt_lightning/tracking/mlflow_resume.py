@@ -8,9 +8,8 @@
 * :class:`ResumableMLFlowLogger` continues that run: marked ``RUNNING`` again when opened (Lightning
   marks it ``FINISHED`` at the end of the resumed fit; a run that nothing ended, its process killed by
   SIGKILL, is marked ``KILLED`` first; the status it had is the tag ``resumed_from_status``),
-  parameters already logged are not logged again, and
-  a parameter the resumed fit changes (MLflow forbids changing one) is kept as the tag
-  ``resumed.<name>``.
+  parameters already logged are not logged again, and a parameter the resumed fit changes (MLflow
+  forbids changing one) is kept as the tag ``resumed.<name>``.
 
 Nothing here imports MLflow at import time.
 
@@ -151,7 +150,8 @@ class ResumableMLFlowLogger(MLFlowLogger):
     """Lightning's ``MLFlowLogger`` that continues the run ``run_id`` when given one.
 
     Without ``run_id`` it is exactly an ``MLFlowLogger`` (a new run). With one: the run is marked
-    ``RUNNING`` when opened, parameters it already holds with the same value are skipped, and a
+    ``RUNNING`` when opened (``KILLED`` first if it was left ``RUNNING``; the tag ``resumed_from_status``
+    says what it was), parameters it already holds with the same value are skipped, and a
     changed value is set as the tag ``resumed.<name>`` (with a warning) instead of failing the fit.
 
     Args: those of :class:`~lightning.pytorch.loggers.MLFlowLogger`.
