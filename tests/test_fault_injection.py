@@ -3,7 +3,7 @@ resumed with ``--ckpt_path=last``: the resumed run ends bit-identical to the uni
 MLflow run, and the signals a scheduler sends exit ``128 + signal`` with ``last.ckpt`` of the step.
 
 The step is chosen by waiting for a file the fit writes (the drafter's checkpoint of a step, saved after
-every step), never by sleeping: the signal lands somewhere in a later step.
+every step), never by sleeping: the signal lands at the end of that step or in a later one.
 """
 
 from __future__ import annotations

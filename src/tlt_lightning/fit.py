@@ -40,7 +40,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -62,14 +61,18 @@ from tlt_lightning.models import training_precision
 from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, checkpoint_weights_only, read_checkpoint
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.safe_load import refusing_pickled_objects
-from tlt_lightning.tracking.lightning_mlflow import mlflow_loggers
 from tlt_lightning.tracking.logger import default_artifact_location, is_tracking_logger, prepare_logger_store
 from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, canonical_tracking_uri, resumable_run_id
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError
-from tlt_lightning.tracking.run_directory import latest_checkpoint, run_dir, save_run_config
+from tlt_lightning.tracking.run_directory import (
+    CheckpointsInRunDir,
+    latest_checkpoint,
+    run_dir,
+    save_run_config,
+)
 from tlt_lightning.validation import check
 
-__all__ = ["GRPOCLI", "CheckpointsInRunDir", "SaveLastAtTrainEnd", "TrackingSaveConfig", "main"]
+__all__ = ["GRPOCLI", "SaveLastAtTrainEnd", "TrackingSaveConfig", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -91,24 +94,6 @@ class SaveLastAtTrainEnd(Callback):
             due = isinstance(callback, ModelCheckpoint) and bool(callback.save_last)
             if due and not callback._should_skip_saving_checkpoint(trainer):
                 callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
-
-
-class CheckpointsInRunDir(Callback):
-    """Without a logger, ``ModelCheckpoint`` s with no ``dirpath`` write in the run's own directory.
-
-    Lightning's default there is ``<default_root_dir>/checkpoints/``, one ``last.ckpt`` for every fit on
-    that root; this makes it ``<default_root_dir>/version_<N>/checkpoints/`` (:func:`run_dir`), beside
-    the run's other files. With a logger Lightning's default already is the run's directory.
-    """
-
-    @override
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        # Lightning calls the checkpoint callbacks' setup last, where they resolve their dirpath.
-        if trainer.loggers:
-            return
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
-                callback.dirpath = str(run_dir(trainer) / "checkpoints")
 
 
 class TrackingSaveConfig(SaveConfigCallback):
@@ -312,26 +297,9 @@ class GRPOCLI(LightningCLI):
         on stderr, and ``SystemExit(128 + signal)``."""
         try:
             self.trainer.fit(**kwargs)
-        except SIGTERMException as stop:
-            raise SystemExit(self._stopped()) from stop
-
-    def _stopped(self) -> int:
-        """After a stop by a signal: mark the MLflow run, say what was saved. Returns the exit status."""
-        stops = (c for c in self.trainer.callbacks if isinstance(c, CheckpointOnSignal))
-        stop = next(stops, CheckpointOnSignal())  # none in the trainer: nothing saved, SIGTERM
-        got, saved = stop.signal or signal.SIGTERM, stop.saved
-        if not self.trainer.is_global_zero:
-            return 128 + got
-        runs = []
-        for logger in mlflow_loggers(self.trainer):  # after Lightning's FAILED
-            logger.experiment.set_terminated(logger.run_id, "KILLED")
-            runs.append(logger.run_id)
-        done = f"saved {saved}" if saved else "nothing saved (no ModelCheckpoint)"
-        marked = f"; MLflow run {', '.join(runs)} marked KILLED" if runs else ""
-        resume = f"; resume: the same command with --ckpt_path={saved}" if saved else ""
-        stopped = f"tlt-lightning fit: stopped by {got.name} after step {self.trainer.global_step}"
-        print(f"{stopped}: {done}{marked}{resume}", file=sys.stderr)
-        return 128 + got
+        except SIGTERMException as stopped:
+            stops = (c for c in self.trainer.callbacks if isinstance(c, CheckpointOnSignal))
+            raise SystemExit(next(stops, CheckpointOnSignal()).report(self.trainer)) from stopped
 
     def _default_progress_bar(self, trainer: Any) -> None:
         """:class:`~tlt_lightning.callbacks.GRPOProgressBar` is the trainer's default bar: none with

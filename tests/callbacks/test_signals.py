@@ -30,7 +30,7 @@ class SignalAt(L.Callback):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_mid_step_ends_the_step_and_saves_it(tmp_path, sig):
+def test_a_signal_mid_step_ends_the_step_and_saves_it(tmp_path, sig, capsys):
     stop = CheckpointOnSignal()
     every_2 = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=2, save_last=True)
     trainer = make_trainer(
@@ -42,6 +42,12 @@ def test_a_signal_mid_step_ends_the_step_and_saves_it(tmp_path, sig):
     assert trainer.global_step == 3 and (stop.signal, stop.saved) == (sig, tmp_path / "checkpoints/last.ckpt")
     saved = torch.load(stop.saved, weights_only=False)
     assert saved["global_step"] == 3
+    # The exit status and the one line a command prints (no MLflow logger here: no run to mark).
+    assert stop.report(trainer, "prog") == 128 + sig
+    assert capsys.readouterr().err.splitlines() == [
+        f"prog: stopped by {sig.name} after step 3: saved {stop.saved}; resume: the same command with "
+        f"--ckpt_path={stop.saved}"
+    ]
     # Lightning put back the handlers it found: Ctrl+C is a KeyboardInterrupt again.
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
@@ -55,6 +61,7 @@ def test_without_save_last_it_writes_last_ckpt_beside_the_others(tmp_path):
     with pytest.raises(SIGTERMException):
         trainer.fit(make_module())
     assert stop.saved == tmp_path / "ckpts" / "last.ckpt"
+    assert CheckpointOnSignal().report(trainer) == 143  # none recorded: SIGTERM, nothing saved
     assert torch.load(stop.saved, weights_only=False)["global_step"] == 2
 
 

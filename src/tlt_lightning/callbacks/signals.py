@@ -11,6 +11,7 @@ lands, mid-step (a second Ctrl+C still interrupts at once, saving nothing).
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from pathlib import Path
 from types import FrameType
@@ -20,6 +21,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from tlt_lightning.tracking.lightning_mlflow import mlflow_loggers
+
 __all__ = ["CheckpointOnSignal"]
 
 
@@ -27,8 +30,9 @@ class CheckpointOnSignal(L.Callback):
     """Saves ``last.ckpt`` when SIGTERM or SIGINT stops the fit at the end of the current step.
 
     Where the first ``ModelCheckpoint`` writes ``last.ckpt`` (nothing without a ``ModelCheckpoint``).
-    The fit then ends with Lightning's ``SIGTERMException``: ``tlt-lightning fit`` turns it into exit
-    status ``128 + signal`` (143 for SIGTERM, 130 for SIGINT) with one line naming the checkpoint.
+    The fit then ends with Lightning's ``SIGTERMException``; :meth:`report` marks the MLflow run
+    ``KILLED``, says so in one line and gives the exit status ``128 + signal`` (143 for SIGTERM, 130
+    for SIGINT), as ``tlt-lightning fit`` does.
 
     Attributes:
         signal: the signal that stopped the fit (``None``: none did).
@@ -37,7 +41,7 @@ class CheckpointOnSignal(L.Callback):
     Example:
         >>> stop = CheckpointOnSignal()
         >>> # trainer = Trainer(callbacks=[stop, ModelCheckpoint(save_last=True)]); trainer.fit(module)
-        >>> # except SIGTERMException: stop.signal, stop.saved -> what stopped it, where to resume from
+        >>> # except SIGTERMException: sys.exit(stop.report(trainer))
     """
 
     def __init__(self) -> None:
@@ -67,6 +71,27 @@ class CheckpointOnSignal(L.Callback):
             return
         self.signal = self.signal or signal.SIGTERM
         self.saved = _save_last(trainer)
+
+    def report(self, trainer: L.Trainer, program: str = "tlt-lightning fit") -> int:
+        """After the fit stopped (Lightning marked the MLflow run ``FAILED``): mark it ``KILLED`` and print
+        one line on stderr, what stopped it, what was saved and how to resume (rank 0).
+
+        Returns:
+            The exit status, ``128 + signal`` (``SIGTERM`` when no signal was recorded).
+        """
+        got = self.signal or signal.SIGTERM
+        if not trainer.is_global_zero:
+            return 128 + got
+        runs = []
+        for logger in mlflow_loggers(trainer):
+            logger.experiment.set_terminated(logger.run_id, "KILLED")
+            runs.append(logger.run_id)
+        done = f"saved {self.saved}" if self.saved else "nothing saved (no ModelCheckpoint)"
+        marked = f"; MLflow run {', '.join(runs)} marked KILLED" if runs else ""
+        resume = f"; resume: the same command with --ckpt_path={self.saved}" if self.saved else ""
+        stopped = f"{program}: stopped by {got.name} after step {trainer.global_step}"
+        print(f"{stopped}: {done}{marked}{resume}", file=sys.stderr)
+        return 128 + got
 
 
 def _save_last(trainer: L.Trainer) -> Path | None:
