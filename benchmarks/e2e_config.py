@@ -34,9 +34,10 @@ import lightning as L
 import yaml
 
 from benchmarks.common import machine_info, median, new_figure, save_figure, write_json
+from benchmarks.memory import MemoryProbe, tensor_breakdown
 from tlt_lightning.callbacks import SpotDrafterCallback
 
-__all__ = ["RankRecorder", "run", "summarise", "without_tlt"]
+__all__ = ["RankRecorder", "fit_config", "read_records", "run", "summarise", "without_tlt"]
 
 TLT_CALLBACKS = ("SpotDrafterCallback", "BanditCallback")
 
@@ -47,9 +48,14 @@ class RankRecorder(L.Callback):
     def __init__(self, directory: str) -> None:
         self.directory = Path(directory)
         self._start = (0.0, 0.0)
+        self.memory = MemoryProbe()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.add_rollout_listener(self.memory)
         self._write(trainer, {"event": "start"})
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.memory.close()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._start = (time.perf_counter(), time.process_time())
@@ -76,7 +82,10 @@ class RankRecorder(L.Callback):
             "reward": float(rewards.total.mean()),
             "accuracy": float((rewards.correctness >= 1).float().mean()),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "phase_peak_mb": self.memory.take(),
         }
+        if trainer.global_step == 1 or trainer.global_step % 4 == 0:  # a walk over every live tensor
+            record["tensors_mb"] = tensor_breakdown(pl_module, trainer, spot)
         self._write(trainer, record)
 
     def _write(self, trainer: L.Trainer, record: dict[str, Any]) -> None:
@@ -98,7 +107,7 @@ def without_tlt(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _fit(config: dict[str, Any], name: str, args: argparse.Namespace) -> tuple[Path, float]:
+def fit_config(config: dict[str, Any], name: str, args: argparse.Namespace) -> tuple[Path, float]:
     """Run one fit of ``config`` in a child process; its records' directory and wall seconds."""
     out = Path(args.out) / name
     records = out / "records"
@@ -106,9 +115,9 @@ def _fit(config: dict[str, Any], name: str, args: argparse.Namespace) -> tuple[P
         stale.unlink()
     config = copy.deepcopy(config)
     trainer = config.setdefault("trainer", {})
-    trainer.update(max_steps=args.steps, default_root_dir=str(out / "fit"))
+    trainer.update(max_steps=int(args.steps), default_root_dir=str(out / "fit"))
     if args.devices is not None:
-        trainer["devices"] = args.devices
+        trainer["devices"] = int(args.devices)
     recorder = {"class_path": "benchmarks.e2e_config.RankRecorder", "init_args": {"directory": str(records)}}
     trainer["callbacks"] = [*(trainer.get("callbacks") or []), recorder]
     if isinstance(trainer.get("logger"), dict):  # each run in its own experiment, beside the config's
@@ -228,11 +237,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     steps = {}
     for name in order:
-        records, wall = _fit(runs[name], name, args)
+        records, wall = fit_config(runs[name], name, args)
         starts, steps[name] = read_records(records)
         payload["runs"][name] = summarise(steps[name], args.skip_steps)
         payload["compile_s"][name] = {r: sum(s[r]["compile_s"] for s in steps[name]) for r in starts}
         payload["wall_s"][name] = wall
+    # BEG-MAB's view of each batch bucket at the end of the TLT run: plain vs its best speculative arm.
+    tables = sorted((Path(args.out) / "tlt" / "fit").rglob("bandit/best_arms.json"), key=os.path.getmtime)
+    payload["buckets"] = json.loads(tables[-1].read_text()).get("buckets") if tables else None
     base, tlt = payload["runs"]["baseline"], payload["runs"]["tlt"]
     payload["speedup"] = base["step_s"] / tlt["step_s"]
     payload["rollout_speedup"] = base["rollout_s"] / tlt["rollout_s"]

@@ -18,6 +18,7 @@ from benchmarks.options_training import (
     bench_activation_checkpointing,
     bench_e2e,
     bench_efficiency,
+    bench_memory,
     bench_spot,
 )
 
@@ -306,6 +307,7 @@ BENCHMARKS = (
         "benchmarks.strategies:run",
     ),
     ("e2e", "GRPO steps with TLT vs the identical run without it", bench_e2e, "benchmarks.e2e:run"),
+    ("memory", "a fit's memory by part and by phase", bench_memory, "benchmarks.memory:run"),
     (
         "spot",
         "spot drafter training: packing vs padding, preemption latency, 2-rank DDP overhead",

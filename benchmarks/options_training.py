@@ -12,6 +12,7 @@ __all__ = [
     "bench_activation_checkpointing",
     "bench_e2e",
     "bench_efficiency",
+    "bench_memory",
     "bench_spot",
 ]
 
@@ -95,6 +96,14 @@ def bench_e2e(p: ArgumentParser) -> None:
     g.add_argument("--devices", type=int, default=None, help="workers (default: the config's)")
     g.add_argument("--skip-steps", type=int, default=2, help="first steps left out of the medians")
     g.add_argument("--baseline-first", action="store_true", help="run the baseline first (default: TLT)")
+
+
+def bench_memory(p: ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="the fit config to run (TLT as written)")
+    p.add_argument("--steps", type=PositiveInt, default=3, help="training steps")
+    p.add_argument("--devices", type=int, default=None, help="workers (default: the config's)")
+    p.add_argument("--out", default="runs/bench/memory", help="working directory of the run")
+    p.add_argument("--json", default="runs/bench/memory.json")
 
 
 def bench_spot(p: ArgumentParser) -> None:

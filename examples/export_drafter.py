@@ -7,7 +7,7 @@
 
 The same as ``tlt-lightning export-drafter CHECKPOINT OUT [--model M] [--engine vllm|sglang]``; a fit's
 policy and its drafter together: ``tlt-lightning export-drafter --from-fit RUN_DIR OUT`` (docs/deployment.md).
-A checkpoint is what ``save_drafter`` writes (``model.safetensors`` + ``drafter_config.json``): the
+A checkpoint is what ``save_drafter`` writes (``model.safetensors`` + ``config.json``): the
 ``SpotDrafterCallback``'s ``drafter/checkpoints/step-*``, ``tlt-lightning drafter warmup``'s output, or an
 MLflow ``models:/`` URI through the command. The export is a directory (``config.json``,
 ``model.safetensors``, a model card) that vLLM loads as its speculator beside the target (printed at the end).

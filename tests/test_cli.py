@@ -73,6 +73,52 @@ def test_fit_rejects_a_bad_key_in_the_config_file(tmp_path, capsys):
     assert "max_stepz" in capsys.readouterr().err
 
 
+def test_fit_refuses_abbreviated_options_naming_the_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--config", TINY, "--trainer.max_ste=2", "--print_config"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "max_steps" not in captured.out  # no config printed: the command stopped
+    assert captured.err.splitlines() == [
+        "tlt-lightning fit: error: unrecognized arguments: --trainer.max_ste=2",
+        "  unknown option --trainer.max_ste: did you mean --trainer.max_steps?",
+        "  see: tlt-lightning fit --help",
+    ]
+
+
+def test_fit_help_is_concise_and_points_to_print_config(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--help"])
+    assert exit_info.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) < 120  # the module's and the Trainer's ~600 lines of options are left out
+    assert "--model CONFIG" in out and "--trainer CONFIG" in out and "--ckpt_path" in out
+    assert "--model.optim.lr LR" not in out and "--trainer.max_steps MAX_STEPS" not in out
+    assert "--print_config` prints them all" in " ".join(out.split())
+    options = re.split(r"\n  (?=-)", out.split("options:", 1)[1])
+    assert [o.split()[0] for o in options if o.count("default:") > 1] == []  # each default said once
+
+
+@pytest.mark.parametrize(
+    ("missing", "argv", "extra"),
+    [
+        # The task's prompts (no prompt_source) need reasoning-gym: refused before any model loads.
+        ("reasoning_gym", ["fit", "--config", TINY, "--model.prompt_source=null"], "tasks"),
+        ("torchtune", ["torchtune", "--config", str(ROOT / "configs" / "grpo_torchtune.yaml")], "torchtune"),
+    ],
+)
+def test_a_missing_extra_is_one_short_screen_naming_it(missing, argv, extra, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # nothing is written, and were it, it lands here
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` fails as if it were not installed
+    monkeypatch.delitem(sys.modules, "tlt_lightning.recipes.grpo_torchtune", raising=False)
+    assert cli.main(argv, short_errors=True) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tlt-lightning: error: MissingExtraError: ")
+    assert f"pip install 'tlt-lightning[{extra}]'" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 5
+    assert not list(tmp_path.iterdir())
+
+
 def test_print_config_resolves_the_config_and_overrides(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["fit", "--config", TINY, "--model.optim.lr=0.5", "--print_config"])
@@ -188,7 +234,8 @@ def test_tracking_logger_is_mlflow_on_a_sqlite_store(tmp_path):
 @needs_mlflow
 def test_fit_tiny_config_logs_metrics_and_params_to_mlflow(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # anything a relative default would write lands here
-    argv = ["--threads", "1", "fit", "--config", TINY, "--trainer.max_steps=2", *tmp_args(tmp_path)]
+    bandit = "--trainer.callbacks+=tlt_lightning.callbacks.BanditCallback"
+    argv = ["--threads", "1", "fit", "--config", TINY, "--trainer.max_steps=2", bandit, *tmp_args(tmp_path)]
     assert cli.main(argv) == 0
     client, runs = mlflow_runs(tmp_path, "tlt-lightning-tiny")
     (run,) = runs
@@ -213,6 +260,9 @@ def test_fit_tiny_config_logs_metrics_and_params_to_mlflow(tmp_path, monkeypatch
     )
     assert params["prompt_source/init_args/reward"] == "even"
     assert params["trainer/max_steps"] == "2" and params["threads"] == "None"
+    assert not [name for name in params if name.startswith("_")]  # no internals (LightningCLI's instantiator)
+    assert params["bandit/strategy"] == "BEGMABStrategy" and params["bandit/strategy/epsilon"] == "0.1"
+    assert params["bandit/strategy/arms"].startswith("1: off chain2")
     # The resolved config, as an MLflow artifact and beside the run's checkpoints.
     config = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
     assert yaml.safe_load(Path(config).read_text())["trainer"]["max_steps"] == 2
@@ -623,7 +673,7 @@ def test_a_command_line_error_is_one_line_without_third_party_warnings(tmp_path)
     )
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
-        f"export-drafter: {missing}/drafter_config.json not found: {missing} is not a drafter checkpoint"
+        f"export-drafter: {missing}/config.json not found: {missing} is not a drafter checkpoint"
     ]
 
 

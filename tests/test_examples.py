@@ -36,7 +36,7 @@ def test_spot_drafter_callback_on_a_grpo_module_then_export_its_checkpoint(tmp_p
 
     export = example("export_drafter.py")["main"]
     out = export([str(checkpoint), "--model", "tiny-llama", "--out", str(tmp_path / "e")])
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["EagleLlamaForCausalLM"]
     assert "speculative_config" in capsys.readouterr().out
 
 

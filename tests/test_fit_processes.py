@@ -275,7 +275,7 @@ def test_two_fits_at_once_on_one_root_dir_and_one_store(tmp_path):
         for path in drafters:
             assert {p.name for p in path.iterdir()} == {
                 "model.safetensors",
-                "drafter_config.json",
+                "config.json",
                 "optimizer.pt",
                 "meta.json",
             }

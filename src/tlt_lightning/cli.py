@@ -24,7 +24,8 @@ with a two-line error naming the closest valid option (exit status 2). On the co
 with a short message and exit status 1 instead of a long traceback; ``--traceback`` before the
 subcommand, or ``TLT_LIGHTNING_TRACEBACK=1`` in the environment, shows the whole traceback. ``fit`` is
 handed to :mod:`tlt_lightning.fit` (LightningCLI, also jsonargparse) before the parser sees it:
-``tlt-lightning fit --help`` lists its options, and ``fit`` also takes ``--threads`` after its name.
+``tlt-lightning fit --help`` lists its top-level options (``--print_config`` every setting), and ``fit``
+also takes ``--threads`` after its name.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from importlib import import_module
 from pathlib import Path
 
 from tlt_lightning.cli_options import BENCH_MOVED, GROUPS, build_parser
+from tlt_lightning.validation import MissingExtraError
 
 __all__ = ["TRACEBACK_ENV", "command_args", "main", "short_error"]
 
@@ -114,9 +116,10 @@ def main(argv: Sequence[str] | None = None, short_errors: bool | None = None) ->
 
     Args:
         argv: the arguments after the program name; ``None``: ``sys.argv[1:]``.
-        short_errors: a ``ValueError``/``TypeError`` prints :func:`short_error` to stderr and returns
-            1 instead of propagating (unless ``--traceback`` or the environment variable asks for
-            the traceback); ``None``: only on the command line (``argv is None``), so that Python
+        short_errors: a ``ValueError``/``TypeError``, or a missing extra
+            (:class:`~tlt_lightning.validation.MissingExtraError`), prints :func:`short_error` to stderr
+            and returns 1 instead of propagating (unless ``--traceback`` or the environment variable
+            asks for the traceback); ``None``: only on the command line (``argv is None``), so that Python
             callers get the exception itself.
     """
     if short_errors is None:
@@ -126,7 +129,7 @@ def main(argv: Sequence[str] | None = None, short_errors: bool | None = None) ->
         return _main(argv)
     try:
         return _main(argv)
-    except (ValueError, TypeError) as err:  # user input: the message says what and how to fix it
+    except (ValueError, TypeError, MissingExtraError) as err:  # the message says what and how to fix it
         print(short_error(err), file=sys.stderr)
         return 1
 

@@ -67,7 +67,7 @@ class Parser(ArgumentParser):
         # the command) the leading flags of the command line.
         argv = getattr(self, "_argv", [])
         leading = [a.split("=")[0] for a in itertools.takewhile(lambda a: a.startswith("-"), argv)]
-        for flag in re.findall(r"(--[\w-]+)", message) or leading:
+        for flag in re.findall(r"(--[\w-]+(?:\.[\w-]+)*)", message) or leading:
             if flag not in options and (close := difflib.get_close_matches(flag, options, n=1)):
                 lines.append(f"  unknown option {flag}: did you mean {close[0]}?")
                 break

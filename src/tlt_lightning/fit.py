@@ -42,11 +42,13 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from argparse import Action
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -56,10 +58,12 @@ from typing_extensions import override
 
 from tlt_lightning.callbacks.progress import GRPOProgressBar
 from tlt_lightning.callbacks.signals import CheckpointOnSignal
+from tlt_lightning.cli_options import Parser
 from tlt_lightning.drafter.mlflow_uri import DEFAULT_TRACKING_URI
 from tlt_lightning.models import training_precision
 from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, checkpoint_weights_only, read_checkpoint
 from tlt_lightning.rl.module import GRPOModule
+from tlt_lightning.rl.tasks import reasoning_gym
 from tlt_lightning.safe_load import refusing_pickled_objects
 from tlt_lightning.tracking.logger import default_artifact_location, is_tracking_logger, prepare_logger_store
 from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, canonical_tracking_uri, resumable_run_id
@@ -72,9 +76,17 @@ from tlt_lightning.tracking.run_directory import (
 )
 from tlt_lightning.validation import check
 
-__all__ = ["GRPOCLI", "SaveLastAtTrainEnd", "TrackingSaveConfig", "main"]
+__all__ = ["GRPOCLI", "ConciseHelpFormatter", "FitParser", "SaveLastAtTrainEnd", "TrackingSaveConfig", "main"]
 
 log = logging.getLogger(__name__)
+
+# Where `fit --help` sends a user for the options it leaves out.
+FIT_HELP_EPILOG = (
+    "Every setting of the config's model: and trainer: sections is an option too, --model.KEY=VALUE and "
+    "--trainer.KEY=VALUE (nested: --model.optim.lr=3e-5); `tlt-lightning fit --config CONFIG --print_config` "
+    "prints them all with their values. They are GRPOModule's and lightning's Trainer's arguments, "
+    "documented there."
+)
 
 
 class SaveLastAtTrainEnd(Callback):
@@ -190,6 +202,31 @@ def _tracking_logger_args(config: Any) -> Any:
     return None
 
 
+class ConciseHelpFormatter(DefaultHelpFormatter):
+    """``--help`` with the top-level options only: ``--model.*`` and ``--trainer.*`` (hundreds of lines,
+    the module's and the Trainer's signatures) are left to ``--print_config``."""
+
+    @staticmethod
+    def _top_level(actions: Iterable[Action]) -> list[Action]:
+        return [a for a in actions if "." not in a.dest]
+
+    def add_usage(self, usage: Any, actions: Iterable[Action], *args: Any, **kwargs: Any) -> None:
+        super().add_usage(usage, self._top_level(actions), *args, **kwargs)
+
+    def add_arguments(self, actions: Iterable[Action]) -> None:
+        super().add_arguments(self._top_level(actions))
+
+
+class FitParser(Parser, LightningArgumentParser):
+    """LightningCLI's parser under the command line's rules (:class:`~tlt_lightning.cli_options.Parser`):
+    options never abbreviated, errors of a few lines, and a concise ``--help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", ConciseHelpFormatter)
+        kwargs.setdefault("epilog", FIT_HELP_EPILOG)
+        super().__init__(*args, **kwargs)
+
+
 class GRPOCLI(LightningCLI):
     """``LightningCLI`` for :class:`~tlt_lightning.rl.GRPOModule`, with only the ``fit`` subcommand.
 
@@ -205,6 +242,7 @@ class GRPOCLI(LightningCLI):
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
         super().__init__(
             GRPOModule,
+            parser_class=FitParser,
             save_config_callback=TrackingSaveConfig,
             save_config_kwargs={"save_to_log_dir": False},
             # Every checkpoint names its MLflow run: `fit --ckpt_path` continues that run.
@@ -242,8 +280,8 @@ class GRPOCLI(LightningCLI):
             "--resume_overrides",
             type=Literal["refuse", "apply", "checkpoint"],
             default="refuse",
-            help="with --ckpt_path, module settings that differ from the checkpoint's: 'refuse' (default: "
-            "list them and stop), 'apply' them, or keep the 'checkpoint' values",
+            help="with --ckpt_path, module settings that differ from the checkpoint's: 'refuse' (list them "
+            "and stop), 'apply' them, or keep the 'checkpoint' values",
         )
         # Unless a config or flag says otherwise, train in the precision that pays on this machine:
         # bf16 autocast where bf16 products are native (AMX / AVX512-BF16 CPUs, GPUs), else fp32.
@@ -280,6 +318,8 @@ class GRPOCLI(LightningCLI):
         if threads is not None:
             check(threads >= 1, "threads", threads, "an int >= 1")
             torch.set_num_threads(threads)
+        if config.get("model") is not None and config.model.get("prompt_source") is None:
+            reasoning_gym()  # the task's prompts: a missing `tasks` extra is named before anything loads
         _default_mlflow_store(config)
         self._default_progress_bar(config.get("trainer") or {})
         logger = _tracking_logger_args(config)

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from tlt_lightning.models.hardware import cpu_bf16_instructions, cpu_info
+from tlt_lightning.validation import MissingExtraError
 
 __all__ = [
     "draw_or_skip",
@@ -81,7 +82,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as err:
-        raise ImportError(f"figures need matplotlib (the plots extra): {PLOTS_INSTALL}") from err
+        raise MissingExtraError(f"figures need matplotlib (the plots extra): {PLOTS_INSTALL}") from err
 
 
 def draw_or_skip(draw: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:

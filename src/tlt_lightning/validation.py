@@ -17,7 +17,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check", "is_int", "is_number", "positive_int"]
+__all__ = ["MissingExtraError", "check", "is_int", "is_number", "positive_int"]
+
+
+class MissingExtraError(ModuleNotFoundError):
+    """An optional dependency is not installed: the message names the extra and the command installing it.
+
+    On the command line it ends the command with that message alone (:func:`tlt_lightning.cli.main`).
+
+    Example:
+        >>> err = MissingExtraError("the tasks need the `tasks` extra: pip install 'tlt-lightning[tasks]'")
+        >>> isinstance(err, ImportError)  # what callers catching ImportError already catch
+        True
+    """
 
 
 def check(condition: bool, name: str, value: Any, allowed: str) -> None:

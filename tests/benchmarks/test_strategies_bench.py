@@ -47,7 +47,7 @@ def test_bench_strategies_runs_every_arm_and_the_bandit(tmp_path):
         "chain4",
         "chain6",
         "tree4x2/8",
-        "tree5x4/16",
+        "tree5x4/15",
         "BEG-MAB batch/1,2,5,21",
         "BEG-MAB request/1,2,3",
     }

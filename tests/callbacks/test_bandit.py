@@ -210,6 +210,6 @@ def test_mlflow_logger_gets_the_plots_and_the_drafter(tmp_path):
         "drafter/accept_length.png",
         "drafter/timeline/fit.png",
         "drafter/model/step-00000001/model.safetensors",
-        "drafter/model/step-00000001/drafter_config.json",
+        "drafter/model/step-00000001/config.json",
     } <= listed
     assert client.get_metric_history(run, "drafter/loss")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from tlt_lightning import cli
@@ -23,6 +24,8 @@ from tlt_lightning.drafter import (
     load_drafter,
     save_drafter,
 )
+from tlt_lightning.drafter.eagle_format import flat_eagle_config
+from tlt_lightning.drafter.export import VLLM_CPU_HEAD_SIZES
 from tlt_lightning.drafter.io import CONFIG_NAME
 from tlt_lightning.models import HFTarget, load_model
 
@@ -225,11 +228,16 @@ def test_config_json_is_what_vllm_and_sglang_read(tmp_path, target, kind, engine
         pytest.skip("refused: SGLang's EAGLE-3 has no q/k/v biases (test_sglang_refuses_...)")
     _, out = export(tmp_path, target, kind, DRAFT_VOCAB, engine=engine)
     raw = json.loads((out / "config.json").read_text())
-    config = AutoConfig.from_pretrained(out)  # how the engines parse it (transformers)
+    config = layer_config(out)  # the layer's Llama config, as the engines build it
     assert isinstance(config, LlamaConfig) and config.model_type == "llama"
-    eagle1 = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}[engine]
+    eagle1 = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}[engine]
     assert config.architectures == ["LlamaForCausalLMEagle3" if kind == "eagle3" else eagle1]
     assert raw["tlt_lightning"]["engine"] == engine
+    if engine == "vllm":  # vLLM's own forms, which transformers refuses by name (no random LlamaForCausalLM)
+        assert raw["model_type"] == ("speculators" if kind == "eagle3" else "eagle")
+        with pytest.raises(ValueError, match=raw["model_type"]):
+            AutoModelForCausalLM.from_pretrained(out)
+        raw = flat_eagle_config(raw)
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (1, H, INTER)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (HEADS, KV, HEAD_DIM)
     assert config.vocab_size == V and config.hidden_act == "silu" and not config.tie_word_embeddings
@@ -244,12 +252,21 @@ def test_config_json_is_what_vllm_and_sglang_read(tmp_path, target, kind, engine
         assert config.draft_vocab_size == DRAFT_VOCAB and config.norm_before_residual is False
         # vLLM taps the stream entering layer i, SGLang the output of layer i: (1, 2, 3) vs (0, 1, 2).
         assert config.eagle_aux_hidden_state_layer_ids == [1, 2, 3]
-        assert config.eagle_config == {
-            "use_aux_hidden_state": True,
-            "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
-        }
+        if engine == "sglang":
+            assert config.eagle_config == {
+                "use_aux_hidden_state": True,
+                "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+            }
     else:
         assert "draft_vocab_size" not in raw and "eagle_config" not in raw
+
+
+def layer_config(out) -> LlamaConfig:
+    """The Llama config of an export's layer: SGLang's flat config.json, or vLLM's nested forms unfolded."""
+    raw = json.loads((out / "config.json").read_text())
+    if "model_type" in raw and raw["model_type"] == "llama":
+        return AutoConfig.from_pretrained(out)
+    return LlamaConfig(**flat_eagle_config(raw))
 
 
 def engine_logits(out, target, tokens, features, positions) -> torch.Tensor:
@@ -258,7 +275,7 @@ def engine_logits(out, target, tokens, features, positions) -> torch.Tensor:
     input_layernorm; EAGLE-3 over cat(input_layernorm(embed), hidden_norm(g)) with residual g), then the
     target's LM head (EAGLE-1) or norm + lm_head scattered through d2t (EAGLE-3)."""
     w = load_file(out / "model.safetensors")
-    config = AutoConfig.from_pretrained(out)
+    config = layer_config(out)
     eagle3 = config.architectures == ["LlamaForCausalLMEagle3"]
     p = "midlayer." if eagle3 else "layers.0."
     n, q = tokens.shape
@@ -423,9 +440,7 @@ def test_import_refuses_what_it_cannot_load_exactly(tmp_path, llama, qwen2):
     save_file(weights, out / "model.safetensors")
     with pytest.raises(ValueError, match=r"does not fit the drafter: missing \['fc.weight'\]"):
         import_drafter(out, qwen2)
-    config = json.loads((out / "config.json").read_text())
-    config["architectures"] = ["MedusaModel"]
-    (out / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"], "num_hidden_layers": 1}))
     with pytest.raises(ValueError, match=r"architectures \['MedusaModel'\] is not an EAGLE drafter"):
         import_drafter(out, qwen2)
     with pytest.raises(ValueError, match="config.json not found"):
@@ -451,7 +466,7 @@ def test_cli_export_drafter_writes_a_loadable_export(tmp_path, llama, capsys):
         cli.main(["export-drafter", str(ckpt), str(out), "--model", "tiny-llama", "--dtype", "bfloat16"]) == 0
     )
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    with pytest.raises(SystemExit, match=r"export-drafter: .*drafter_config.json not found"):
+    with pytest.raises(SystemExit, match=r"export-drafter: .*config.json not found"):
         cli.main(["export-drafter", str(tmp_path / "missing"), str(tmp_path / "x"), "--model", "tiny-llama"])
     with pytest.raises(SystemExit, match="drafter config does not match the target: model_type is 'llama'"):
         cli.main(["export-drafter", str(ckpt), str(tmp_path / "y"), "--model", "tiny-qwen2"])
@@ -482,3 +497,16 @@ def test_cli_export_drafter_infers_the_target_and_checks_the_kind(tmp_path, llam
         r"128 tokens, and no registry model matches; pass --model NAME_OR_HF_DIR",
     ):
         cli.main(["export-drafter", str(ckpt), str(tmp_path / "z")])
+
+
+def test_a_head_size_vllm_cpu_cannot_run_is_exported_with_a_warning(tmp_path, llama):
+    d = trained_drafter(llama, "eagle1", None)
+    assert d.config.head_dim not in VLLM_CPU_HEAD_SIZES  # tiny models: vLLM-CPU cannot serve them
+    with pytest.warns(UserWarning, match=rf"head_dim {d.config.head_dim} .* vLLM on a CPU cannot serve"):
+        out = export_drafter_model(d, tmp_path / "vllm")
+    assert (out / "config.json").is_file()  # still written: GPU vLLM serves it
+    fits = Drafter(dataclasses.replace(d.config, head_dim=64), llama)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export_drafter_model(fits, tmp_path / "fits")
+        export_drafter_model(d, tmp_path / "sglang", engine="sglang")

@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tlt_lightning.drafter import load_drafter, read_drafter_config, save_drafter
+from tlt_lightning.drafter.hub import MODEL_TYPE
 from tlt_lightning.drafter.io import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME
 
 from .conftest import make_drafter
@@ -31,10 +32,11 @@ def test_round_trip_gives_identical_logits(tmp_path, target, kind, vocab):
         for p in d.parameters():
             p.add_(torch.randn_like(p) * 0.01)  # not the init: the weights really come from the file
     path = save_drafter(d, tmp_path / "drafter")
-    assert sorted(p.name for p in path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    assert sorted(p.name for p in path.iterdir()) == ["README.md", CONFIG_NAME, WEIGHTS_NAME]
     assert set(load_file(path / WEIGHTS_NAME)) == set(d.state_dict())
     meta = json.loads((path / CONFIG_NAME).read_text())
     assert meta["format_version"] == FORMAT_VERSION and meta["config"]["kind"] == kind
+    assert meta["model_type"] == MODEL_TYPE
     torch.manual_seed(123)  # a different init: loading must overwrite everything
     loaded = load_drafter(path, target)
     assert loaded.config == d.config

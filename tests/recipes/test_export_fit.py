@@ -106,7 +106,9 @@ def test_cli_exports_the_policy_and_its_drafter_as_vllm_loads_them(fit_run, tmp_
     for name, value in drafter.state_dict().items():
         torch.testing.assert_close(value, spot["drafter"][name], rtol=0, atol=0, msg=name)
     # What vLLM reads: EAGLE-1 under vLLM's architecture name, the method our backend derives from it.
-    assert json.loads((out / "drafter" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    drafter_config = json.loads((out / "drafter" / "config.json").read_text())
+    assert drafter_config["architectures"] == ["EagleLlamaForCausalLM"]  # vLLM's eagle config, not a Llama
+    assert drafter_config["model_type"] == "eagle"
     assert (
         resolve_method(VLLMBackendConfig(model=str(out / "target"), drafter=str(out / "drafter"))) == "eagle"
     )
@@ -135,7 +137,7 @@ def test_a_checkpoint_file_exports_the_same_and_a_re_export_replaces(fit_run, tm
     assert a.checkpoint == b.checkpoint and a.step == b.step == 2
     policy = AutoModelForCausalLM.from_pretrained(b.policy_dir, local_files_only=True)
     assert policy.dtype == torch.bfloat16
-    assert json.loads((b.drafter_dir / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert json.loads((b.drafter_dir / "config.json").read_text())["model"]["torch_dtype"] == "bfloat16"
     again = export_fit(fit_run, tmp_path / "b")  # an earlier export of ours is replaced
     assert (
         AutoModelForCausalLM.from_pretrained(again.policy_dir, local_files_only=True).dtype == torch.float32

@@ -143,6 +143,8 @@ def test_two_step_fit_trains_and_logs(tmp_path):
     assert float(trainer.logged_metrics["train/ratio_mean"]) == 1.0
     assert float(trainer.logged_metrics["train/clip_fraction"]) == 0.0
     assert float(trainer.logged_metrics["train/logprob_drift"]) < 1e-4
+    # No drafter, no speculative step: the accept length is NaN (a gap in the history), never 0.
+    assert math.isnan(float(trainer.logged_metrics["rollout/accept_length"]))
     (csv,) = tmp_path.rglob("metrics.csv")
     assert "reward/mean" in csv.read_text().splitlines()[0]
 

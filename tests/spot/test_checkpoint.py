@@ -42,7 +42,7 @@ def test_save_load_roundtrip_with_optimizer(llama, tmp_path):
     path = ckpt.latest()
     assert path == tmp_path / "ckpt" / "step-00000007" and ckpt.saved == 1
     assert sorted(p.name for p in path.iterdir()) == [
-        "drafter_config.json",
+        "config.json",
         "meta.json",
         "model.safetensors",
         "optimizer.pt",

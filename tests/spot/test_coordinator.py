@@ -19,6 +19,7 @@ from tlt_lightning.spot import (
     idle_fraction_recovered,
     plot_timeline,
 )
+from tlt_lightning.spot.coordinator import cpu_group
 
 BUSY, IDLE, TRAINING = WorkerState.BUSY, WorkerState.IDLE, WorkerState.TRAINING
 STEP_S = 0.03
@@ -234,3 +235,31 @@ def _local_preempt_worker(rank: int, world: int, init: str, out: str) -> None:
 
 def test_local_preempt_while_others_busy(tmp_path):
     mp.spawn(_local_preempt_worker, args=(2, f"file://{tmp_path}/init", str(tmp_path)), nprocs=2, join=True)
+
+
+def _cuda_only_world_worker(rank: int, world: int, init: str, out: str) -> None:
+    """A world whose backend says it carries CUDA tensors only (as NCCL does): signals go over gloo."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        world_config = dist.get_backend_config
+        dist.get_backend_config = lambda group=None: "cuda:nccl" if group is None else world_config(group)
+        try:
+            coord = WorkerCoordinator(CoordinatorConfig(min_idle_s=0.0))
+        finally:
+            dist.get_backend_config = world_config
+        assert coord.group is not None and dist.get_backend(coord.group) == "gloo"
+        assert dist.get_process_group_ranks(coord.group) == [0, 1]
+        assert cpu_group(coord.group) is coord.group  # a gloo group is kept as it is
+        coord.rollout_started()
+        coord.share_done()
+        coord.wait_rollout_end()
+        assert coord.rollout_over() and float(coord._signal.item()) >= coord._done_at
+        Path(out, f"rank{rank}.done").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_world_without_cpu_collectives_signals_over_a_gloo_group(tmp_path):
+    mp.spawn(_cuda_only_world_worker, args=(2, f"file://{tmp_path}/init", str(tmp_path)), nprocs=2, join=True)
+    assert sorted(p.name for p in tmp_path.glob("*.done")) == ["rank0.done", "rank1.done"]

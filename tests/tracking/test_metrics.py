@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -35,7 +37,9 @@ def test_metrics_against_hand_computed_values():
     )
     assert float(tps.compute()) == pytest.approx(30 / 6.0)
     mal.reset()
-    assert float(mal.compute()) == 0.0
+    assert math.isnan(float(mal.compute()))  # no speculative step: undefined, never a 0 that skews means
+    mal.update(stats([], [None], [4], [0]))  # a rollout of plain steps only
+    assert math.isnan(float(mal.compute()))
 
 
 def test_metrics_follow_a_real_speculative_rollout(tiny_llama):

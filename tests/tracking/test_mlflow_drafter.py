@@ -118,7 +118,7 @@ def test_the_run_holds_each_steps_drafter(fitted):
     for step in (1, 2, 3):
         files = {Path(a.path).name for a in client.list_artifacts(run_id, f"drafter/model/step-{step:08d}")}
         # The checkpoint's own files (no optimizer state) beside what makes it an MLflow model.
-        checkpoint = {"model.safetensors", "drafter_config.json", "meta.json"}
+        checkpoint = {"model.safetensors", "config.json", "meta.json"}
         mlflow_model = {"MLmodel", "requirements.txt", "python_env.yaml", "conda.yaml"}
         assert checkpoint | mlflow_model <= files and "optimizer.pt" not in files
 
@@ -270,9 +270,7 @@ def test_log_drafter_version_when_another_fit_creates_the_registered_model_first
 
 def test_log_drafter_version_bad_input(standalone, tmp_path):
     client, run_id, directory, _ = standalone
-    with pytest.raises(
-        ValueError, match=r"is not a drafter checkpoint: model.safetensors, drafter_config.json not found"
-    ):
+    with pytest.raises(ValueError, match=r"is not a drafter checkpoint: model.safetensors not found"):
         log_drafter_version(client, run_id, tmp_path, "my-drafter", rl_step=1)
     with pytest.raises(ValueError, match=r"rl_step must be an int >= 0, got -1"):
         log_drafter_version(client, run_id, directory, "my-drafter", rl_step=-1)

@@ -18,6 +18,7 @@ checkpoint). In a config: ``init_args: {reproducible: true}``.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections import Counter
 from pathlib import Path
@@ -39,7 +40,7 @@ _NONE = object()  # "no observation yet" (an arm can be None: SD off)
 
 
 def _metric_key(arm: Any) -> str:
-    return arm_key(arm).replace("/", "_")  # "tree5x4/16" would read as a nested metric path
+    return arm_key(arm).replace("/", "_")  # "tree5x4/15" would read as a nested metric path
 
 
 def bucket_table(values: dict[str, dict[str, float | None]]) -> dict[str, dict[str, Any]]:
@@ -139,6 +140,35 @@ class BanditCallback(L.Callback):
             raise TypeError(f"BanditCallback needs a GRPOModule, got {type(pl_module).__name__}")
         pl_module.draft_strategy = self.strategy
         self.run_dir = run_dir(trainer)  # on every rank: rank 0's directory, broadcast
+        for logger in trainer.loggers:  # run parameters (MLflow params, CSV hparams.yaml); rank 0 only
+            logger.log_hyperparams(self.params())
+
+    def params(self) -> dict[str, Any]:
+        """The settings of this callback and of its strategy, as run parameters ``bandit/<name>``.
+
+        ``bandit/strategy`` is the strategy's class, ``bandit/strategy/<name>`` its constructor
+        arguments as the strategy holds them (``arms``: each bucket's, ``"1: off chain2 ...; 2-4: ..."``).
+        Logged at setup through every logger's ``log_hyperparams``.
+
+        Example:
+            >>> BanditCallback().params()["bandit/strategy"]
+            'BEGMABStrategy'
+        """
+        strategy = self.strategy
+        names = inspect.signature(type(strategy)).parameters
+        settings = {
+            "strategy": type(strategy).__name__,
+            **{f"strategy/{k}": v for k, v in vars(strategy).items() if k in names},
+            # One string: bucket labels such as "21+" are no valid MLflow parameter names.
+            "strategy/arms": "; ".join(
+                f"{label}: {' '.join(map(arm_key, arms))}"
+                for label, arms in zip(strategy.bucket_labels, strategy.arms)
+            ),
+            "heatmap_bins": self.heatmap_bins,
+            "log_arm_counts": self.log_arm_counts,
+            "reproducible": self.reproducible,
+        }
+        return {f"bandit/{name}": value for name, value in settings.items()}
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

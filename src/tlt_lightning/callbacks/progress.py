@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -39,8 +40,8 @@ class GRPOProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, str]:
         metrics = trainer.callback_metrics
         shown = {label: fmt.format(float(metrics[key])) for label, key, fmt in self.SHOWN if key in metrics}
-        if "accept" in shown and float(metrics["rollout/accept_length"]) == 0:
-            shown["accept"] = "off"  # the metric is 0 when no speculative step ran (no drafter)
+        if "accept" in shown and math.isnan(float(metrics["rollout/accept_length"])):
+            shown["accept"] = "off"  # the metric is NaN when no speculative step ran (no drafter)
         return shown
 
     def on_train_epoch_start(self, trainer: Trainer, *args: Any) -> None:

@@ -94,7 +94,8 @@ class SpotDrafterCallback(L.Callback):
             :func:`~tlt_lightning.tracking.drafter_model_name` of the module's ``model``.
 
     Logged after every RL step (identical on all ranks): :func:`~tlt_lightning.spot.step_metrics`
-    and ``drafter/accept_length`` (mean tokens per speculative step of this rollout). Run
+    and ``drafter/accept_length`` (mean tokens per speculative step of this rollout, ``NaN`` when it
+    did not speculate). Run
     parameters at fit start: :meth:`params`. Files (rank 0, under
     :func:`~tlt_lightning.tracking.run_dir`, also MLflow artifacts): ``drafter/checkpoints/step-XXXXXXXX/``,
     ``drafter/timeline/*.png``, ``drafter/summary.json``, ``drafter/accept_length.png``.

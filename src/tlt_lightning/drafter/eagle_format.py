@@ -5,9 +5,10 @@ layer plus the EAGLE keys) and ``model.safetensors``. What the engines expect, r
 loaders (vLLM ``model_executor/models/llama_eagle.py``, ``llama_eagle3.py``; SGLang
 ``models/llama_eagle.py``, ``llama_eagle3.py``):
 
-* **EAGLE-1** (vLLM: ``architectures: ["LlamaForCausalLM"]``, which it maps to
-  ``EagleLlamaForCausalLM``; SGLang: ``["LlamaForCausalLMEagle"]``, and its ``fc`` has a bias, so
-  an SGLang export carries an explicit zero ``fc.bias``): ``fc.weight`` ``[H, 2H]`` over
+* **EAGLE-1** (vLLM: its own ``EAGLEConfig``, ``model_type: "eagle"`` with the layer's Llama config
+  under ``model``, which it loads as ``EagleLlamaForCausalLM``; SGLang: a flat Llama config with
+  ``architectures: ["LlamaForCausalLMEagle"]``, and its ``fc`` has a bias, so an SGLang export
+  carries an explicit zero ``fc.bias``): ``fc.weight`` ``[H, 2H]`` over
   ``cat(embed, feature)``, then one Llama layer without ``input_layernorm`` (``layers.0.*``); its
   output goes through the *target's* LM head unnormalised. No ``lm_head``, no ``d2t``: the engines
   draft over the full vocabulary (a reduced draft vocabulary travels in a side file, see
@@ -17,6 +18,12 @@ loaders (vLLM ``model_executor/models/llama_eagle.py``, ``llama_eagle3.py``; SGL
   hidden_norm(g))`` (``2H``) with residual ``g`` (``norm_before_residual: false``); ``norm.weight``
   then ``lm_head.weight`` ``[V_draft, H]``; ``d2t`` ``[V_draft]`` int64 offsets (target id = draft
   id + ``d2t``) and ``t2d`` ``[V]`` bool when ``draft_vocab_size < vocab_size``.
+* **EAGLE-3 for vLLM** is written in the format of vLLM's ``speculators`` library
+  (``speculators_model_type: "eagle3"``, the layer's Llama config under ``transformer_layer_config``,
+  ``speculators_config`` naming the verifier), so ``vllm serve DIR`` / ``LLM(model=DIR)`` starts the
+  verifier with this drafter; vLLM's ``speculators`` reader knows no EAGLE-1, hence its own format.
+* Neither vLLM form has ``model_type: "llama"``: transformers refuses them by name instead of building
+  a random full ``LlamaForCausalLM`` around one layer (an SGLang export must stay a Llama config).
 * Embeddings are the target's (``embed_tokens`` is optional and not written).
 * Auxiliary layers: vLLM reads top-level ``eagle_aux_hidden_state_layer_ids`` and captures the
   residual stream *entering* layer ``i`` (our feature index ``i``); SGLang reads
@@ -36,6 +43,7 @@ import torch
 
 from tlt_lightning.drafter.config import DrafterConfig
 from tlt_lightning.models.target import TargetModel
+from tlt_lightning.validation import positive_int
 
 __all__ = [
     "EAGLE1_ARCHITECTURES",
@@ -47,15 +55,19 @@ __all__ = [
     "check_exportable",
     "config_from_eagle",
     "eagle_config",
+    "flat_eagle_config",
 ]
 
 # Target architectures whose layer a Llama EAGLE layer reproduces (same RMSNorm, SiLU MLP, RoPE).
 EXPORT_MODEL_TYPES = ("llama", "qwen2")
 # What config.json may name (first: what we write). vLLM's EAGLEConfig prefixes Eagle/Eagle3 itself.
-EAGLE1_ARCHITECTURES = ("LlamaForCausalLM", "EagleLlamaForCausalLM", "LlamaForCausalLMEagle")
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-# Serving engine -> the EAGLE-1 architecture it loads (EAGLE-3's is the same for both).
-ENGINES = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
+EAGLE1_ARCHITECTURES = ("EagleLlamaForCausalLM", "LlamaForCausalLM", "LlamaForCausalLMEagle")
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
+TARGET_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # the verifier's class
+# Serving engine -> the EAGLE-1 architecture it loads (EAGLE-3's: LlamaForCausalLMEagle3, or speculators').
+ENGINES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config schema the vLLM EAGLE-3 export follows
+DEFAULT_SPECULATIVE_TOKENS = 3  # what `LLM(model=DIR)` drafts per step unless speculative_config says
 # Our own record inside config.json (engines ignore unknown keys): the exact DrafterConfig.
 TLT_KEY = "tlt_lightning"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -115,8 +127,23 @@ def _rope_keys(rope: dict[str, Any]) -> dict[str, Any]:
     return {"rope_theta": rope["rope_theta"], "rope_scaling": legacy, "rope_parameters": dict(rope)}
 
 
-def eagle_config(config: DrafterConfig, dtype: torch.dtype, engine: str = "vllm") -> dict[str, Any]:
+def eagle_config(
+    config: DrafterConfig,
+    dtype: torch.dtype,
+    engine: str = "vllm",
+    verifier: str | None = None,
+    num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
+) -> dict[str, Any]:
     """The ``config.json`` of an ``engine`` export of a drafter shaped by ``config`` stored in ``dtype``.
+
+    Args:
+        config: the drafter's config.
+        dtype: the weights' dtype.
+        engine: ``"vllm"`` or ``"sglang"``.
+        verifier: vLLM EAGLE-3 only: the target's Hub id or directory, which ``vllm serve DIR`` loads
+            as the verifier (``speculators_config.verifier.name_or_path``); ``None``: none recorded
+            (the drafter then serves only with an explicit ``speculative_config``).
+        num_speculative_tokens: vLLM EAGLE-3 only: draft tokens per step by default.
 
     Raises:
         ValueError: see :func:`check_exportable`; ``dtype`` is not float32/bfloat16/float16.
@@ -145,6 +172,17 @@ def eagle_config(config: DrafterConfig, dtype: torch.dtype, engine: str = "vllm"
         "tie_word_embeddings": False,
         "torch_dtype": DTYPE_NAMES[dtype],
     }
+    record = {
+        "format_version": 1,
+        "engine": engine,
+        "target_model_type": c.model_type,
+        "drafter_config": c.to_dict(),
+    }
+    if engine == "vllm" and c.kind == "eagle1":  # vLLM's EAGLEConfig: the layer's Llama config under "model"
+        layer = {**out, "architectures": ["LlamaForCausalLM"]}
+        return {"model_type": "eagle", "architectures": out["architectures"], "model": layer, TLT_KEY: record}
+    if engine == "vllm":
+        return _speculators_config(out, c, verifier, num_speculative_tokens, record)
     if c.kind == "eagle3":
         out["draft_vocab_size"] = c.draft_vocab
         out["norm_before_residual"] = False
@@ -153,13 +191,61 @@ def eagle_config(config: DrafterConfig, dtype: torch.dtype, engine: str = "vllm"
             "use_aux_hidden_state": True,
             "eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.feature_layers],
         }
-    out[TLT_KEY] = {
-        "format_version": 1,
-        "engine": engine,
-        "target_model_type": c.model_type,
-        "drafter_config": c.to_dict(),
-    }
+    out[TLT_KEY] = record
     return out
+
+
+def _speculators_config(
+    layer: dict[str, Any],
+    c: DrafterConfig,
+    verifier: str | None,
+    num_speculative_tokens: int,
+    record: dict[str, Any],
+) -> dict[str, Any]:
+    """An EAGLE-3 ``config.json`` in the ``speculators`` format (``Eagle3SpeculatorConfig``'s schema)."""
+    positive_int("num_speculative_tokens", num_speculative_tokens)
+    return {
+        "model_type": "speculators",  # vLLM's own config class; transformers knows no such model
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": num_speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": [TARGET_ARCHITECTURES[c.model_type]]},
+        },
+        "transformer_layer_config": {k: v for k, v in layer.items() if k != "architectures"},
+        "draft_vocab_size": c.draft_vocab,
+        "norm_before_residual": False,
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(c.feature_layers),  # the residual stream entering them
+        "torch_dtype": layer["torch_dtype"],
+        TLT_KEY: record,
+    }
+
+
+def flat_eagle_config(data: dict[str, Any]) -> dict[str, Any]:
+    """An export's ``config.json`` as one flat Llama-style dict with EAGLE keys (the SGLang / legacy form):
+    vLLM's nested ``eagle`` and ``speculators`` forms are unfolded, the others returned as they are."""
+    if data.get("speculators_model_type") == "eagle3":
+        layer = data.get("transformer_layer_config") or {}
+        keys = ("draft_vocab_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids", TLT_KEY)
+        return {
+            **layer,
+            **{k: data[k] for k in keys if k in data},
+            "architectures": [EAGLE3_ARCHITECTURES[0]],
+        }
+    if data.get("model_type") == "eagle" and isinstance(data.get("model"), dict):
+        return {**data["model"], "architectures": [ENGINES["vllm"]], TLT_KEY: data.get(TLT_KEY)}
+    return data
 
 
 def _field(data: dict[str, Any], name: str) -> Any:
@@ -186,6 +272,7 @@ def config_from_eagle(
         ValueError: unknown architecture, a missing key, more than one layer, a target of another
             architecture than the record says, or a config :class:`DrafterConfig` rejects.
     """
+    data = flat_eagle_config(data)
     archs = list(_field(data, "architectures") or [])
     if archs and archs[0] in EAGLE3_ARCHITECTURES:
         kind = "eagle3"

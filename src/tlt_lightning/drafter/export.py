@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,10 +37,10 @@ from tlt_lightning.drafter.eagle_format import (
     config_from_eagle,
     eagle_config,
 )
-from tlt_lightning.drafter.io import CONFIG_NAME as CHECKPOINT_CONFIG
+from tlt_lightning.drafter.hub import config_path
 from tlt_lightning.drafter.io import check_draft_vocab, load_drafter, replace_directory
 from tlt_lightning.drafter.model import Drafter
-from tlt_lightning.drafter.model_card import model_card
+from tlt_lightning.drafter.model_card import ModelCardInfo, model_card
 from tlt_lightning.models.target import TargetModel
 from tlt_lightning.validation import check
 
@@ -50,11 +51,17 @@ __all__ = [
     "EXPORT_VOCAB",
     "EXPORT_WEIGHTS",
     "HOT_TOKENS",
+    "VLLM_CPU_HEAD_SIZES",
     "eagle_state_dict",
     "export_drafter",
     "export_drafter_model",
     "import_drafter",
 ]
+
+# Head sizes vLLM-CPU's attention runs (vllm/v1/attention/backends/cpu_attn.py,
+# CPUAttentionBackend.get_supported_head_sizes). GPU vLLM's backends take more (FlashAttention: multiples
+# of 8 up to 256), so an export with another head size is still written, with a warning.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 EXPORT_CONFIG = "config.json"
 EXPORT_WEIGHTS = "model.safetensors"
@@ -147,7 +154,12 @@ def _read_json(path: Path, missing: dict | None = None) -> dict:
 
 
 def export_drafter_model(
-    drafter: Drafter, out_dir: str | os.PathLike, dtype: torch.dtype | str | None = None, engine: str = "vllm"
+    drafter: Drafter,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | str | None = None,
+    engine: str = "vllm",
+    verifier: str | None = None,
+    card: ModelCardInfo | None = None,
 ) -> Path:
     """Write ``drafter`` as a deployable EAGLE / EAGLE-3 directory for ``engine`` (atomically).
 
@@ -158,6 +170,9 @@ def export_drafter_model(
         dtype: weight dtype, ``torch.dtype`` or ``"float32"``/``"bfloat16"``/``"float16"``
             (default: the drafter's).
         engine: ``"vllm"`` (default) or ``"sglang"``: the engine that loads the directory as it is.
+        verifier: the target's Hub id or directory: an EAGLE-3 vLLM export records it in its
+            ``speculators_config``, so ``vllm serve OUT_DIR`` starts it; the model card's ``base_model``.
+        card: what the model card says beyond the weights (license, tasks, measured acceptance).
 
     Returns:
         ``out_dir``.
@@ -166,13 +181,25 @@ def export_drafter_model(
         ValueError: the target architecture has no EAGLE drafter in vLLM / SGLang, or another
             reason of :func:`~tlt_lightning.drafter.eagle_format.check_exportable`.
 
+    Warns:
+        UserWarning: ``engine="vllm"`` and a ``head_dim`` vLLM-CPU cannot run
+            (:data:`VLLM_CPU_HEAD_SIZES`; tiny test models have 16): the export serves on GPU vLLM.
+
     Example:
         >>> export_drafter_model(drafter, "runs/eagle", dtype="bfloat16")  # doctest: +SKIP
     """
     c = drafter.config
     dtype = _dtype(dtype, drafter.dtype)
-    config = eagle_config(c, dtype, engine)
+    card = card or ModelCardInfo()
+    config = eagle_config(c, dtype, engine, verifier=verifier)
     tensors = eagle_state_dict(drafter, dtype, engine)
+    if engine == "vllm" and c.head_dim not in VLLM_CPU_HEAD_SIZES:
+        warnings.warn(
+            f"head_dim {c.head_dim} (the target's) is not among vLLM-CPU's head sizes {VLLM_CPU_HEAD_SIZES}: "
+            "vLLM on a CPU cannot serve this target and drafter; GPU vLLM can",
+            UserWarning,
+            stacklevel=2,
+        )
     side: dict[str, torch.Tensor] = {}
     if c.kind == "eagle1" and c.reduced_vocab:
         side = {k: tensors.pop(k) for k in ("d2t", "t2d")}
@@ -185,7 +212,7 @@ def export_drafter_model(
             save_file(side, tmp / EXPORT_SIDE_DIR / EXPORT_VOCAB, metadata=meta)
             torch.save(drafter.draft_ids.cpu().clone(), tmp / EXPORT_SIDE_DIR / HOT_TOKENS)
         (tmp / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "README.md").write_text(model_card(config, tensors, side))
+        (tmp / "README.md").write_text(model_card(config, tensors, side, card, verifier))
         for path in tmp.rglob("*"):  # safetensors writes 0600; a server may run as another user
             path.chmod(0o755 if path.is_dir() else 0o644)
 
@@ -198,16 +225,21 @@ def export_drafter(
     target: TargetModel,
     dtype: torch.dtype | str | None = None,
     engine: str = "vllm",
+    verifier: str | None = None,
 ) -> Path:
     """Export a :func:`~tlt_lightning.drafter.save_drafter` checkpoint for vLLM / SGLang.
 
     Args:
-        drafter_dir: the drafter checkpoint (``model.safetensors`` + ``drafter_config.json``).
+        drafter_dir: the drafter checkpoint (``model.safetensors`` + ``config.json``).
         out_dir: the export directory (see :func:`export_drafter_model`).
         target: the target the drafter drafts for (its architecture is checked, its LM head rows
             become the EAGLE-3 ``lm_head``).
         dtype: weight dtype (default: the target's).
         engine: ``"vllm"`` or ``"sglang"`` (see :func:`export_drafter_model`).
+        verifier: the target's Hub id or directory (see :func:`export_drafter_model`).
+
+    The model card takes the task and held-out acceptance from the checkpoint's ``warmup.json``
+    (``drafter warmup``), when it has one.
 
     Raises:
         ValueError: the checkpoint's target architecture has no EAGLE drafter in vLLM / SGLang
@@ -219,10 +251,13 @@ def export_drafter(
         >>> target = HFTarget(load_model("smollm2-135m").model)  # doctest: +SKIP
         >>> export_drafter("runs/drafter/warmup", "runs/drafter/eagle", target)  # doctest: +SKIP
     """
-    raw = _read_json(Path(drafter_dir) / CHECKPOINT_CONFIG).get("config")
+    path = config_path(Path(drafter_dir))
+    raw = _read_json(path).get("config") if path is not None else None
     if isinstance(raw, dict) and "model_type" in raw:
         check_model_type(raw["model_type"])  # before DrafterConfig, whose own message is less specific
-    return export_drafter_model(load_drafter(drafter_dir, target), out_dir, dtype=dtype, engine=engine)
+    card = ModelCardInfo.from_warmup(Path(drafter_dir) / "warmup.json")
+    drafter = load_drafter(drafter_dir, target)
+    return export_drafter_model(drafter, out_dir, dtype=dtype, engine=engine, verifier=verifier, card=card)
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 ``runs:/<run id>/<path>``, resolved to a local directory with MLflow's own artifact utilities.
 
 Every registered drafter version is an MLflow model whose directory *is* a drafter checkpoint
-(``model.safetensors`` + ``drafter_config.json``, beside its ``MLmodel``), so a downloaded URI loads
+(``model.safetensors`` + ``config.json``, beside its ``MLmodel``), so a downloaded URI loads
 with :func:`~tlt_lightning.drafter.load_drafter` and exports with
 :func:`~tlt_lightning.drafter.export_drafter` like any checkpoint directory.
 
@@ -22,6 +22,8 @@ import hashlib
 import os
 from pathlib import Path
 from typing import Any
+
+from tlt_lightning.validation import MissingExtraError
 
 __all__ = [
     "DEFAULT_TRACKING_URI",
@@ -48,7 +50,7 @@ def import_mlflow() -> Any:
     try:
         import mlflow
     except ImportError as err:
-        raise ModuleNotFoundError(
+        raise MissingExtraError(
             f"MLflow is not installed: the drafter registry needs the mlflow extra ({_INSTALL})"
         ) from err
     return mlflow

@@ -22,6 +22,7 @@ from torch import nn
 
 from tlt_lightning.drafter.compiled import CompiledDrafterStep
 from tlt_lightning.drafter.config import DrafterConfig
+from tlt_lightning.drafter.hub import DrafterHubMixin
 from tlt_lightning.drafter.layers import ARCH, AttentionCache, Eagle1Layer, Eagle3Layer, hf_config
 from tlt_lightning.drafter.target_refs import target_refs
 from tlt_lightning.models.compiled import CompileConfig
@@ -32,7 +33,7 @@ from tlt_lightning.models.target import TargetModel
 __all__ = ["AttentionCache", "Drafter"]
 
 
-class Drafter(nn.Module):
+class Drafter(nn.Module, DrafterHubMixin):
     """An EAGLE-1 / EAGLE-3 drafter for ``target``, sized by ``config``.
 
     Args:
@@ -47,12 +48,17 @@ class Drafter(nn.Module):
     Raises:
         ValueError: ``config`` does not match ``target`` (the message names the field).
 
+    ``save_pretrained(DIR)``, ``from_pretrained(DIR_OR_REPO, target=target)`` and ``push_to_hub(REPO)``
+    are huggingface_hub's (:class:`~tlt_lightning.drafter.hub.DrafterHubMixin`).
+
     Example:
         >>> from tlt_lightning.models import HFTarget, load_model
         >>> target = HFTarget(load_model("tiny-llama").model)
         >>> drafter = Drafter(DrafterConfig.from_target(target), target)
         >>> sorted(drafter.state_dict())[:2]
         ['fc.weight', 'layers.0.mlp.down_proj.weight']
+        >>> drafter.save_pretrained("/tmp/tiny-drafter")  # doctest: +SKIP
+        >>> Drafter.from_pretrained("/tmp/tiny-drafter", target=target)  # doctest: +SKIP
     """
 
     def __init__(

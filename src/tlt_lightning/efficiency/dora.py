@@ -39,7 +39,7 @@ from typing import Any
 
 from torch import nn
 
-from tlt_lightning.validation import check, is_int
+from tlt_lightning.validation import MissingExtraError, check, is_int
 
 __all__ = ["DEFAULT_TARGETS", "DoraConfig", "apply_dora", "merge_dora"]
 
@@ -50,7 +50,7 @@ def _peft() -> Any:
     try:
         import peft
     except ImportError as err:  # optional extra: say how to get it
-        raise ImportError(
+        raise MissingExtraError(
             "DoRA needs peft: pip install 'tlt-lightning[efficiency]' (peft<=0.18.1, which torchtune's "
             "torchao pin allows)"
         ) from err

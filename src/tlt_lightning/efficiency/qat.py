@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tlt_lightning.validation import check, is_int
+from tlt_lightning.validation import MissingExtraError, check, is_int
 
 __all__ = [
     "Int4QATConfig",
@@ -49,7 +49,7 @@ def _torchao() -> Any:
     try:
         from torchao import quantization
     except ImportError as err:  # optional: say how to get it
-        raise ImportError(
+        raise MissingExtraError(
             "INT4 QAT needs torchao: pip install 'torchao==0.15.0' (torchtune 0.6.1's pin)"
         ) from err
     return quantization

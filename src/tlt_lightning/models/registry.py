@@ -37,6 +37,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from tlt_lightning.validation import MissingExtraError
+
 __all__ = [
     "SIGNATURES",
     "LoadedModel",
@@ -172,7 +174,7 @@ def _check_gguf_loader() -> None:
     """transformers reads GGUF files with ``gguf`` (and ``accelerate``): the ``smollm2`` extra."""
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
-        raise ImportError(
+        raise MissingExtraError(
             f"converting smollm2-135m from its GGUF file needs {missing} "
             "(once; the converted copy is cached): "
             "pip install 'tlt-lightning[smollm2]' (make setup installs it)"

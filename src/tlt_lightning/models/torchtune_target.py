@@ -34,6 +34,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from tlt_lightning.models.attention import MAX_GROUPED_QUERIES, grouped_sdpa
 from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.target import TargetInfo, TargetOutput, begin_forward, eos_ids
+from tlt_lightning.validation import MissingExtraError
 
 try:
     from torchtune.models.convert_weights import hf_to_tune
@@ -42,7 +43,7 @@ try:
     from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
     from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
 except ImportError as err:  # the optional extra is not installed
-    raise ImportError(
+    raise MissingExtraError(
         "tlt_lightning.models.torchtune_target needs torchtune: pip install 'tlt-lightning[torchtune]' "
         f"(torchtune==0.6.1, torchao==0.15.0); the import failed with: {err}"
     ) from err

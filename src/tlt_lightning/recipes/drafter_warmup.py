@@ -4,7 +4,7 @@ The target samples responses to task prompts (temperature 1, as in RL), the roll
 the hidden states of the forward passes it already runs, and the drafter learns to predict the
 target's next feature and next-token distribution from them. A held-out tenth of the rollouts
 measures top-1 agreement and acceptance at temperature 1 before and after. Output:
-``model.safetensors`` + ``drafter_config.json`` (loadable with
+``model.safetensors`` + ``config.json`` (loadable with
 :func:`~tlt_lightning.drafter.load_drafter`), ``warmup.json`` and ``warmup.png``.
 """
 

@@ -48,7 +48,11 @@ def run(args: argparse.Namespace) -> None:
             )
         model = args.model or checkpoint_target(args.checkpoint, config)
         target = HFTarget(load_model(model, seed=args.seed).model)
-        out = export_drafter(args.checkpoint, args.out, target, dtype=args.dtype, engine=args.engine)
+        source = target.hf_config.name_or_path  # the directory transformers loaded (vLLM's verifier)
+        verifier = str(Path(source).resolve()) if source and Path(source).is_dir() else source or None
+        out = export_drafter(
+            args.checkpoint, args.out, target, dtype=args.dtype, engine=args.engine, verifier=verifier
+        )
     except (ValueError, OSError) as err:
         raise SystemExit(f"export-drafter: {err}") from err
     config = import_drafter(out, target).config  # proves the export loads back

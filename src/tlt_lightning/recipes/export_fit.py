@@ -314,7 +314,8 @@ def export_fit(
         policy.save_pretrained(tmp / POLICY_DIR)
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(tmp / POLICY_DIR)
-        export_drafter_model(drafter, tmp / DRAFTER_DIR, dtype=dtype, engine=engine)
+        verifier = str((out / POLICY_DIR).resolve())  # where the policy is once tmp is renamed into place
+        export_drafter_model(drafter, tmp / DRAFTER_DIR, dtype=dtype, engine=engine, verifier=verifier)
         (tmp / "README.md").write_text(_readme(record))
         # The manifest: what a later export may replace (and nothing else).
         record["files"] = sorted([*_files(tmp), EXPORT_RECORD])

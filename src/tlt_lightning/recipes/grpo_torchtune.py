@@ -64,7 +64,7 @@ from tlt_lightning.safe_load import refusing_pickled_objects
 from tlt_lightning.tracking.logger import is_tracking_logger
 from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, resumable_run_id
 from tlt_lightning.tracking.run_directory import run_dir, save_run_config
-from tlt_lightning.validation import check
+from tlt_lightning.validation import MissingExtraError, check
 
 try:  # torchtune.config.parse's own parser and merge, validate's errors
     from omegaconf import DictConfig, OmegaConf
@@ -73,7 +73,7 @@ try:  # torchtune.config.parse's own parser and merge, validate's errors
     from torchtune.config._parse import TuneRecipeArgumentParser
     from torchtune.config._utils import _get_component_from_path, _merge_yaml_and_cli_args
 except ImportError as err:  # the optional extra is not installed
-    raise ImportError(
+    raise MissingExtraError(
         "the torchtune recipe needs torchtune: pip install 'tlt-lightning[torchtune]' "
         f"(torchtune==0.6.1, torchao==0.15.0); the import failed with: {err}"
     ) from err

@@ -70,10 +70,10 @@ class GRPOModule(L.LightningModule):
             step; ``"auto"``: bf16 where the device multiplies it natively
             (:func:`~tlt_lightning.models.resolve_dtype`), else, like ``None``, the policy itself.
         weight_layout: the rollout model's linear weights (:mod:`tlt_lightning.models.layout`):
-            ``"packed"`` (default: oneDNN-packed copies on a CPU), ``"out_in"`` or ``"in_out"``.
+            ``"packed"`` (oneDNN-packed copies on a CPU), ``"out_in"`` or ``"in_out"``.
         rollout_decode: the rollouts' decode and verify forwards (``HFTarget(decode=)``): ``"auto"``
-            (default: ``"compiled"`` where it pays, :func:`~tlt_lightning.models.resolve_decode`,
-            else ``"hf"``), ``"compiled"``, ``"lean"`` or ``"hf"``. Graphs compile once, before the
+            (``"compiled"`` where it pays, :func:`~tlt_lightning.models.resolve_decode`, else
+            ``"hf"``), ``"compiled"``, ``"lean"`` or ``"hf"``. Graphs compile once, before the
             first rollout (:func:`~tlt_lightning.rl.rollout_models.compile_rollouts`), and serve every
             step as the weights change.
         task: the reasoning-gym task (a :class:`~tlt_lightning.rl.tasks.TaskConfig` or its fields
@@ -155,6 +155,8 @@ class GRPOModule(L.LightningModule):
         self.vllm_rollouts = VLLMRollouts(vllm) if rollout_backend == "vllm" else None  # validates `vllm`
         for hparams in (self.hparams, self._hparams_initial):  # also the initial copy Lightning logs
             hparams.update(group_hparams(**groups._asdict()))
+        # LightningCLI's: how load_from_checkpoint rebuilds the module (kept in the checkpoint), no setting.
+        self._hparams_initial.pop("_instantiator", None)
         self.automatic_optimization = False
 
         self.prompt_source: PromptSource | None = prompt_source

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from tlt_lightning.rl.rewards import EXPLICIT_SOURCES, AnswerKind, find_answer
-from tlt_lightning.validation import check
+from tlt_lightning.validation import MissingExtraError, check
 
 __all__ = [
     "ANSWER_DESCRIPTIONS",
@@ -48,7 +48,7 @@ def reasoning_gym() -> ModuleType:
     try:
         import reasoning_gym as module
     except ImportError as err:
-        raise ImportError(
+        raise MissingExtraError(
             "the reasoning-gym tasks need the `tasks` extra: pip install 'tlt-lightning[tasks]' "
             "(make setup installs it); or pass a prompt_source of your own"
         ) from err

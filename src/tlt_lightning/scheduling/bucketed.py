@@ -39,8 +39,10 @@ def default_arms() -> tuple[Arm, ...]:
 
     Off and the short chain win at large batch, deep trees at batch 1; every bucket gets all six
     so that each one really explores (one arm per bucket would make the bandit a lookup table).
+    Every verify is at most 16 tokens per row (the larger tree drafts 15), the largest query bucket
+    of the compiled graphs.
     """
-    return (None, DraftSpec(2), DraftSpec(4), DraftSpec(6), DraftSpec(4, 2, 8), DraftSpec(5, 4, 16))
+    return (None, DraftSpec(2), DraftSpec(4), DraftSpec(6), DraftSpec(4, 2, 8), DraftSpec(5, 4, 15))
 
 
 class Decision(NamedTuple):

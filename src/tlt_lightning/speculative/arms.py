@@ -138,7 +138,7 @@ _ARM_NAME = re.compile(r"off|chain(\d+)(?:x(\d+)(?:f(\d+))?|@(\d*\.?\d+))?|tree(
 
 
 def arm_key(arm: Arm) -> str:
-    """A short unique name for an arm: ``"off"``, ``"chain4"``, ``"tree5x4/16"`` (see
+    """A short unique name for an arm: ``"off"``, ``"chain4"``, ``"tree5x4/15"`` (see
     :meth:`DraftSpec.__str__`)."""
     return "off" if arm is None else str(arm)
 

@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import save_file
 
 from tlt_lightning.drafter.fsync import fsync_dir, fsync_file, host_id, process_alive
-from tlt_lightning.drafter.io import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME
+from tlt_lightning.drafter.hub import CONFIG_NAME, WEIGHTS_NAME, checkpoint_config
 from tlt_lightning.drafter.model import Drafter
 from tlt_lightning.drafter.snapshot import snapshot_state
 from tlt_lightning.spot.checkpoint_io import (
@@ -153,8 +153,7 @@ class AsyncCheckpointer:
             snapshot_state(drafter.state_dict(), spare and spare.weights),
             None if optimizer is None else snapshot_state(optimizer.state_dict(), spare and spare.optimizer),
             {
-                "format_version": FORMAT_VERSION,
-                "config": drafter.config.to_dict(),
+                "config": drafter.config,
                 "step": step,
                 "extra": extra_json,
                 "time": time.time(),
@@ -208,7 +207,7 @@ class AsyncCheckpointer:
                 torch.save(job.optimizer, tmp / OPTIMIZER_NAME)
                 fsync_file(tmp / OPTIMIZER_NAME)
             self._stage("optimizer", tmp)
-            config = {"format_version": job.meta["format_version"], "config": job.meta["config"]}
+            config = checkpoint_config(job.meta["config"])  # the layout of Drafter.save_pretrained
             (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
             meta = {k: job.meta[k] for k in ("step", "extra", "time", "writer")}
             (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")

@@ -1,13 +1,13 @@
 """The folders :class:`~tlt_lightning.spot.AsyncCheckpointer` writes, read back: their files, the
 complete ones in a directory, and loading one into a drafter and its optimizer.
 
-Layout of one checkpoint (``model.safetensors`` + ``drafter_config.json`` is the format of
-:func:`~tlt_lightning.drafter.save_drafter`, so :func:`~tlt_lightning.drafter.load_drafter` and
-the exporters read it directly)::
+Layout of one checkpoint (``model.safetensors`` + ``config.json`` is the format of
+``Drafter.save_pretrained``, so ``Drafter.from_pretrained``, :func:`~tlt_lightning.drafter.load_drafter`
+and the exporters read it directly; before it, the config was ``drafter_config.json``)::
 
     step-00000042/
         model.safetensors      the drafter's own tensors
-        drafter_config.json    its config
+        config.json            its config
         optimizer.pt           the optimizer's state_dict (torch.save)
         meta.json              {"step": 42, "extra": {...}, "time": ..., "writer": "..."}
 """

@@ -10,9 +10,11 @@ The "rollout is over" signal goes through ``torch.distributed``: at :meth:`Worke
 each rank posts an asynchronous ``all_reduce(MAX)`` of its finish time. It completes exactly when
 the last rank has finished its share, so ``work.is_completed()`` polled between drafter steps is the
 preemption signal, and the reduced value is the time the signal was given (preemption latency =
-leaving TRAINING minus that time; same host: same clock). Without a process group (or with a
-world of one) there is no tail: the coordinator degrades to a local flag (:meth:`preempt`) and a
-step / time budget per window. Every transition is recorded with a wall-clock timestamp.
+leaving TRAINING minus that time; same host: same clock, across hosts it includes their clock offset).
+Without a process group (or with a world of one) there is no tail: the coordinator degrades to a local
+flag (:meth:`preempt`) and a step / time budget per window. Every transition is recorded with a
+wall-clock timestamp. The signal is a CPU tensor: on a group whose backend cannot carry one (NCCL, a
+GPU job's default) the coordinator signals over a gloo group of the same ranks (:func:`cpu_group`).
 
 Drafter steps inside a window must be local (no collectives): ranks train in different windows.
 """
@@ -33,7 +35,7 @@ import torch.distributed as dist
 
 from tlt_lightning.validation import check, is_int, is_number
 
-__all__ = ["CoordinatorConfig", "Segment", "TrainWindow", "WorkerCoordinator", "WorkerState"]
+__all__ = ["CoordinatorConfig", "Segment", "TrainWindow", "WorkerCoordinator", "WorkerState", "cpu_group"]
 
 
 class WorkerState(str, Enum):
@@ -112,6 +114,20 @@ class CoordinatorConfig:
             check(ok, name, value, allowed)
 
 
+def cpu_group(group: Any = None) -> Any:
+    """``group`` (``None``: the world) if its backend carries CPU tensors, else a new gloo group of its ranks.
+
+    A collective when it creates a group: every rank of the world calls it at the same point.
+
+    Example:
+        >>> # dist.init_process_group("nccl"); cpu_group() -> a gloo group of every rank
+    """
+    if "cpu:" in dist.get_backend_config(group):
+        return group
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
 class WorkerCoordinator:
     """The BUSY / IDLE / TRAINING state machine of one rollout worker.
 
@@ -130,8 +146,8 @@ class WorkerCoordinator:
 
     def __init__(self, config: CoordinatorConfig | None = None, group: Any = None) -> None:
         self.config = config or CoordinatorConfig()
-        self.group = group
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.group = cpu_group(group) if self.distributed else group
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self._state = WorkerState.BUSY

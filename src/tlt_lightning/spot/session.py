@@ -341,7 +341,7 @@ class SpotDrafter:
         if not coord.distributed:
             return mine
         everyone: list[Any] = [None] * coord.world_size
-        dist.all_gather_object(everyone, tuple([tuple(s) for s in part] for part in mine))
+        dist.all_gather_object(everyone, tuple([tuple(s) for s in part] for part in mine), group=coord.group)
         coord_segments, paid = (
             [Segment(w, WorkerState(st), a, b) for rank in everyone for (w, st, a, b) in rank[i]]
             for i in (0, 1)

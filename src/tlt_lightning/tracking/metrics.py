@@ -19,7 +19,12 @@ __all__ = ["AcceptanceRate", "MeanAcceptLength", "RolloutTokensPerSecond"]
 
 
 class MeanAcceptLength(Metric):
-    """Mean tokens emitted per request per speculative step (``0`` before any speculative step)."""
+    """Mean tokens emitted per request per speculative step; ``NaN`` when no speculative step ran.
+
+    Never ``0``, a value no speculative step can take: a logged ``NaN`` (a rollout that did not
+    speculate) is a gap in a run's history and drops out of averages, where a ``0`` would skew them.
+    (Lightning logs a value every step once logged, so a step that logged nothing would repeat the last.)
+    """
 
     full_state_update = False
 
@@ -33,7 +38,9 @@ class MeanAcceptLength(Metric):
         self.steps += stats.accept_lengths.numel()
 
     def compute(self) -> torch.Tensor:
-        return self.emitted / self.steps.clamp(min=1)
+        if self.steps == 0:
+            return torch.tensor(float("nan"), dtype=self.emitted.dtype, device=self.emitted.device)
+        return self.emitted / self.steps
 
 
 class AcceptanceRate(Metric):

@@ -4,7 +4,7 @@ A drafter checkpoint (:func:`~tlt_lightning.drafter.save_drafter` or an
 :class:`~tlt_lightning.spot.AsyncCheckpointer` ``step-*`` directory) becomes
 
 * an MLflow model logged to the training run under ``drafter/model/step-XXXXXXXX/``: the
-  checkpoint's own files (``model.safetensors``, ``drafter_config.json`` and ``meta.json`` when
+  checkpoint's own files (``model.safetensors``, ``config.json`` and ``meta.json`` when
   present; the optimizer state is not logged: a registered drafter is for drafting, a Lightning
   checkpoint is for resuming) beside an ``MLmodel`` with a ``python_function`` flavour, a signature,
   the drafter config and the target signature (:mod:`tlt_lightning.tracking.mlflow_pyfunc`), and
@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
@@ -37,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tlt_lightning.drafter.io import CONFIG_NAME, WEIGHTS_NAME, load_drafter
+from tlt_lightning.drafter.io import WEIGHTS_NAME, load_drafter, read_drafter_config
 from tlt_lightning.drafter.mlflow_uri import (
     DEFAULT_TRACKING_URI,
     download_drafter,
@@ -96,14 +95,10 @@ def drafter_model_name(model: str | os.PathLike) -> str:
 
 def _kind_and_vocab(directory: Path) -> tuple[str, int]:
     """The drafter kind and draft vocabulary size of a checkpoint directory (``ValueError`` if it is none)."""
-    missing = [f for f in (WEIGHTS_NAME, CONFIG_NAME) if not (directory / f).is_file()]
-    if missing:
-        raise ValueError(f"{directory} is not a drafter checkpoint: {', '.join(missing)} not found")
-    try:
-        config = json.loads((directory / CONFIG_NAME).read_text())["config"]
-        return config["kind"], config.get("draft_vocab_size") or config["vocab_size"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"{directory / CONFIG_NAME} is not a drafter config: {err!r}") from err
+    if not (directory / WEIGHTS_NAME).is_file():
+        raise ValueError(f"{directory} is not a drafter checkpoint: {WEIGHTS_NAME} not found")
+    config = read_drafter_config(directory)  # ValueError naming the file if it is not a drafter's
+    return config.kind, config.draft_vocab
 
 
 def _ensure_registered_model(client: MlflowClient, name: str) -> None:
@@ -149,7 +144,7 @@ def log_drafter_version(
         client: an ``mlflow.MlflowClient`` (e.g. ``MLFlowLogger.experiment``); its registry must
             be a database or server store (``sqlite:///...``, ``http://...``).
         run_id: the run that trained the drafter.
-        checkpoint_dir: a drafter checkpoint directory (``model.safetensors`` + ``drafter_config.json``).
+        checkpoint_dir: a drafter checkpoint directory (``model.safetensors`` + ``config.json``).
         name: registered-model name (see :func:`drafter_model_name`).
         rl_step: the RL (policy) step of the checkpoint (``>= 0``).
         target_model: the target it was trained for (registry name or HF directory), recorded so

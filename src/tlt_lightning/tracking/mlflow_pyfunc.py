@@ -1,7 +1,7 @@
 """A drafter checkpoint as an MLflow model: ``mlflow.pyfunc.load_model("models:/tlt-drafter-.../3")`` works.
 
 :func:`save_drafter_model` turns a drafter checkpoint directory into an MLflow model directory
-*without moving its files*: ``model.safetensors`` and ``drafter_config.json`` stay at the top
+*without moving its files*: ``model.safetensors`` and ``config.json`` stay at the top
 (so :func:`~tlt_lightning.drafter.load_drafter`, ``tlt-lightning export-drafter`` and vLLM exports
 read it as before), beside
 
@@ -45,7 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tlt_lightning.drafter.io import CONFIG_NAME, WEIGHTS_NAME, load_drafter, read_drafter_config
+from tlt_lightning.drafter.io import (
+    CONFIG_NAME,
+    LEGACY_CONFIG_NAME,
+    WEIGHTS_NAME,
+    load_drafter,
+    read_drafter_config,
+)
 from tlt_lightning.drafter.mlflow_uri import import_mlflow
 
 if TYPE_CHECKING:
@@ -65,7 +71,12 @@ __all__ = [
 
 FLAVOR_NAME = "tlt_drafter"
 PREDICT_PARAMS = {"max_new_tokens": 32, "num_draft_tokens": 4}
-_COPIED = (WEIGHTS_NAME, CONFIG_NAME, "meta.json")  # not optimizer.pt: not needed to draft
+_COPIED = (
+    WEIGHTS_NAME,
+    CONFIG_NAME,
+    LEGACY_CONFIG_NAME,
+    "meta.json",
+)  # not optimizer.pt: not needed to draft
 
 
 def target_signature(config: DrafterConfig) -> dict[str, Any]:
@@ -146,7 +157,7 @@ def save_drafter_model(
         FLAVOR_NAME,
         format_version=1,
         weights=WEIGHTS_NAME,
-        config=CONFIG_NAME,
+        config=CONFIG_NAME if (Path(checkpoint_dir) / CONFIG_NAME).is_file() else LEGACY_CONFIG_NAME,
         drafter_config=config.to_dict(),
         target=target,
         rl_step=rl_step,

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tlt_lightning.validation import check, is_int
+from tlt_lightning.validation import MissingExtraError, check, is_int
 from tlt_lightning.vllm.transport import WORKER_EXTENSION
 
 __all__ = [
@@ -40,7 +40,7 @@ def require_vllm() -> ModuleType:
     try:
         import vllm
     except ImportError as err:
-        raise ImportError(
+        raise MissingExtraError(
             f"the vLLM rollout backend needs vLLM, which is not installed: {VLLM_EXTRA_HINT}"
         ) from err
     return vllm

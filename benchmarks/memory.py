@@ -1,0 +1,183 @@
+"""``python -m benchmarks memory --config FILE``: where a fit's memory goes, per part and per phase.
+
+Runs ``tlt-lightning fit --config FILE`` for a few steps (as :mod:`benchmarks.e2e_config` does, TLT
+on) with a :class:`~benchmarks.e2e_config.RankRecorder`, whose :class:`MemoryProbe` writes two
+things into each rank's step records:
+
+- ``tensors_mb``: the bytes of every live tensor (storages counted once), by owner: the policy's
+  weights, their gradients, the optimizer's state, the rollout target's own tensors (the bf16 mirror,
+  packed weights), the drafters (the module's and the spot trainer's, with its optimizer), and the
+  rest (KV caches, buffers, anything else alive between steps);
+- ``phase_peak_mb``: the process's resident memory sampled every 10 ms, its peak in each phase of the
+  step (rollout, reward and training, the drafter's idle time) and before the first step.
+
+What no tensor holds (the peak of a phase over the memory at its start: activations, logits,
+Inductor's workspaces; and the libraries, code and compiled kernels under everything) is what the
+two tell apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tlt_lightning.rl.listeners import RolloutListener
+from tlt_lightning.rollout.types import RolloutResult
+
+__all__ = ["MemoryProbe", "rss_mb", "run", "tensor_breakdown"]
+
+MB = 2**20
+
+
+def rss_mb() -> float:
+    """The process's resident memory now, in MiB (Linux ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * 4096 / MB
+
+
+def _storages(tensors) -> dict[int, int]:
+    """``{storage address: bytes}`` of ``tensors`` (views of one storage counted once)."""
+    out = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # opaque tensors (e.g. mkldnn) have none
+                out[id(t)] = t.numel() * t.element_size()
+                continue
+            out[storage.data_ptr()] = storage.nbytes()
+    return out
+
+
+def _module_tensors(module: nn.Module | None) -> list[torch.Tensor]:
+    return [] if module is None else [*module.parameters(), *module.buffers()]
+
+
+def _object_tensors(root: Any, depth: int = 4) -> list[torch.Tensor]:
+    """Tensors reachable from ``root``'s attributes, lists and dicts (``depth`` levels deep)."""
+    found, seen, frontier = [], set(), [root]
+    for _ in range(depth):
+        nxt = []
+        for obj in frontier:
+            if id(obj) in seen or obj is None:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                found.append(obj)
+            elif isinstance(obj, nn.Module):
+                found += _module_tensors(obj)
+            elif isinstance(obj, dict):
+                nxt += list(obj.values())
+            elif isinstance(obj, (list, tuple)):
+                nxt += list(obj)
+            elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+                nxt += list(vars(obj).values())
+        frontier = nxt
+    return found
+
+
+def tensor_breakdown(module: Any, trainer: Any, spot: Any = None) -> dict[str, float]:
+    """MiB of every live CPU tensor by owner (each storage in the first part that holds it)."""
+    policy = getattr(module, "policy", None)
+    params = list(policy.parameters()) if policy is not None else []
+    states = [v for opt in trainer.optimizers for s in opt.state.values() for v in s.values()]
+    parts = {
+        "policy": _module_tensors(policy),
+        "grads": [p.grad for p in params if p.grad is not None],
+        "optimizer": states,
+        "reference": _module_tensors(getattr(module, "reference", None)),
+        "rollout_target": _object_tensors(getattr(module, "rollout_target", None)),
+        "drafter": _module_tensors(getattr(module, "drafter", None))
+        + ([] if spot is None else _object_tensors(spot, depth=5)),
+    }
+    counted: dict[int, int] = {}
+    out = {}
+    for name, tensors in parts.items():
+        mine = {k: v for k, v in _storages(tensors).items() if k not in counted}
+        counted.update(mine)
+        out[name] = sum(mine.values()) / MB
+    gc.collect()
+    rest = _storages(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    out["other"] = sum(v for k, v in rest.items() if k not in counted) / MB
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+class MemoryProbe(RolloutListener):
+    """Samples resident memory every ``interval`` seconds; ``phase`` names what runs now.
+
+    Phases: ``"setup"`` until the first rollout, ``"rollout"``, ``"train"`` (rewards, policy update,
+    the rollout mirror's sync), ``"between"`` (the rest of a step and the time between steps: the
+    spot drafter's training, checkpoints, logging). :meth:`take` returns each phase's peak since the
+    last call and starts over.
+    """
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.phase = "setup"
+        self._peaks: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            now = rss_mb()
+            with self._lock:
+                self._peaks[self.phase] = max(self._peaks.get(self.phase, 0.0), now)
+
+    def take(self) -> dict[str, float]:
+        """``{phase: peak MiB}`` since the last call."""
+        with self._lock:
+            peaks, self._peaks = self._peaks, {}
+        return {k: round(v, 1) for k, v in peaks.items()}
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def before_rollout(self) -> None:
+        self.phase = "rollout"
+
+    def after_rollout(self, result: RolloutResult) -> None:
+        self.phase = "train"
+
+    def end_step(self, module: Any, result: RolloutResult) -> None:
+        self.phase = "between"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The fit of ``args.config`` with TLT for ``args.steps`` steps; prints and writes the breakdown."""
+    import yaml
+
+    from benchmarks.common import machine_info, write_json
+    from benchmarks.e2e_config import fit_config, read_records
+
+    config = yaml.safe_load(Path(args.config).read_text())
+    records, wall = fit_config(config, "memory", args)
+    starts, steps = read_records(records)
+    payload = {"config": args.config, "machine": machine_info(), "wall_s": wall, "ranks": {}}
+    for rank in starts:
+        mine = [ranks[rank] for ranks in steps if rank < len(ranks)]
+        phases: dict[str, float] = {}
+        for record in mine:
+            for phase, peak in record["phase_peak_mb"].items():
+                phases[phase] = max(phases.get(phase, 0.0), peak)
+        payload["ranks"][rank] = {
+            "tensors_mb": next((r["tensors_mb"] for r in reversed(mine) if "tensors_mb" in r), {}),
+            "phase_peak_mb": phases,
+            "peak_rss_mb": max((r["peak_rss_mb"] for r in mine), default=0.0),
+        }
+    write_json(args.json, payload)
+    for rank, data in payload["ranks"].items():
+        tensors = ", ".join(f"{k} {v:.0f}" for k, v in data["tensors_mb"].items())
+        phases = ", ".join(f"{k} {v:.0f}" for k, v in data["phase_peak_mb"].items())
+        print(f"[bench memory] rank {rank}: peak RSS {data['peak_rss_mb']:.0f} MiB")
+        print(f"  tensors after the last step (MiB): {tensors}")
+        print(f"  peak RSS by phase (MiB): {phases}")
+    return payload
