@@ -15,6 +15,7 @@ from tlt_lightning import cli
 from tlt_lightning.resume import check_resume, read_checkpoint, resume_conflicts
 from tlt_lightning.rl import OptimConfig
 from tlt_lightning.tracking.run_directory import latest_checkpoint
+from tlt_lightning.validation import check_resumed_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "grpo_tiny.yaml"
@@ -259,3 +260,97 @@ def test_ckpt_path_last_takes_the_newest_run_and_runs_without_logger_share_no_ch
     resumed = latest_checkpoint(tmp_path)
     assert resumed.parts[-3] == "version_2" and torch.load(resumed, weights_only=False)["global_step"] == 2
     assert [torch.load(p, weights_only=False)["global_step"] for p in (first, second)] == [1, 1]
+
+
+# ---------------------------------------------------------------------------------- prompts, callbacks
+
+
+def test_check_resumed_settings_refuses_applies_and_never_changes_fixed_ones():
+    saved, now = (
+        {"kind": "eagle1", "training": {"lr": 0.1, "seed": 0}},
+        {"kind": "eagle1", "training": {"lr": 0.2, "seed": 0}},
+    )
+    with pytest.raises(
+        ValueError, match=r"Spot settings that differ .*:\n  Spot.training.lr: 0.1 -> 0.2\n.*apply"
+    ):
+        check_resumed_settings("Spot", saved, now)
+    with pytest.raises(ValueError, match=r"Spot.training.lr: 0.1 -> 0.2"):
+        check_resumed_settings("Spot", saved, now, "checkpoint")  # cannot be restored into built objects
+    assert check_resumed_settings("Spot", saved, now, "apply") == {"training.lr": (0.1, 0.2)}
+    fixed = {"kind": "weights of the old kind"}
+    with pytest.raises(ValueError, match=r"cannot change .*\n  Spot.kind: 'eagle1' -> 'eagle3' \(weights of"):
+        check_resumed_settings("Spot", saved, {**now, "kind": "eagle3"}, "apply", fixed)
+    assert check_resumed_settings("Spot", None, now) == {}  # a checkpoint from before settings were saved
+
+
+def resume_argv(tmp_path: Path, config: Path, *extra: str) -> list[str]:
+    return [
+        "--threads",
+        "1",
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.max_steps=3",
+        f"--trainer.default_root_dir={tmp_path / 'resumed'}",
+        f"--trainer.logger.init_args.fallback_dir={tmp_path / 'resumed'}",
+        f"--ckpt_path={next((tmp_path / 'half').rglob('last.ckpt'))}",
+        *extra,
+    ]
+
+
+def test_resume_refuses_another_prompt_source_and_callback_settings_or_applies_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
+    monkeypatch.setattr("tlt_lightning.tracking.logger.mlflow_available", lambda uri=None: False)
+    monkeypatch.chdir(tmp_path)
+    config = tlt_config(tmp_path)
+    _, half = fit(tmp_path, config, "half", "--trainer.max_steps=2")
+    assert callback_state(half, "SpotDrafterCallback")["settings"]["config"]["kind"] == "eagle1"
+    assert callback_state(half, "BanditCallback")["settings"]["strategy/epsilon"] == 0.3
+    assert len(half["grpo"]["prompt_source"]["sha256"]) == 16
+    other = yaml.safe_load(config.read_text())
+    source = other["model"]["prompt_source"]["init_args"]
+    source["seed"] = 1  # the same task and size, other prompts
+    spot, bandit = other["trainer"]["callbacks"][1:3]
+    spot["init_args"]["config"]["training"]["lr"] = 1e-3
+    bandit["init_args"]["strategy"]["init_args"]["epsilon"] = 0.5
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(other))
+    with pytest.raises(
+        ValueError, match=r"prompt_source settings .*\n  prompt_source.sha256: '\w+' -> '\w+'"
+    ):
+        cli.main(resume_argv(tmp_path, changed))
+    source["seed"] = 0
+    changed.write_text(yaml.safe_dump(other))
+    with pytest.raises(ValueError, match=r"SpotDrafterCallback.config.training.lr: 0.0003 -> 0.001\n.*apply"):
+        cli.main(resume_argv(tmp_path, changed))
+    spot["init_args"]["config"]["training"]["lr"] = 3e-4
+    changed.write_text(yaml.safe_dump(other))
+    with pytest.raises(ValueError, match=r"BanditCallback.strategy/epsilon: 0.3 -> 0.5\n"):
+        cli.main(resume_argv(tmp_path, changed, "--resume_overrides=checkpoint"))
+    # Never applicable: the drafter's weights and the bandit's random state are the checkpoint's.
+    spot["init_args"]["config"]["kind"] = "eagle3"
+    changed.write_text(yaml.safe_dump(other))
+    with pytest.raises(
+        ValueError, match=r"cannot change .*\n  SpotDrafterCallback.config.kind: 'eagle1' -> 'eagle3'"
+    ):
+        cli.main(resume_argv(tmp_path, changed, "--resume_overrides=apply"))
+    spot["init_args"]["config"]["kind"] = "eagle1"
+    bandit["init_args"]["strategy"]["init_args"]["seed"] = 2
+    changed.write_text(yaml.safe_dump(other))
+    with pytest.raises(
+        ValueError, match=r"BanditCallback.strategy/seed: 1 -> 2 \(the strategy's random state"
+    ):
+        cli.main(resume_argv(tmp_path, changed, "--resume_overrides=apply"))
+    # Applied on request: the new prompts, the bandit's epsilon, the drafter's lr (its optimizer too).
+    bandit["init_args"]["strategy"]["init_args"]["seed"] = 1
+    source["seed"] = 1
+    spot["init_args"]["config"]["training"]["lr"] = 1e-3
+    changed.write_text(yaml.safe_dump(other))
+    assert cli.main(resume_argv(tmp_path, changed, "--resume_overrides=apply")) == 0
+    resumed = torch.load(next((tmp_path / "resumed").rglob("last.ckpt")), weights_only=False)
+    assert resumed["global_step"] == 3
+    assert resumed["grpo"]["prompt_source"]["sha256"] != half["grpo"]["prompt_source"]["sha256"]
+    assert callback_state(resumed, "BanditCallback")["settings"]["strategy/epsilon"] == 0.5
+    spot_state = callback_state(resumed, "SpotDrafterCallback")
+    assert spot_state["settings"]["config"]["training"]["lr"] == 1e-3
+    assert spot_state["optimizer"]["param_groups"][0]["lr"] == 1e-3

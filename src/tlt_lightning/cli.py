@@ -21,7 +21,9 @@ Options are parsed by jsonargparse (:mod:`tlt_lightning.cli_options`, which impo
 ``--help`` is quick at every level); options are never abbreviated, and a misspelt one ends the command
 with a two-line error naming the closest valid option (exit status 2). On the command line a
 ``ValueError`` or ``TypeError`` (a bad setting, a file that is not what it should be) ends the command
-with a short message and exit status 1 instead of a long traceback; ``--traceback`` before the
+with a short message and exit status 1 instead of a long traceback, as does any other error a user fixes
+(:func:`user_error`: a NaN reward, a non-finite loss, a tracking store that cannot be opened, a full
+disk or a read-only folder); ``--traceback`` before the
 subcommand, or ``TLT_LIGHTNING_TRACEBACK=1`` in the environment, shows the whole traceback. ``fit`` is
 handed to :mod:`tlt_lightning.fit` (LightningCLI, also jsonargparse) before the parser sees it:
 ``tlt-lightning fit --help`` lists its top-level options (``--print_config`` every setting), and ``fit``
@@ -31,6 +33,7 @@ also takes ``--threads`` after its name.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -40,9 +43,9 @@ from importlib import import_module
 from pathlib import Path
 
 from tlt_lightning.cli_options import BENCH_MOVED, GROUPS, build_parser
-from tlt_lightning.validation import MissingExtraError
+from tlt_lightning.validation import MissingExtraError, UserError
 
-__all__ = ["TRACEBACK_ENV", "command_args", "main", "short_error"]
+__all__ = ["FILE_SYSTEM_ERRORS", "TRACEBACK_ENV", "command_args", "main", "short_error", "user_error"]
 
 TRACEBACK_ENV = "TLT_LIGHTNING_TRACEBACK"
 
@@ -91,14 +94,54 @@ def _wants_traceback(argv: Sequence[str]) -> bool:
     return os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
+# What a user fixes in the file system, and how: a full disk, a folder that is read-only or not theirs,
+# a file that is not there or not a file.
+_FIX = "choose another output folder (e.g. --trainer.default_root_dir, --out)"
+FILE_SYSTEM_ERRORS = {
+    errno.ENOSPC: f"free space on that disk or {_FIX}",
+    errno.EDQUOT: f"free space within your quota or {_FIX}",
+    errno.EACCES: f"the folder is read-only or not yours: {_FIX}",
+    errno.EPERM: f"the folder is read-only or not yours: {_FIX}",
+    errno.EROFS: f"the file system is read-only: {_FIX}",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "check the path: a part of it is a file",
+    errno.EISDIR: "name a file, not a folder",
+}
+"""``{errno: what to do}`` of the ``OSError`` s the command line answers with :func:`short_error`."""
+
+
+def user_error(err: BaseException) -> BaseException | None:
+    """The error a user can fix behind ``err``: ``err`` or an error it was raised from that is a
+    ``ValueError``, ``TypeError``, :class:`~tlt_lightning.validation.UserError`, a missing extra
+    (:class:`~tlt_lightning.validation.MissingExtraError`), ``FileNotFoundError``,
+    ``PermissionError`` or an ``OSError`` of :data:`FILE_SYSTEM_ERRORS`; ``None`` when there is none (a
+    bug: the traceback is worth seeing)."""
+    while err is not None:
+        if isinstance(err, (ValueError, TypeError, UserError, MissingExtraError)):
+            return err
+        if isinstance(err, OSError) and (
+            err.errno in FILE_SYSTEM_ERRORS or isinstance(err, (FileNotFoundError, PermissionError))
+        ):
+            return err
+        err = err.__cause__
+    return None
+
+
 def short_error(err: BaseException) -> str:
     """One screen for a user-input error: its type and message, where it was raised, how to see more.
+
+    An ``OSError`` of :data:`FILE_SYSTEM_ERRORS` says which file or folder, the error's name (``ENOSPC``)
+    and what to do.
 
     Example:
         >>> print(short_error(ValueError("group_size must be an int >= 2, got 1")).splitlines()[0])
         tlt-lightning: error: ValueError: group_size must be an int >= 2, got 1
     """
-    lines = [f"tlt-lightning: error: {type(err).__name__}: {err}"]
+    message = f"{type(err).__name__}: {err}"
+    if isinstance(err, OSError) and err.errno in FILE_SYSTEM_ERRORS:
+        where = f" ({err.filename})" if err.filename else ""
+        message = f"{err.strerror} [{errno.errorcode[err.errno]}]{where}: {FILE_SYSTEM_ERRORS[err.errno]}"
+    lines = [f"tlt-lightning: error: {message}"]
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
@@ -116,11 +159,10 @@ def main(argv: Sequence[str] | None = None, short_errors: bool | None = None) ->
 
     Args:
         argv: the arguments after the program name; ``None``: ``sys.argv[1:]``.
-        short_errors: a ``ValueError``/``TypeError``, or a missing extra
-            (:class:`~tlt_lightning.validation.MissingExtraError`), prints :func:`short_error` to stderr
-            and returns 1 instead of propagating (unless ``--traceback`` or the environment variable
-            asks for the traceback); ``None``: only on the command line (``argv is None``), so that Python
-            callers get the exception itself.
+        short_errors: an error a user can fix (:func:`user_error`) prints :func:`short_error` to
+            stderr and returns 1 instead of propagating (unless ``--traceback`` or the environment
+            variable asks for the traceback); ``None``: only on the command line (``argv is None``),
+            so that Python callers get the exception itself.
     """
     if short_errors is None:
         short_errors = argv is None
@@ -129,8 +171,11 @@ def main(argv: Sequence[str] | None = None, short_errors: bool | None = None) ->
         return _main(argv)
     try:
         return _main(argv)
-    except (ValueError, TypeError, MissingExtraError) as err:  # the message says what and how to fix it
-        print(short_error(err), file=sys.stderr)
+    except Exception as err:
+        fixable = user_error(err)  # user input: the message says what and how to fix it
+        if fixable is None:
+            raise
+        print(short_error(fixable), file=sys.stderr)
         return 1
 
 

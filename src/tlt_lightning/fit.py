@@ -56,10 +56,12 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from tlt_lightning.callbacks import BanditCallback, SpotDrafterCallback
 from tlt_lightning.callbacks.progress import GRPOProgressBar
 from tlt_lightning.callbacks.signals import CheckpointOnSignal
 from tlt_lightning.cli_options import Parser
 from tlt_lightning.drafter.mlflow_uri import DEFAULT_TRACKING_URI
+from tlt_lightning.efficiency import ActivationCheckpointingCallback, LayerwisePrecisionCallback
 from tlt_lightning.models import training_precision
 from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, check_resume, checkpoint_weights_only, read_checkpoint
 from tlt_lightning.rl.module import GRPOModule
@@ -86,6 +88,14 @@ FIT_HELP_EPILOG = (
     "--trainer.KEY=VALUE (nested: --model.optim.lr=3e-5); `tlt-lightning fit --config CONFIG --print_config` "
     "prints them all with their values. They are GRPOModule's and lightning's Trainer's arguments, "
     "documented there."
+)
+# What compares its saved settings as the checkpoint loads (its `resume_overrides` says what to do).
+_COMPARE_ON_LOAD = (
+    GRPOModule,
+    SpotDrafterCallback,
+    BanditCallback,
+    ActivationCheckpointingCallback,
+    LayerwisePrecisionCallback,
 )
 
 
@@ -281,7 +291,8 @@ class GRPOCLI(LightningCLI):
             type=Literal["refuse", "apply", "checkpoint"],
             default="refuse",
             help="with --ckpt_path, module settings that differ from the checkpoint's: 'refuse' (list them "
-            "and stop), 'apply' them, or keep the 'checkpoint' values",
+            "and stop), 'apply' them, or keep the 'checkpoint' values; a changed prompt source or callback "
+            "setting is applied with 'apply', else refused",
         )
         # Unless a config or flag says otherwise, train in the precision that pays on this machine:
         # bf16 autocast where bf16 products are native (AMX / AVX512-BF16 CPUs, GPUs), else fp32.
@@ -311,6 +322,13 @@ class GRPOCLI(LightningCLI):
             shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(conflicts.items()))
             kept = "kept the checkpoint's" if mode == "checkpoint" else "applied"
             log.warning("resuming from %s: %s changed module settings (%s)", ckpt_path, kept, shown)
+
+    def before_fit(self) -> None:
+        # The prompt source and the callbacks compare their settings as the checkpoint loads.
+        mode = self.config[self.subcommand].get("resume_overrides") or "refuse"
+        for obj in (self.model, *self.trainer.callbacks):
+            if isinstance(obj, _COMPARE_ON_LOAD):
+                obj.resume_overrides = mode
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand

@@ -6,6 +6,10 @@ fit`` compares them instead (:func:`resume_conflicts`) and, by default, refuses 
 settings that differ from the checkpoint's, listing each one as ``old -> new`` and how to proceed
 (:func:`check_resume`): ``--resume_overrides=apply`` applies them (the run then differs from the
 uninterrupted one), ``--resume_overrides=checkpoint`` keeps the checkpoint's (Lightning's behaviour).
+What is known once the fit has started is compared as the checkpoint loads, with the same choice
+(:func:`~tlt_lightning.validation.check_resumed_settings`): the prompt source (the module) and the
+callbacks' settings (spot drafter, bandit, efficiency callbacks); those are applied or refused (the
+checkpoint's values cannot be restored into objects built from the config), never mixed.
 
 Example:
     >>> resume_conflicts({"optim": {"lr": 0.01}, "seed": 0}, {"optim": {"lr": 0.5}, "seed": 0})
@@ -25,7 +29,7 @@ from tlt_lightning.rl.tasks import TaskConfig
 from tlt_lightning.rollout import RolloutConfig
 from tlt_lightning.safe_load import TRUST_ENV, load_torch_file, trusts_checkpoints
 from tlt_lightning.tracking.mlflow_resume import LIGHTNING_CKPT_NAMES
-from tlt_lightning.validation import check
+from tlt_lightning.validation import RESUME_OVERRIDES, check
 
 __all__ = [
     "HARMLESS_ON_RESUME",
@@ -36,9 +40,6 @@ __all__ = [
     "read_checkpoint",
     "resume_conflicts",
 ]
-
-RESUME_OVERRIDES = ("refuse", "apply", "checkpoint")
-"""What ``fit --ckpt_path`` does with module settings that differ from the checkpoint's."""
 
 HARMLESS_ON_RESUME = frozenset({"rollout_progress", "check_logprobs", "logprob_tolerance", "max_abs_reward"})
 """Module settings that change what is shown or checked, never what is sampled or learned: a

@@ -7,9 +7,11 @@ import json
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
+from tests.helpers import callback_state
 from tests.rl.test_module import make_module, make_trainer
 from tlt_lightning.callbacks import BanditCallback, SpotDrafterCallback
 from tlt_lightning.callbacks.bandit import bucket_table
@@ -102,10 +104,14 @@ def test_strategy_state_survives_checkpoint_and_resume(tmp_path):
     assert at_load == saved  # counts, windows, RNG state and history, exactly
     assert resumed.strategy.state_dict()["num_updates"] > saved["num_updates"]  # and it kept learning
 
-    # The callback's state is the strategy's; missing keys are tolerated.
+    # The callback's state is the strategy's and its settings; missing keys are tolerated.
     fresh = BanditCallback(BEGMABStrategy(epsilon=0.3, seed=1))
     fresh.load_state_dict(saved)
-    assert fresh.state_dict() == saved
+    assert fresh.state_dict() == {**saved, "settings": fresh.settings()}
+    settings = fresh.settings()
+    assert settings["strategy"] == "BEGMABStrategy" and settings["strategy/epsilon"] == 0.3
+    assert settings["strategy/seed"] == 1 and settings["reproducible"] is False
+    assert "heatmap_bins" not in settings and "strategy/cost_model" in settings  # None: plain
     fresh.load_state_dict({"num_updates": 3})
     assert fresh.state_dict()["num_updates"] == 3
 
@@ -144,8 +150,14 @@ def test_resuming_a_wall_time_bandit_in_reproducible_mode_is_refused(tmp_path):
     make_trainer(1, callbacks=[BanditCallback(), ckpt], enable_checkpointing=True).fit(
         make_module(drafter_kind="eagle1")
     )
-    with pytest.raises(ValueError, match="learned with wall time but this strategy uses modelled cost"):
+    match = r"BanditCallback.reproducible: False -> True \(the checkpoint's statistics are in other units\)"
+    with pytest.raises(ValueError, match=match):
         reproducible_fit(2, ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
+    saved = torch.load(tmp_path / "epoch=0-step=1.ckpt", weights_only=False)
+    state = callback_state(saved, "BanditCallback")
+    del state["settings"]  # a checkpoint from before the settings were saved: the strategy refuses
+    with pytest.raises(ValueError, match="learned with wall time but this strategy uses modelled cost"):
+        BanditCallback(reproducible=True).load_state_dict(state)
 
 
 def test_other_strategies_and_no_speculation(tmp_path):

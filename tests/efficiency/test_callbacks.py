@@ -61,6 +61,18 @@ def test_dynamic_checkpointing_callback_profiles_applies_and_removes():
     module2 = TinyLM()
     _fit(module2, resumed, steps=1)
     assert module2.seen_checkpointed == [list(plan.checkpointed)]  # reused without profiling
+    # Another budget: refused, or applied (a new plan, profiled again), never the old plan silently.
+    other = ActivationCheckpointingCallback(budget_fraction=1.0, blocks="model.model.layers.*", repeats=1)
+    match = r"ActivationCheckpointingCallback.budget_fraction: 0.6 -> 1.0\n.*resume_overrides=apply"
+    with pytest.raises(ValueError, match=match):
+        other.load_state_dict(state)
+    other.resume_overrides = "apply"
+    other.load_state_dict(state)
+    module3 = TinyLM()
+    _fit(module3, other, steps=1)
+    assert not any(other.plan.checkpointed) and module3.seen_checkpointed[-1] == [False] * len(
+        plan.checkpointed
+    )
 
 
 def test_dynamic_checkpointing_callback_budget_holds():
@@ -98,6 +110,15 @@ def test_layerwise_precision_callback(dtype):
         assert trainer.callback_metrics["precision/scale/attention"] == 2.0**16
         assert callback.state_dict()["scalers"]["mlp"]["scale"] == 2.0**16
         assert callback.skipped_steps == 0
+        state = callback.state_dict()
+        other = LayerwisePrecisionCallback(PrecisionConfig(compute_dtype="bfloat16"), module="model")
+        with pytest.raises(
+            ValueError, match=r"LayerwisePrecisionCallback.config.compute_dtype: 'float16' -> 'bf"
+        ):
+            other.load_state_dict(state)
+        other.resume_overrides = "apply"
+        other.load_state_dict(state)
+        assert other.skipped_steps == 0
 
 
 def test_layerwise_precision_callback_skips_overflowing_steps():

@@ -365,16 +365,21 @@ def test_resume_restores_the_global_rngs(tmp_path):
     assert saved["version"] == 2 and set(saved["rng"]) >= {"torch", "python", "numpy"}
 
 
-def test_resume_on_other_prompts_warns(tmp_path):
+def test_resume_on_other_prompts_is_refused_unless_applied(tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
     make_trainer(1, callbacks=[ckpt], enable_checkpointing=True).fit(make_module())
     other = TokenPromptSource([*PROMPTS, [7, 7]], even_reward, name="other")
     match = (
-        r"resuming on prompt source 'other' \(5 prompts\) "
-        r"from a checkpoint trained on 'synthetic' \(4 prompts\)"
+        r"prompt_source settings that differ from the checkpoint's \(checkpoint -> now\):\n"
+        r"  prompt_source.name: 'synthetic' -> 'other'\n  prompt_source.sha256: .*\n"
+        r"  prompt_source.size: 4 -> 5\n.*resume_overrides='apply'"
     )
-    with pytest.warns(UserWarning, match=match):
+    with pytest.raises(ValueError, match=match):
         make_trainer(2).fit(make_module(prompt_source=other), ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
+    module = make_module(prompt_source=other)
+    module.resume_overrides = "apply"
+    make_trainer(2).fit(module, ckpt_path=tmp_path / "epoch=0-step=1.ckpt")
+    assert module.global_step == 2
 
 
 def test_prompt_index_loader_skips_what_it_served():

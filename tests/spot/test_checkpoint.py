@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -152,7 +153,7 @@ def test_writer_failure_is_raised_later(llama, tmp_path):
     ckpt = AsyncCheckpointer(tmp_path)
 
     def fail(stage, tmp):
-        raise OSError("disk full")
+        raise RuntimeError("disk full")
 
     ckpt._hook = fail
     ckpt.save(d, None, 1)
@@ -163,6 +164,19 @@ def test_writer_failure_is_raised_later(llama, tmp_path):
     ckpt.save(d, None, 2)
     ckpt.wait(30)
     assert ckpt.latest().name == "step-00000002"
+
+
+def test_a_full_disk_is_an_os_error_naming_the_folder(llama, tmp_path):
+    ckpt = AsyncCheckpointer(tmp_path)
+
+    def full(stage, tmp):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    ckpt._hook = full
+    ckpt.save(make_drafter(llama), None, 1)
+    with pytest.raises(OSError, match=r"\[Errno 28\] No space left on device: '.*test_a_full_disk") as info:
+        ckpt.wait(30)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path)
 
 
 def test_errors(llama, tmp_path):

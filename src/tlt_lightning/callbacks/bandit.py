@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections import Counter
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,18 @@ from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.scheduling import BEGMABStrategy, BucketedStrategy, StepCostModel
 from tlt_lightning.speculative import arm_key
 from tlt_lightning.tracking import log_artifact, run_dir
+from tlt_lightning.validation import check_resumed_settings
 
 __all__ = ["BanditCallback", "bucket_table"]
 
 
 _NONE = object()  # "no observation yet" (an arm can be None: SD off)
+_FIXED = {  # settings a resumed run cannot change
+    "strategy": "the checkpoint's statistics are another strategy's",
+    "strategy/arms": "the checkpoint's statistics are of other arms",
+    "strategy/seed": "the strategy's random state is the checkpoint's",
+    "reproducible": "the checkpoint's statistics are in other units",
+}
 
 
 def _metric_key(arm: Any) -> str:
@@ -133,6 +141,7 @@ class BanditCallback(L.Callback):
         self.heatmap_bins, self.log_arm_counts = heatmap_bins, bool(log_arm_counts)
         self._last = -1  # index of the last decision already logged
         self.run_dir: Path | None = None  # the run's own directory, set at setup
+        self.resume_overrides = "refuse"  # resumed with other settings: refused, or "apply" them
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -158,7 +167,12 @@ class BanditCallback(L.Callback):
         names = inspect.signature(type(strategy)).parameters
         settings = {
             "strategy": type(strategy).__name__,
-            **{f"strategy/{k}": v for k, v in vars(strategy).items() if k in names},
+            # A cost model as its fields: loggers copy params, and a frozen dataclass cannot be copied.
+            **{
+                f"strategy/{k}": asdict(v) if is_dataclass(v) else v
+                for k, v in vars(strategy).items()
+                if k in names
+            },
             # One string: bucket labels such as "21+" are no valid MLflow parameter names.
             "strategy/arms": "; ".join(
                 f"{label}: {' '.join(map(arm_key, arms))}"
@@ -233,13 +247,33 @@ class BanditCallback(L.Callback):
             if path is not None:  # no heat map without matplotlib (warned once)
                 log_artifact(trainer, path, "bandit")
 
+    def settings(self) -> dict[str, Any]:
+        """What shapes the strategy's decisions, saved in every checkpoint and compared on resume
+        (:func:`~tlt_lightning.validation.check_resumed_settings`): :meth:`params` without the ``bandit/``
+        prefix, the display settings or objects (a cost model is compared by the strategy itself)."""
+        params = {name.removeprefix("bandit/"): value for name, value in self.params().items()}
+        return {
+            name: value
+            for name, value in params.items()
+            if name not in ("heatmap_bins", "log_arm_counts")
+            and (value is None or isinstance(value, (bool, int, float, str)))
+        }
+
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.strategy.state_dict()
+        return {**self.strategy.state_dict(), "settings": self.settings()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Delegates to the strategy's (missing keys keep theirs); decisions made before are not re-logged."""
+        """Delegates to the strategy's (missing keys keep theirs); decisions made before are not re-logged.
+
+        Raises:
+            ValueError: the checkpoint's :meth:`settings` differ and ``resume_overrides`` is not
+                ``"apply"``, or the strategy's class, arms, seed or ``reproducible`` differ (its
+                statistics and RNG state are the checkpoint's).
+        """
+        saved = state_dict.get("settings")
+        check_resumed_settings("BanditCallback", saved, self.settings(), self.resume_overrides, _FIXED)
         self.strategy.load_state_dict(state_dict)
         last = self.strategy.last_decision
         self._last = last.step if last is not None else -1

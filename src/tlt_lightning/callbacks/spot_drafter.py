@@ -17,9 +17,11 @@ never wait for a write. Without one, MLflow is not imported.
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +43,16 @@ from tlt_lightning.tracking import (
     plot_accept_lengths,
     run_dir,
 )
-from tlt_lightning.validation import check
+from tlt_lightning.validation import check, check_resumed_settings
 
 __all__ = ["SpotDrafterCallback"]
 
 _DEFAULT_CONFIG = SpotConfig()  # frozen: one shared instance is safe
+_FIXED = {  # settings a resumed run cannot change: the drafter's weights come from the checkpoint
+    "config.kind": "the checkpoint's drafter is of the old kind",
+    "config.draft_vocab_size": "the checkpoint's drafter has the old vocabulary",
+    "config.drafter_path": "the drafter's weights are the checkpoint's",
+}
 
 
 class _StepListener(RolloutListener):
@@ -147,6 +154,7 @@ class SpotDrafterCallback(L.Callback):
         self.run_dir: Path | None = None
         self.last_metrics: dict[str, float] = {}
         self._resumed = self._finished = False
+        self.resume_overrides = "refuse"  # resumed with other settings: refused, or "apply" them
 
     # ------------------------------------------------------------------------------ fit start / end
     @override
@@ -271,11 +279,19 @@ class SpotDrafterCallback(L.Callback):
         if path is not None:
             self.registrar.request(rl_step, requested, path)
 
+    def settings(self) -> dict[str, Any]:
+        """What shapes the drafter's training (its ``config``), saved in every checkpoint and compared on
+        resume (:func:`~tlt_lightning.validation.check_resumed_settings`)."""
+        config = asdict(self.config)
+        config["drafter_path"] = None if config["drafter_path"] is None else str(config["drafter_path"])
+        return {"config": config}
+
     @override
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None or self.spot is None:  # loaded, not applied yet
             return dict(self._pending or {})
         return {
+            "settings": self.settings(),
             **self.spot.state_dict(buffer_data=self.save_buffer),
             "registered_steps": list(self.registrar.registered_steps),
             "registrar": self.registrar.state_dict(),
@@ -288,7 +304,20 @@ class SpotDrafterCallback(L.Callback):
         Lightning restores callbacks before ``on_fit_start`` builds the drafter: the state is then
         kept and applied there (also for a callback reused for another fit). During a fit (a
         strategy that restores after setup) it is applied at once.
+
+        Raises:
+            ValueError: the checkpoint's :meth:`settings` differ and ``resume_overrides`` is not
+                ``"apply"``, or the drafter's kind, vocabulary or source differ (its weights are the
+                checkpoint's).
         """
+        changed = check_resumed_settings(
+            "SpotDrafterCallback", state_dict.get("settings"), self.settings(), self.resume_overrides, _FIXED
+        )
+        if changed and "optimizer" in state_dict:  # applied: the restored optimizer takes the new values
+            state_dict = {**state_dict, "optimizer": copy.deepcopy(state_dict["optimizer"])}
+            training = self.config.training
+            for group in state_dict["optimizer"].get("param_groups", []):
+                group["lr"], group["weight_decay"] = training.lr, training.weight_decay
         if self._module is None:
             self._pending = dict(state_dict)
         else:

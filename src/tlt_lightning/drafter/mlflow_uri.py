@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -220,13 +221,15 @@ def download_drafter(
 
     Raises:
         ModuleNotFoundError: MLflow is not installed (the ``mlflow`` extra).
-        ValueError: a malformed URI; no such store, registered model, version, alias, run or
-            artifact (the message names those that exist); a registered version whose weights file
-            does not match the ``sha256`` tag it was registered with.
+        ValueError: a malformed URI (one with a ``..`` segment); no such store, registered model,
+            version, alias, run or artifact (the message names those that exist); a registered version
+            whose weights file does not match the ``sha256`` tag it was registered with.
     """
     if not isinstance(location, str) or not location.strip():
         raise ValueError(f"location must be {_FORMS}, got {location!r}")
     is_run = location.strip().startswith("runs:/")
+    if ".." in re.split(r"[/\\]", location.strip().partition(":/")[2]):  # inside the store, never above
+        raise ValueError(f"location {location!r} goes up a folder ('..'): a URI names a drafter in its store")
     if is_run and version is not None:
         raise ValueError(
             f"version={version!r} given with a runs:/ URI ({location!r}): versions name registered models"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
@@ -28,6 +29,7 @@ from tlt_lightning.efficiency.activation_checkpointing import (
     profile_blocks,
 )
 from tlt_lightning.efficiency.precision import LayerwisePrecision, PrecisionConfig, PrecisionHandle
+from tlt_lightning.validation import check_resumed_settings
 
 __all__ = ["ActivationCheckpointingCallback", "LayerwisePrecisionCallback"]
 
@@ -112,6 +114,7 @@ class ActivationCheckpointingCallback(L.Callback):
         self.plan: ActivationCheckpointPlan | None = None
         self._loaded: tuple[bool, ...] | None = None
         self._handle: ActivationCheckpointHandle | None = None
+        self.resume_overrides = "refuse"  # resumed with another budget: refused, or "apply" it (plan again)
 
     @override
     def on_train_batch_start(
@@ -154,14 +157,31 @@ class ActivationCheckpointingCallback(L.Callback):
             self._handle.remove()
             self._handle = None
 
+    def settings(self) -> dict[str, Any]:
+        """The budget and the candidate blocks, saved with the plan and compared on resume."""
+        blocks = self.blocks if self.blocks is None or isinstance(self.blocks, str) else list(self.blocks)
+        budget = self.policy
+        return {
+            "memory_budget": budget.memory_budget,
+            "budget_fraction": budget.budget_fraction,
+            "blocks": blocks,
+        }
+
     @override
     def state_dict(self) -> dict[str, Any]:
         flags = self.plan.checkpointed if self.plan is not None else self._loaded
-        return {"checkpointed": list(flags)} if flags is not None else {}
+        return {"checkpointed": list(flags), "settings": self.settings()} if flags is not None else {}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "checkpointed" in state_dict:
+        """Reuse the saved plan; with other settings applied (``resume_overrides="apply"``) plan again.
+
+        Raises:
+            ValueError: the saved :meth:`settings` differ and ``resume_overrides`` is not ``"apply"``.
+        """
+        saved = state_dict.get("settings")
+        changed = check_resumed_settings(type(self).__name__, saved, self.settings(), self.resume_overrides)
+        if "checkpointed" in state_dict and not changed:
             self._loaded = tuple(bool(c) for c in state_dict["checkpointed"])
 
 
@@ -197,6 +217,7 @@ class LayerwisePrecisionCallback(L.Callback):
         self.handle: PrecisionHandle | None = None
         self.skipped_steps = 0
         self._pending: dict[str, Any] = {}
+        self.resume_overrides = "refuse"  # resumed with other groups or dtype: refused, or "apply" them
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -236,10 +257,22 @@ class LayerwisePrecisionCallback(L.Callback):
         return {
             "scalers": {k: s.state_dict() for k, s in self.handle.scalers.items()},
             "skipped_steps": self.skipped_steps,
+            "settings": self.settings(),
         }
+
+    def settings(self) -> dict[str, Any]:
+        """The precision config and the transformed part, saved with the scales and compared on resume."""
+        return {"config": asdict(self.transform.config), "module": self.module}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the scales (of the groups that still exist when other settings are applied).
+
+        Raises:
+            ValueError: the saved :meth:`settings` differ and ``resume_overrides`` is not ``"apply"``.
+        """
+        saved = state_dict.get("settings")
+        check_resumed_settings(type(self).__name__, saved, self.settings(), self.resume_overrides)
         self.skipped_steps = int(state_dict.get("skipped_steps", self.skipped_steps))
         self._pending = dict(state_dict)
         if self.handle is not None:

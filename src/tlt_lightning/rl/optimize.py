@@ -109,7 +109,11 @@ def optimize(module: GRPOModule, data: PolicyBatch) -> dict[str, torch.Tensor]:
         grad_norm = module._step_check.grad_norm
     finally:
         module._step_check = None
+        opt.zero_grad()  # the gradients' memory is free until the next step's backward
     assert grad_norm is not None, "the optimizer step ran without Lightning's on_before_optimizer_step"
+    # A fused optimizer writes the weights without bumping their in-place version counters, which the
+    # rollout's cached weight copies (packed layouts, the LM head's column-major copy) are keyed on.
+    torch.autograd.graph.increment_version(list(module.policy.parameters()))
     module.sync_rollout_policy()
     tokens = max(float(sums["tokens"]), 1.0)
     return {

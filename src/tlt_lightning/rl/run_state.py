@@ -18,7 +18,9 @@ checkpoint cannot hold is the clock: a bandit that learns from wall time (the de
 seconds (the spot config's ``training.max_seconds_per_rollout`` when the step bound is not
 reached first) makes the uninterrupted run and the resumed one differ as two uninterrupted runs would.
 Resuming with other settings (``seed``, ``optim.lr``, ...) is refused by ``tlt-lightning fit`` unless
-``--resume_overrides=apply``; a changed seed then warns here.
+``--resume_overrides=apply``; a changed seed then warns here. Resuming on other prompts (another task,
+dataset, size or seed: :func:`prompt_source_identity`) is refused here, unless the module's
+``resume_overrides`` is ``"apply"``.
 
 Example:
     >>> rollout_seed(0, 5, 0) == rollout_seed(0, 5, 0) != rollout_seed(0, 6, 0)
@@ -35,11 +37,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tlt_lightning.validation import check_resumed_settings
+
 if TYPE_CHECKING:
     from tlt_lightning.rl.config import OptimConfig
     from tlt_lightning.rl.sources import PromptSource
 
-__all__ = ["global_rng_state", "grpo_state", "restore_grpo_state", "rollout_seed", "set_global_rng_state"]
+__all__ = [
+    "global_rng_state",
+    "grpo_state",
+    "prompt_source_identity",
+    "restore_grpo_state",
+    "rollout_seed",
+    "set_global_rng_state",
+]
+
+FINGERPRINT_PROMPTS = 256
+"""Prompts hashed into :func:`prompt_source_identity` (the first ones: another seed changes them)."""
 
 
 def global_rng_state() -> dict[str, Any]:
@@ -90,16 +104,35 @@ def grpo_state(seed: int, source: PromptSource | None) -> dict[str, Any]:
         "version": 2,
         "seed": seed,
         "rng": global_rng_state(),
-        "prompt_source": None if source is None else {"name": str(source.name), "size": len(source)},
+        "prompt_source": None if source is None else prompt_source_identity(source),
     }
 
 
+def prompt_source_identity(source: PromptSource) -> dict[str, Any]:
+    """What a checkpoint records of the prompts it trained on: the source's name, its size and a hash of
+    its first :data:`FINGERPRINT_PROMPTS` prompts' token ids (another task, dataset, size or seed
+    changes one of them)."""
+    digest = hashlib.sha256()
+    for index in range(min(len(source), FINGERPRINT_PROMPTS)):
+        digest.update(torch.as_tensor(source.prompt_ids(index), dtype=torch.int64).numpy().tobytes())
+        digest.update(b"|")
+    return {"name": str(source.name), "size": len(source), "sha256": digest.hexdigest()[:16]}
+
+
 def restore_grpo_state(
-    checkpoint: dict[str, Any], seed: int, source: PromptSource | None, optim: OptimConfig
+    checkpoint: dict[str, Any],
+    seed: int,
+    source: PromptSource | None,
+    optim: OptimConfig,
+    resume_overrides: str = "refuse",
 ) -> None:
-    """Restore the global random states of ``checkpoint["grpo"]``, warning when the seed or the prompt
-    source differ from the checkpoint's, and set the restored optimizer's lr and weight decay to
-    ``optim``'s."""
+    """Restore the global random states of ``checkpoint["grpo"]``, warning when the seed differs from the
+    checkpoint's, and set the restored optimizer's lr and weight decay to ``optim``'s.
+
+    Raises:
+        ValueError: the prompt source differs from the checkpoint's (:func:`prompt_source_identity`) and
+            ``resume_overrides`` is not ``"apply"``.
+    """
     grpo = checkpoint.get("grpo", {})
     saved = grpo.get("seed")
     if saved is not None and saved != seed:
@@ -108,16 +141,9 @@ def restore_grpo_state(
             "rollouts will differ from the uninterrupted run",
             stacklevel=3,
         )
-    trained_on = grpo.get("prompt_source")
-    if trained_on is not None and source is not None:
-        now = {"name": str(source.name), "size": len(source)}
-        if now != trained_on:
-            warnings.warn(
-                f"resuming on prompt source {now['name']!r} ({now['size']} prompts) from a checkpoint "
-                f"trained on {trained_on['name']!r} ({trained_on['size']} prompts): the prompts, and the "
-                "run, will differ from the uninterrupted one",
-                stacklevel=3,
-            )
+    if source is not None:
+        now = prompt_source_identity(source)
+        check_resumed_settings("prompt_source", grpo.get("prompt_source"), now, resume_overrides)
     if "rng" in grpo:
         set_global_rng_state(grpo["rng"])
     # The optimizer's moments are restored; its lr / weight decay are the module's settings (they

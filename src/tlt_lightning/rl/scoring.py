@@ -25,6 +25,7 @@ import torch
 
 from tlt_lightning.rl.sources import PromptSource
 from tlt_lightning.rollout import RolloutResult
+from tlt_lightning.validation import UserError
 
 __all__ = [
     "NonFiniteLossError",
@@ -36,11 +37,11 @@ __all__ = [
 ]
 
 
-class RewardError(RuntimeError):
+class RewardError(RuntimeError, UserError):
     """A reward function raised or returned a non-finite value; the message names task and prompt."""
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(FloatingPointError, UserError):
     """The loss or the gradient norm is not finite; raised before the optimizer step."""
 
 

@@ -204,7 +204,10 @@ class AsyncCheckpointer:
             fsync_file(tmp / WEIGHTS_NAME)
             self._stage("weights", tmp)
             if job.optimizer is not None:
-                torch.save(job.optimizer, tmp / OPTIMIZER_NAME)
+                with open(
+                    tmp / OPTIMIZER_NAME, "wb"
+                ) as file:  # a full disk: an OSError, not "unexpected pos"
+                    torch.save(job.optimizer, file)
                 fsync_file(tmp / OPTIMIZER_NAME)
             self._stage("optimizer", tmp)
             config = checkpoint_config(job.meta["config"])  # the layout of Drafter.save_pretrained
@@ -284,6 +287,8 @@ class AsyncCheckpointer:
     def _raise_error(self) -> None:
         with self._lock:
             err, self._error = self._error, None
+        if isinstance(err, OSError):  # a full disk, a folder made read-only: name the folder
+            raise OSError(err.errno, err.strerror, err.filename or str(self.directory)) from err
         if err is not None:
             raise RuntimeError(f"a background drafter checkpoint write failed: {err!r}") from err
 

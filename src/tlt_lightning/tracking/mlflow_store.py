@@ -20,10 +20,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from tlt_lightning.validation import UserError
+
 __all__ = ["TrackingStoreError", "prepare_store", "sqlite_path"]
 
 
-class TrackingStoreError(RuntimeError):
+class TrackingStoreError(RuntimeError, UserError):
     """The MLflow tracking store could not be opened or prepared (not a config error)."""
 
 
@@ -79,6 +81,11 @@ def prepare_store(
     database = sqlite_path(tracking_uri)
     if database is None:
         return None
+    if database.is_dir():  # MLflow would retry opening it for minutes
+        raise TrackingStoreError(
+            f"MLflow tracking store {tracking_uri!r} is a folder, not a database file: "
+            f"name a file in it, e.g. sqlite:///{database / 'mlflow.db'}"
+        )
     step = "creating its directory"
     try:
         database.parent.mkdir(parents=True, exist_ok=True)  # sqlite creates the file, not its directory
