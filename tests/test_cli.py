@@ -474,7 +474,8 @@ def test_fit_saves_last_ckpt_at_the_final_step_whatever_the_interval(tmp_path, m
         )
         == 0
     )
-    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 7
+    (last,) = tmp_path.glob("version_*/checkpoints/last.ckpt")  # no logger: the run's own version_<N>
+    assert torch.load(last, weights_only=False)["global_step"] == 7
 
 
 def test_fit_without_mlflow_logs_to_csv(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from tests.helpers import assert_same, callback_state
 from tlt_lightning import cli
 from tlt_lightning.resume import check_resume, read_checkpoint, resume_conflicts
 from tlt_lightning.rl import OptimConfig
+from tlt_lightning.tracking.run_directory import latest_checkpoint
 from tlt_lightning.validation import check_resumed_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,7 +176,7 @@ def test_resume_with_other_settings_is_refused_listing_the_keys(tmp_path, monkey
         f"--trainer.default_root_dir={tmp_path}",
     ]
     assert cli.main([*base, "--trainer.max_steps=1"]) == 0
-    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    ckpt = latest_checkpoint(tmp_path)  # without a logger, each fit in its own version_<N>/checkpoints
     resume = [*base, "--trainer.max_steps=2", f"--ckpt_path={ckpt}"]
     with pytest.raises(
         ValueError, match=r"(?s)model.optim.lr: 0.01 -> 0.5\n  model.seed: 0 -> 3\n.*--resume_overrides=apply"
@@ -189,7 +190,7 @@ def test_resume_with_other_settings_is_refused_listing_the_keys(tmp_path, monkey
     # Applied on request: the new lr reaches the optimizer, the module warns about the seed.
     with pytest.warns(UserWarning, match="resuming with seed=3 from a checkpoint trained with seed=0"):
         assert cli.main([*resume, "--model.optim.lr=0.5", "--model.seed=3", "--resume_overrides=apply"]) == 0
-    after = torch.load(ckpt, weights_only=False)
+    after = torch.load(latest_checkpoint(tmp_path), weights_only=False)
     assert after["global_step"] == 2 and after["hyper_parameters"]["optim"]["lr"] == 0.5
     assert after["optimizer_states"][0]["param_groups"][0]["lr"] == 0.5
     # Or the checkpoint's values (Lightning's behaviour), now said out loud.
@@ -198,14 +199,15 @@ def test_resume_with_other_settings_is_refused_listing_the_keys(tmp_path, monkey
             [
                 *base,
                 "--trainer.max_steps=3",
-                f"--ckpt_path={ckpt}",
+                "--ckpt_path=last",  # the newest: the resumed fit's, step 2
                 "--model.optim.lr=0.1",
                 "--resume_overrides=checkpoint",
             ]
         )
         == 0
     )
-    assert torch.load(ckpt, weights_only=False)["hyper_parameters"]["optim"]["lr"] == 0.5
+    final = torch.load(latest_checkpoint(tmp_path), weights_only=False)
+    assert final["global_step"] == 3 and final["hyper_parameters"]["optim"]["lr"] == 0.5
 
 
 def test_resume_overrides_takes_only_its_three_values(capsys):
@@ -229,6 +231,35 @@ def test_resume_from_an_empty_checkpoint_is_a_short_error(tmp_path, monkeypatch,
     assert cli.main(argv, short_errors=True) == 1
     err = capsys.readouterr().err
     assert "ValueError: ckpt_path" in err and "is empty (0 bytes)" in err and "EOFError" not in err
+
+
+def test_ckpt_path_last_takes_the_newest_run_and_runs_without_logger_share_no_checkpoint(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
+    base = [
+        "fit",
+        "--config",
+        str(TINY),
+        "--trainer.logger=false",
+        "--model.rollout_progress=false",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    # Nothing to resume: refused in one line naming where it looked, nothing started.
+    assert cli.main([*base, "--ckpt_path=last"], short_errors=True) == 1
+    looked = f"ckpt_path 'last': no checkpoint matches '{tmp_path}/**/checkpoints/last*.ckpt'"
+    assert looked in capsys.readouterr().err and not list(tmp_path.iterdir())
+    # Two runs on one root dir: each its own version_<N>/checkpoints/last.ckpt.
+    for seed in (1, 2):
+        assert cli.main([*base, "--trainer.max_steps=1", f"--model.seed={seed}"]) == 0
+    first, second = sorted(tmp_path.glob("version_*/checkpoints/last.ckpt"))
+    assert (first.parts[-3], second.parts[-3]) == ("version_0", "version_1")
+    # `last` is the newest run's (seed 2: the first run's seed 1 would be refused as a changed setting).
+    assert cli.main([*base, "--trainer.max_steps=2", "--model.seed=2", "--ckpt_path=last"]) == 0
+    resumed = latest_checkpoint(tmp_path)
+    assert resumed.parts[-3] == "version_2" and torch.load(resumed, weights_only=False)["global_step"] == 2
+    assert [torch.load(p, weights_only=False)["global_step"] for p in (first, second)] == [1, 1]
 
 
 # ---------------------------------------------------------------------------------- prompts, callbacks

@@ -118,8 +118,8 @@ def test_fit_ckpt_path_refuses_a_payload(tmp_path, marker, monkeypatch, capsys):
 
 @pytest.mark.parametrize("keyword", ["last", "hpc"])
 def test_fit_ckpt_path_keywords_refuse_a_payload(tmp_path, marker, monkeypatch, capsys, keyword):
-    """Lightning resolves ``last`` (the checkpoint folder's newest last.ckpt) and ``hpc``
-    (``hpc_ckpt_<n>.ckpt`` in the root dir) itself: it reads them weights-only, and so does fit."""
+    """fit resolves ``last`` (the newest ``*/checkpoints/last.ckpt`` under the root dir), Lightning ``hpc``
+    (``hpc_ckpt_<n>.ckpt`` in the root dir): both are read weights-only."""
     monkeypatch.setattr(sys, "argv", ["tlt-lightning"])
     monkeypatch.chdir(tmp_path)
     plant(tmp_path / keyword, marker)  # a file named like the keyword, in the working directory
@@ -127,7 +127,8 @@ def test_fit_ckpt_path_keywords_refuse_a_payload(tmp_path, marker, monkeypatch, 
     plant(tmp_path / "run" / name, marker)
     assert cli.main(fit_argv(tmp_path, keyword), short_errors=True) == 1
     err = capsys.readouterr().err
-    assert "the checkpoint --ckpt_path names holds pickled Python objects" in err and TRUST_ENV in err
+    refused = "last.ckpt' holds" if keyword == "last" else "the checkpoint --ckpt_path names holds"
+    assert f"{refused} pickled Python objects" in err and TRUST_ENV in err
 
 
 def test_torchtune_recipe_ckpt_path_refuses_a_payload(tmp_path, marker, monkeypatch):

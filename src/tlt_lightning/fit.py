@@ -21,9 +21,18 @@ with MLflow (:func:`~tlt_lightning.tracking.run_dir`): Lightning's ``checkpoints
 ``config.yaml`` (also the run's artifact), the callbacks' ``drafter/``, ``bandit/`` and ``drift/``
 outputs.
 
+Without a logger (``--trainer.logger=false``) the run's directory is ``<default_root_dir>/version_<N>/``,
+checkpoints included, so that two fits never share a ``last.ckpt``.
+
 ``--ckpt_path PATH`` resumes a run: into the same MLflow run (every checkpoint names its run), which
 is marked ``FINISHED`` when the resumed fit ends, with the resumed fit's config saved beside the
-first as ``config-resume-<n>.yaml``.
+first as ``config-resume-<n>.yaml``. ``--ckpt_path=last`` resumes the newest ``last.ckpt`` under
+``default_root_dir``, and refuses when there is none.
+
+SIGTERM (a scheduler's preemption) or SIGINT (Ctrl+C) stops the fit at the end of the current step
+(:class:`~tlt_lightning.callbacks.CheckpointOnSignal`): ``last.ckpt`` is saved, the MLflow run is
+marked ``KILLED``, one line says what was saved and how to resume, and the exit status is
+``128 + signal`` (143 for SIGTERM, 130 for SIGINT).
 """
 
 from __future__ import annotations
@@ -44,10 +53,12 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from tlt_lightning.callbacks import BanditCallback, SpotDrafterCallback
 from tlt_lightning.callbacks.progress import GRPOProgressBar
+from tlt_lightning.callbacks.signals import CheckpointOnSignal
 from tlt_lightning.cli_options import Parser
 from tlt_lightning.drafter.mlflow_uri import DEFAULT_TRACKING_URI
 from tlt_lightning.efficiency import ActivationCheckpointingCallback, LayerwisePrecisionCallback
@@ -59,7 +70,12 @@ from tlt_lightning.safe_load import refusing_pickled_objects
 from tlt_lightning.tracking.logger import default_artifact_location, is_tracking_logger, prepare_logger_store
 from tlt_lightning.tracking.mlflow_resume import MLflowRunCheckpoint, canonical_tracking_uri, resumable_run_id
 from tlt_lightning.tracking.mlflow_store import TrackingStoreError
-from tlt_lightning.tracking.run_directory import run_dir, save_run_config
+from tlt_lightning.tracking.run_directory import (
+    CheckpointsInRunDir,
+    latest_checkpoint,
+    run_dir,
+    save_run_config,
+)
 from tlt_lightning.validation import check
 
 __all__ = ["GRPOCLI", "ConciseHelpFormatter", "FitParser", "SaveLastAtTrainEnd", "TrackingSaveConfig", "main"]
@@ -241,7 +257,15 @@ class GRPOCLI(LightningCLI):
             save_config_kwargs={"save_to_log_dir": False},
             # Every checkpoint names its MLflow run: `fit --ckpt_path` continues that run.
             # A last.ckpt of the final step, whatever every_n_train_steps is.
-            trainer_defaults={"callbacks": [MLflowRunCheckpoint(), SaveLastAtTrainEnd()]},
+            # SIGTERM / SIGINT: last.ckpt at the end of the step (then exit 128 + signal, see fit).
+            trainer_defaults={
+                "callbacks": [
+                    MLflowRunCheckpoint(),
+                    SaveLastAtTrainEnd(),
+                    CheckpointsInRunDir(),
+                    CheckpointOnSignal(),
+                ]
+            },
             seed_everything_default=0,
             auto_configure_optimizers=False,
             parser_kwargs={"fit": {"prog": "tlt-lightning fit"}},
@@ -283,6 +307,10 @@ class GRPOCLI(LightningCLI):
         config = self.config[subcommand]
         config.weights_only = checkpoint_weights_only(config.get("weights_only"))
         ckpt_path = config.get("ckpt_path")
+        if str(ckpt_path) == "last":  # Lightning looks in the new run's (empty) directory only
+            root = config.get("trainer", {}).get("default_root_dir") or os.getcwd()
+            config.ckpt_path = ckpt_path = str(latest_checkpoint(root))
+            log.info("ckpt_path 'last': resuming from %s", ckpt_path)
         if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_NAMES:
             return
         saved = read_checkpoint(ckpt_path).get("hyper_parameters") or {}
@@ -320,6 +348,16 @@ class GRPOCLI(LightningCLI):
         ):
             if config.get("ckpt_path") and logger.get("run_id") is None:
                 logger.run_id = resumable_run_id(str(config.ckpt_path), logger.tracking_uri)
+
+    def fit(self, **kwargs: Any) -> None:
+        """``Trainer.fit``; when SIGTERM or SIGINT stopped it (see
+        :class:`~tlt_lightning.callbacks.CheckpointOnSignal`): the MLflow run marked ``KILLED``, one line
+        on stderr, and ``SystemExit(128 + signal)``."""
+        try:
+            self.trainer.fit(**kwargs)
+        except SIGTERMException as stopped:
+            stops = (c for c in self.trainer.callbacks if isinstance(c, CheckpointOnSignal))
+            raise SystemExit(next(stops, CheckpointOnSignal()).report(self.trainer)) from stopped
 
     def _default_progress_bar(self, trainer: Any) -> None:
         """:class:`~tlt_lightning.callbacks.GRPOProgressBar` is the trainer's default bar: none with

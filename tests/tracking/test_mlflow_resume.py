@@ -59,3 +59,18 @@ def test_the_resumed_logger_reopens_the_run_and_keeps_its_first_parameters(tmp_p
     resumed.finalize("success")
     assert client.get_run(run_id).info.status == "FINISHED"
     assert len(client.search_runs([first.experiment_id])) == 1
+
+
+def test_a_run_left_running_by_a_killed_fit_is_marked_killed_when_resumed(tmp_path, caplog):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    killed = ResumableMLFlowLogger(experiment_name="x", tracking_uri=uri)
+    client, run_id = killed.experiment, killed.run_id  # never finalized: what SIGKILL leaves
+    assert client.get_run(run_id).info.status == "RUNNING"
+    with caplog.at_level(logging.WARNING, logger="tlt_lightning.tracking.mlflow_resume"):
+        resumed = ResumableMLFlowLogger(experiment_name="x", tracking_uri=uri, run_id=run_id)
+        opened = resumed.experiment.get_run(run_id)
+    assert f"MLflow run {run_id} was left RUNNING by a killed fit: marked KILLED" in caplog.text
+    assert opened.info.status == "RUNNING" and opened.data.tags["resumed_from_status"] == "KILLED"
+    resumed.finalize("failed")  # a crash: the next resume says so
+    again = ResumableMLFlowLogger(experiment_name="x", tracking_uri=uri, run_id=run_id)
+    assert again.experiment.get_run(run_id).data.tags["resumed_from_status"] == "FAILED"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import threading
 from types import SimpleNamespace
 
@@ -11,6 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from tests.rl.test_module import make_trainer
 from tlt_lightning.tracking import run_dir
+from tlt_lightning.tracking.run_directory import latest_checkpoint
 
 
 def test_without_a_logger_each_trainer_claims_a_fresh_version(tmp_path):
@@ -67,3 +69,19 @@ def test_other_ranks_take_rank_zeros_directory(tmp_path):
     rank1 = _Rank1(tmp_path, lambda obj: sent.append(obj) or str(tmp_path / "from-rank-0"))
     assert run_dir(rank1) == tmp_path / "from-rank-0" and sent == [None]  # it resolved nothing itself
     assert not (tmp_path / "version_0").exists()
+
+
+def test_latest_checkpoint_is_the_newest_last_ckpt_of_any_run(tmp_path):
+    where = rf"'{tmp_path}/\*\*/checkpoints/last\*.ckpt'"
+    with pytest.raises(ValueError, match=rf"ckpt_path 'last': no checkpoint matches {where}: pass a"):
+        latest_checkpoint(tmp_path)
+    paths = [tmp_path / "checkpoints/last.ckpt", tmp_path / "1/run/checkpoints/last.ckpt"]
+    paths.append(tmp_path / "version_3/checkpoints/last-v1.ckpt")
+    for age, path in enumerate(reversed(paths)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+        os.utime(path, ns=(0, (10 - age) * 10**9))
+    (tmp_path / "version_3/checkpoints/step=9.ckpt").write_bytes(b"x")  # not a last.ckpt
+    assert latest_checkpoint(tmp_path) == paths[-1]
+    os.utime(paths[0], ns=(0, 20 * 10**9))
+    assert latest_checkpoint(tmp_path) == paths[0]

@@ -4,6 +4,13 @@ bar."""
 from tlt_lightning.callbacks.bandit import BanditCallback
 from tlt_lightning.callbacks.drift import DrafterDriftProbe
 from tlt_lightning.callbacks.progress import GRPOProgressBar
+from tlt_lightning.callbacks.signals import CheckpointOnSignal
 from tlt_lightning.callbacks.spot_drafter import SpotDrafterCallback
 
-__all__ = ["BanditCallback", "DrafterDriftProbe", "GRPOProgressBar", "SpotDrafterCallback"]
+__all__ = [
+    "BanditCallback",
+    "CheckpointOnSignal",
+    "DrafterDriftProbe",
+    "GRPOProgressBar",
+    "SpotDrafterCallback",
+]

@@ -5,11 +5,11 @@
 * :func:`mlflow_run_in_checkpoint` reads it back from a checkpoint file, before anything is built;
   :func:`resumable_run_id` checks that the run is in the store the resumed fit logs to
   (``tlt-lightning fit --ckpt_path`` passes it to :func:`~tlt_lightning.tracking.tracking_logger`).
-* :class:`ResumableMLFlowLogger` continues that run: marked ``RUNNING`` again when opened (a run
-  whose process was killed stays ``RUNNING`` or ``FAILED`` until then; Lightning marks it
-  ``FINISHED`` at the end of the resumed fit), parameters already logged are not logged again, and
-  a parameter the resumed fit changes (MLflow forbids changing one) is kept as the tag
-  ``resumed.<name>``.
+* :class:`ResumableMLFlowLogger` continues that run: marked ``RUNNING`` again when opened (Lightning
+  marks it ``FINISHED`` at the end of the resumed fit; a run that nothing ended, its process killed by
+  SIGKILL, is marked ``KILLED`` first; the status it had is the tag ``resumed_from_status``),
+  parameters already logged are not logged again, and a parameter the resumed fit changes (MLflow
+  forbids changing one) is kept as the tag ``resumed.<name>``.
 
 Nothing here imports MLflow at import time.
 
@@ -150,7 +150,8 @@ class ResumableMLFlowLogger(MLFlowLogger):
     """Lightning's ``MLFlowLogger`` that continues the run ``run_id`` when given one.
 
     Without ``run_id`` it is exactly an ``MLFlowLogger`` (a new run). With one: the run is marked
-    ``RUNNING`` when opened, parameters it already holds with the same value are skipped, and a
+    ``RUNNING`` when opened (``KILLED`` first if it was left ``RUNNING``; the tag ``resumed_from_status``
+    says what it was), parameters it already holds with the same value are skipped, and a
     changed value is set as the tag ``resumed.<name>`` (with a warning) instead of failing the fit.
 
     Args: those of :class:`~lightning.pytorch.loggers.MLFlowLogger`.
@@ -166,6 +167,12 @@ class ResumableMLFlowLogger(MLFlowLogger):
         opening = not self._initialized
         client = super().experiment
         if opening and self.resumed:
+            status = client.get_run(self._run_id).info.status
+            if status == "RUNNING":  # no process ended it: killed without a chance to (SIGKILL, power loss)
+                log.warning("MLflow run %s was left RUNNING by a killed fit: marked KILLED", self._run_id)
+                client.set_terminated(self._run_id, "KILLED")
+                status = "KILLED"
+            client.set_tag(self._run_id, "resumed_from_status", status)
             client.update_run(self._run_id, status="RUNNING")  # Lightning sets FINISHED / FAILED at the end
         return client
 

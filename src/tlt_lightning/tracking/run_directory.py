@@ -9,7 +9,8 @@ directory of that run, the one Lightning's ``ModelCheckpoint`` puts ``checkpoint
     <default_root_dir>/version_<N>/                   no logger: the first free N, claimed atomically
 
 So two runs on one ``default_root_dir`` never share (or prune) each other's files, and a run resumed
-into the same MLflow run (``fit --ckpt_path``) finds its own files again.
+into the same MLflow run (``fit --ckpt_path``) finds its own files again. ``fit --ckpt_path=last``
+resumes the newest ``last.ckpt`` under ``default_root_dir`` (:func:`latest_checkpoint`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import weakref
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
+from typing_extensions import override
 
-__all__ = ["run_dir", "save_run_config"]
+__all__ = ["CheckpointsInRunDir", "latest_checkpoint", "run_dir", "save_run_config"]
 
 _RESOLVED: weakref.WeakKeyDictionary[L.Trainer, Path] = weakref.WeakKeyDictionary()
 _VERSION = re.compile(r"^version_(\d+)$")
@@ -100,3 +103,38 @@ def save_run_config(trainer: L.Trainer, text: str, filename: str = "config.yaml"
         logger.experiment.log_text(logger.run_id, text, name)
     (directory / name).write_text(text)
     return directory / name
+
+
+class CheckpointsInRunDir(L.Callback):
+    """Without a logger, ``ModelCheckpoint`` s with no ``dirpath`` write in the run's own directory.
+
+    Lightning's default there is ``<default_root_dir>/checkpoints/``, one ``last.ckpt`` for every fit on
+    that root; this makes it ``<default_root_dir>/version_<N>/checkpoints/`` (:func:`run_dir`), beside
+    the run's other files. With a logger Lightning's default already is the run's directory.
+    ``tlt-lightning fit`` adds it.
+    """
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning calls the checkpoint callbacks' setup last, where they resolve their dirpath.
+        if trainer.loggers:
+            return
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = str(run_dir(trainer) / "checkpoints")
+
+
+def latest_checkpoint(root: str | Path) -> Path:
+    """The newest ``last.ckpt`` of the runs under ``root`` (``<run dir>/checkpoints/last*.ckpt``, by time).
+
+    Raises:
+        ValueError: there is none; the message names where it looked.
+    """
+    pattern = "**/checkpoints/last*.ckpt"
+    found = [p for p in Path(root).glob(pattern) if p.is_file()]
+    if not found:
+        raise ValueError(
+            f"ckpt_path 'last': no checkpoint matches {str(Path(root, pattern))!r}: pass a .ckpt file, the "
+            "run's --trainer.default_root_dir, or no --ckpt_path to start a new run"
+        )
+    return max(found, key=lambda p: p.stat().st_mtime_ns)
