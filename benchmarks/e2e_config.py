@@ -73,16 +73,20 @@ class RankRecorder(L.Callback):
             "wall_s": wall - outputs["times"]["compile_s"],  # compiling (first step) is not stepping
             "cpu_s": cpu,
             **{k: float(v) for k, v in outputs["times"].items()},
-            "drafter_s": float(spot_stats.get("idle_s", 0.0) + spot_stats.get("paid_s", 0.0)),
+            # The spot drafter's training: in the other ranks' tail (tail_s) or paid for (paid_s); idle_s:
+            # tail time it did not train in.
+            "drafter_s": float(spot_stats.get("tail_s", 0.0) + spot_stats.get("paid_s", 0.0)),
             "drafter_paid_s": float(spot_stats.get("paid_s", 0.0)),
+            "drafter_steps": int(spot_stats.get("tail_steps", 0) + spot_stats.get("paid_steps", 0)),
+            "idle_s": float(spot_stats.get("idle_s", 0.0)),
             "tail_share": tail / max(sum(stats.step_times), 1e-9),
             "tokens": stats.generated_tokens,
             "lengths": [int(n) for n in result.lengths],
             "accept_length": stats.mean_accept_length,
             "reward": float(rewards.total.mean()),
             "accuracy": float((rewards.correctness >= 1).float().mean()),
+            "phase_peak_mb": self.memory.take(),  # before the peak below, which bounds every sample in it
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "phase_peak_mb": self.memory.take(),
         }
         if trainer.global_step == 1 or trainer.global_step % 4 == 0:  # a walk over every live tensor
             record["tensors_mb"] = tensor_breakdown(pl_module, trainer, spot)

@@ -47,12 +47,14 @@ def _storages(tensors) -> dict[int, int]:
     out = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
-            try:
-                storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # opaque tensors (e.g. mkldnn) have none
+            if t.is_mkldnn:  # opaque (oneDNN-packed weights): no storage to share
                 out[id(t)] = t.numel() * t.element_size()
                 continue
-            out[storage.data_ptr()] = storage.nbytes()
+            try:
+                storage = t.untyped_storage()
+                out[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # fake tensors (a compiler's) hold no memory
+                continue
     return out
 
 
