@@ -345,7 +345,13 @@ PUBLIC_API = {
         "profile_blocks",
         "quantize_ptq",
     },
-    "callbacks": {"BanditCallback", "DrafterDriftProbe", "GRPOProgressBar", "SpotDrafterCallback"},
+    "callbacks": {
+        "BanditCallback",
+        "CertifyCallback",
+        "DrafterDriftProbe",
+        "GRPOProgressBar",
+        "SpotDrafterCallback",
+    },
     "spot": {
         "STEP_STATS",
         "AsyncCheckpointer",

@@ -2,8 +2,9 @@
 bar."""
 
 from tlt_lightning.callbacks.bandit import BanditCallback
+from tlt_lightning.callbacks.certify import CertifyCallback
 from tlt_lightning.callbacks.drift import DrafterDriftProbe
 from tlt_lightning.callbacks.progress import GRPOProgressBar
 from tlt_lightning.callbacks.spot_drafter import SpotDrafterCallback
 
-__all__ = ["BanditCallback", "DrafterDriftProbe", "GRPOProgressBar", "SpotDrafterCallback"]
+__all__ = ["BanditCallback", "CertifyCallback", "DrafterDriftProbe", "GRPOProgressBar", "SpotDrafterCallback"]
