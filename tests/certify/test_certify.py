@@ -107,6 +107,13 @@ def test_the_certificate_writes_json_and_a_plot(tiny_llama, tmp_path):
     assert plot_certificate(cert, tmp_path / "again.png").exists()
 
 
+def test_a_certain_next_token_gives_no_power_and_says_so(tiny_llama):
+    cert = certify(tiny_llama, PROMPTS, small(rows=50, depth=1, top_k=1))  # one possible token
+    assert cert.lossless and math.isinf(cert.detectable_tv)
+    assert cert.verdict.startswith("NO POWER: no deviation found")
+    assert "choose other positions" in cert.verdict
+
+
 def test_bad_settings_are_rejected(tiny_llama):
     with pytest.raises(ValueError, match="temperature must be > 0"):
         CertifyConfig(temperature=0)

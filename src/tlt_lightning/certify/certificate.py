@@ -12,6 +12,7 @@ each test reports the smallest total-variation deviation it detects with ``power
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -111,6 +112,12 @@ class Certificate:
     @property
     def verdict(self) -> str:
         power, alpha = self.info["config"]["power"], self.info["config"]["alpha"]
+        if self.lossless and math.isinf(self.detectable_tv):
+            return (
+                f"NO POWER: no deviation found (family-wise alpha {alpha}), but at some site the next token "
+                "has a single possible outcome under these settings, so nothing there could be detected: "
+                "choose other positions"
+            )
         if self.lossless:
             return (
                 f"LOSSLESS at this power: no deviation found (family-wise alpha {alpha}); a per-position "
