@@ -22,7 +22,7 @@ import torch
 
 from tlt_lightning.certify.draw import draw_with_backend, draw_with_step
 from tlt_lightning.certify.exact import DepthLaws, exact_laws
-from tlt_lightning.certify.stats import BinnedTest, binned_chi_square, detectable_tv, holm
+from tlt_lightning.certify.stats import IMPOSSIBLE, BinnedTest, binned_chi_square, detectable_tv, holm
 from tlt_lightning.models.target import TargetModel
 from tlt_lightning.rollout.drafting import DraftModel
 from tlt_lightning.rollout.engine import PlainStep, RolloutBackend, RolloutEngine
@@ -291,7 +291,9 @@ def _run_tests(
         if len(laws) >= 2:
             counts, probs, seqs = _joint(laws, eos)
             # the unlisted mass is never a bin of its own: it joins the rest bin
-            test = binned_chi_square(counts, probs, config.min_expected, config.max_bins, pool_last=True)
+            test = binned_chi_square(
+                counts, probs, config.min_expected, config.max_bins, True, IMPOSSIBLE ** len(laws)
+            )
             raw.append((i, "joint", test, lambda g, v, seqs=seqs: seqs[v] if v < len(seqs) else None))
     rejected = holm([t.pvalue for _, _, t, _ in raw], config.alpha)
     level = config.alpha / len(raw)  # Holm's first step: the power holds for every test
