@@ -109,6 +109,12 @@ class VLLMBackendConfig:
         ):
             raise ValueError(f"max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
         check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {sorted(DTYPES)}")
+        check(
+            isinstance(self.cpu_sampled_speculation, bool),
+            "cpu_sampled_speculation",
+            self.cpu_sampled_speculation,
+            "a bool",
+        )
         check(self.device in DEVICES, "device", self.device, f"one of {list(DEVICES)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
