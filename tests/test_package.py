@@ -347,6 +347,7 @@ PUBLIC_API = {
     },
     "callbacks": {
         "BanditCallback",
+        "CertifyCallback",
         "CheckpointOnSignal",
         "DrafterDriftProbe",
         "GRPOProgressBar",

@@ -295,8 +295,17 @@ def _certify(p: ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=2)
     p.add_argument("--alpha", type=float, default=0.01, help="family-wise false alarm rate")
     p.add_argument("--power", type=float, default=0.9, help="power of the reported detectable deviation")
+    p.add_argument(
+        "--max-bins", type=PositiveInt, default=32, help="own bins per law at most (fewer: more power)"
+    )
     p.add_argument("--chunk", type=int, default=512, help="rows per batch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--backend",
+        default="engine",
+        choices=["engine", "vllm"],
+        help="the stack under test: our engine, or vLLM (chain arms; run from vLLM's environment)",
+    )
     p.add_argument("--out", default="runs/certify", help="output directory (one folder per arm)")
 
 

@@ -107,6 +107,26 @@ def test_the_certificate_writes_json_and_a_plot(tiny_llama, tmp_path):
     assert plot_certificate(cert, tmp_path / "again.png").exists()
 
 
+def test_a_tiny_joint_probability_of_possible_tokens_is_not_impossible():
+    # Three tokens of probability 1e-5 each: the sequence has 1e-15, below the per-token bound.
+    counts, probs = torch.tensor([[1.0, 99.0]]), torch.tensor([[1e-15, 1 - 1e-15]], dtype=torch.float64)
+    assert binned_chi_square(counts, probs).impossible == 1  # as one token: impossible
+    assert binned_chi_square(counts, probs, impossible_below=1e-12**3).impossible == 0
+    assert (
+        binned_chi_square(
+            counts, probs.clone().fill_(0).index_fill_(1, torch.tensor([1]), 1.0), impossible_below=1e-12**3
+        ).impossible
+        == 1
+    )  # an exact 0 still is
+
+
+def test_a_certain_next_token_gives_no_power_and_says_so(tiny_llama):
+    cert = certify(tiny_llama, PROMPTS, small(rows=50, depth=1, top_k=1))  # one possible token
+    assert cert.lossless and math.isinf(cert.detectable_tv)
+    assert cert.verdict.startswith("NO POWER: no deviation found")
+    assert "choose other positions" in cert.verdict
+
+
 def test_bad_settings_are_rejected(tiny_llama):
     with pytest.raises(ValueError, match="temperature must be > 0"):
         CertifyConfig(temperature=0)

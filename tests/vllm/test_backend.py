@@ -123,6 +123,11 @@ def test_on_the_cpu_sampled_speculation_is_refused_and_requests_carry_no_seed(se
         spec.generate(served.prompts[:2], generator=torch.Generator().manual_seed(0))
     spec.config = RolloutConfig(max_new_tokens=4, temperature=0.0)
     assert len(spec.generate(served.prompts[:2]).rollouts) == 2  # greedy speculation runs
+    # Sent anyway only when asked for (to certify the defect).
+    measured = make_backend(served, sampled, device="cpu", cpu_sampled_speculation=True)
+    assert len(measured.generate(served.prompts[:2]).rollouts) == 2
+    with pytest.raises(ValueError, match="cpu_sampled_speculation must be a bool, got 'yes'"):
+        VLLMBackendConfig(model="m", cpu_sampled_speculation="yes")
     plain = make_backend(served, sampled, drafter=None, device="cpu")
     plain.generate(served.prompts[:2], generator=torch.Generator().manual_seed(0))
     assert all("seed" not in p for p in plain.llm.last_params)  # the engine's seed, not the request's

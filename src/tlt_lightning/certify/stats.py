@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["BinnedTest", "binned_chi_square", "chi2_sf", "detectable_tv", "holm"]
+__all__ = ["IMPOSSIBLE", "BinnedTest", "binned_chi_square", "chi2_sf", "detectable_tv", "holm"]
 
 IMPOSSIBLE = 1e-12  # a target probability below this is zero (sampling_probs zeroes what top-p/top-k drop)
 
@@ -56,6 +56,7 @@ def binned_chi_square(
     min_expected: float = 5.0,
     max_bins: int = 32,
     pool_last: bool = False,
+    impossible_below: float = IMPOSSIBLE,
 ) -> BinnedTest:
     """Test observed counts against a target's laws, one law per group, pooled into one statistic.
 
@@ -67,6 +68,8 @@ def binned_chi_square(
             against the worst-case deviation, see :func:`detectable_tv`).
         pool_last: the last outcome always joins the rest bin (an outcome defined by what was not
             observed, whose own count would be 0 by construction).
+        impossible_below: an observed outcome of a smaller probability fails the test outright (for a
+            joint law of ``D`` tokens ``IMPOSSIBLE ** D``: a product of possible tokens can be tiny).
 
     Returns:
         A :class:`BinnedTest`.
@@ -78,7 +81,7 @@ def binned_chi_square(
     """
     counts, probs = counts.double(), probs.double()
     n = counts.sum(-1, keepdim=True)  # [G, 1]
-    impossible = int(counts[probs < IMPOSSIBLE].sum())
+    impossible = int(counts[probs < impossible_below].sum())
     expected = n * probs
     order = expected.argsort(-1, descending=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(probs.shape[-1]).expand_as(order))

