@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.tracking.test_mlflow_drafter import assert_same, mlflow_tracking_uri, weights
 from tlt_lightning import cli
 from tlt_lightning.drafter import Drafter, DrafterConfig, import_drafter, load_drafter, save_drafter
+from tlt_lightning.drafter.mlflow_uri import file_sha256
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.tracking import log_drafter_version
@@ -83,6 +85,19 @@ def test_pyfunc_load_round_trip_drafts_for_the_recorded_target(registered, tiny_
     assert all(1.0 <= a <= 4.0 for a in out["mean_accept_length"])  # tokens per speculative step
     records = model.predict([{"input_ids": PROMPTS[0]}], params={"max_new_tokens": 6, "num_draft_tokens": 3})
     assert list(records["token_ids"][0]) == list(out["token_ids"][0])
+
+
+def test_pyfunc_refuses_weights_changed_after_logging(registered, tmp_path):
+    local = Path(mlflow.artifacts.download_artifacts("models:/my-drafter/1", dst_path=str(tmp_path / "dl")))
+    info = mlflow.models.get_model_info(str(local))
+    assert info.flavors[FLAVOR_NAME]["weights_sha256"] == file_sha256(local / "model.safetensors")
+    stored = load_file(str(local / "model.safetensors"))
+    save_file(
+        {k: v + 1 if v.is_floating_point() else v for k, v in stored.items()},
+        str(local / "model.safetensors"),
+    )
+    with pytest.raises(ValueError, match=r"sha256 is not the one this MLflow model was saved with"):
+        mlflow.pyfunc.load_model(str(local))
 
 
 def test_pyfunc_takes_another_target_through_model_config(registered, tiny_llama):

@@ -52,7 +52,7 @@ from tlt_lightning.drafter.io import (
     load_drafter,
     read_drafter_config,
 )
-from tlt_lightning.drafter.mlflow_uri import import_mlflow
+from tlt_lightning.drafter.mlflow_uri import file_sha256, import_mlflow
 
 if TYPE_CHECKING:
     from mlflow.models import ModelSignature
@@ -157,6 +157,7 @@ def save_drafter_model(
         FLAVOR_NAME,
         format_version=1,
         weights=WEIGHTS_NAME,
+        weights_sha256=file_sha256(Path(checkpoint_dir) / WEIGHTS_NAME),  # checked on load
         config=CONFIG_NAME if (Path(checkpoint_dir) / CONFIG_NAME).is_file() else LEGACY_CONFIG_NAME,
         drafter_config=config.to_dict(),
         target=target,
@@ -212,6 +213,12 @@ def _load_pyfunc(data_path: str, model_config: dict[str, Any] | None = None) -> 
     from mlflow.models import Model
 
     flavor = Model.load(os.path.join(data_path, "MLmodel")).flavors[FLAVOR_NAME]
+    recorded = flavor.get("weights_sha256")  # models saved before it was recorded have none
+    if recorded is not None and file_sha256(Path(data_path) / WEIGHTS_NAME) != recorded:
+        raise ValueError(
+            f"{Path(data_path) / WEIGHTS_NAME}: its sha256 is not the one this MLflow model was saved with "
+            f"({recorded}): the weights were changed after it was logged; refusing to load them"
+        )
     config = model_config or {}
     target = _load_target(
         config.get("target"),
