@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -200,6 +201,24 @@ def test_an_override_changes_the_run(tmp_path, base_run):
     (saved,) = (tmp_path / "run").glob("version_*/config.yaml")  # no logger: the run's own directory
     saved = yaml.safe_load(saved.read_text())
     assert saved["module"]["rollout"]["max_new_tokens"] == 4 and saved["trainer"]["max_steps"] == 2
+
+
+def test_sigterm_saves_the_step_and_exits_143_as_fit_does(tmp_path, capsys):
+    cfg = load_config(CONFIG, [*quiet(tmp_path, "run"), "trainer.max_steps=4"])
+    signal_at_2 = {
+        "_component_": "tests.callbacks.test_signals.SignalAt",
+        "sig": int(signal.SIGTERM),
+        "step": 2,
+    }
+    cfg.callbacks = [*cfg.callbacks, signal_at_2]
+    with pytest.raises(SystemExit) as stopped:
+        run(cfg)
+    assert stopped.value.code == 143
+    (saved,) = (tmp_path / "run").rglob("last.ckpt")
+    assert torch.load(saved, weights_only=False)["global_step"] == 2  # the step it was in, saved
+    assert (
+        f"tlt-lightning torchtune: stopped by SIGTERM after step 2: saved {saved}" in capsys.readouterr().err
+    )
 
 
 def test_cli_subcommand_runs_the_recipe(tmp_path):

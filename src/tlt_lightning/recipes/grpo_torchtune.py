@@ -56,7 +56,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from tlt_lightning.callbacks.signals import CheckpointOnSignal
 from tlt_lightning.drafter.mlflow_uri import DEFAULT_TRACKING_URI
 from tlt_lightning.models.hardware import training_precision
 from tlt_lightning.resume import LIGHTNING_CKPT_NAMES, checkpoint_weights_only, read_checkpoint
@@ -282,13 +284,17 @@ def run(cfg: DictConfig) -> tuple[Trainer, LightningModule]:
     logger = config.instantiate(OmegaConf.create(logger_node)) if logger_node else False
     # As fit: every checkpoint names its MLflow run, a last.ckpt of the final step, the config tracked.
     callbacks = [config.instantiate(node) for node in cfg.get("callbacks") or []]
-    callbacks += [MLflowRunCheckpoint(), SaveLastAtTrainEnd(), RecipeConfigLogger(plain)]
+    stop = CheckpointOnSignal()  # SIGTERM / SIGINT: last.ckpt of the step, as in fit
+    callbacks += [MLflowRunCheckpoint(), SaveLastAtTrainEnd(), RecipeConfigLogger(plain), stop]
     # As `fit` does: unless the config says otherwise, train in the precision that pays here.
     precision = {} if "precision" in plain["trainer"] else {"precision": training_precision()}
     trainer = config.instantiate(cfg.trainer, logger=logger, callbacks=callbacks, **precision)
     # No pickled objects are read from the checkpoint unless TLT_LIGHTNING_TRUST_CHECKPOINTS=1.
-    with refusing_pickled_objects(f"the checkpoint ckpt_path={ckpt_path!r} names"):
-        trainer.fit(module, ckpt_path=ckpt_path, weights_only=checkpoint_weights_only(None))
+    try:
+        with refusing_pickled_objects(f"the checkpoint ckpt_path={ckpt_path!r} names"):
+            trainer.fit(module, ckpt_path=ckpt_path, weights_only=checkpoint_weights_only(None))
+    except SIGTERMException as stopped:  # as fit: the MLflow run marked KILLED, one line, 128 + signal
+        raise SystemExit(stop.report(trainer, "tlt-lightning torchtune")) from stopped
     return trainer, module
 
 
