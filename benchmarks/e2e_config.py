@@ -37,7 +37,7 @@ from benchmarks.common import machine_info, median, new_figure, save_figure, wri
 from benchmarks.memory import MemoryProbe, tensor_breakdown
 from tlt_lightning.callbacks import SpotDrafterCallback
 
-__all__ = ["RankRecorder", "fit_config", "read_records", "run", "summarise", "without_tlt"]
+__all__ = ["RankRecorder", "fit_config", "frozen_drafter", "read_records", "run", "summarise", "without_tlt"]
 
 TLT_CALLBACKS = ("SpotDrafterCallback", "BanditCallback")
 
@@ -108,6 +108,29 @@ def without_tlt(config: dict[str, Any]) -> dict[str, Any]:
         if str(c.get("class_path", "")).rpartition(".")[2] not in TLT_CALLBACKS
     ]
     out.setdefault("model", {}).setdefault("speculative", {})["enabled"] = False
+    return out
+
+
+def frozen_drafter(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with its drafter frozen: speculation and the bandit as written, no spot training.
+
+    The module drafts with the drafter the :class:`~tlt_lightning.callbacks.SpotDrafterCallback` would
+    have started from (its ``drafter_path``, else a fresh one of its ``kind``), never updated: the TLT
+    run less the drafter's training in the other ranks' tail.
+    """
+    out = copy.deepcopy(config)
+    trainer = out.setdefault("trainer", {})
+    callbacks = trainer.get("callbacks") or []
+    spot = [c for c in callbacks if str(c.get("class_path", "")).endswith("SpotDrafterCallback")]
+    if not spot:
+        raise ValueError("--frozen needs a config with a SpotDrafterCallback (its drafter is the one frozen)")
+    spot_config = (spot[0].get("init_args") or {}).get("config") or {}
+    trainer["callbacks"] = [c for c in callbacks if c not in spot]
+    speculative = out.setdefault("model", {}).setdefault("speculative", {})
+    if spot_config.get("drafter_path"):
+        speculative["drafter_path"] = spot_config["drafter_path"]
+    else:
+        speculative["drafter_kind"] = spot_config.get("kind", "eagle1")
     return out
 
 
@@ -229,6 +252,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = yaml.safe_load(Path(args.config).read_text())
     runs = {"baseline": without_tlt(config), "tlt": config}
     order = ["baseline", "tlt"] if args.baseline_first else ["tlt", "baseline"]
+    if getattr(args, "frozen", False):  # TLT without spot training: what the drafter's training costs
+        runs["frozen"] = frozen_drafter(config)
+        order.append("frozen")
     payload: dict[str, Any] = {
         "config": args.config,
         "machine": machine_info(),
@@ -252,6 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base, tlt = payload["runs"]["baseline"], payload["runs"]["tlt"]
     payload["speedup"] = base["step_s"] / tlt["step_s"]
     payload["rollout_speedup"] = base["rollout_s"] / tlt["rollout_s"]
+    if "frozen" in payload["runs"]:
+        payload["frozen_speedup"] = base["step_s"] / payload["runs"]["frozen"]["step_s"]
     payload["steps"] = steps
     write_json(args.json, payload)
     figure = plot(payload, steps, Path(args.json).with_suffix(".png"))

@@ -96,6 +96,11 @@ def bench_e2e(p: ArgumentParser) -> None:
     g.add_argument("--devices", type=int, default=None, help="workers (default: the config's)")
     g.add_argument("--skip-steps", type=int, default=2, help="first steps left out of the medians")
     g.add_argument("--baseline-first", action="store_true", help="run the baseline first (default: TLT)")
+    g.add_argument(
+        "--frozen",
+        action="store_true",
+        help="also a third run: TLT with its drafter frozen (no spot training)",
+    )
 
 
 def bench_memory(p: ArgumentParser) -> None:

@@ -7,9 +7,10 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import yaml
 
-from benchmarks.e2e_config import read_records, run, summarise, without_tlt
+from benchmarks.e2e_config import frozen_drafter, read_records, run, summarise, without_tlt
 
 ROOT = Path(__file__).resolve().parents[2]
 TLT = [
@@ -34,6 +35,21 @@ def test_without_tlt_drops_the_tlt_callbacks_and_speculation_only():
     assert config["trainer"]["callbacks"] == TLT  # the original is left as it was
     rest = {k: v for k, v in base["model"].items() if k != "speculative"}
     assert rest == {k: v for k, v in config["model"].items() if k != "speculative"}
+
+
+def test_the_frozen_variant_drafts_with_the_spot_drafters_start_and_never_trains_it():
+    config = tiny_config()
+    frozen = frozen_drafter(config)
+    paths = [c["class_path"] for c in frozen["trainer"]["callbacks"]]
+    assert paths == [TLT[1]["class_path"], TLT[2]["class_path"]]  # the bandit stays, spot training goes
+    assert (
+        frozen["model"]["speculative"]["drafter_kind"] == "eagle1"
+        and frozen["model"]["speculative"]["enabled"]
+    )
+    config["trainer"]["callbacks"] = [{**TLT[0], "init_args": {"config": {"drafter_path": "a/b"}}}, *TLT[1:]]
+    assert frozen_drafter(config)["model"]["speculative"]["drafter_path"] == "a/b"
+    with pytest.raises(ValueError, match="needs a config with a SpotDrafterCallback"):
+        frozen_drafter(without_tlt(config))
 
 
 def test_both_runs_of_a_tiny_config_are_recorded_per_rank_and_step(tmp_path):
