@@ -14,8 +14,11 @@ Example:
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "is_int",
     "is_number",
     "positive_int",
+    "read_json_object",
 ]
 
 
@@ -58,6 +62,22 @@ def check(condition: bool, name: str, value: Any, allowed: str) -> None:
 def is_int(value: Any) -> bool:
     """An ``int`` and not a ``bool`` (``True`` is an ``int`` to Python, never a count to a user)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object in the file ``path``.
+
+    Raises:
+        ValueError: the file is not valid JSON, or holds something other than an object.
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def is_number(value: Any) -> bool:

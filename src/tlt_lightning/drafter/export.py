@@ -42,7 +42,7 @@ from tlt_lightning.drafter.io import check_draft_vocab, load_drafter, replace_di
 from tlt_lightning.drafter.model import Drafter
 from tlt_lightning.drafter.model_card import ModelCardInfo, model_card
 from tlt_lightning.models.target import TargetModel
-from tlt_lightning.validation import check
+from tlt_lightning.validation import check, read_json_object
 
 __all__ = [
     "ENGINES",
@@ -144,13 +144,7 @@ def _read_json(path: Path, missing: dict | None = None) -> dict:
         if missing is not None:
             return missing
         raise ValueError(f"{path} not found: {path.parent} is not a drafter export")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path)
 
 
 def export_drafter_model(

@@ -33,6 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from tlt_lightning.drafter.config import DrafterConfig
+from tlt_lightning.validation import read_json_object
 
 __all__ = [
     "CONFIG_NAME",
@@ -88,12 +89,7 @@ def read_drafter_config(directory: str | os.PathLike) -> DrafterConfig:
     path = config_path(directory)
     if path is None:
         raise ValueError(f"{directory / CONFIG_NAME} not found: {directory} is not a drafter checkpoint")
-    try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
-    if not isinstance(meta, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(meta).__name__}")
+    meta = read_json_object(path)
     if path.name == CONFIG_NAME and meta.get("model_type") != MODEL_TYPE:
         raise ValueError(
             f"{path}: model_type must be {MODEL_TYPE!r}, got {meta.get('model_type')!r}: {directory} is not "

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from tlt_lightning.drafter.io import WEIGHTS_NAME, check_finite_tensors
 from tlt_lightning.drafter.model import Drafter
 from tlt_lightning.safe_load import load_torch_file
+from tlt_lightning.validation import read_json_object
 
 __all__ = [
     "META_NAME",
@@ -90,12 +91,7 @@ def load_checkpoint(
             raise ValueError(
                 f"{path / name} is empty (0 bytes): the checkpoint is incomplete; load an older one"
             )
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{meta_path} is not valid JSON: {err}") from err
-    if not isinstance(meta, dict):
-        raise ValueError(f"{meta_path} must hold a JSON object, got {type(meta).__name__}")
+    meta = read_json_object(meta_path)
     try:
         tensors = load_file(path / WEIGHTS_NAME, device=str(drafter.device))
     except (SafetensorError, OSError) as err:
