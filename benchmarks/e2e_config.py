@@ -37,9 +37,56 @@ from benchmarks.common import machine_info, median, new_figure, save_figure, wri
 from benchmarks.memory import MemoryProbe, tensor_breakdown
 from tlt_lightning.callbacks import SpotDrafterCallback
 
-__all__ = ["RankRecorder", "fit_config", "frozen_drafter", "read_records", "run", "summarise", "without_tlt"]
+__all__ = [
+    "RankRecorder",
+    "decode_buckets",
+    "decode_table",
+    "fit_config",
+    "frozen_drafter",
+    "read_records",
+    "run",
+    "summarise",
+    "without_tlt",
+]
 
 TLT_CALLBACKS = ("SpotDrafterCallback", "BanditCallback")
+BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 1 << 30))
+"""Active-request ranges the decode rates are reported in (inclusive)."""
+
+
+def decode_table(stats: Any) -> dict[str, dict[str, list[float]]]:
+    """A rollout's decode steps by active requests and mode: ``{n: {"plain" | "spec": [steps, wall s,
+    thread CPU s, tokens]}}``. CPU seconds below wall seconds mean the step waited for a core."""
+    table: dict[str, dict[str, list[float]]] = {}
+    steps = (stats.step_batch_sizes, stats.step_times, stats.step_cpu_times, stats.step_tokens)
+    for n, wall, cpu, tokens, speculative in zip(*steps, stats.step_speculative):
+        row = table.setdefault(str(n), {}).setdefault("spec" if speculative else "plain", [0, 0.0, 0.0, 0])
+        for i, value in enumerate((1, wall, cpu, tokens)):
+            row[i] += value
+    return table
+
+
+def decode_buckets(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Decode rates of ``records`` (rank-steps with a ``decode`` table) per bucket of :data:`BUCKETS` and
+    mode: steps, tokens per wall second and per thread-CPU second, tokens per step."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for lo, hi in BUCKETS:
+        name = f"{lo}" if lo == hi else f"{lo}+" if hi >= 1 << 30 else f"{lo}-{hi}"
+        for mode in ("plain", "spec"):
+            sums = [0.0] * 4
+            for record in records:
+                for n, modes in record.get("decode", {}).items():
+                    if lo <= int(n) <= hi and mode in modes:
+                        sums = [a + b for a, b in zip(sums, modes[mode])]
+            steps, wall, cpu, tokens = sums
+            if steps:
+                out.setdefault(name, {})[mode] = {
+                    "steps": int(steps),
+                    "tokens_per_s": tokens / max(wall, 1e-9),
+                    "tokens_per_cpu_s": tokens / max(cpu, 1e-9),
+                    "tokens_per_step": tokens / steps,
+                }
+    return out
 
 
 class RankRecorder(L.Callback):
@@ -81,6 +128,7 @@ class RankRecorder(L.Callback):
             "idle_s": float(spot_stats.get("idle_s", 0.0)),
             "tail_share": tail / max(sum(stats.step_times), 1e-9),
             "tokens": stats.generated_tokens,
+            "decode": decode_table(stats),
             "lengths": [int(n) for n in result.lengths],
             "accept_length": stats.mean_accept_length,
             "reward": float(rewards.total.mean()),
@@ -206,6 +254,7 @@ def summarise(steps: list[list[dict[str, Any]]], skip: int) -> dict[str, Any]:
         "peak_rss_mb": max(r["peak_rss_mb"] for ranks in steps for r in ranks),
         "reward": [median([r["reward"] for r in ranks]) for ranks in steps],
         "accuracy": [median([r["accuracy"] for r in ranks]) for ranks in steps],
+        "decode_buckets": decode_buckets([r for ranks in kept for r in ranks]),
     }
 
 

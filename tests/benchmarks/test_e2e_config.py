@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.e2e_config import frozen_drafter, read_records, run, summarise, without_tlt
+from benchmarks.e2e_config import decode_buckets, frozen_drafter, read_records, run, summarise, without_tlt
 
 ROOT = Path(__file__).resolve().parents[2]
 TLT = [
@@ -70,12 +70,30 @@ def test_both_runs_of_a_tiny_config_are_recorded_per_rank_and_step(tmp_path):
             assert len(record["lengths"]) == 16 and record["tokens"] == sum(record["lengths"])
             assert 0 <= record["tail_share"] <= 1 and record["peak_rss_mb"] > 0
             assert {"rollout", "train"} <= set(record["phase_peak_mb"])
+            decoded = sum(row[3] for modes in record["decode"].values() for row in modes.values())
+            assert decoded == record["tokens"] - 16  # every token but the prefill's one per request
         tensors = steps[0][0]["tensors_mb"]  # after step 1: Adam's state exists, the gradients are freed
         assert tensors["policy"] > 0 and tensors["optimizer"] > tensors["policy"] and tensors["grads"] == 0
         assert payload["runs"][name] == summarise(steps, 0)
     base = read_records(tmp_path / "out" / "baseline" / "records")[1]
     assert all(r["accept_length"] == 0.0 for (r,) in base)  # no speculative step without TLT
     assert all(r["drafter_s"] == 0.0 for (r,) in base)
+    assert all(set(modes) == {"plain"} for (r,) in base for modes in r["decode"].values())
     saved = json.loads(Path(args.json).read_text())
     assert saved["runs"]["tlt"]["step_s"] == payload["runs"]["tlt"]["step_s"]
     assert Path(args.json).with_suffix(".png").stat().st_size > 0
+
+
+def test_decode_buckets_pool_rank_steps_into_rates_per_range_and_mode():
+    records = [
+        {"decode": {"1": {"plain": [10, 1.0, 0.5, 10], "spec": [4, 1.0, 1.0, 12]}}},
+        {"decode": {"3": {"plain": [2, 0.5, 0.5, 6]}}},
+        {"decode": {"1": {"plain": [10, 1.0, 1.0, 10]}, "40": {"plain": [1, 0.5, 0.5, 40]}}},
+        {},  # a record of a run before decode tables
+    ]
+    buckets = decode_buckets(records)
+    assert list(buckets) == ["1", "2-4", "17+"]
+    assert buckets["1"]["plain"] == {"steps": 20, "tokens_per_s": 10.0, "tokens_per_cpu_s": 20 / 1.5,
+                                     "tokens_per_step": 1.0}  # fmt: skip
+    assert buckets["1"]["spec"]["tokens_per_step"] == 3.0 and "spec" not in buckets["2-4"]
+    assert buckets["17+"]["plain"]["tokens_per_s"] == 80.0
