@@ -39,6 +39,7 @@ from tlt_lightning.callbacks import SpotDrafterCallback
 
 __all__ = [
     "RankRecorder",
+    "compiled_seconds",
     "decode_buckets",
     "decode_table",
     "fit_config",
@@ -52,6 +53,12 @@ __all__ = [
 TLT_CALLBACKS = ("SpotDrafterCallback", "BanditCallback")
 BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 1 << 30))
 """Active-request ranges the decode rates are reported in (inclusive)."""
+
+
+def compiled_seconds(module: L.LightningModule) -> float:
+    """Seconds ``module``'s rollout target and drafter have spent compiling graphs so far."""
+    parts = (getattr(module, "rollout_target", None), getattr(module, "drafter", None))
+    return float(sum(getattr(part, "compile_seconds", 0.0) for part in parts))
 
 
 def decode_table(stats: Any) -> dict[str, dict[str, list[float]]]:
@@ -94,7 +101,7 @@ class RankRecorder(L.Callback):
 
     def __init__(self, directory: str) -> None:
         self.directory = Path(directory)
-        self._start = (0.0, 0.0)
+        self._start = (0.0, 0.0, 0.0)
         self.memory = MemoryProbe()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -105,7 +112,7 @@ class RankRecorder(L.Callback):
         self.memory.close()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._start = (time.perf_counter(), time.process_time())
+        self._start = (time.perf_counter(), time.process_time(), compiled_seconds(pl_module))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         wall, cpu = time.perf_counter() - self._start[0], time.process_time() - self._start[1]
@@ -119,6 +126,8 @@ class RankRecorder(L.Callback):
             "step": trainer.global_step,
             "wall_s": wall - outputs["times"]["compile_s"],  # compiling (first step) is not stepping
             "cpu_s": cpu,
+            # Graphs compiled inside the step, after the warm-up before the first rollout (compile_s).
+            "late_compile_s": compiled_seconds(pl_module) - self._start[2] - outputs["times"]["compile_s"],
             **{k: float(v) for k, v in outputs["times"].items()},
             # The spot drafter's training: in the other ranks' tail (tail_s) or paid for (paid_s); idle_s:
             # tail time it did not train in.

@@ -69,6 +69,7 @@ def test_both_runs_of_a_tiny_config_are_recorded_per_rank_and_step(tmp_path):
             assert record["wall_s"] >= record["rollout_s"] + record["train_s"] > 0
             assert len(record["lengths"]) == 16 and record["tokens"] == sum(record["lengths"])
             assert 0 <= record["tail_share"] <= 1 and record["peak_rss_mb"] > 0
+            assert record["late_compile_s"] == 0.0  # grpo_tiny decodes eagerly: nothing compiles
             assert {"rollout", "train"} <= set(record["phase_peak_mb"])
             decoded = sum(row[3] for modes in record["decode"].values() for row in modes.values())
             assert decoded == record["tokens"] - 16  # every token but the prefill's one per request
