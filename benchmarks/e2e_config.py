@@ -40,6 +40,7 @@ from tlt_lightning.callbacks import SpotDrafterCallback
 __all__ = [
     "RankRecorder",
     "compiled_seconds",
+    "core_share",
     "decode_buckets",
     "decode_table",
     "fit_config",
@@ -53,6 +54,8 @@ __all__ = [
 TLT_CALLBACKS = ("SpotDrafterCallback", "BanditCallback")
 BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 1 << 30))
 """Active-request ranges the decode rates are reported in (inclusive)."""
+CONTENDED = 0.9
+"""A step is contended when a rank's decode got less than this share of a core (thread CPU / wall seconds)."""
 
 
 def compiled_seconds(module: L.LightningModule) -> float:
@@ -236,8 +239,20 @@ def read_records(directory: Path) -> tuple[dict[int, dict[str, Any]], list[list[
     return starts, [sorted(by_step[s], key=lambda r: r["rank"]) for s in sorted(by_step)]
 
 
+def core_share(record: dict[str, Any]) -> float | None:
+    """The share of a core a rank-step's decode got: its thread CPU seconds over its wall seconds (``None``
+    without a decode table or under a second of decoding)."""
+    rows = [row for modes in record.get("decode", {}).values() for row in modes.values()]
+    wall, cpu = sum(row[1] for row in rows), sum(row[2] for row in rows)
+    return cpu / wall if wall >= 1.0 else None
+
+
 def summarise(steps: list[list[dict[str, Any]]], skip: int) -> dict[str, Any]:
-    """Medians over the steps after the first ``skip``: a step's time is its slowest rank's."""
+    """Medians over the steps after the first ``skip``: a step's time is its slowest rank's.
+
+    ``contended_steps`` lists the steps where some rank's decode waited for a core (:func:`core_share`
+    below :data:`CONTENDED`): on a machine shared with other work they are what the medians cannot hide.
+    """
     kept = steps[skip:] or steps
     step_s = [max(r["wall_s"] for r in ranks) for ranks in kept]
     rollout_s = [max(r["rollout_s"] for r in ranks) for ranks in kept]
@@ -264,6 +279,11 @@ def summarise(steps: list[list[dict[str, Any]]], skip: int) -> dict[str, Any]:
         "reward": [median([r["reward"] for r in ranks]) for ranks in steps],
         "accuracy": [median([r["accuracy"] for r in ranks]) for ranks in steps],
         "decode_buckets": decode_buckets([r for ranks in kept for r in ranks]),
+        "contended_steps": [
+            ranks[0]["step"]
+            for ranks in kept
+            if any((share := core_share(r)) is not None and share < CONTENDED for r in ranks)
+        ],
     }
 
 
@@ -346,4 +366,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{base['step_s']:.1f} s), rollout {payload['rollout_speedup']:.2f}x; baseline rollout share "
         f"{base['rollout_share']:.2f}; wrote {args.json} and {figure}"
     )
+    for name, summary in payload["runs"].items():
+        if summary["contended_steps"]:
+            print(
+                f"[bench e2e] warning: {name} steps {summary['contended_steps']} waited for a core (decode "
+                f"CPU / wall < {CONTENDED}): other work ran on this machine"
+            )
     return payload

@@ -92,6 +92,13 @@ def _warmup_sampling(p: ArgumentParser) -> None:
         help="target dtype while sampling the rollouts (bfloat16 is much faster on CPUs with AMX)",
     )
     p.add_argument("--task", default="basic_arithmetic", help="reasoning-gym task for the prompts")
+    p.add_argument(
+        "--task-config",
+        default=None,
+        metavar="FIT_YAML",
+        help="render the prompts as this fit config's model.task does (task, system prompt, settings), "
+        "instead of --task with the default prompt",
+    )
     p.add_argument("--prompts", type=PositiveInt, default=256, help="task prompts to sample")
     p.add_argument("--samples", type=PositiveInt, default=1, help="responses per prompt")
     p.add_argument("--max-new-tokens", type=PositiveInt, default=256)

@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.e2e_config import decode_buckets, frozen_drafter, read_records, run, summarise, without_tlt
+from benchmarks.e2e_config import (
+    core_share,
+    decode_buckets,
+    frozen_drafter,
+    read_records,
+    run,
+    summarise,
+    without_tlt,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TLT = [
@@ -98,3 +106,15 @@ def test_decode_buckets_pool_rank_steps_into_rates_per_range_and_mode():
                                      "tokens_per_step": 1.0}  # fmt: skip
     assert buckets["1"]["spec"]["tokens_per_step"] == 3.0 and "spec" not in buckets["2-4"]
     assert buckets["17+"]["plain"]["tokens_per_s"] == 80.0
+
+
+def test_steps_whose_decode_waited_for_a_core_are_flagged():
+    def record(step: int, rank: int, wall: float, cpu: float) -> dict:
+        common = dict(wall_s=10.0, rollout_s=6.0, train_s=4.0, drafter_s=0.0, tail_share=1.0, peak_rss_mb=1.0)
+        common.update(tokens=100, lengths=[100], reward=0.0, accuracy=0.0)
+        return dict(common, step=step, rank=rank, decode={"1": {"plain": [100, wall, cpu, 100]}})
+
+    assert core_share(record(1, 0, 2.0, 1.0)) == 0.5 and core_share(record(1, 0, 0.5, 0.1)) is None
+    steps = [[record(s, 0, 2.0, 1.9), record(s, 1, 2.0, 1.2 if s == 3 else 2.0)] for s in (1, 2, 3)]
+    assert summarise(steps, 0)["contended_steps"] == [3]
+    assert summarise(steps[:2], 0)["contended_steps"] == []

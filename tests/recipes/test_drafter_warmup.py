@@ -1,5 +1,7 @@
+import argparse
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -7,8 +9,12 @@ from benchmarks.__main__ import main as bench
 from tlt_lightning.cli import main
 from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
-from tlt_lightning.recipes.drafter_warmup import collect_rollouts
+from tlt_lightning.recipes.drafter_warmup import collect_rollouts, warmup_task
+from tlt_lightning.rl.tasks import TaskConfig
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, load_rollouts, save_rollouts
+from tlt_lightning.validation import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Stop(Exception):
@@ -322,3 +328,20 @@ def test_warmup_rejects_bad_counts(capsys):
         with pytest.raises(SystemExit) as refused:
             main(["drafter", "warmup", option, "-1", "--model", "tiny-llama"])
         assert refused.value.code == 2 and f'key "{option[2:].replace("-", "_")}"' in capsys.readouterr().err
+
+
+def test_prompts_come_from_a_fit_configs_task_with_its_system_prompt(tmp_path):
+    args = argparse.Namespace(task="countdown", prompts=64, seed=3, task_config=None)
+    assert warmup_task(args) == TaskConfig(name="countdown", size=64, seed=3)
+    args.task_config = str(ROOT / "configs" / "grpo_smollm2_longtail.yaml")
+    task = warmup_task(args)
+    assert (task.name, task.size, task.seed) == ("basic_arithmetic", 64, 3)
+    assert "step by step" in task.system_prompt  # the long-tail job's prompt, not the default one
+    (tmp_path / "no_task.yaml").write_text("trainer: {max_steps: 1}\n")
+    for path, message in (
+        (tmp_path / "missing.yaml", "no such file"),
+        (tmp_path / "no_task.yaml", "no model.task"),
+    ):
+        args.task_config = str(path)
+        with pytest.raises(UserError, match=message):
+            warmup_task(args)

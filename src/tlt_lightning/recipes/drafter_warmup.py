@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from tlt_lightning.drafter import (
     Drafter,
@@ -31,9 +33,9 @@ from tlt_lightning.drafter import (
 )
 from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.reports import draw_or_skip, machine_info, write_json
-from tlt_lightning.rl.tasks import task_prompts
+from tlt_lightning.rl.tasks import TaskConfig, TaskDataset
 from tlt_lightning.rollout import Rollout, RolloutConfig, RolloutEngine, load_rollouts, save_rollouts
-from tlt_lightning.validation import check
+from tlt_lightning.validation import UserError, check
 
 __all__ = ["collect_rollouts", "run"]
 
@@ -80,10 +82,27 @@ _SAMPLING_KEYS = ("model", "dtype", "task", "max_new_tokens", "temperature", "fe
 """The cache-key entries that rollouts merged into one training set must share."""
 
 
+def warmup_task(args: argparse.Namespace) -> TaskConfig:
+    """The task whose prompts are sampled: ``--task`` with the default prompt, or the ``model.task`` of the
+    fit config ``--task-config`` (its system prompt and settings), ``--prompts`` of them from ``--seed``."""
+    if not getattr(args, "task_config", None):
+        return TaskConfig(name=args.task, size=args.prompts, seed=args.seed)
+    path = Path(args.task_config)
+    if not path.is_file():
+        raise UserError(f"--task-config {path}: no such file (a fit config, e.g. configs/grpo_smollm2.yaml)")
+    settings = ((yaml.safe_load(path.read_text()) or {}).get("model") or {}).get("task")
+    if not isinstance(settings, dict):
+        raise UserError(f"--task-config {path}: it has no model.task mapping to render prompts with")
+    return TaskConfig(**{**settings, "size": args.prompts, "seed": args.seed})
+
+
 def _cache_key(args: argparse.Namespace, config: DrafterConfig) -> dict[str, Any]:
-    """What the cached rollouts depend on."""
+    """What the cached rollouts depend on (``task``: the task's settings when they come from a fit config)."""
     keys = ("model", "dtype", "task", "prompts", "samples", "max_new_tokens", "temperature", "seed")
-    return {k: getattr(args, k) for k in keys} | {"feature_layers": list(config.rollout_feature_layers)}
+    key = {k: getattr(args, k) for k in keys} | {"feature_layers": list(config.rollout_feature_layers)}
+    if getattr(args, "task_config", None):
+        key["task"] = asdict(warmup_task(args)) | {"size": None}  # --prompts is a key of its own
+    return key
 
 
 def load_more_rollouts(paths: list[str], key: dict[str, Any]) -> list[Rollout]:
@@ -162,7 +181,7 @@ def _sample(
     else:
         print(
             f"[drafter warmup] sampling {len(prompts) - len(done)} of {len(prompts)} rollouts of "
-            f"{args.model} ({args.dtype}) on {args.task} ...",
+            f"{args.model} ({args.dtype}) on {warmup_task(args).name} ...",
             flush=True,
         )
         sampler = (
@@ -193,8 +212,8 @@ def _rollouts(
     args: argparse.Namespace, tokenizer: Any, target: HFTarget, config: DrafterConfig
 ) -> tuple[list[Rollout], list[Rollout], float]:
     """``(sampled rollouts, --more-rollouts, sampling seconds)``, all with the target's features."""
-    prompts = task_prompts(tokenizer, args.task, args.prompts, seed=args.seed)
-    prompts = [p for p in prompts for _ in range(args.samples)]
+    dataset = TaskDataset(warmup_task(args), tokenizer)
+    prompts = [list(dataset[i].input_ids) for i in range(args.prompts) for _ in range(args.samples)]
     more = load_more_rollouts(args.more_rollouts, _cache_key(args, config))  # before sampling: fail fast
     rollouts, rollout_s = _sample(args, target, config, prompts)
     lacking = sum(r.features is None for r in rollouts + more)
@@ -279,7 +298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "unroll": args.unroll,
         "accept_weight": args.accept_weight,
         "pack": args.pack,
-        "task": args.task,
+        "task": asdict(warmup_task(args)) if getattr(args, "task_config", None) else args.task,
         "kind": args.kind,
         "machine": machine_info(),
         "rollouts": len(rollouts),
