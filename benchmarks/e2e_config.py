@@ -43,6 +43,7 @@ __all__ = [
     "core_share",
     "decode_buckets",
     "decode_table",
+    "equal_work_speedup",
     "fit_config",
     "frozen_drafter",
     "read_records",
@@ -129,8 +130,8 @@ class RankRecorder(L.Callback):
             "step": trainer.global_step,
             "wall_s": wall - outputs["times"]["compile_s"],  # compiling (first step) is not stepping
             "cpu_s": cpu,
-            # Graphs compiled inside the step, after the warm-up before the first rollout (compile_s).
-            "late_compile_s": compiled_seconds(pl_module) - self._start[2] - outputs["times"]["compile_s"],
+            # Seconds graphs compiled in the step (step 1: the warm-up's too; later: late compiles).
+            "graph_compile_s": compiled_seconds(pl_module) - self._start[2],
             **{k: float(v) for k, v in outputs["times"].items()},
             # The spot drafter's training: in the other ranks' tail (tail_s) or paid for (paid_s); idle_s:
             # tail time it did not train in.
@@ -237,6 +238,30 @@ def read_records(directory: Path) -> tuple[dict[int, dict[str, Any]], list[list[
             else:
                 by_step.setdefault(record["step"], []).append(record)
     return starts, [sorted(by_step[s], key=lambda r: r["rank"]) for s in sorted(by_step)]
+
+
+def equal_work_speedup(
+    base: dict[str, Any], other: dict[str, Any], rate: str = "tokens_per_s"
+) -> float | None:
+    """How much faster ``other``'s decoding is on ``base``'s work: the seconds ``base``'s tokens take at its
+    own rates over what they would take at ``other``'s, bucket by bucket (:func:`decode_buckets` of two
+    runs' summaries; ``rate``: ``"tokens_per_s"`` or ``"tokens_per_cpu_s"``). The runs sample different
+    responses once their policies part, so their step times also differ by how long those are; this
+    ratio compares their decoding on the same mix of batch sizes. ``None``: ``other`` lacks a bucket.
+    """
+
+    def seconds(buckets: dict[str, dict[str, float]], tokens: float) -> float:
+        pooled = sum(m["steps"] * m["tokens_per_step"] for m in buckets.values())
+        spent = sum(m["steps"] * m["tokens_per_step"] / m[rate] for m in buckets.values())
+        return tokens * spent / pooled
+
+    mine, theirs = base["decode_buckets"], other["decode_buckets"]
+    if not mine or not set(mine) <= set(theirs):
+        return None
+    work = {b: sum(m["steps"] * m["tokens_per_step"] for m in modes.values()) for b, modes in mine.items()}
+    return sum(seconds(mine[b], n) for b, n in work.items()) / sum(
+        seconds(theirs[b], n) for b, n in work.items()
+    )
 
 
 def core_share(record: dict[str, Any]) -> float | None:
@@ -358,6 +383,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload["rollout_speedup"] = base["rollout_s"] / tlt["rollout_s"]
     if "frozen" in payload["runs"]:
         payload["frozen_speedup"] = base["step_s"] / payload["runs"]["frozen"]["step_s"]
+    payload["decode_speedup_equal_work"] = {
+        name: {rate: equal_work_speedup(base, summary, rate) for rate in ("tokens_per_s", "tokens_per_cpu_s")}
+        for name, summary in payload["runs"].items()
+        if name != "baseline"
+    }
     payload["steps"] = steps
     write_json(args.json, payload)
     figure = plot(payload, steps, Path(args.json).with_suffix(".png"))

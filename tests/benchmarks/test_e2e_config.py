@@ -13,6 +13,7 @@ import yaml
 from benchmarks.e2e_config import (
     core_share,
     decode_buckets,
+    equal_work_speedup,
     frozen_drafter,
     read_records,
     run,
@@ -77,7 +78,7 @@ def test_both_runs_of_a_tiny_config_are_recorded_per_rank_and_step(tmp_path):
             assert record["wall_s"] >= record["rollout_s"] + record["train_s"] > 0
             assert len(record["lengths"]) == 16 and record["tokens"] == sum(record["lengths"])
             assert 0 <= record["tail_share"] <= 1 and record["peak_rss_mb"] > 0
-            assert record["late_compile_s"] == 0.0  # grpo_tiny decodes eagerly: nothing compiles
+            assert record["graph_compile_s"] == 0.0  # grpo_tiny decodes eagerly: nothing compiles
             assert {"rollout", "train"} <= set(record["phase_peak_mb"])
             decoded = sum(row[3] for modes in record["decode"].values() for row in modes.values())
             assert decoded == record["tokens"] - 16  # every token but the prefill's one per request
@@ -106,6 +107,14 @@ def test_decode_buckets_pool_rank_steps_into_rates_per_range_and_mode():
                                      "tokens_per_step": 1.0}  # fmt: skip
     assert buckets["1"]["spec"]["tokens_per_step"] == 3.0 and "spec" not in buckets["2-4"]
     assert buckets["17+"]["plain"]["tokens_per_s"] == 80.0
+    # Another run, faster at batch 1 only (20 tokens in 1.5 s): this run's 32 batch-1 tokens (3 s here) would
+    # take it 2.4 s; the other buckets take the same 0.5 + 0.5 s in both.
+    faster = [{"decode": {"1": {"plain": [10, 0.5, 0.5, 10]}}}, *records[1:]]
+    summary = {"decode_buckets": buckets}
+    assert equal_work_speedup(summary, {"decode_buckets": decode_buckets(faster)}) == pytest.approx(
+        (3.0 + 0.5 + 0.5) / (32 / (20 / 1.5) + 0.5 + 0.5)
+    )
+    assert equal_work_speedup(summary, {"decode_buckets": decode_buckets(records[:1])}) is None
 
 
 def test_steps_whose_decode_waited_for_a_core_are_flagged():

@@ -89,7 +89,7 @@ def test_epsilon_zero_never_explores_once_all_are_tried():
 
 
 def test_reward_is_tokens_per_second_and_best_is_window_median():
-    bandit = BEGMABStrategy(arms=[None, CHAIN2], epsilon=0.0, window=3)
+    bandit = BEGMABStrategy(arms=[None, CHAIN2], epsilon=0.0, window=3, statistic="median")
     bandit.update(8, CHAIN2, accepted_tokens=2.5, step_time=0.5)
     assert bandit.history[-1].reward == pytest.approx(2.5 * 8 / 0.5)
     assert bandit.history[-1].mode == "unpaired"
@@ -101,6 +101,20 @@ def test_reward_is_tokens_per_second_and_best_is_window_median():
     assert bandit.values()["5-20"] == {"off": pytest.approx(50.0), "chain2": pytest.approx(40.0)}
     assert set(bandit.values()["1"].values()) == {None}  # nothing tried at batch 1 yet
     assert bandit.select(8) is None
+
+
+def test_the_mean_rates_a_chain_by_its_throughput_where_the_median_sees_one_token():
+    # Batch 1: plain emits 1 token per 10 ms step (100 tok/s); a chain emits 1 token in 11 of 20 steps
+    # and 3 in 9 of them, per 12 ms step: 158 tok/s on average, but its median step is one token (83 tok/s).
+    for statistic, best, chain in (("mean", CHAIN2, 1.9 / 0.012), ("median", None, 1 / 0.012)):
+        bandit = BEGMABStrategy(arms=[None, CHAIN2], epsilon=0.0, statistic=statistic)
+        for k in range(100):
+            bandit.update(1, None, 1.0, 0.010)
+            bandit.update(1, CHAIN2, 3.0 if k % 20 < 9 else 1.0, 0.012)
+        assert bandit.best_arms()["1"] == best
+        assert bandit.values()["1"] == {"off": pytest.approx(100.0), "chain2": pytest.approx(chain)}
+    with pytest.raises(ValueError, match=r"statistic must be one of \['mean', 'median'\], got 'max'"):
+        BEGMABStrategy(statistic="max")
 
 
 def test_same_seed_same_choices_different_seed_differs():
@@ -401,7 +415,7 @@ def test_per_request_rewards_are_not_fooled_by_a_shrinking_batch():
     per_request = [
         _shrinking_rollouts(BEGMABStrategy(**kwargs, seed=s, per_request=True), seed=s) for s in range(6)
     ]
-    assert sum(p["off"] for p in plain) > 0.4 * sum(sum(p.values()) for p in plain), plain
+    assert sum(p["off"] for p in plain) > 0.3 * sum(sum(p.values()) for p in plain), plain
     assert all(p["chain2"] >= 0.9 * sum(p.values()) for p in per_request), per_request
     kwargs["seed"] = 0
     bandit = BEGMABStrategy(**kwargs, per_request=True)

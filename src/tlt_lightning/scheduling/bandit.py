@@ -26,7 +26,10 @@ from tlt_lightning.scheduling.bucketed import DEFAULT_BUCKET_THRESHOLDS, Buckete
 from tlt_lightning.scheduling.step_cost import StepCostModel
 from tlt_lightning.speculative import Arm, arm_key
 
-__all__ = ["BEGMABStrategy"]
+__all__ = ["STATISTICS", "BEGMABStrategy"]
+
+STATISTICS = {"mean": statistics.fmean, "median": statistics.median}
+"""How :class:`BEGMABStrategy` rates an arm's window of rewards."""
 
 
 class BEGMABStrategy(BucketedStrategy):
@@ -36,10 +39,18 @@ class BEGMABStrategy(BucketedStrategy):
     (ddp, fsdp, ...) and is not registered in Lightning's strategy registry.
 
     Per batch-size bucket it first tries every untried arm; afterwards, with probability
-    ``epsilon`` it runs a random arm, otherwise the arm with the best median reward over its last
+    ``epsilon`` it runs a random arm, otherwise the arm with the best mean reward over its last
     ``window`` rewards in that bucket. Reward = ``accepted_tokens * batch_size / step_time``
-    (tokens/s). The median is robust to stalls; the window lets it follow a drafter (or policy) that
-    changes during training. Randomness comes from its own ``random.Random(seed)``.
+    (tokens/s). The window lets it follow a drafter (or policy) that changes during training.
+    Randomness comes from its own ``random.Random(seed)``.
+
+    The mean, not the median: a speculative step's tokens are skewed at small batch (at batch 1 and an
+    acceptance of 0.5, half of a chain's steps emit one token and the rest two to seven), and what
+    decides the rollout's speed is their mean. The median of such a window rates a chain at about one
+    token per step, below plain decoding whatever its mean: in the long-tail job the median bandit ran
+    plain decoding in most batch-1 steps while its chains emitted 1.8-2.0 tokens per step for about 1.4
+    plain steps' time (docs/benchmarks.md, `e2e`). A stall pulls the mean down by its share of the
+    window only. ``statistic="median"`` keeps the older rule.
 
     Exploring costs: on a CPU a random tree arm at batch 20 is several times slower than plain
     decoding. With ``epsilon_half_life`` a bucket's exploration probability decays with the
@@ -53,6 +64,7 @@ class BEGMABStrategy(BucketedStrategy):
             buckets ``1``, ``2-4``, ``5-20``, ``21+``).
         epsilon: exploration probability in ``[0, 1]`` (the initial one with a half-life).
         window: rewards kept per bucket and arm (``>= 1``).
+        statistic: how an arm's window is rated, ``"mean"`` (its throughput) or ``"median"``.
         epsilon_half_life: decisions in a bucket after which its epsilon has decayed halfway to
             ``epsilon_floor`` (``>= 1``); ``None``: constant ``epsilon``.
         epsilon_floor: the exploration probability a decaying epsilon tends to, in ``[0, epsilon]``
@@ -79,6 +91,7 @@ class BEGMABStrategy(BucketedStrategy):
         window: int = 300,
         seed: int = 0,
         *,
+        statistic: str = "mean",
         epsilon_half_life: int | None = None,
         epsilon_floor: float = 0.01,
         max_history: int = 20_000,
@@ -108,11 +121,13 @@ class BEGMABStrategy(BucketedStrategy):
             )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
-        self.epsilon, self.window, self.seed = float(epsilon), window, seed
+        if statistic not in STATISTICS:
+            raise ValueError(f"statistic must be one of {sorted(STATISTICS)}, got {statistic!r}")
+        self.epsilon, self.window, self.seed, self.statistic = float(epsilon), window, seed, statistic
         self.epsilon_half_life, self.epsilon_floor = epsilon_half_life, float(epsilon_floor)
         self._rng = random.Random(seed)
         self._windows = [[deque(maxlen=window) for _ in bucket] for bucket in self.arms]
-        self._medians: dict[tuple[int, int], float] = {}  # cache, invalidated on every new reward
+        self._rated: dict[tuple[int, int], float] = {}  # cache, invalidated on every new reward
 
     def epsilon_of(self, bucket: int) -> float:
         """The exploration probability of bucket index ``bucket`` now (decayed with its decisions)."""
@@ -124,19 +139,20 @@ class BEGMABStrategy(BucketedStrategy):
     def _choose(self, b: int) -> tuple[int, str]:
         if self._rng.random() < self.epsilon_of(b):
             return self._rng.randrange(len(self.arms[b])), "explore"
-        return max(range(len(self.arms[b])), key=lambda i: self._median(b, i)), "exploit"
+        return max(range(len(self.arms[b])), key=lambda i: self._rate(b, i)), "exploit"
 
-    def _median(self, b: int, i: int) -> float:
-        if (b, i) not in self._medians:
-            self._medians[b, i] = statistics.median(self._windows[b][i]) if self._windows[b][i] else -math.inf
-        return self._medians[b, i]
+    def _rate(self, b: int, i: int) -> float:
+        if (b, i) not in self._rated:
+            window = self._windows[b][i]
+            self._rated[b, i] = STATISTICS[self.statistic](window) if window else -math.inf
+        return self._rated[b, i]
 
     def _observe(self, b: int, i: int, reward: float) -> None:
         self._windows[b][i].append(reward)
-        self._medians.pop((b, i), None)
+        self._rated.pop((b, i), None)
 
     def _value(self, b: int, i: int) -> float | None:
-        return self._median(b, i) if self._windows[b][i] else None
+        return self._rate(b, i) if self._windows[b][i] else None
 
     def _extra_state(self) -> dict[str, Any]:
         version, internal, gauss = self._rng.getstate()
@@ -163,4 +179,4 @@ class BEGMABStrategy(BucketedStrategy):
             except (TypeError, ValueError) as err:
                 raise ValueError(f"state_dict rng_state is not a random.Random state: {err}") from err
         self._windows, self._rng = windows, rng
-        self._medians.clear()
+        self._rated.clear()

@@ -9,7 +9,8 @@ The model is parametric and pure Python, so a run takes seconds and its answer i
 * step time: ``base_time + token_time * B * (1 + verified)`` for the target (a fixed memory-bound
   part plus compute growing with batch x verified tokens) ``+ num_steps * (draft_time +
   draft_token_time * B * topk)`` for the drafter. So SD wins at small batch and loses at large.
-* noise: log-normal, multiplicative, on accepted tokens (``noise``) and step time (``noise / 2``).
+* noise: log-normal, multiplicative, on the tokens beyond the first (``noise``, mean one: the expected
+  tokens are their mean) and on step time (``noise / 2``).
 * at ``change_at`` the drafter gets worse (``acceptance`` -> ``acceptance_after_change``), which
   changes the best arm of some buckets.
 
@@ -107,7 +108,7 @@ class SimulatedSDEnvironment:
         )
 
     def expected_reward(self, batch_size: int, arm: Arm, step: int) -> float:
-        """Noise-free tokens/s; also the median of the noisy reward (the noise is log-normal)."""
+        """Noise-free tokens/s: the expected tokens (the noisy ones' mean) over the noise-free step time."""
         return self.expected_tokens(arm, step) * batch_size / self.expected_step_time(batch_size, arm)
 
     def best_arm(self, batch_size: int, step: int, arms: Sequence[Arm] | None = None) -> Arm:
@@ -122,8 +123,8 @@ class SimulatedSDEnvironment:
         """One noisy step: ``(accepted_tokens, step_time)``; always draws the same amount of noise."""
         z_tokens, z_time = self._noise_rng.gauss(0.0, 1.0), self._noise_rng.gauss(0.0, 1.0)
         tokens = self.expected_tokens(arm, step)
-        if arm is not None:  # plain decoding emits exactly one token; drafts may all be rejected
-            tokens = max(1.0, tokens * math.exp(self.noise * z_tokens))
+        if arm is not None:  # plain decoding emits exactly one token; a speculative step at least one
+            tokens = 1.0 + (tokens - 1.0) * math.exp(self.noise * z_tokens - self.noise**2 / 2)
         seconds = self.expected_step_time(batch_size, arm) * math.exp(0.5 * self.noise * z_time)
         return tokens, seconds
 
