@@ -24,6 +24,7 @@ import copy
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -39,6 +40,7 @@ from tlt_lightning.callbacks import SpotDrafterCallback
 
 __all__ = [
     "RankRecorder",
+    "compare",
     "compiled_seconds",
     "core_share",
     "decode_buckets",
@@ -312,6 +314,34 @@ def summarise(steps: list[list[dict[str, Any]]], skip: int) -> dict[str, Any]:
     }
 
 
+def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The runs' ratios to the baseline: per step, rollout, equal-work decoding (:func:`equal_work_speedup`).
+
+    With ``baseline_again`` (``--bracket``: the baseline run again after the others) the baseline is the
+    mean of both, which cancels a machine that drifts steadily over the runs, and ``drift`` is the second
+    baseline's median step over the first's (1.0: no drift; the two did the same work where the fit is
+    deterministic).
+    """
+    bases = [runs[name] for name in ("baseline", "baseline_again") if name in runs]
+    step, rollout = (statistics.fmean(b[key] for b in bases) for key in ("step_s", "rollout_s"))
+    out = {"speedup": step / runs["tlt"]["step_s"], "rollout_speedup": rollout / runs["tlt"]["rollout_s"]}
+    if "frozen" in runs:
+        out["frozen_speedup"] = step / runs["frozen"]["step_s"]
+    if len(bases) == 2:
+        out["drift"] = bases[1]["step_s"] / bases[0]["step_s"]
+
+    def equal_work(summary: dict[str, Any], rate: str) -> float | None:
+        ratios = [equal_work_speedup(b, summary, rate) for b in bases]
+        return None if None in ratios else statistics.fmean(ratios)
+
+    out["decode_speedup_equal_work"] = {
+        name: {rate: equal_work(summary, rate) for rate in ("tokens_per_s", "tokens_per_cpu_s")}
+        for name, summary in runs.items()
+        if not name.startswith("baseline")
+    }
+    return out
+
+
 def plot(payload: dict[str, Any], steps: dict[str, list[list[dict[str, Any]]]], path: Path) -> Path:
     """Left: the reward of both runs per step. Right: one step's parts per rank, with and without TLT."""
     fig, (ax, bx) = new_figure(1, 2, figsize=(13, 4.5))
@@ -358,6 +388,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "frozen", False):  # TLT without spot training: what the drafter's training costs
         runs["frozen"] = frozen_drafter(config)
         order.append("frozen")
+    if getattr(args, "bracket", False):  # the baseline again, last: the machine's drift over the runs
+        runs["baseline_again"] = runs["baseline"]
+        order.append("baseline_again")
     payload: dict[str, Any] = {
         "config": args.config,
         "machine": machine_info(),
@@ -378,23 +411,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # BEG-MAB's view of each batch bucket at the end of the TLT run: plain vs its best speculative arm.
     tables = sorted((Path(args.out) / "tlt" / "fit").rglob("bandit/best_arms.json"), key=os.path.getmtime)
     payload["buckets"] = json.loads(tables[-1].read_text()).get("buckets") if tables else None
-    base, tlt = payload["runs"]["baseline"], payload["runs"]["tlt"]
-    payload["speedup"] = base["step_s"] / tlt["step_s"]
-    payload["rollout_speedup"] = base["rollout_s"] / tlt["rollout_s"]
-    if "frozen" in payload["runs"]:
-        payload["frozen_speedup"] = base["step_s"] / payload["runs"]["frozen"]["step_s"]
-    payload["decode_speedup_equal_work"] = {
-        name: {rate: equal_work_speedup(base, summary, rate) for rate in ("tokens_per_s", "tokens_per_cpu_s")}
-        for name, summary in payload["runs"].items()
-        if name != "baseline"
-    }
+    payload.update(compare(payload["runs"]))
     payload["steps"] = steps
     write_json(args.json, payload)
     figure = plot(payload, steps, Path(args.json).with_suffix(".png"))
+    base, tlt = payload["runs"]["baseline"], payload["runs"]["tlt"]
+    drift = f", baseline drift {payload['drift']:.2f}" if "drift" in payload else ""
     print(
         f"[bench e2e] TLT {payload['speedup']:.2f}x per step (median {tlt['step_s']:.1f} s vs "
         f"{base['step_s']:.1f} s), rollout {payload['rollout_speedup']:.2f}x; baseline rollout share "
-        f"{base['rollout_share']:.2f}; wrote {args.json} and {figure}"
+        f"{base['rollout_share']:.2f}{drift}; wrote {args.json} and {figure}"
     )
     for name, summary in payload["runs"].items():
         if summary["contended_steps"]:

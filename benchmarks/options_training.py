@@ -101,6 +101,11 @@ def bench_e2e(p: ArgumentParser) -> None:
         action="store_true",
         help="also a third run: TLT with its drafter frozen (no spot training)",
     )
+    g.add_argument(
+        "--bracket",
+        action="store_true",
+        help="run the baseline again after the others: ratios against the mean of both, and the drift",
+    )
 
 
 def bench_memory(p: ArgumentParser) -> None:

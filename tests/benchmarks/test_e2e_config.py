@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from benchmarks.e2e_config import (
+    compare,
     core_share,
     decode_buckets,
     equal_work_speedup,
@@ -66,10 +67,17 @@ def test_both_runs_of_a_tiny_config_are_recorded_per_rank_and_step(tmp_path):
     path.write_text(yaml.safe_dump(tiny_config()))
     args = argparse.Namespace(
         config=str(path), steps=2, devices=None, threads=1, out=str(tmp_path / "out"),
-        json=str(tmp_path / "e2e.json"), skip_steps=0, baseline_first=False,
+        json=str(tmp_path / "e2e.json"), skip_steps=0, baseline_first=False, bracket=True,
     )  # fmt: skip
     payload = run(args)
-    assert payload["order"] == ["tlt", "baseline"]
+    assert payload["order"] == ["tlt", "baseline", "baseline_again"]
+    again = read_records(tmp_path / "out" / "baseline_again" / "records")[1]
+    base = read_records(tmp_path / "out" / "baseline" / "records")[1]
+    assert [r["lengths"] for (r,) in again] == [r["lengths"] for (r,) in base]  # the same work again
+    assert (
+        payload["drift"]
+        == payload["runs"]["baseline_again"]["step_s"] / payload["runs"]["baseline"]["step_s"]
+    )
     assert math.isfinite(payload["speedup"]) and payload["speedup"] > 0
     for name in ("tlt", "baseline"):
         starts, steps = read_records(tmp_path / "out" / name / "records")
@@ -85,7 +93,6 @@ def test_both_runs_of_a_tiny_config_are_recorded_per_rank_and_step(tmp_path):
         tensors = steps[0][0]["tensors_mb"]  # after step 1: Adam's state exists, the gradients are freed
         assert tensors["policy"] > 0 and tensors["optimizer"] > tensors["policy"] and tensors["grads"] == 0
         assert payload["runs"][name] == summarise(steps, 0)
-    base = read_records(tmp_path / "out" / "baseline" / "records")[1]
     assert all(r["accept_length"] == 0.0 for (r,) in base)  # no speculative step without TLT
     assert all(r["drafter_s"] == 0.0 for (r,) in base)
     assert all(set(modes) == {"plain"} for (r,) in base for modes in r["decode"].values())
@@ -127,3 +134,14 @@ def test_steps_whose_decode_waited_for_a_core_are_flagged():
     steps = [[record(s, 0, 2.0, 1.9), record(s, 1, 2.0, 1.2 if s == 3 else 2.0)] for s in (1, 2, 3)]
     assert summarise(steps, 0)["contended_steps"] == [3]
     assert summarise(steps[:2], 0)["contended_steps"] == []
+
+
+def test_a_bracketed_baseline_is_averaged_and_its_drift_reported():
+    def summary(step_s: float) -> dict:
+        return {"step_s": step_s, "rollout_s": step_s / 2, "decode_buckets": {}}
+
+    runs = {"baseline": summary(50.0), "tlt": summary(40.0), "frozen": summary(45.0)}
+    assert compare(runs)["speedup"] == 1.25 and "drift" not in compare(runs)
+    out = compare({**runs, "baseline_again": summary(40.0)})  # the machine got faster: the mean is 45 s
+    assert out["speedup"] == 45 / 40 and out["frozen_speedup"] == 1.0 and out["drift"] == 0.8
+    assert out["rollout_speedup"] == 22.5 / 20 and list(out["decode_speedup_equal_work"]) == ["tlt", "frozen"]
