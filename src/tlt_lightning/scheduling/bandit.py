@@ -48,7 +48,7 @@ class BEGMABStrategy(BucketedStrategy):
     acceptance of 0.5, half of a chain's steps emit one token and the rest two to seven), and what
     decides the rollout's speed is their mean. The median of such a window rates a chain at about one
     token per step, below plain decoding whatever its mean: in the long-tail job the median bandit ran
-    plain decoding in most batch-1 steps while its chains emitted 1.8-2.0 tokens per step for about 1.4
+    plain decoding in most batch-1 steps while its chains emitted 1.8-2.0 tokens per step for about 1.3
     plain steps' time (docs/benchmarks.md, `e2e`). A stall pulls the mean down by its share of the
     window only. ``statistic="median"`` keeps the older rule.
 
