@@ -15,6 +15,9 @@ runs' median step times after ``--skip-steps``; the baseline's rollout share of 
 next to it (what a faster rollout can give at most). Rollout graphs compile once,
 right before the first rollout (``compile_s`` of a rank's first step, taken out of its wall time);
 the second run reuses Inductor's on-disk cache, so its compile seconds show a warm start.
+
+``--peers vllm trl`` adds the same job on peers in the same command (:mod:`benchmarks.e2e_peers`): our
+fit without TLT with its rollouts on vLLM, and TRL's ``GRPOTrainer``; ``vs_peers`` holds the ratios.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import lightning as L
 import yaml
 
 from benchmarks.common import machine_info, median, new_figure, save_figure, write_json
+from benchmarks.e2e_peers import PeerUnavailable, peer_ratios, trl_peer, vllm_python, with_vllm
 from benchmarks.memory import MemoryProbe, tensor_breakdown
 from tlt_lightning.callbacks import SpotDrafterCallback
 
@@ -197,8 +201,11 @@ def frozen_drafter(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def fit_config(config: dict[str, Any], name: str, args: argparse.Namespace) -> tuple[Path, float]:
-    """Run one fit of ``config`` in a child process; its records' directory and wall seconds."""
+def fit_config(
+    config: dict[str, Any], name: str, args: argparse.Namespace, python: str | None = None
+) -> tuple[Path, float]:
+    """Run one fit of ``config`` in a child process of ``python`` (default: this one); its records'
+    directory and wall seconds."""
     out = Path(args.out) / name
     records = out / "records"
     for stale in records.glob("rank*.jsonl"):
@@ -218,7 +225,7 @@ def fit_config(config: dict[str, Any], name: str, args: argparse.Namespace) -> t
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "tlt_lightning.cli", "--threads", str(args.threads or 1)]
+    command = [python or sys.executable, "-m", "tlt_lightning.cli", "--threads", str(args.threads or 1)]
     command += ["fit", "--config", str(path)]
     print(f"[bench e2e] {name}: {' '.join(command)}", flush=True)
     start = time.perf_counter()
@@ -347,6 +354,9 @@ def plot(payload: dict[str, Any], steps: dict[str, list[list[dict[str, Any]]]], 
     fig, (ax, bx) = new_figure(1, 2, figsize=(13, 4.5))
     for name, summary in payload["runs"].items():
         ax.plot(range(1, len(summary["reward"]) + 1), summary["reward"], marker="o", label=name)
+    for name, peer in payload.get("peers", {}).items():
+        rewards = [float("nan") if r is None else r for r in peer["reward"]]
+        ax.plot(range(1, len(rewards) + 1), rewards, marker="x", ls="--", label=f"{name} (1 worker)")
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean reward")
     ax.legend()
@@ -388,6 +398,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "frozen", False):  # TLT without spot training: what the drafter's training costs
         runs["frozen"] = frozen_drafter(config)
         order.append("frozen")
+    peers = list(getattr(args, "peers", None) or [])
+    skipped: dict[str, str] = {}
+    if "vllm" in peers:  # our fit with its rollouts on vLLM (plain sampling): the strongest rollout peer
+        try:
+            python = vllm_python(getattr(args, "vllm_python", None))
+            runs["vllm"] = with_vllm(runs["baseline"], args.vllm_config)
+            order.append("vllm")
+        except PeerUnavailable as err:
+            skipped["vllm"] = str(err)
+    if "trl" in peers:
+        order.append("trl")
     if getattr(args, "bracket", False):  # the baseline again, last: the machine's drift over the runs
         runs["baseline_again"] = runs["baseline"]
         order.append("baseline_again")
@@ -398,12 +419,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "skip_steps": args.skip_steps,
         "order": order,
         "runs": {},
+        "peers": {},
+        "peers_skipped": skipped,
         "compile_s": {},
         "wall_s": {},
     }
     steps = {}
     for name in order:
-        records, wall = fit_config(runs[name], name, args)
+        if name == "trl":  # not a fit: TRL's own trainer, one worker (benchmarks/e2e_peers.py)
+            try:
+                payload["peers"]["trl"] = trl_peer(config, args)
+            except PeerUnavailable as err:
+                skipped["trl"] = str(err)
+            continue
+        records, wall = fit_config(runs[name], name, args, python if name == "vllm" else None)
         starts, steps[name] = read_records(records)
         payload["runs"][name] = summarise(steps[name], args.skip_steps)
         payload["compile_s"][name] = {r: sum(s[r]["compile_s"] for s in steps[name]) for r in starts}
@@ -412,6 +441,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tables = sorted((Path(args.out) / "tlt" / "fit").rglob("bandit/best_arms.json"), key=os.path.getmtime)
     payload["buckets"] = json.loads(tables[-1].read_text()).get("buckets") if tables else None
     payload.update(compare(payload["runs"]))
+    payload["vs_peers"] = peer_ratios(payload["runs"], payload["peers"])
     payload["steps"] = steps
     write_json(args.json, payload)
     figure = plot(payload, steps, Path(args.json).with_suffix(".png"))
@@ -422,6 +452,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{base['step_s']:.1f} s), rollout {payload['rollout_speedup']:.2f}x; baseline rollout share "
         f"{base['rollout_share']:.2f}{drift}; wrote {args.json} and {figure}"
     )
+    for peer, ratios in payload["vs_peers"].items():
+        print(f"[bench e2e] vs {peer}: TLT {ratios['tlt']['step']:.2f}x per step, without TLT "
+              f"{ratios['baseline']['step']:.2f}x", flush=True)  # fmt: skip
+    for peer, why in skipped.items():
+        print(f"[bench e2e] peer {peer} skipped: {why}")
     for name, summary in payload["runs"].items():
         if summary["contended_steps"]:
             print(

@@ -106,6 +106,24 @@ def bench_e2e(p: ArgumentParser) -> None:
         action="store_true",
         help="run the baseline again after the others: ratios against the mean of both, and the drift",
     )
+    g.add_argument(
+        "--peers",
+        nargs="+",
+        default=[],
+        choices=["vllm", "trl"],
+        help="also the job on peers (benchmarks/e2e_peers.py): vllm = our fit without TLT, its rollouts on "
+        "vLLM; trl = TRL's GRPOTrainer on one worker's share of a step. A peer not installed is skipped",
+    )
+    g.add_argument(
+        "--vllm-config",
+        default="configs/vllm_cpu.yaml",
+        help="fit config merged into the vllm peer's (model.rollout_backend: vllm and its settings)",
+    )
+    g.add_argument(
+        "--vllm-python",
+        default=None,
+        help="Python of an environment with vLLM (default: this one if it has vLLM, else .venv-vllm)",
+    )
 
 
 def bench_memory(p: ArgumentParser) -> None:
