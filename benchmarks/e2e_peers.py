@@ -1,9 +1,10 @@
 """Peers of ``python -m benchmarks e2e --config FILE --peers vllm trl``: the same job on other engines.
 
 - ``vllm``: the config with TLT removed (:func:`~benchmarks.e2e_config.without_tlt`) and its rollouts
-  on vLLM (``model.rollout_backend: vllm``, settings from an overlay such as ``configs/vllm_cpu.yaml``),
-  run by the Python of an environment that has vLLM (``--vllm-python``; on a CPU ``make setup-vllm``
-  builds ``.venv-vllm``). Recorded per rank and step like the other runs.
+  on vLLM (``model.rollout_backend: vllm``; settings from an overlay, by default
+  ``benchmarks/vllm_cpu_peer.yaml``: compiled graphs, plain sampling), run by the Python of an
+  environment that has vLLM (``--vllm-python``; on a CPU ``make setup-vllm`` builds ``.venv-vllm``).
+  Recorded per rank and step like the other runs.
 - ``trl``: TRL's ``GRPOTrainer`` on one worker with one worker's share of the config's step
   (:func:`~benchmarks.trl_peer.run_trl_grpo`: same model, task prompts, reward, group size, sampling,
   loss and optimizer). With ``devices: N > 1`` this is a lower bound of TRL's step on N workers, which

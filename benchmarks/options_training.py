@@ -116,7 +116,7 @@ def bench_e2e(p: ArgumentParser) -> None:
     )
     g.add_argument(
         "--vllm-config",
-        default="configs/vllm_cpu.yaml",
+        default="benchmarks/vllm_cpu_peer.yaml",
         help="fit config merged into the vllm peer's (model.rollout_backend: vllm and its settings)",
     )
     g.add_argument(

@@ -16,6 +16,7 @@ from benchmarks.e2e_peers import PeerUnavailable, merge, peer_ratios, trl_peer, 
 from tests.benchmarks.test_e2e_config import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
+PEER_OVERLAY = ROOT / "benchmarks" / "vllm_cpu_peer.yaml"
 # Runs `python -m tlt_lightning.cli ...` with vLLM replaced by tests/vllm/fake_vllm.py (our engine behind
 # vLLM's API), so the vllm peer's fit runs here as it would on a real vLLM.
 BOOT = """
@@ -40,7 +41,7 @@ def test_merge_overlays_mappings_recursively_and_replaces_the_rest():
 
 
 def test_the_vllm_peer_is_the_baseline_on_vllm(tmp_path):
-    overlay = ROOT / "configs" / "vllm_cpu.yaml"
+    overlay = PEER_OVERLAY
     peer = with_vllm(without_tlt(tiny_config()), overlay)
     assert peer["model"]["rollout_backend"] == "vllm" and peer["model"]["speculative"]["enabled"] is False
     assert peer["model"]["vllm"] == yaml.safe_load(overlay.read_text())["model"]["vllm"]
@@ -113,7 +114,7 @@ def test_a_tiny_config_runs_beside_its_vllm_peer_and_a_missing_trl_is_skipped(mo
     args = argparse.Namespace(
         config=str(path), steps=2, devices=None, threads=1, out=str(tmp_path / "out"),
         json=str(tmp_path / "e2e.json"), skip_steps=0, baseline_first=True, bracket=False,
-        peers=["vllm", "trl"], vllm_python=str(python), vllm_config=str(ROOT / "configs" / "vllm_cpu.yaml"),
+        peers=["vllm", "trl"], vllm_python=str(python), vllm_config=str(PEER_OVERLAY),
     )  # fmt: skip
     payload = run(args)
     assert payload["order"] == ["baseline", "tlt", "vllm", "trl"]
