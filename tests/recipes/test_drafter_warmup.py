@@ -9,7 +9,7 @@ from benchmarks.__main__ import main as bench
 from tlt_lightning.cli import main
 from tlt_lightning.drafter import load_drafter
 from tlt_lightning.models import HFTarget, load_model
-from tlt_lightning.recipes.drafter_warmup import collect_rollouts, warmup_task
+from tlt_lightning.recipes.drafter_warmup import collect_rollouts, sampling_setup, warmup_task
 from tlt_lightning.rl.tasks import TaskConfig
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, load_rollouts, save_rollouts
 from tlt_lightning.validation import UserError
@@ -328,6 +328,15 @@ def test_warmup_rejects_bad_counts(capsys):
         with pytest.raises(SystemExit) as refused:
             main(["drafter", "warmup", option, "-1", "--model", "tiny-llama"])
         assert refused.value.code == 2 and f'key "{option[2:].replace("-", "_")}"' in capsys.readouterr().err
+
+
+def test_rollouts_of_a_fit_configs_task_merge_across_seeds_but_not_across_settings():
+    key = {"model": "m", "dtype": "bfloat16", "max_new_tokens": 8, "temperature": 1.0, "feature_layers": [2]}
+    task = {"name": "basic_arithmetic", "seed": 11, "size": None, "system_prompt": "Think."}
+    other_seed = sampling_setup(key | {"task": {**task, "seed": 13}})
+    assert sampling_setup(key | {"task": task}) == other_seed
+    assert sampling_setup(key | {"task": {**task, "system_prompt": "Answer."}}) != other_seed
+    assert sampling_setup(key | {"task": "countdown"})["task"] == "countdown"  # --task: a name
 
 
 def test_prompts_come_from_a_fit_configs_task_with_its_system_prompt(tmp_path):

@@ -37,7 +37,7 @@ from tlt_lightning.rl.tasks import TaskConfig, TaskDataset
 from tlt_lightning.rollout import Rollout, RolloutConfig, RolloutEngine, load_rollouts, save_rollouts
 from tlt_lightning.validation import UserError, check
 
-__all__ = ["collect_rollouts", "run"]
+__all__ = ["collect_rollouts", "run", "sampling_setup", "warmup_task"]
 
 
 def collect_rollouts(
@@ -105,6 +105,15 @@ def _cache_key(args: argparse.Namespace, config: DrafterConfig) -> dict[str, Any
     return key
 
 
+def sampling_setup(key: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a cache key that merged rollouts must share: a fit config's task settings less its
+    ``seed`` and ``size`` (the prompts drawn, which other warm-ups are meant to vary)."""
+    out = {k: key.get(k) for k in _SAMPLING_KEYS}
+    if isinstance(out["task"], dict):
+        out["task"] = {**out["task"], "seed": None, "size": None}
+    return out
+
+
 def load_more_rollouts(paths: list[str], key: dict[str, Any]) -> list[Rollout]:
     """Rollouts of other warm-up caches, checked to come from the same sampling setup."""
     rollouts: list[Rollout] = []
@@ -114,12 +123,12 @@ def load_more_rollouts(paths: list[str], key: dict[str, Any]) -> list[Rollout]:
                 f"--more-rollouts {path}: no such file (make it with `drafter warmup --rollouts-cache`)"
             )
         more, meta = load_rollouts(path)
-        saved = meta.get("key", {})
-        differ = {k: saved.get(k) for k in _SAMPLING_KEYS if saved.get(k) != key[k]}
+        saved, mine = sampling_setup(meta.get("key", {})), sampling_setup(key)
+        differ = {k: saved[k] for k in _SAMPLING_KEYS if saved[k] != mine[k]}
         if differ:
             raise ValueError(
                 f"--more-rollouts {path} was sampled with other settings: {differ}, this run: "
-                f"{ {k: key[k] for k in differ} }"
+                f"{ {k: mine[k] for k in differ} }"
             )
         rollouts += more
     return rollouts
