@@ -79,6 +79,12 @@ def tlt_config(tmp_path: Path) -> Path:
     return path
 
 
+def ctrl_c_default() -> None:
+    """In a child, before it starts: SIGINT as in a terminal. A shell's background job (``cmd &``, nohup)
+    ignores it, a setting children inherit, and a fit then keeps running when it is sent SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Fit:
     """A ``tlt-lightning fit`` subprocess (this checkout's sources), its output in ``<name>.log``."""
 
@@ -100,7 +106,9 @@ class Fit:
             *args,
         ]
         with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=ctrl_c_default
+            )
 
     def output(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])

@@ -18,6 +18,14 @@ from tlt_lightning.callbacks import CheckpointOnSignal
 pytestmark = pytest.mark.filterwarnings("ignore:Using ModelCheckpoint with manual optimization")
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_interrupts():
+    """SIGINT as in a terminal, whatever this process inherited (a shell's background job ignores it)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 class SignalAt(L.Callback):
     """Sends ``sig`` to this process in the middle of step ``step`` (after its rollout, before its update)."""
 
