@@ -96,6 +96,16 @@ def test_the_shipped_drafters_keep_their_legacy_layout_and_read(name):
     assert read_drafter_config(directory).num_target_layers == 30
 
 
+def test_the_shipped_arith_drafter_is_in_the_hub_layout_with_its_warmup_record():
+    directory = EXAMPLES / "smollm2-arith"
+    assert (directory / CONFIG_NAME).is_file() and not (directory / LEGACY_CONFIG_NAME).exists()
+    config = read_drafter_config(directory)
+    assert (config.num_target_layers, config.draft_vocab_size) == (30, 8192)
+    record = json.loads((directory / "warmup.json").read_text())
+    assert record["held_out_after"]["accept"] > record["held_out_before"]["accept"]  # on the draft vocabulary
+    assert record["held_out_after_full_vocab"]["accept"] > 0.65  # what sampling accepts (README's table)
+
+
 def test_save_drafter_refuses_a_transformers_model_directory(tmp_path, llama):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
