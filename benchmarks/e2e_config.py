@@ -403,7 +403,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "vllm" in peers:  # our fit with its rollouts on vLLM (plain sampling): the strongest rollout peer
         try:
             python = vllm_python(getattr(args, "vllm_python", None))
-            runs["vllm"] = with_vllm(runs["baseline"], args.vllm_config)
+            runs["vllm"] = with_vllm(
+                runs["baseline"], args.vllm_config, Path(args.out) / "vllm" / "mlflow.db"
+            )
             order.append("vllm")
         except PeerUnavailable as err:
             skipped["vllm"] = str(err)

@@ -49,12 +49,17 @@ def merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def with_vllm(config: dict[str, Any], overlay: str | Path) -> dict[str, Any]:
-    """``config`` (TLT already removed) with its rollouts on vLLM: the fit config ``overlay`` merged in."""
+def with_vllm(config: dict[str, Any], overlay: str | Path, store: str | Path) -> dict[str, Any]:
+    """``config`` (TLT already removed) with its rollouts on vLLM: the fit config ``overlay`` merged in,
+    its MLflow logger writing to the sqlite file ``store``: vLLM's environment has an MLflow of its own,
+    which would migrate a store shared with the other runs to a schema theirs cannot open."""
     settings = yaml.safe_load(Path(overlay).read_text()) or {}
     out = merge(config, settings)
     if out.get("model", {}).get("rollout_backend") != "vllm":
         raise ValueError(f"--vllm-config {overlay}: it must set model.rollout_backend: vllm")
+    logger = (out.get("trainer") or {}).get("logger")
+    if isinstance(logger, dict):
+        logger.setdefault("init_args", {})["tracking_uri"] = f"sqlite:///{Path(store).resolve()}"
     return out
 
 

@@ -40,16 +40,26 @@ def test_merge_overlays_mappings_recursively_and_replaces_the_rest():
     assert base["model"]["optim"]["lr"] == 1.0  # not modified
 
 
-def test_the_vllm_peer_is_the_baseline_on_vllm(tmp_path):
+def test_the_vllm_peer_is_the_baseline_on_vllm_with_a_tracking_store_of_its_own(tmp_path):
     overlay = PEER_OVERLAY
-    peer = with_vllm(without_tlt(tiny_config()), overlay)
+    demo = yaml.safe_load((ROOT / "configs" / "grpo_smollm2.yaml").read_text())
+    baseline = without_tlt(demo)
+    peer = with_vllm(baseline, overlay, tmp_path / "vllm" / "mlflow.db")
+    # vLLM's environment migrates an MLflow store to its own schema: never the one the other runs share.
+    assert (
+        peer["trainer"]["logger"]["init_args"]["tracking_uri"]
+        == f"sqlite:///{tmp_path / 'vllm' / 'mlflow.db'}"
+    )
+    assert baseline["trainer"]["logger"]["init_args"]["tracking_uri"] == "sqlite:///runs/mlflow.db"
+    peer = with_vllm(without_tlt(tiny_config()), overlay, tmp_path / "mlflow.db")  # no logger: none added
+    assert peer["trainer"]["logger"] is False
     assert peer["model"]["rollout_backend"] == "vllm" and peer["model"]["speculative"]["enabled"] is False
     assert peer["model"]["vllm"] == yaml.safe_load(overlay.read_text())["model"]["vllm"]
     assert peer["model"]["optim"] == tiny_config()["model"]["optim"]
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text("model: {dtype: float32}\n")
     with pytest.raises(ValueError, match="model.rollout_backend: vllm"):
-        with_vllm(tiny_config(), wrong)
+        with_vllm(tiny_config(), wrong, tmp_path / "mlflow.db")
 
 
 def test_the_vllm_python_is_the_requested_one_or_a_clear_error(tmp_path):
