@@ -52,6 +52,7 @@ __all__ = [
     "equal_work_speedup",
     "fit_config",
     "frozen_drafter",
+    "measure",
     "read_records",
     "run",
     "summarise",
@@ -390,6 +391,36 @@ def plot(payload: dict[str, Any], steps: dict[str, list[list[dict[str, Any]]]], 
     return save_figure(fig, path)
 
 
+def measure(
+    name: str,
+    config: dict[str, Any],
+    args: argparse.Namespace,
+    payload: dict[str, Any],
+    steps: dict[str, list[list[dict[str, Any]]]],
+    python: str | None = None,
+) -> None:
+    """Run ``name`` of :func:`run`'s order on ``config`` into ``payload`` and ``steps``: a fit (in
+    ``python``), or the TRL peer. A peer that cannot run here, or whose fit fails, is recorded in
+    ``payload["peers_skipped"]`` and the other runs go on; a failed fit of our own raises."""
+    if name == "trl":  # not a fit: TRL's own trainer, one worker (benchmarks/e2e_peers.py)
+        try:
+            payload["peers"]["trl"] = trl_peer(config, args)
+        except PeerUnavailable as err:
+            payload["peers_skipped"]["trl"] = str(err)
+        return
+    try:
+        records, wall = fit_config(config, name, args, python)
+    except RuntimeError as err:
+        if name != "vllm":
+            raise
+        payload["peers_skipped"]["vllm"] = str(err)
+        return
+    starts, steps[name] = read_records(records)
+    payload["runs"][name] = summarise(steps[name], args.skip_steps)
+    payload["compile_s"][name] = {r: sum(s[r]["compile_s"] for s in steps[name]) for r in starts}
+    payload["wall_s"][name] = wall
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Both fits of ``args.config``, summarised; writes ``args.json`` and a plot beside it."""
     config = yaml.safe_load(Path(args.config).read_text())
@@ -400,6 +431,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         order.append("frozen")
     peers = list(getattr(args, "peers", None) or [])
     skipped: dict[str, str] = {}
+    python = None
     if "vllm" in peers:  # our fit with its rollouts on vLLM (plain sampling): the strongest rollout peer
         try:
             python = vllm_python(getattr(args, "vllm_python", None))
@@ -426,19 +458,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "compile_s": {},
         "wall_s": {},
     }
-    steps = {}
+    steps: dict[str, list[list[dict[str, Any]]]] = {}
     for name in order:
-        if name == "trl":  # not a fit: TRL's own trainer, one worker (benchmarks/e2e_peers.py)
-            try:
-                payload["peers"]["trl"] = trl_peer(config, args)
-            except PeerUnavailable as err:
-                skipped["trl"] = str(err)
-            continue
-        records, wall = fit_config(runs[name], name, args, python if name == "vllm" else None)
-        starts, steps[name] = read_records(records)
-        payload["runs"][name] = summarise(steps[name], args.skip_steps)
-        payload["compile_s"][name] = {r: sum(s[r]["compile_s"] for s in steps[name]) for r in starts}
-        payload["wall_s"][name] = wall
+        measure(name, runs.get(name, config), args, payload, steps, python if name == "vllm" else None)
+        write_json(args.json, {**payload, "complete": False, "steps": steps})  # a crash keeps the runs so far
+    payload["complete"] = True
     # BEG-MAB's view of each batch bucket at the end of the TLT run: plain vs its best speculative arm.
     tables = sorted((Path(args.out) / "tlt" / "fit").rglob("bandit/best_arms.json"), key=os.path.getmtime)
     payload["buckets"] = json.loads(tables[-1].read_text()).get("buckets") if tables else None

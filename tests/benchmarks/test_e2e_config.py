@@ -97,7 +97,7 @@ def test_both_runs_of_a_tiny_config_are_recorded_per_rank_and_step(tmp_path):
     assert all(r["drafter_s"] == 0.0 for (r,) in base)
     assert all(set(modes) == {"plain"} for (r,) in base for modes in r["decode"].values())
     saved = json.loads(Path(args.json).read_text())
-    assert saved["runs"]["tlt"]["step_s"] == payload["runs"]["tlt"]["step_s"]
+    assert saved["runs"]["tlt"]["step_s"] == payload["runs"]["tlt"]["step_s"] and saved["complete"] is True
     assert Path(args.json).with_suffix(".png").stat().st_size > 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -137,3 +138,30 @@ def test_a_tiny_config_runs_beside_its_vllm_peer_and_a_missing_trl_is_skipped(mo
     vllm, tlt = payload["runs"]["vllm"], payload["runs"]["tlt"]
     assert payload["vs_peers"]["vllm"]["tlt"]["step"] == vllm["step_s"] / tlt["step_s"]
     assert set(payload["vs_peers"]) == {"vllm"}
+
+
+def test_a_failing_vllm_peer_is_skipped_and_a_crash_keeps_the_runs_so_far(monkeypatch, tmp_path):
+    python = tmp_path / "broken-python"
+    python.write_text("#!/bin/sh\nexit 3\n")
+    python.chmod(0o755)
+    fit = e2e_config.fit_config
+
+    def crash_last(config, name, args, python=None):
+        if name == "baseline_again":
+            raise RuntimeError("the baseline_again fit failed (exit status 1)")
+        return fit(config, name, args, python)
+
+    monkeypatch.setattr(e2e_config, "fit_config", crash_last)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config()))
+    args = argparse.Namespace(
+        config=str(path), steps=1, devices=None, threads=1, out=str(tmp_path / "out"),
+        json=str(tmp_path / "e2e.json"), skip_steps=0, baseline_first=True, bracket=True,
+        peers=["vllm"], vllm_python=str(python), vllm_config=str(PEER_OVERLAY),
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="baseline_again fit failed"):
+        run(args)
+    saved = json.loads(Path(args.json).read_text())  # written after each run
+    assert saved["complete"] is False and set(saved["runs"]) == {"baseline", "tlt"}
+    assert "the vllm fit failed (exit status 3)" in saved["peers_skipped"]["vllm"]
+    assert [r["step"] for (r,) in saved["steps"]["tlt"]] == [1]
