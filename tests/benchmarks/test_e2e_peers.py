@@ -31,6 +31,16 @@ runpy.run_module("tlt_lightning.cli", run_name="__main__")
 """
 
 
+def tiny_peer_args(tmp_path: Path, python: Path, **settings) -> argparse.Namespace:
+    """`bench e2e --config` arguments for the tiny config (written to `tmp_path`), vLLM run by `python`."""
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config()))
+    return argparse.Namespace(
+        config=str(path), devices=None, threads=1, out=str(tmp_path / "out"), json=str(tmp_path / "e2e.json"),
+        skip_steps=0, baseline_first=True, vllm_python=str(python), vllm_config=str(PEER_OVERLAY), **settings,
+    )  # fmt: skip
+
+
 def test_merge_overlays_mappings_recursively_and_replaces_the_rest():
     base = {"model": {"optim": {"lr": 1.0, "group_size": 4}, "dtype": "float32"}, "seed": 0}
     out = merge(base, {"model": {"optim": {"lr": 2.0}, "rollout_backend": "vllm"}, "seed": [1]})
@@ -120,13 +130,7 @@ def test_a_tiny_config_runs_beside_its_vllm_peer_and_a_missing_trl_is_skipped(mo
         raise PeerUnavailable("the TRL peer needs the 'trl' package")
 
     monkeypatch.setattr(e2e_config, "trl_peer", no_trl)
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(tiny_config()))
-    args = argparse.Namespace(
-        config=str(path), steps=2, devices=None, threads=1, out=str(tmp_path / "out"),
-        json=str(tmp_path / "e2e.json"), skip_steps=0, baseline_first=True, bracket=False,
-        peers=["vllm", "trl"], vllm_python=str(python), vllm_config=str(PEER_OVERLAY),
-    )  # fmt: skip
+    args = tiny_peer_args(tmp_path, python, steps=2, bracket=False, peers=["vllm", "trl"])
     payload = run(args)
     assert payload["order"] == ["baseline", "tlt", "vllm", "trl"]
     assert payload["peers_skipped"] == {"trl": "the TRL peer needs the 'trl' package"}
@@ -152,13 +156,7 @@ def test_a_failing_vllm_peer_is_skipped_and_a_crash_keeps_the_runs_so_far(monkey
         return fit(config, name, args, python)
 
     monkeypatch.setattr(e2e_config, "fit_config", crash_last)
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(tiny_config()))
-    args = argparse.Namespace(
-        config=str(path), steps=1, devices=None, threads=1, out=str(tmp_path / "out"),
-        json=str(tmp_path / "e2e.json"), skip_steps=0, baseline_first=True, bracket=True,
-        peers=["vllm"], vllm_python=str(python), vllm_config=str(PEER_OVERLAY),
-    )  # fmt: skip
+    args = tiny_peer_args(tmp_path, python, steps=1, bracket=True, peers=["vllm"])
     with pytest.raises(RuntimeError, match="baseline_again fit failed"):
         run(args)
     saved = json.loads(Path(args.json).read_text())  # written after each run
