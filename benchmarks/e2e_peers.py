@@ -10,8 +10,8 @@
   loss and optimizer). With ``devices: N > 1`` this is a lower bound of TRL's step on N workers, which
   also waits for its slowest worker and all-reduces the gradients.
 
-A peer that cannot run here (vLLM or TRL not installed) is reported in ``peers_skipped`` with the
-reason, and the other runs go on.
+A peer that cannot run here (vLLM or TRL not installed), or whose fit fails, is reported in
+``peers_skipped`` with the reason, and the other runs go on.
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ import yaml
 from tlt_lightning.models.hardware import training_precision
 from tlt_lightning.rl.module_settings import config_groups
 
-__all__ = ["PEERS", "PeerUnavailable", "merge", "trl_peer", "vllm_python", "with_vllm"]
-
-PEERS = ("vllm", "trl")
+__all__ = ["PeerUnavailable", "merge", "peer_ratios", "trl_peer", "vllm_python", "with_vllm"]
 
 
 class PeerUnavailable(RuntimeError):
