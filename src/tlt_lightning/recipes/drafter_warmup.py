@@ -117,13 +117,14 @@ def sampling_setup(key: dict[str, Any]) -> dict[str, Any]:
 def load_more_rollouts(paths: list[str], key: dict[str, Any]) -> list[Rollout]:
     """Rollouts of other warm-up caches, checked to come from the same sampling setup."""
     rollouts: list[Rollout] = []
+    mine = sampling_setup(key)
     for path in paths:
         if not Path(path).is_file():
             raise FileNotFoundError(
                 f"--more-rollouts {path}: no such file (make it with `drafter warmup --rollouts-cache`)"
             )
         more, meta = load_rollouts(path)
-        saved, mine = sampling_setup(meta.get("key", {})), sampling_setup(key)
+        saved = sampling_setup(meta.get("key", {}))
         differ = {k: saved[k] for k in _SAMPLING_KEYS if saved[k] != mine[k]}
         if differ:
             raise ValueError(
