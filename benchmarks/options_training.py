@@ -16,7 +16,8 @@ __all__ = [
     "bench_spot",
 ]
 
-SPOT_PARTS = ("packing", "preemption", "checkpoint", "ddp")  # spot --parts (benchmarks.spot.PARTS)
+# spot --parts (benchmarks.spot.PARTS)
+SPOT_PARTS = ("packing", "preemption", "checkpoint", "ddp", "contention")
 EFFICIENCY_PARTS = ("sampler", "distill", "qat")  # efficiency --part (benchmarks.efficiency.PARTS)
 
 
@@ -165,6 +166,8 @@ def bench_spot(p: ArgumentParser) -> None:
     )
     g.add_argument("--depth", type=PositiveInt, default=6, help="chain depth")
     g.add_argument("--out", default="runs/bench/spot", help="working directory of the fits")
+    g = p.add_argument_group("contention (--max-new-tokens: the decode's steps)")
+    g.add_argument("--contention-repeats", type=PositiveInt, default=5, help="alone / beside pairs")
     p.add_argument("--json", default="runs/bench/spot.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 

@@ -1,6 +1,6 @@
 """``python -m benchmarks spot``: what spot training of the drafter recovers and what it costs.
 
-Three parts, on SmolLM2-135M and countdown unless told otherwise:
+The parts, on SmolLM2-135M and countdown unless told otherwise:
 
 - ``packing``: drafter training throughput (samples/s) with sequence packing vs padding, on real
   rollouts of the target (a ``drafter warmup`` rollouts cache, or freshly sampled ones) with the
@@ -16,6 +16,8 @@ Three parts, on SmolLM2-135M and countdown unless told otherwise:
   on (the drafter trains in the other rank's tail) vs off (the drafter stays frozen). Reports the
   step-time overhead (per step and per generated token: the runs sample different lengths), the
   idle fraction recovered, the real preemption latency per window and the per-worker Gantt chart.
+- ``contention``: a batch-1 decode step alone vs with a drafter training in another process
+  (:func:`~benchmarks.spot_contention.benchmark_contention`): what spot training costs the tail on a CPU.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from benchmarks.e2e import StepRecorder, per_token
 
 __all__ = ["run"]
 
-PARTS = ("packing", "preemption", "checkpoint", "ddp")
+PARTS = ("packing", "preemption", "checkpoint", "ddp", "contention")
 
 
 # ---------------------------------------------------------------------------------- packing
@@ -98,6 +100,29 @@ def _preemption(args: argparse.Namespace) -> dict[str, Any]:
     print(
         f"[bench spot] preemption latency p50 {out['latency_p50_s'] * 1e3:.1f} ms, p99 "
         f"{out['latency_p99_s'] * 1e3:.1f} ms ({out['latency_p99_steps']:.2f} drafter steps)",
+        flush=True,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------- contention
+def _contention(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.common import task_prompts
+    from benchmarks.spot_contention import benchmark_contention
+    from tlt_lightning.models import load_tokenizer, model_dir
+
+    pairs = args.contention_repeats
+    print(f"[bench spot] contention: a decode alone / beside a drafter trainer, {pairs} pairs", flush=True)
+    tokenizer = load_tokenizer(model_dir(args.model))
+    if tokenizer is None:
+        raise ValueError(f"--parts contention decodes a {args.task} prompt: {args.model!r} has no tokenizer")
+    (prompt,) = task_prompts(tokenizer, args.task, 1, seed=args.seed)
+    out = benchmark_contention(
+        prompt, args.model, args.drafter, tokens=args.max_new_tokens, repeats=pairs, seed=args.seed
+    )
+    print(
+        f"[bench spot] decode step {out['alone_ms']:.1f} ms alone, {out['beside_ms']:.1f} ms beside drafter "
+        f"training ({out['slowdown']:.2f}x; {out['trainer_steps_per_s']:.1f} drafter steps/s)",
         flush=True,
     )
     return out
@@ -316,6 +341,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_new_tokens",
         "threshold",
         "depth",
+        "contention_repeats",
     ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -338,6 +364,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("preemption", _preemption),
         ("checkpoint", _checkpoint),
         ("ddp", _ddp),
+        ("contention", _contention),
     ):
         if part in args.parts:
             payload[part] = fn(args)

@@ -25,16 +25,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks.spot_contention import drafter_step
 from benchmarks.spot_packing import benchmark_packing
-from tlt_lightning.drafter import (
-    Drafter,
-    DrafterConfig,
-    drafter_train_step,
-    make_batches,
-)
-from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.drafter import Drafter, DrafterConfig
+from tlt_lightning.models import HFTarget
 from tlt_lightning.reports import machine_info, median
-from tlt_lightning.rollout.types import Rollout
 from tlt_lightning.spot import (
     AsyncCheckpointer,
     CoordinatorConfig,
@@ -52,19 +47,7 @@ __all__ = ["benchmark_checkpoint", "benchmark_packing", "benchmark_preemption"]
 # ---------------------------------------------------------------------------------- preemption
 def _tiny_drafter_step(seed: int) -> Callable[[], Any]:
     """One real drafter training step on a tiny random target (a 1-layer drafter, 8 x 64 samples)."""
-    target = HFTarget(load_model("tiny-llama", seed=seed).model)
-    torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.from_target(target), target)
-    g = torch.Generator().manual_seed(seed)
-    H, V = target.info.hidden_size, target.info.vocab_size
-    rollouts = [
-        Rollout(torch.zeros(8, dtype=torch.long), torch.randint(0, V, (65,), generator=g), torch.zeros(65),
-                "length", 0.0, 0.0, torch.randn(65, 1, H, generator=g))
-        for _ in range(8)
-    ]  # fmt: skip
-    (batch,) = make_batches(rollouts, drafter.config, batch_size=8)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
-    return lambda: drafter_train_step(drafter, target, batch, optimizer)
+    return drafter_step("tiny-llama", None, "float32", length=64, batch_size=8, seed=seed)
 
 
 def _preemption_worker(

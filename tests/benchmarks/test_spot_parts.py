@@ -1,5 +1,6 @@
 import pytest
 
+from benchmarks.spot_contention import benchmark_contention
 from benchmarks.spot_packing import benchmark_packing
 from benchmarks.spot_parts import benchmark_checkpoint, benchmark_preemption
 
@@ -36,3 +37,17 @@ def test_benchmark_checkpoint_times_both_saves(tmp_path):
     assert out["ratio"] == pytest.approx(out["sync_s"] / out["async_blocking_s"])
     assert out["checkpoint_mb"] > 0 and out["drafter_parameters"] > 0
     assert list(tmp_path.iterdir()) == []  # its folders are temporary
+
+
+def test_benchmark_contention_times_the_decode_alone_and_beside_a_trainer():
+    out = benchmark_contention(
+        [1, 2, 3], "tiny-llama", dtype="float32", tokens=16, repeats=2, train_length=16, train_batch=2
+    )
+    assert len(out["alone_ms_all"]) == len(out["beside_ms_all"]) == 2
+    assert out["slowdown"] == pytest.approx(out["beside_ms"] / out["alone_ms"])
+    assert out["trainer_steps_per_s"] > 0  # the other process trained while the decode ran beside it
+
+
+def test_benchmark_contention_says_when_its_trainer_died(tmp_path):
+    with pytest.raises(RuntimeError, match="drafter training process died"):
+        benchmark_contention([1, 2, 3], "tiny-llama", drafter_dir=str(tmp_path / "missing"), tokens=4)
