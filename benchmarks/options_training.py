@@ -168,6 +168,9 @@ def bench_spot(p: ArgumentParser) -> None:
     g.add_argument("--out", default="runs/bench/spot", help="working directory of the fits")
     g = p.add_argument_group("contention (--max-new-tokens: the decode's steps)")
     g.add_argument("--contention-repeats", type=PositiveInt, default=5, help="alone / beside pairs")
+    g.add_argument(
+        "--contention-decode", default="hf", choices=["hf", "lean", "compiled"], help="decode path"
+    )
     p.add_argument("--json", default="runs/bench/spot.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 

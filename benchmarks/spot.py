@@ -118,7 +118,13 @@ def _contention(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--parts contention decodes a {args.task} prompt: {args.model!r} has no tokenizer")
     (prompt,) = task_prompts(tokenizer, args.task, 1, seed=args.seed)
     out = benchmark_contention(
-        prompt, args.model, args.drafter, tokens=args.max_new_tokens, repeats=pairs, seed=args.seed
+        prompt,
+        args.model,
+        args.drafter,
+        tokens=args.max_new_tokens,
+        decode=args.contention_decode,
+        repeats=pairs,
+        seed=args.seed,
     )
     print(
         f"[bench spot] decode step {out['alone_ms']:.1f} ms alone, {out['beside_ms']:.1f} ms beside drafter "

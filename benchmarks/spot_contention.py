@@ -3,7 +3,7 @@
 A rank in its tail decodes a few requests, each step bound by reading the weights; the other ranks,
 done with their share, train the drafter meanwhile. On GPUs each rank has its own device. On a CPU
 the ranks' processes share the memory system and caches, so the training can slow the decode it is
-meant to be hidden behind. This part times the same greedy batch-1 decode (eager, identical tokens every
+meant to be hidden behind. This part times the same greedy batch-1 decode (identical tokens every
 time) alone and with a drafter training in another process, alternating the two, and reports the
 median step of each.
 """
@@ -79,6 +79,7 @@ def benchmark_contention(
     drafter_dir: str | None = None,
     dtype: str = "bfloat16",
     tokens: int = 128,
+    decode: str = "hf",
     repeats: int = 5,
     train_length: int = 256,
     train_batch: int = 8,
@@ -90,6 +91,8 @@ def benchmark_contention(
         prompt: the one request decoded (token ids), greedily: the same ``tokens`` steps every time.
         drafter_dir: the drafter the other process trains (default: a fresh one).
         dtype: the decoding mirror's dtype; the trainer reads a target in it too.
+        decode: the decode path (:meth:`~tlt_lightning.models.HFTarget.set_decode`); other than
+            ``"hf"``, on packed weights, as the main job's rollouts run.
         repeats: alone / beside pairs, alternating.
         train_length, train_batch: the shape of the trainer's batches.
 
@@ -106,7 +109,11 @@ def benchmark_contention(
     step_args = (model, drafter_dir, dtype, train_length, train_batch, seed)
     trainer = ctx.Process(target=_trainer, args=(step_args, paused, go, stop, steps), daemon=True)
     trainer.start()
-    engine = RolloutEngine(_target(model, dtype), RolloutConfig(max_new_tokens=tokens, temperature=0))
+    target = _target(model, dtype)
+    if decode != "hf":
+        target.set_weight_layout("packed")
+        target.set_decode(decode)
+    engine = RolloutEngine(target, RolloutConfig(max_new_tokens=tokens, temperature=0))
     alone, beside, rates = [], [], []
     try:
         engine.generate([list(prompt)])  # warm-up
@@ -140,6 +147,7 @@ def benchmark_contention(
             "drafter": drafter_dir,
             "dtype": dtype,
             "tokens": tokens,
+            "decode": decode,
             "repeats": repeats,
             "train_length": train_length,
             "train_batch": train_batch,
