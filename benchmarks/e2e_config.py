@@ -202,6 +202,20 @@ def frozen_drafter(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def absolute_drafter_paths(config: dict[str, Any], base: Path) -> dict[str, Any]:
+    """``config`` with each relative ``drafter_path`` found under ``base`` (the config file's directory)
+    made absolute, as ``tlt-lightning fit`` resolves it: the runs' rewritten configs live elsewhere."""
+    out = copy.deepcopy(config)
+    callbacks = (out.get("trainer") or {}).get("callbacks") or []
+    holders = [(out.get("model") or {}).get("speculative") or {}]
+    holders += [(c.get("init_args") or {}).get("config") or {} for c in callbacks if isinstance(c, dict)]
+    for holder in holders:
+        path = holder.get("drafter_path")
+        if isinstance(path, str) and not Path(path).is_absolute() and (base / path).is_dir():
+            holder["drafter_path"] = str((base / path).resolve())
+    return out
+
+
 def fit_config(
     config: dict[str, Any], name: str, args: argparse.Namespace, python: str | None = None
 ) -> tuple[Path, float]:
@@ -423,7 +437,7 @@ def measure(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Both fits of ``args.config``, summarised; writes ``args.json`` and a plot beside it."""
-    config = yaml.safe_load(Path(args.config).read_text())
+    config = absolute_drafter_paths(yaml.safe_load(Path(args.config).read_text()), Path(args.config).parent)
     runs = {"baseline": without_tlt(config), "tlt": config}
     order = ["baseline", "tlt"] if args.baseline_first else ["tlt", "baseline"]
     if getattr(args, "frozen", False):  # TLT without spot training: what the drafter's training costs

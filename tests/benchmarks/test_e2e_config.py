@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from benchmarks.e2e_config import (
+    absolute_drafter_paths,
     compare,
     core_share,
     decode_buckets,
@@ -60,6 +61,21 @@ def test_the_frozen_variant_drafts_with_the_spot_drafters_start_and_never_trains
     assert frozen_drafter(config)["model"]["speculative"]["drafter_path"] == "a/b"
     with pytest.raises(ValueError, match="needs a config with a SpotDrafterCallback"):
         frozen_drafter(without_tlt(config))
+
+
+def test_relative_drafter_paths_are_resolved_against_the_config_files_directory(tmp_path):
+    (tmp_path / "drafters" / "a").mkdir(parents=True)
+    config = tiny_config()
+    config["model"]["speculative"]["drafter_path"] = "drafters/a"
+    spot = {**TLT[0], "init_args": {"config": {"drafter_path": "drafters/a"}}}
+    config["trainer"]["callbacks"] = [spot, {**TLT[1], "init_args": {"config": {"drafter_path": "missing"}}}]
+    out = absolute_drafter_paths(config, tmp_path)
+    resolved = str((tmp_path / "drafters" / "a").resolve())
+    assert out["model"]["speculative"]["drafter_path"] == resolved
+    assert out["trainer"]["callbacks"][0]["init_args"]["config"]["drafter_path"] == resolved
+    # not a directory there (a URI, a typo): left as written, for fit to resolve or report
+    assert out["trainer"]["callbacks"][1]["init_args"]["config"]["drafter_path"] == "missing"
+    assert config["model"]["speculative"]["drafter_path"] == "drafters/a"  # the original is left as it was
 
 
 def test_both_runs_of_a_tiny_config_are_recorded_per_rank_and_step(tmp_path):

@@ -282,9 +282,7 @@ class SpotDrafterCallback(L.Callback):
     def settings(self) -> dict[str, Any]:
         """What shapes the drafter's training (its ``config``), saved in every checkpoint and compared on
         resume (:func:`~tlt_lightning.validation.check_resumed_settings`)."""
-        config = asdict(self.config)
-        config["drafter_path"] = None if config["drafter_path"] is None else str(config["drafter_path"])
-        return {"config": config}
+        return {"config": asdict(self.config)}
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -23,11 +23,13 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tlt_lightning.drafter.config import DRAFTER_KINDS
+from tlt_lightning.drafter.location import DrafterLocation, drafter_location
 from tlt_lightning.rl.grpo import AGGREGATIONS
 from tlt_lightning.validation import check, is_int
 
@@ -139,14 +141,15 @@ class SpeculativeConfig:
             none is attached; ``None``: none (a callback may attach one).
         drafter_path: load the drafter from this :func:`~tlt_lightning.drafter.save_drafter`
             directory instead (e.g. a warmed-up one), or from a ``models:/`` or ``runs:/`` MLflow URI
-            of one (:func:`~tlt_lightning.drafter.load_drafter`).
+            of one (:func:`~tlt_lightning.drafter.load_drafter`); relative to the config file that
+            names it (:mod:`~tlt_lightning.drafter.location`), kept as a string.
         sd_steps: draft depth of the default strategy (always a chain of this many tokens).
         threshold: speculate only while fewer requests than this are active.
     """
 
     enabled: bool = True
     drafter_kind: str | None = None
-    drafter_path: str | None = None
+    drafter_path: DrafterLocation | None = None
     sd_steps: int = 4
     threshold: int = 32
 
@@ -160,3 +163,11 @@ class SpeculativeConfig:
         for name in ("sd_steps", "threshold"):
             value = getattr(self, name)
             check(is_int(value) and value >= 1, f"speculative.{name}", value, "an int >= 1")
+        path = self.drafter_path
+        check(
+            path is None or isinstance(path, (str, os.PathLike)),
+            "speculative.drafter_path",
+            path,
+            "a directory path, a models:/ or runs:/ URI, or None",
+        )
+        object.__setattr__(self, "drafter_path", drafter_location(path))  # frozen; an absolute path

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter
+from tlt_lightning.drafter.location import check_drafter_location
 from tlt_lightning.models import HFTarget, TargetModel, set_weight_layout
 from tlt_lightning.rl.config import SpeculativeConfig
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
@@ -112,6 +113,7 @@ def module_drafter(spec: SpeculativeConfig, target: TargetModel, seed: int) -> D
     """The drafter ``spec`` asks for on ``target``: loaded from ``drafter_path``, or a fresh one of
     ``drafter_kind`` seeded with ``seed``; ``None`` if it asks for neither."""
     if spec.drafter_path is not None:
+        check_drafter_location(spec.drafter_path, "speculative.drafter_path")
         return load_drafter(spec.drafter_path, target)
     if spec.drafter_kind is None:
         return None

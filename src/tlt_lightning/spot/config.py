@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tlt_lightning.drafter.config import DRAFTER_KINDS
+from tlt_lightning.drafter.location import DrafterLocation, drafter_location
 from tlt_lightning.spot.trainer import SpotTrainerConfig
 from tlt_lightning.validation import check, is_int, is_number
 
@@ -29,7 +30,8 @@ class SpotConfig:
         draft_vocab_size: draft vocabulary of a built drafter, capped at the target's vocabulary
             (``>= 1``; ``None``: full vocabulary).
         drafter_path: load the drafter from this directory or ``models:/`` / ``runs:/`` URI instead
-            of building one.
+            of building one (relative to the config file that names it:
+            :mod:`~tlt_lightning.drafter.location`); kept as a string.
 
     Example:
         >>> config = SpotConfig.from_dict({"buffer_mb": 64, "training": {"max_steps_per_rollout": 2}})
@@ -44,7 +46,7 @@ class SpotConfig:
     checkpoint_interval: int | None = 10
     kind: str = "eagle1"
     draft_vocab_size: int | None = 8192
-    drafter_path: str | os.PathLike | None = None
+    drafter_path: DrafterLocation | None = None
 
     def __post_init__(self) -> None:
         interval, vocab, path = self.checkpoint_interval, self.draft_vocab_size, self.drafter_path
@@ -89,6 +91,7 @@ class SpotConfig:
             ),
         ):
             check(ok, name, value, allowed)
+        object.__setattr__(self, "drafter_path", drafter_location(path))  # frozen; an absolute path
 
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any]) -> SpotConfig:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter
-from tlt_lightning.drafter.mlflow_uri import is_mlflow_uri
+from tlt_lightning.drafter.location import check_drafter_location
 from tlt_lightning.models.target import TargetModel
 from tlt_lightning.rollout.types import RolloutResult
 from tlt_lightning.spot.buffer import BufferConfig, RolloutBuffer
@@ -76,10 +76,7 @@ def initial_drafter(
             return drafter
         return drafter.for_target(target, dtype=torch.float32)
     if path is not None:
-        if not is_mlflow_uri(path) and not Path(path).is_dir():
-            raise ValueError(
-                f"drafter_path {str(path)!r} is not a drafter directory (nor a models:/ or runs:/ URI)"
-            )
+        check_drafter_location(path, "drafter_path")
         return load_drafter(path, target, dtype=torch.float32)
     vocab = target.info.vocab_size
     size = None if config.draft_vocab_size is None else min(config.draft_vocab_size, vocab)
@@ -309,7 +306,7 @@ class SpotDrafter:
             "max_seconds_per_rollout": t.max_seconds_per_rollout,
             "kind": c.kind,
             "draft_vocab_size": c.draft_vocab_size,
-            "drafter_path": None if c.drafter_path is None else str(c.drafter_path),
+            "drafter_path": c.drafter_path,
             "recency_decay": c.recency_decay,
             "weight_decay": t.weight_decay,
             "max_grad_norm": t.max_grad_norm,
