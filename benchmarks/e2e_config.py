@@ -41,6 +41,7 @@ from benchmarks.common import machine_info, median, new_figure, save_figure, wri
 from benchmarks.e2e_peers import PeerUnavailable, peer_ratios, trl_peer, vllm_python, with_vllm
 from benchmarks.memory import MemoryProbe, tensor_breakdown
 from tlt_lightning.callbacks import SpotDrafterCallback
+from tlt_lightning.speculative.arms import arm_key
 
 __all__ = [
     "RankRecorder",
@@ -72,13 +73,15 @@ def compiled_seconds(module: L.LightningModule) -> float:
     return float(sum(getattr(part, "compile_seconds", 0.0) for part in parts))
 
 
-def decode_table(stats: Any) -> dict[str, dict[str, list[float]]]:
+def decode_table(stats: Any, by_arm: bool = False) -> dict[str, dict[str, list[float]]]:
     """A rollout's decode steps by active requests and mode: ``{n: {"plain" | "spec": [steps, wall s,
-    thread CPU s, tokens]}}``. CPU seconds below wall seconds mean the step waited for a core."""
+    thread CPU s, tokens]}}`` (``by_arm``: by arm instead, ``"off"``, ``"chain4"``, ...). CPU seconds
+    below wall seconds mean the step waited for a core."""
     table: dict[str, dict[str, list[float]]] = {}
     steps = (stats.step_batch_sizes, stats.step_times, stats.step_cpu_times, stats.step_tokens)
-    for n, wall, cpu, tokens, speculative in zip(*steps, stats.step_speculative):
-        row = table.setdefault(str(n), {}).setdefault("spec" if speculative else "plain", [0, 0.0, 0.0, 0])
+    for n, wall, cpu, tokens, arm in zip(*steps, stats.step_arms):
+        mode = arm_key(arm) if by_arm else "plain" if arm is None else "spec"
+        row = table.setdefault(str(n), {}).setdefault(mode, [0, 0.0, 0.0, 0])
         for i, value in enumerate((1, wall, cpu, tokens)):
             row[i] += value
     return table
@@ -149,6 +152,7 @@ class RankRecorder(L.Callback):
             "tail_share": tail / max(sum(stats.step_times), 1e-9),
             "tokens": stats.generated_tokens,
             "decode": decode_table(stats),
+            "decode_arms": decode_table(stats, by_arm=True),
             "lengths": [int(n) for n in result.lengths],
             "accept_length": stats.mean_accept_length,
             "reward": float(rewards.total.mean()),

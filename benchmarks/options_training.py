@@ -171,6 +171,12 @@ def bench_spot(p: ArgumentParser) -> None:
     g.add_argument(
         "--contention-decode", default="hf", choices=["hf", "lean", "compiled"], help="decode path"
     )
+    g.add_argument(
+        "--contention-train-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the trainer's target and drafter (float32: as the spot trainer's)",
+    )
     p.add_argument("--json", default="runs/bench/spot.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 

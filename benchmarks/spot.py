@@ -124,6 +124,7 @@ def _contention(args: argparse.Namespace) -> dict[str, Any]:
         tokens=args.max_new_tokens,
         decode=args.contention_decode,
         repeats=pairs,
+        train_dtype=args.contention_train_dtype,
         seed=args.seed,
     )
     print(

@@ -80,8 +80,9 @@ def benchmark_contention(
     tokens: int = 128,
     decode: str = "hf",
     repeats: int = 5,
-    train_length: int = 256,
-    train_batch: int = 8,
+    train_dtype: str = "float32",
+    train_length: int = 1024,
+    train_batch: int = 1,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Median batch-1 decode step of ``model`` alone vs with a drafter training in another process.
@@ -89,11 +90,14 @@ def benchmark_contention(
     Args:
         prompt: the one request decoded (token ids), greedily: the same ``tokens`` steps every time.
         drafter_dir: the drafter the other process trains (default: a fresh one).
-        dtype: the decoding mirror's dtype; the trainer reads a target in it too.
+        dtype: the decoding mirror's dtype.
+        train_dtype: the dtype of the trainer's target and drafter: ``float32`` as the spot trainer's
+            (an fp32 drafter on the fp32 policy).
         decode: the decode path (:meth:`~tlt_lightning.models.HFTarget.set_decode`); other than
             ``"hf"``, on packed weights, as the main job's rollouts run.
         repeats: alone / beside pairs, alternating.
-        train_length, train_batch: the shape of the trainer's batches.
+        train_length, train_batch: the shape of the trainer's batches (default: one packed row of
+            1024 tokens, the spot trainer's ``packing_budget``).
 
     Returns:
         ``{"alone_ms", "beside_ms", "slowdown", "trainer_steps_per_s", ...}`` (medians; ``*_all``: every
@@ -105,7 +109,7 @@ def benchmark_contention(
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
     paused, go, stop, steps = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Value("i", 0, lock=False)
-    step_args = (model, drafter_dir, dtype, train_length, train_batch, seed)
+    step_args = (model, drafter_dir, train_dtype, train_length, train_batch, seed)
     trainer = ctx.Process(target=_trainer, args=(step_args, paused, go, stop, steps), daemon=True)
     trainer.start()
     target = _target(model, dtype)
@@ -146,6 +150,7 @@ def benchmark_contention(
             "model": model,
             "drafter": drafter_dir,
             "dtype": dtype,
+            "train_dtype": train_dtype,
             "tokens": tokens,
             "decode": decode,
             "repeats": repeats,

@@ -106,12 +106,18 @@ def test_both_runs_of_a_tiny_config_are_recorded_per_rank_and_step(tmp_path):
             assert {"rollout", "train"} <= set(record["phase_peak_mb"])
             decoded = sum(row[3] for modes in record["decode"].values() for row in modes.values())
             assert decoded == record["tokens"] - 16  # every token but the prefill's one per request
+            for n, modes in record["decode"].items():  # the same steps by arm: "off" is plain
+                arms = record["decode_arms"][n]
+                assert arms.get("off") == modes.get("plain")
+                spec = [sum(row[i] for arm, row in arms.items() if arm != "off") for i in range(4)]
+                assert spec == pytest.approx(modes.get("spec", [0, 0.0, 0.0, 0]))
         tensors = steps[0][0]["tensors_mb"]  # after step 1: Adam's state exists, the gradients are freed
         assert tensors["policy"] > 0 and tensors["optimizer"] > tensors["policy"] and tensors["grads"] == 0
         assert payload["runs"][name] == summarise(steps, 0)
     assert all(r["accept_length"] == 0.0 for (r,) in base)  # no speculative step without TLT
     assert all(r["drafter_s"] == 0.0 for (r,) in base)
     assert all(set(modes) == {"plain"} for (r,) in base for modes in r["decode"].values())
+    assert all(set(arms) == {"off"} for (r,) in base for arms in r["decode_arms"].values())
     saved = json.loads(Path(args.json).read_text())
     assert saved["runs"]["tlt"]["step_s"] == payload["runs"]["tlt"]["step_s"] and saved["complete"] is True
     assert Path(args.json).with_suffix(".png").stat().st_size > 0
