@@ -87,16 +87,20 @@ def decode_table(stats: Any, by_arm: bool = False) -> dict[str, dict[str, list[f
     return table
 
 
-def decode_buckets(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """Decode rates of ``records`` (rank-steps with a ``decode`` table) per bucket of :data:`BUCKETS` and
-    mode: steps, tokens per wall second and per thread-CPU second, tokens per step."""
+def decode_buckets(
+    records: list[dict[str, Any]], table: str = "decode"
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Decode rates of ``records`` (rank-steps with a ``table``: ``decode``, or ``decode_arms`` for rates
+    per arm) per bucket of :data:`BUCKETS` and mode: steps, tokens per wall second and per thread-CPU
+    second, tokens per step."""
     out: dict[str, dict[str, dict[str, float]]] = {}
+    modes_seen = sorted({m for r in records for modes in r.get(table, {}).values() for m in modes})
     for lo, hi in BUCKETS:
         name = f"{lo}" if lo == hi else f"{lo}+" if hi >= 1 << 30 else f"{lo}-{hi}"
-        for mode in ("plain", "spec"):
+        for mode in modes_seen:
             sums = [0.0] * 4
             for record in records:
-                for n, modes in record.get("decode", {}).items():
+                for n, modes in record.get(table, {}).items():
                     if lo <= int(n) <= hi and mode in modes:
                         sums = [a + b for a, b in zip(sums, modes[mode])]
             steps, wall, cpu, tokens = sums
@@ -332,6 +336,7 @@ def summarise(steps: list[list[dict[str, Any]]], skip: int) -> dict[str, Any]:
         "reward": [median([r["reward"] for r in ranks]) for ranks in steps],
         "accuracy": [median([r["accuracy"] for r in ranks]) for ranks in steps],
         "decode_buckets": decode_buckets([r for ranks in kept for r in ranks]),
+        "arm_buckets": decode_buckets([r for ranks in kept for r in ranks], "decode_arms"),
         "contended_steps": [
             ranks[0]["step"]
             for ranks in kept

@@ -172,6 +172,11 @@ def bench_spot(p: ArgumentParser) -> None:
         "--contention-decode", default="hf", choices=["hf", "lean", "compiled"], help="decode path"
     )
     g.add_argument(
+        "--contention-arm",
+        default=None,
+        help="decode speculatively with this arm (chain4, ...) and --drafter",
+    )
+    g.add_argument(
         "--contention-train-dtype",
         default="float32",
         choices=["float32", "bfloat16"],

@@ -125,6 +125,7 @@ def _contention(args: argparse.Namespace) -> dict[str, Any]:
         decode=args.contention_decode,
         repeats=pairs,
         train_dtype=args.contention_train_dtype,
+        arm=args.contention_arm,
         seed=args.seed,
     )
     print(

@@ -23,7 +23,9 @@ from tlt_lightning.models import HFTarget, load_model
 from tlt_lightning.reports import machine_info, median
 from tlt_lightning.rl.rollout_models import rollout_mirror
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
+from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
 from tlt_lightning.rollout.types import Rollout
+from tlt_lightning.speculative.arms import parse_arm
 
 __all__ = ["benchmark_contention"]
 
@@ -80,6 +82,7 @@ def benchmark_contention(
     tokens: int = 128,
     decode: str = "hf",
     repeats: int = 5,
+    arm: str | None = None,
     train_dtype: str = "float32",
     train_length: int = 1024,
     train_batch: int = 1,
@@ -96,6 +99,9 @@ def benchmark_contention(
         decode: the decode path (:meth:`~tlt_lightning.models.HFTarget.set_decode`); other than
             ``"hf"``, on packed weights, as the main job's rollouts run.
         repeats: alone / beside pairs, alternating.
+        arm: decode speculatively at every step with this arm (``"chain4"``, ...; see
+            :func:`~tlt_lightning.speculative.parse_arm`) and the drafter (``drafter_dir``, else a fresh
+            one); ``None``: plain decoding.
         train_length, train_batch: the shape of the trainer's batches (default: one packed row of
             1024 tokens, the spot trainer's ``packing_budget``).
 
@@ -116,7 +122,16 @@ def benchmark_contention(
     if decode != "hf":
         target.set_weight_layout("packed")
         target.set_decode(decode)
-    engine = RolloutEngine(target, RolloutConfig(max_new_tokens=tokens, temperature=0))
+    config = RolloutConfig(max_new_tokens=tokens, temperature=0)
+    if arm is None:
+        engine = RolloutEngine(target, config)
+    else:
+        drafter = (
+            load_drafter(drafter_dir, target)
+            if drafter_dir
+            else Drafter(DrafterConfig.from_target(target), target)
+        )
+        engine = SpeculativeRolloutLoop(target, drafter, config, strategy=parse_arm(arm), threshold=2)
     prompts = [list(prompt)]
     alone, beside, rates = [], [], []
     try:
@@ -153,6 +168,7 @@ def benchmark_contention(
             "train_dtype": train_dtype,
             "tokens": tokens,
             "decode": decode,
+            "arm": arm,
             "repeats": repeats,
             "train_length": train_length,
             "train_batch": train_batch,

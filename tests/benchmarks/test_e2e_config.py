@@ -144,6 +144,10 @@ def test_decode_buckets_pool_rank_steps_into_rates_per_range_and_mode():
         (3.0 + 0.5 + 0.5) / (32 / (20 / 1.5) + 0.5 + 0.5)
     )
     assert equal_work_speedup(summary, {"decode_buckets": decode_buckets(records[:1])}) is None
+    by_arm = [{"decode_arms": {"1": {"off": [2, 0.1, 0.1, 2], "chain4": [2, 0.2, 0.2, 5]}}}, {}]
+    arms = decode_buckets(by_arm, "decode_arms")
+    assert list(arms) == ["1"] and arms["1"]["chain4"]["tokens_per_step"] == 2.5
+    assert arms["1"]["off"]["tokens_per_s"] == pytest.approx(20.0)
 
 
 def test_steps_whose_decode_waited_for_a_core_are_flagged():

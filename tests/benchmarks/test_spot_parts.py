@@ -48,6 +48,14 @@ def test_benchmark_contention_times_the_decode_alone_and_beside_a_trainer():
     assert out["trainer_steps_per_s"] > 0  # the other process trained while the decode ran beside it
 
 
+def test_benchmark_contention_can_decode_speculatively():
+    out = benchmark_contention(
+        [1, 2, 3], "tiny-llama", dtype="float32", tokens=16, repeats=1, arm="chain2", train_length=16
+    )
+    assert out["settings"]["arm"] == "chain2" and out["settings"]["train_dtype"] == "float32"
+    assert out["alone_ms"] > 0 and out["beside_ms"] > 0
+
+
 def test_benchmark_contention_says_when_its_trainer_died(tmp_path):
     with pytest.raises(RuntimeError, match="drafter training process died"):
         benchmark_contention([1, 2, 3], "tiny-llama", drafter_dir=str(tmp_path / "missing"), tokens=4)
