@@ -170,4 +170,4 @@ class SpeculativeConfig:
             path,
             "a directory path, a models:/ or runs:/ URI, or None",
         )
-        object.__setattr__(self, "drafter_path", drafter_location(path))  # frozen; an absolute path
+        object.__setattr__(self, "drafter_path", drafter_location(path))  # a string (absolute once resolved)

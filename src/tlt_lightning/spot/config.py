@@ -91,7 +91,7 @@ class SpotConfig:
             ),
         ):
             check(ok, name, value, allowed)
-        object.__setattr__(self, "drafter_path", drafter_location(path))  # frozen; an absolute path
+        object.__setattr__(self, "drafter_path", drafter_location(path))  # a string (absolute once resolved)
 
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any]) -> SpotConfig:
