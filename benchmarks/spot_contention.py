@@ -36,6 +36,13 @@ def _target(model: str, dtype: str) -> HFTarget:
     return HFTarget(loaded.eval() if dtype == "float32" else rollout_mirror(loaded, dtype))
 
 
+def _drafter(drafter_dir: str | None, target: HFTarget) -> Drafter:
+    """The drafter in ``drafter_dir`` on ``target``, else a fresh one."""
+    if drafter_dir is None:
+        return Drafter(DrafterConfig.from_target(target), target)
+    return load_drafter(drafter_dir, target)
+
+
 def drafter_step(
     model: str, drafter_dir: str | None, dtype: str, length: int, batch_size: int, seed: int
 ) -> Callable[[], Any]:
@@ -43,10 +50,7 @@ def drafter_step(
     tokens and features (the arithmetic and memory traffic of spot training, not its data)."""
     target = _target(model, dtype)
     torch.manual_seed(seed)
-    if drafter_dir is None:
-        drafter = Drafter(DrafterConfig.from_target(target), target)
-    else:
-        drafter = load_drafter(drafter_dir, target)
+    drafter = _drafter(drafter_dir, target)
     g = torch.Generator().manual_seed(seed)
     info, n = target.info, length + 1
     features = (n, len(drafter.config.feature_layers), info.hidden_size)
@@ -126,11 +130,7 @@ def benchmark_contention(
     if arm is None:
         engine = RolloutEngine(target, config)
     else:
-        drafter = (
-            load_drafter(drafter_dir, target)
-            if drafter_dir
-            else Drafter(DrafterConfig.from_target(target), target)
-        )
+        drafter = _drafter(drafter_dir, target)
         engine = SpeculativeRolloutLoop(target, drafter, config, strategy=parse_arm(arm), threshold=2)
     prompts = [list(prompt)]
     alone, beside, rates = [], [], []
