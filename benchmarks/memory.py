@@ -27,19 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from tlt_lightning.efficiency.host_memory import rss_mb
 from tlt_lightning.rl.listeners import RolloutListener
 from tlt_lightning.rollout.types import RolloutResult
 
-__all__ = ["MemoryProbe", "rss_mb", "run", "tensor_breakdown"]
+__all__ = ["MemoryProbe", "run", "tensor_breakdown"]
 
 MB = 2**20
-
-
-def rss_mb() -> float:
-    """The process's resident memory now, in MiB (Linux ``/proc/self/statm``)."""
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * 4096 / MB
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -130,7 +124,7 @@ class MemoryProbe(RolloutListener):
 
     def _sample(self, interval: float) -> None:
         while not self._stop.wait(interval):
-            now = rss_mb()
+            now = rss_mb() or 0.0
             with self._lock:
                 self._peaks[self.phase] = max(self._peaks.get(self.phase, 0.0), now)
 
@@ -158,9 +152,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import yaml
 
     from benchmarks.common import machine_info, write_json
-    from benchmarks.e2e_config import fit_config, read_records
+    from benchmarks.e2e_config import absolute_drafter_paths, fit_config, read_records
 
-    config = yaml.safe_load(Path(args.config).read_text())
+    config = absolute_drafter_paths(yaml.safe_load(Path(args.config).read_text()), Path(args.config).parent)
     records, wall = fit_config(config, "memory", args)
     starts, steps = read_records(records)
     payload = {"config": args.config, "machine": machine_info(), "wall_s": wall, "ranks": {}}

@@ -6,10 +6,12 @@ import argparse
 import json
 import time
 
+import pytest
 import yaml
 
-from benchmarks.memory import MemoryProbe, rss_mb, run
+from benchmarks.memory import MemoryProbe, run
 from tests.benchmarks.test_e2e_config import tiny_config
+from tlt_lightning.efficiency.host_memory import rss_mb
 
 
 def test_the_probe_keeps_each_phases_peak_and_starts_over_when_taken():
@@ -41,3 +43,26 @@ def test_a_tiny_fit_is_broken_down_by_owner_and_phase(tmp_path, capsys):
     assert rank["tensors_mb"]["policy"] > 0 and rank["tensors_mb"]["drafter"] > 0
     assert json.loads((tmp_path / "memory.json").read_text())["ranks"]["0"] == rank
     assert "peak RSS by phase" in capsys.readouterr().out
+
+
+def test_a_drafter_path_relative_to_the_config_file_reaches_the_fit_absolute(tmp_path, monkeypatch):
+    import benchmarks.e2e_config
+
+    (tmp_path / "drafters" / "a").mkdir(parents=True)
+    (tmp_path / "configs").mkdir()
+    config = tiny_config()
+    config["trainer"]["callbacks"][0]["init_args"] = {"config": {"drafter_path": "../drafters/a"}}
+    path = tmp_path / "configs" / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    seen = []
+
+    def fit_config(config, name, args):
+        seen.append(config)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(benchmarks.e2e_config, "fit_config", fit_config)
+    args = argparse.Namespace(config=str(path), steps=1, devices=None, threads=1, out=str(tmp_path / "out"))
+    with pytest.raises(RuntimeError, match="stop here"):
+        run(args)
+    spot = seen[0]["trainer"]["callbacks"][0]["init_args"]["config"]
+    assert spot["drafter_path"] == str((tmp_path / "drafters" / "a").resolve())

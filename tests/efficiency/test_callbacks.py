@@ -6,8 +6,13 @@ import lightning as L
 import pytest
 import torch
 
+from tlt_lightning.efficiency import host_memory
 from tlt_lightning.efficiency.activation_checkpointing import is_activation_checkpointed
-from tlt_lightning.efficiency.callbacks import ActivationCheckpointingCallback, LayerwisePrecisionCallback
+from tlt_lightning.efficiency.callbacks import (
+    ActivationCheckpointingCallback,
+    HostMemoryCallback,
+    LayerwisePrecisionCallback,
+)
 from tlt_lightning.efficiency.memory import measure_step
 from tlt_lightning.efficiency.precision import PrecisionConfig
 from tlt_lightning.models import load_model
@@ -131,3 +136,22 @@ def test_layerwise_precision_callback_skips_overflowing_steps():
     assert all(s["scale"] == 2.0**58 for s in callback.state_dict()["scalers"].values())
     with pytest.raises(ValueError, match="module='policy' is not a submodule"):
         _fit(TinyLM(), LayerwisePrecisionCallback(module="policy"), steps=1)
+
+
+def test_host_memory_callback_sets_the_threshold_trims_every_step_and_logs_rss(monkeypatch):
+    calls = []
+    monkeypatch.setattr(host_memory, "set_mmap_threshold", lambda n: calls.append(("threshold", n)) or True)
+    monkeypatch.setattr(host_memory, "trim", lambda: calls.append(("trim",)) or True)
+    monkeypatch.setattr(host_memory, "glibc", lambda: object())
+    trainer = _fit(TinyLM(), HostMemoryCallback(mmap_threshold=65536), steps=3)
+    assert calls == [("threshold", 65536)] + [("trim",)] * 3
+    assert trainer.callback_metrics["memory/rss_mb"] > 10
+
+
+def test_host_memory_callback_refuses_a_bad_threshold_and_warns_without_glibc(monkeypatch):
+    with pytest.raises(ValueError, match="mmap threshold"):
+        HostMemoryCallback(mmap_threshold=2**30)
+    monkeypatch.setattr(host_memory, "glibc", lambda: None)
+    monkeypatch.setattr(host_memory, "trim", lambda: False)
+    with pytest.warns(UserWarning, match="not glibc"):
+        _fit(TinyLM(), HostMemoryCallback(), steps=1)

@@ -24,6 +24,7 @@ from tlt_lightning.rollout import RolloutConfig
         ({"kl_coef": -0.1}, "optim.kl_coef must be >= 0, got -0.1"),
         ({"aggregation": "mean"}, r"optim.aggregation must be one of \('token', 'sequence'\), got 'mean'"),
         ({"max_grad_norm": 0.0}, "optim.max_grad_norm must be > 0 or None, got 0.0"),
+        ({"optimizer": "adam8"}, r"optim.optimizer must be one of \('adamw', 'adamw8bit'\), got 'adam8'"),
     ],
 )
 def test_optim_fields_are_checked_by_name(kwargs, match):

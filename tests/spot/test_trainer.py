@@ -63,6 +63,16 @@ def test_train_one_takes_a_local_step_and_begin_step_restarts_the_sums(llama):
     assert trainer.policy_step == 1 and trainer.loss_sum == trainer.top1_sum == 0.0 and trainer.steps == 2
 
 
+def test_unrolled_total_variation_training_is_the_configured_objective(llama):
+    trainer = make_trainer(llama, unroll_steps=3, accept_weight=1.0)
+    assert (trainer.loss_cfg.unroll_steps, trainer.loss_cfg.accept_weight) == (3, 1.0)
+    plain = make_trainer(llama)
+    trainer.begin_step(0), plain.begin_step(0)
+    assert trainer.train_one() and plain.train_one()
+    # the same first batch and weights: the unrolled steps and the acceptance term add to the loss
+    assert trainer.loss_sum > plain.loss_sum and math.isfinite(trainer.loss_sum)
+
+
 def test_empty_buffer_or_zero_budget_trains_nothing(llama):
     drafter = make_drafter(llama)
     trainer = SpotTrainer(drafter, llama, RolloutBuffer(), SpotTrainerConfig(max_steps_per_rollout=2))
@@ -269,6 +279,8 @@ def test_state_dict_roundtrip_and_missing_keys(llama):
         ({"weight_decay": -0.1}, "weight_decay must be a number >= 0, got -0.1"),
         ({"max_grad_norm": 0}, "max_grad_norm must be a number > 0 or None, got 0"),
         ({"seed": 1.5}, "seed must be an int >= 0, got 1.5"),
+        ({"unroll_steps": 0}, "unroll_steps must be an int >= 1, got 0"),
+        ({"accept_weight": -1.0}, "accept_weight must be a number >= 0, got -1.0"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, match):

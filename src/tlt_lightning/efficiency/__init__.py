@@ -2,6 +2,8 @@
 
 * :mod:`.checkpoint`: budgeted activation checkpointing (profile, exact DP plan, apply);
 * :mod:`.memory`: activation memory measured on any device (CPU included);
+* :mod:`.host_memory`: glibc's mmap threshold and ``malloc_trim``: a CPU fit's resident memory near
+  what its tensors need;
 * :mod:`.precision`: embeddings and head in fp32, attention and MLP in bf16/fp16, per-group fp16
   loss scalers;
 * :mod:`.dora`: DoRA adapters through peft for the policy and the drafter, merged on export
@@ -10,7 +12,8 @@
   replacement), a ``batch_sampler`` for any DataLoader;
 * :mod:`.distill`: hierarchical distillation (mapped hidden states + ``T^2``-scaled KD on logits);
 * :mod:`.qat`: INT4 quantization-aware training through torchao (needs ``torchao``);
-* :mod:`.callbacks`: :class:`ActivationCheckpointingCallback`, :class:`LayerwisePrecisionCallback`;
+* :mod:`.callbacks`: :class:`ActivationCheckpointingCallback`, :class:`LayerwisePrecisionCallback`,
+  :class:`HostMemoryCallback`;
 * :mod:`.training`: :class:`ImportanceSamplingCallback`, :class:`DistillationModule`, :class:`QATCallback`;
 * :mod:`.grpo`: the profiling batch and forward :class:`ActivationCheckpointingCallback` needs on a
   :class:`~tlt_lightning.rl.GRPOModule` (no ``forward``); the other helpers apply to its ``policy`` as is.
@@ -24,7 +27,11 @@ from tlt_lightning.efficiency.activation_checkpointing import (
     find_blocks,
     profile_blocks,
 )
-from tlt_lightning.efficiency.callbacks import ActivationCheckpointingCallback, LayerwisePrecisionCallback
+from tlt_lightning.efficiency.callbacks import (
+    ActivationCheckpointingCallback,
+    HostMemoryCallback,
+    LayerwisePrecisionCallback,
+)
 from tlt_lightning.efficiency.distill import DistillConfig, HierarchicalDistillation, distill_step
 from tlt_lightning.efficiency.dora import DoraConfig, apply_dora, merge_dora
 from tlt_lightning.efficiency.grpo import grpo_policy_loss, grpo_profile_batch
@@ -50,6 +57,7 @@ __all__ = [
     "DoraConfig",
     "DynamicActivationCheckpointing",
     "HierarchicalDistillation",
+    "HostMemoryCallback",
     "ImportanceSampler",
     "ImportanceSamplerConfig",
     "ImportanceSamplingCallback",

@@ -1,4 +1,5 @@
-"""Lightning glue for the efficiency transforms: thin hooks over :mod:`.checkpoint` and :mod:`.precision`.
+"""Lightning glue for the efficiency transforms: thin hooks over :mod:`.checkpoint`, :mod:`.precision` and
+:mod:`.host_memory`.
 
 Both work on any LightningModule; ``blocks`` / ``module`` name the part to transform (an attribute
 path such as ``"policy"`` or module-name patterns), so the same callback serves the policy, the
@@ -17,9 +18,11 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from tlt_lightning.efficiency import host_memory
 from tlt_lightning.efficiency.activation_checkpointing import (
     ActivationCheckpointHandle,
     ActivationCheckpointPlan,
@@ -31,7 +34,7 @@ from tlt_lightning.efficiency.activation_checkpointing import (
 from tlt_lightning.efficiency.precision import LayerwisePrecision, PrecisionConfig, PrecisionHandle
 from tlt_lightning.validation import check_resumed_settings
 
-__all__ = ["ActivationCheckpointingCallback", "LayerwisePrecisionCallback"]
+__all__ = ["ActivationCheckpointingCallback", "HostMemoryCallback", "LayerwisePrecisionCallback"]
 
 
 def _training_step_loss(pl_module: L.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -279,3 +282,43 @@ class LayerwisePrecisionCallback(L.Callback):
             for name, state in state_dict.get("scalers", {}).items():
                 if name in self.handle.scalers:
                     self.handle.scalers[name].load_state_dict(state)
+
+
+class HostMemoryCallback(L.Callback):
+    """Keep a CPU fit's resident memory near what its tensors need (glibc; see :mod:`.host_memory`).
+
+    At setup (in every rank's process) it fixes glibc's mmap threshold, so activations and logits
+    larger than ``mmap_threshold`` bytes are mapped on their own and returned when freed; after each
+    training step it returns the heaps' free pages (``trim``). Logs ``memory/rss_mb``, the rank's
+    resident memory after the step. Where the C library is not glibc it warns once and does nothing.
+
+    Args:
+        mmap_threshold: bytes (``<= 32 MiB``); ``None`` leaves glibc's adaptive threshold.
+        trim: ``malloc_trim(0)`` after every training step.
+
+    Example:
+        >>> # L.Trainer(callbacks=[HostMemoryCallback()])   # or in a fit config's trainer.callbacks
+    """
+
+    def __init__(self, mmap_threshold: int | None = 128 * 1024, trim: bool = True) -> None:
+        super().__init__()
+        if mmap_threshold is not None:
+            host_memory.check_mmap_threshold(mmap_threshold)
+        self.mmap_threshold, self.trim = mmap_threshold, trim
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if host_memory.glibc() is None:
+            rank_zero_warn("HostMemoryCallback does nothing here: the C library is not glibc")
+        elif self.mmap_threshold is not None:
+            host_memory.set_mmap_threshold(self.mmap_threshold)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.trim:
+            host_memory.trim()
+        rss = host_memory.rss_mb()
+        if rss is not None:
+            pl_module.log("memory/rss_mb", rss, on_step=True, on_epoch=False, sync_dist=False)

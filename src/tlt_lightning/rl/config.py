@@ -33,7 +33,10 @@ from tlt_lightning.drafter.location import DrafterLocation, drafter_location
 from tlt_lightning.rl.grpo import AGGREGATIONS
 from tlt_lightning.validation import check, is_int
 
-__all__ = ["OptimConfig", "SpeculativeConfig", "as_config"]
+__all__ = ["OPTIMIZERS", "OptimConfig", "SpeculativeConfig", "as_config"]
+
+OPTIMIZERS = ("adamw", "adamw8bit")
+"""What :attr:`OptimConfig.optimizer` accepts."""
 
 C = TypeVar("C")
 
@@ -74,6 +77,10 @@ class OptimConfig:
             and their log-softmax: SmolLM2 (49k vocabulary), 32 sequences of 384 tokens, is ~5 GB.
         max_grad_norm: gradient clipping norm; ``None``: no clipping.
         gradient_checkpointing: recompute activations in backward (less memory, ~30% slower).
+        optimizer: ``"adamw"`` (PyTorch's, fused on CPU and CUDA; fp32 moments, 8 bytes per parameter)
+            or ``"adamw8bit"`` (torchao's ``AdamW8bit``, the ``efficiency`` extra: moments in 8 bits
+            with a scale per 256 values, ~2 bytes per parameter: SmolLM2-135M's 1.03 GB -> ~0.27 GB;
+            its step compiles with Inductor on first use).
     """
 
     group_size: int = 4
@@ -88,6 +95,7 @@ class OptimConfig:
     micro_batch_size: int | None = 8
     max_grad_norm: float | None = 1.0
     gradient_checkpointing: bool = False
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         check(
@@ -122,6 +130,7 @@ class OptimConfig:
         check(
             self.aggregation in AGGREGATIONS, "optim.aggregation", self.aggregation, f"one of {AGGREGATIONS}"
         )
+        check(self.optimizer in OPTIMIZERS, "optim.optimizer", self.optimizer, f"one of {OPTIMIZERS}")
         check(
             self.max_grad_norm is None or self.max_grad_norm > 0,
             "optim.max_grad_norm",

@@ -263,8 +263,17 @@ class GRPOModule(L.LightningModule):
             sync_mirror(self.policy, self.rollout_policy)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        fused = self.device.type in ("cpu", "cuda")  # one kernel: faster, and no param-sized temporaries
         lr, decay = self.optim_config.lr, self.optim_config.weight_decay
+        if self.optim_config.optimizer == "adamw8bit":
+            try:
+                from torchao.optim import AdamW8bit
+            except ImportError as err:
+                raise ImportError(
+                    "optim.optimizer='adamw8bit' needs torchao: pip install 'tlt-lightning[efficiency]' "
+                    "(or optim.optimizer='adamw')"
+                ) from err
+            return AdamW8bit(self.policy.parameters(), lr=lr, weight_decay=decay)
+        fused = self.device.type in ("cpu", "cuda")  # one kernel: faster, and no param-sized temporaries
         return torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=decay, fused=fused)
 
     def train_dataloader(self) -> PromptIndexLoader:

@@ -60,6 +60,10 @@ class SpotTrainerConfig:
         weight_decay: AdamW weight decay (``>= 0``).
         max_grad_norm: gradient clipping (``> 0`` or ``None``).
         seed: seeds batch sampling, with the policy step and the rank (``>= 0``).
+        unroll_steps: draft steps trained per position (``>= 1``): steps after the first read the
+            drafter's own previous output, as drafting does (:class:`~tlt_lightning.drafter.DrafterLoss`).
+        accept_weight: weight of ``1 - acceptance rate`` (the total-variation distance to the target,
+            what sampled speculation accepts; ``>= 0``) beside the kind's feature and CE losses.
     """
 
     lr: float = 3e-4
@@ -69,6 +73,8 @@ class SpotTrainerConfig:
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     seed: int = 0
+    unroll_steps: int = 1
+    accept_weight: float = 0.0
 
     def __post_init__(self) -> None:
         steps, seconds = self.max_steps_per_rollout, self.max_seconds_per_rollout
@@ -86,6 +92,10 @@ class SpotTrainerConfig:
              self.max_grad_norm is None or (is_number(self.max_grad_norm) and self.max_grad_norm > 0),
              "a number > 0 or None"),
             ("seed", self.seed, is_int(self.seed) and self.seed >= 0, "an int >= 0"),
+            ("unroll_steps", self.unroll_steps, is_int(self.unroll_steps) and self.unroll_steps >= 1,
+             "an int >= 1"),
+            ("accept_weight", self.accept_weight, is_number(self.accept_weight) and self.accept_weight >= 0,
+             "a number >= 0"),
         ):  # fmt: skip
             check(ok, name, value, allowed)
         if steps is None and seconds is None:
@@ -150,7 +160,11 @@ class SpotTrainer:
         self.optimizer = torch.optim.AdamW(
             params, lr=float(self.config.lr), weight_decay=float(self.config.weight_decay)
         )
-        self.loss_cfg = DrafterLoss.for_kind(drafter.config.kind)
+        self.loss_cfg = DrafterLoss.for_kind(
+            drafter.config.kind,
+            unroll_steps=self.config.unroll_steps,
+            accept_weight=self.config.accept_weight,
+        )
         self.steps, self.policy_step = 0, 0
         self.loss_sum = self.top1_sum = 0.0
         self._batches: Iterator[DrafterBatch] | None = None

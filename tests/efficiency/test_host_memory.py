@@ -1,0 +1,60 @@
+"""glibc's mmap threshold and malloc_trim: freed activations go back to the system."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tlt_lightning.efficiency import host_memory
+
+needs_glibc = pytest.mark.skipif(host_memory.glibc() is None, reason="the C library is not glibc")
+
+# 64 tensors of 1 MiB, each followed by one of 16 KiB that stays alive: freed in the heaps, the large ones
+# leave holes the small ones pin (no trim at the top of a heap gives them back).
+SCRIPT = """
+import sys, torch
+from tlt_lightning.efficiency import host_memory as hm
+mode = sys.argv[1]
+if mode == "threshold":
+    assert hm.set_mmap_threshold(128 * 1024)
+else:
+    x = torch.ones(4 * 2**18); del x  # freeing a 4 MiB mapping raises glibc's adaptive threshold above 1 MiB
+base = hm.rss_mb()
+big, keep = [], []
+for _ in range(64):
+    big.append(torch.ones(2**18))
+    keep.append(torch.ones(2**12))
+grown = hm.rss_mb() - base
+del big
+if mode == "trim":
+    hm.trim()
+print(grown, hm.rss_mb() - base)
+"""
+
+
+def _kept_mb(mode: str) -> tuple[float, float]:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True)
+    grown, kept = map(float, out.stdout.split())
+    return grown, kept
+
+
+@needs_glibc
+def test_freed_large_tensors_stay_resident_by_default_and_go_back_with_a_threshold_or_a_trim():
+    grown, kept = _kept_mb("default")
+    assert grown >= 60 and kept >= 48  # the control: glibc keeps them
+    for mode in ("threshold", "trim"):
+        grown, kept = _kept_mb(mode)
+        assert grown >= 60 and kept <= 16, mode
+
+
+@pytest.mark.parametrize("bad", [-1, 32 * 2**20 + 1, 1.5, True, "128k"])
+def test_a_threshold_outside_glibcs_range_is_refused_with_a_usual_value(bad):
+    with pytest.raises(ValueError, match=r"131072 \(128 KiB\)"):
+        host_memory.check_mmap_threshold(bad)
+
+
+def test_rss_is_measured_where_proc_exists():
+    rss = host_memory.rss_mb()
+    assert rss is None or rss > 10
