@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -697,21 +696,3 @@ def test_auto_decode_stays_eager_for_a_tiny_model():
     make_trainer(1).fit(module)
     assert module.rollout_decode == "hf"
     assert module.compile_seconds == 0.0
-
-
-def test_adamw8bit_keeps_8_bit_moments_and_trains():
-    pytest.importorskip("torchao.optim")
-    from torchao.optim.subclass_8bit import OptimState8bit
-
-    module = make_module(optimizer="adamw8bit", lr=1e-3)
-    make_trainer(2).fit(module)
-    embed = module.policy.get_input_embeddings().weight  # >= 4096 values: quantized moments
-    state = module.trainer.optimizers[0].state[embed]
-    assert isinstance(state["exp_avg"], OptimState8bit) and int(state["step"]) == 2
-    assert not torch.equal(embed.detach(), initial_params()["model.embed_tokens.weight"])
-
-
-def test_adamw8bit_without_torchao_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torchao.optim", None)
-    with pytest.raises(ImportError, match=r"tlt-lightning\[efficiency\]"):
-        make_trainer(1).fit(make_module(optimizer="adamw8bit"))

@@ -29,6 +29,7 @@ from tlt_lightning.rl.grpo import GRPOLossOutput, group_advantages, grpo_loss
 from tlt_lightning.rl.listeners import RolloutListener, RolloutListeners
 from tlt_lightning.rl.module_settings import ROLLOUT_BACKENDS, check_settings, config_groups, group_hparams
 from tlt_lightning.rl.optimize import StepCheck, any_rank, clip_and_check, optimize
+from tlt_lightning.rl.optimizers import build_optimizer, pack_optimizer_states, unpack_optimizer_states
 from tlt_lightning.rl.rollout_models import (
     apply_decode,
     compile_rollouts,
@@ -263,18 +264,7 @@ class GRPOModule(L.LightningModule):
             sync_mirror(self.policy, self.rollout_policy)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        lr, decay = self.optim_config.lr, self.optim_config.weight_decay
-        if self.optim_config.optimizer == "adamw8bit":
-            try:
-                from torchao.optim import AdamW8bit
-            except ImportError as err:
-                raise ImportError(
-                    "optim.optimizer='adamw8bit' needs torchao: pip install 'tlt-lightning[efficiency]' "
-                    "(or optim.optimizer='adamw')"
-                ) from err
-            return AdamW8bit(self.policy.parameters(), lr=lr, weight_decay=decay)
-        fused = self.device.type in ("cpu", "cuda")  # one kernel: faster, and no param-sized temporaries
-        return torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=decay, fused=fused)
+        return build_optimizer(self.policy.parameters(), self.optim_config, self.device)
 
     def train_dataloader(self) -> PromptIndexLoader:
         # Sequential order (reasoning-gym already draws its problems at random); under DDP Lightning
@@ -403,7 +393,9 @@ class GRPOModule(L.LightningModule):
     # ------------------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["grpo"] = grpo_state(self.hparams.seed, self.prompt_source)
+        pack_optimizer_states(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        unpack_optimizer_states(checkpoint)
         hp = self.hparams
         restore_grpo_state(checkpoint, hp.seed, self.prompt_source, self.optim_config, self.resume_overrides)

@@ -147,7 +147,10 @@ def restore_grpo_state(
     if "rng" in grpo:
         set_global_rng_state(grpo["rng"])
     # The optimizer's moments are restored; its lr / weight decay are the module's settings (they
-    # differ from the checkpoint's only when resumed with `--resume_overrides=apply`).
+    # differ from the checkpoint's only when resumed with `--resume_overrides=apply`). An lr saved as a
+    # tensor (torchao's optimizers) stays one.
     for state in checkpoint.get("optimizer_states", []):
         for group in state.get("param_groups", []):
-            group["lr"], group["weight_decay"] = optim.lr, optim.weight_decay
+            lr = group.get("lr")
+            group["lr"] = torch.tensor(optim.lr, dtype=lr.dtype) if isinstance(lr, torch.Tensor) else optim.lr
+            group["weight_decay"] = optim.weight_decay

@@ -1,0 +1,87 @@
+"""The policy's optimizer (:attr:`OptimConfig.optimizer`) and its state in Lightning checkpoints.
+
+``"adamw"`` is PyTorch's AdamW (fused on CPU and CUDA). ``"adamw8bit"`` is torchao's ``AdamW8bit``,
+whose moments are ``OptimState8bit`` tensor subclasses (8-bit codes, a scale per block, a lookup
+table). ``torch.load`` cannot rebuild those with the ``map_location`` function Lightning passes, nor
+under ``weights_only``: :func:`pack_optimizer_states` stores them in a checkpoint as their plain
+tensors, and :func:`unpack_optimizer_states` rebuilds them before Lightning restores the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from tlt_lightning.rl.config import OptimConfig
+
+__all__ = ["build_optimizer", "pack_optimizer_states", "unpack_optimizer_states"]
+
+PACKED = "torchao.optim.OptimState8bit"
+"""Marks an optimizer state stored as the plain tensors of an ``OptimState8bit``."""
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], config: OptimConfig, device: torch.device
+) -> torch.optim.Optimizer:
+    """The optimizer ``config.optimizer`` names over ``params``, with ``config``'s lr and weight decay.
+
+    Raises:
+        ImportError: ``"adamw8bit"`` without torchao; the message says what to install.
+    """
+    lr, decay = config.lr, config.weight_decay
+    if config.optimizer == "adamw8bit":
+        try:
+            from torchao.optim import AdamW8bit
+        except ImportError as err:
+            raise ImportError(
+                "optim.optimizer='adamw8bit' needs torchao: pip install 'tlt-lightning[efficiency]' "
+                "(or optim.optimizer='adamw')"
+            ) from err
+        return AdamW8bit(params, lr=lr, weight_decay=decay)
+    fused = device.type in ("cpu", "cuda")  # one kernel: faster, and no param-sized temporaries
+    return torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)
+
+
+def _is_8bit(value: Any) -> bool:
+    return type(value).__name__ == "OptimState8bit" and hasattr(value, "__tensor_flatten__")
+
+
+def pack_optimizer_states(checkpoint: dict[str, Any]) -> None:
+    """Replace the ``OptimState8bit`` states in ``checkpoint["optimizer_states"]`` by their plain tensors.
+
+    The optimizer's own state is left alone (its per-parameter dicts are copied, not changed).
+    """
+    for optimizer in checkpoint.get("optimizer_states", []):
+        state = optimizer.get("state", {})
+        for index, values in state.items():
+            if any(_is_8bit(v) for v in values.values()):
+                state[index] = {key: _pack(v) if _is_8bit(v) else v for key, v in values.items()}
+
+
+def _pack(value: Any) -> dict[str, Any]:
+    names, (signed,) = value.__tensor_flatten__()
+    return {"kind": PACKED, "signed": bool(signed), **{name: getattr(value, name) for name in names}}
+
+
+def unpack_optimizer_states(checkpoint: dict[str, Any]) -> None:
+    """Rebuild the states :func:`pack_optimizer_states` stored (in place, before Lightning loads them).
+
+    Raises:
+        ImportError: the checkpoint holds 8-bit states and torchao is not installed.
+    """
+    for optimizer in checkpoint.get("optimizer_states", []):
+        for values in optimizer.get("state", {}).values():
+            for key, value in values.items():
+                if isinstance(value, dict) and value.get("kind") == PACKED:
+                    try:
+                        from torchao.optim.subclass_8bit import OptimState8bit
+                    except ImportError as err:
+                        raise ImportError(
+                            "this checkpoint's optimizer is optim.optimizer='adamw8bit', which needs "
+                            "torchao: pip install 'tlt-lightning[efficiency]'"
+                        ) from err
+                    values[key] = OptimState8bit(
+                        value["codes"], value["scale"], value["qmap"], value["signed"]
+                    )
