@@ -320,6 +320,7 @@ PUBLIC_API = {
         "DoraConfig",
         "DynamicActivationCheckpointing",
         "HierarchicalDistillation",
+        "HostMemoryCallback",
         "ImportanceSampler",
         "ImportanceSamplerConfig",
         "ImportanceSamplingCallback",

@@ -80,7 +80,8 @@ class OptimConfig:
         optimizer: ``"adamw"`` (PyTorch's, fused on CPU and CUDA; fp32 moments, 8 bytes per parameter)
             or ``"adamw8bit"`` (torchao's ``AdamW8bit``, the ``efficiency`` extra: moments in 8 bits
             with a scale per 256 values, ~2 bytes per parameter: SmolLM2-135M's 1.03 GB -> ~0.27 GB;
-            its step compiles with Inductor on first use).
+            its step compiles with Inductor on first use and is slower than fused AdamW on a CPU:
+            docs/efficiency.md).
     """
 
     group_size: int = 4
