@@ -44,8 +44,8 @@ def glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def check_mmap_threshold(nbytes: object) -> int:
-    """``nbytes`` if it is an int in ``[0, 32 MiB]``.
+def check_mmap_threshold(nbytes: object) -> None:
+    """Refuse an ``nbytes`` that is not an int in ``[0, 32 MiB]``.
 
     Raises:
         ValueError: anything else; the message gives glibc's limit and a usual value.
@@ -55,7 +55,6 @@ def check_mmap_threshold(nbytes: object) -> int:
             f"mmap threshold must be an int number of bytes in [0, {MAX_MMAP_THRESHOLD}] (32 MiB, glibc's "
             f"limit), got {nbytes!r}; 131072 (128 KiB) maps every tensor larger than 128 KiB on its own"
         )
-    return nbytes
 
 
 def set_mmap_threshold(nbytes: int) -> bool:

@@ -71,17 +71,22 @@ def unpack_optimizer_states(checkpoint: dict[str, Any]) -> None:
     Raises:
         ImportError: the checkpoint holds 8-bit states and torchao is not installed.
     """
-    for optimizer in checkpoint.get("optimizer_states", []):
-        for values in optimizer.get("state", {}).values():
-            for key, value in values.items():
-                if isinstance(value, dict) and value.get("kind") == PACKED:
-                    try:
-                        from torchao.optim.subclass_8bit import OptimState8bit
-                    except ImportError as err:
-                        raise ImportError(
-                            "this checkpoint's optimizer is optim.optimizer='adamw8bit', which needs "
-                            "torchao: pip install 'tlt-lightning[efficiency]'"
-                        ) from err
-                    values[key] = OptimState8bit(
-                        value["codes"], value["scale"], value["qmap"], value["signed"]
-                    )
+    packed = [
+        (values, key)
+        for optimizer in checkpoint.get("optimizer_states", [])
+        for values in optimizer.get("state", {}).values()
+        for key, value in values.items()
+        if isinstance(value, dict) and value.get("kind") == PACKED
+    ]
+    if not packed:
+        return
+    try:
+        from torchao.optim.subclass_8bit import OptimState8bit
+    except ImportError as err:
+        raise ImportError(
+            "this checkpoint's optimizer is optim.optimizer='adamw8bit', which needs torchao: "
+            "pip install 'tlt-lightning[efficiency]'"
+        ) from err
+    for values, key in packed:
+        value = values[key]
+        values[key] = OptimState8bit(value["codes"], value["scale"], value["qmap"], value["signed"])
