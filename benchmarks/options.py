@@ -278,6 +278,38 @@ def bench_peers(p: ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
 
 
+def bench_lengths(p: ArgumentParser) -> None:
+    p.add_argument(
+        "--config", default="configs/grpo_smollm2_longtail.yaml", help="the fit config whose rollouts to draw"
+    )
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter directory (default: the config's SpotDrafterCallback start or its "
+        "speculative.drafter_path)",
+    )
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        default=["off", "chain2", "chain4", "begmab"],
+        help="'off' (plain decoding, the reference) first, then draft arms (chain2, tree4x2/8, ...) or "
+        "begmab (BEG-MAB choosing, as in the fit)",
+    )
+    p.add_argument("--groups", type=int, default=12, help="prompt groups; group g samples with seed + g")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per group (the config's, in order)")
+    p.add_argument(
+        "--group-size", type=PositiveInt, default=None, help="samples per prompt (default: the config's)"
+    )
+    p.add_argument(
+        "--threshold", type=PositiveInt, default=None, help="speculate below this many active requests "
+        "(default: the config's)"
+    )  # fmt: skip
+    p.add_argument("--permutations", type=int, default=9999, help="sign patterns of the paired tests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="runs/bench/lengths.json")
+    p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+
+
 def bench_bandit(p: ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=8000)
     p.add_argument("--seed", type=int, default=0)
@@ -307,6 +339,12 @@ BENCHMARKS = (
         "benchmarks.strategies:run",
     ),
     ("e2e", "GRPO steps with TLT vs the identical run without it", bench_e2e, "benchmarks.e2e:run"),
+    (
+        "lengths",
+        "a fit config's rollouts with and without speculation: lengths, cap hits and rewards alike?",
+        bench_lengths,
+        "benchmarks.lengths:run",
+    ),
     ("memory", "a fit's memory by part and by phase", bench_memory, "benchmarks.memory:run"),
     (
         "spot",

@@ -47,6 +47,7 @@ def test_every_benchmark_is_listed_with_plain_help(capsys):
         "activation-checkpointing",
         "strategies",
         "e2e",
+        "lengths",
         "memory",
         "spot",
         "efficiency",

@@ -1,0 +1,318 @@
+"""``python -m benchmarks lengths``: does speculation change what a fit's rollouts look like?
+
+Speculative sampling is lossless: each response is drawn from the target's own law, so its length,
+how often it runs into the cap and its reward are distributed as under plain decoding, only the tokens
+differ (another random stream). This benchmark checks that on a fit config's real rollouts: the
+config's policy, rollout settings (dtype mirror, decode path, cap, temperature, speculation threshold) and
+prompts, each prompt sampled ``group_size`` times as GRPO does, once per arm (plain decoding, fixed
+draft arms, BEG-MAB) through the fit's own rollout backend. Group ``g`` draws every arm with seed
+``seed + g``; arms alternate their order from group to group.
+
+Per arm it reports the length distribution (mean, p50 / p90, share at the cap), reward and accuracy,
+and against plain decoding a paired sign-flip test per prompt (under the null, each prompt's mean over
+its ``group_size`` samples is exchangeable between the two arms) and the two-sample KS distance of the
+pooled lengths. The policy does not train: this isolates the rollout from RL's own divergence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from benchmarks.common import machine_info, median, new_figure, save_figure, timed, write_json
+from benchmarks.e2e_config import absolute_drafter_paths
+
+__all__ = ["ks_distance", "ks_pvalue", "run", "sign_flip_pvalue", "summarise"]
+
+_SPOT = "tlt_lightning.callbacks.SpotDrafterCallback"
+
+
+def sign_flip_pvalue(diffs: torch.Tensor, permutations: int, seed: int = 0) -> float:
+    """Two-sided p-value of "``diffs`` are symmetric about zero" from random sign flips.
+
+    Args:
+        diffs: ``[P]`` per-prompt differences (arm minus plain) of a response statistic's mean.
+        permutations: random sign patterns drawn (the observed one counts as one more).
+
+    Example:
+        >>> sign_flip_pvalue(torch.tensor([1.0, -1.0, 0.5, -0.5]), 999) > 0.5
+        True
+    """
+    gen = torch.Generator().manual_seed(seed)
+    d = diffs.double()
+    signs = torch.randint(0, 2, (permutations, d.numel()), generator=gen).double() * 2 - 1  # [N, P]
+    flipped = (signs @ d).abs()  # [N]
+    observed = d.sum().abs()
+    return float(((flipped >= observed - 1e-9).sum() + 1) / (permutations + 1))
+
+
+def ks_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Two-sample Kolmogorov-Smirnov distance: the largest gap between the empirical CDFs of ``[N]``
+    ``a`` and ``[M]`` ``b``.
+
+    Example:
+        >>> ks_distance(torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]))
+        1.0
+    """
+    grid = torch.cat([a, b]).unique()  # [U] sorted
+    cdf_a = torch.searchsorted(a.sort().values, grid, right=True) / a.numel()
+    cdf_b = torch.searchsorted(b.sort().values, grid, right=True) / b.numel()
+    return float((cdf_a - cdf_b).abs().max())
+
+
+def ks_pvalue(distance: float, n: int, m: int) -> float:
+    """Asymptotic p-value of a two-sample KS distance (Kolmogorov's series, Stephens' correction);
+    conservative for lengths with ties (the cap)."""
+    en = math.sqrt(n * m / (n + m))
+    lam = (en + 0.12 + 0.11 / en) * distance
+    if lam < 0.2:
+        return 1.0
+    return max(
+        0.0, min(1.0, 2 * sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 101)))
+    )
+
+
+def _describe(rows: list[dict[str, Any]], cap: int) -> dict[str, Any]:
+    lengths = torch.tensor([r["length"] for r in rows], dtype=torch.float64)
+    q = torch.quantile(lengths, torch.tensor([0.5, 0.9], dtype=torch.float64)).tolist()
+    return {
+        "responses": len(rows),
+        "mean_length": float(lengths.mean()),
+        "p50": q[0],
+        "p90": q[1],
+        "max": int(lengths.max()),
+        "at_cap": sum(r["length"] >= cap for r in rows),
+        "at_cap_share": sum(r["length"] >= cap for r in rows) / len(rows),
+        "reward": sum(r["reward"] for r in rows) / len(rows),
+        "accuracy": sum(r["correct"] for r in rows) / len(rows),
+    }
+
+
+def _per_prompt(rows: list[dict[str, Any]], key: str, cap: int) -> torch.Tensor:
+    """``[P]`` per-prompt means of ``key`` (``at_cap``: 1 for a response at the cap), prompts in order."""
+    sums: dict[tuple[int, int], list[float]] = {}
+    for r in rows:
+        value = float(r["length"] >= cap) if key == "at_cap" else float(r[key])
+        sums.setdefault((r["group"], r["prompt"]), []).append(value)
+    return torch.tensor([sum(v) / len(v) for _, v in sorted(sums.items())], dtype=torch.float64)
+
+
+def summarise(
+    rows: dict[str, list[dict[str, Any]]], cap: int, permutations: int, seed: int = 0
+) -> dict[str, Any]:
+    """Each arm's distribution and, against ``"off"`` (plain decoding), the tests of the module docstring.
+
+    Args:
+        rows: per arm, one dict per response: ``group``, ``prompt``, ``length``, ``reward``, ``correct``.
+        cap: the rollout's ``max_new_tokens``.
+    """
+    arms = {arm: _describe(r, cap) for arm, r in rows.items()}
+    plain = rows["off"]
+    base = torch.tensor([r["length"] for r in plain], dtype=torch.float64)
+    for arm, r in rows.items():
+        if arm == "off":
+            continue
+        lengths = torch.tensor([x["length"] for x in r], dtype=torch.float64)
+        distance = ks_distance(lengths, base)
+        arms[arm]["vs_off"] = {
+            "mean_length_ratio": arms[arm]["mean_length"] / arms["off"]["mean_length"],
+            "ks_distance": distance,
+            "ks_p": ks_pvalue(distance, lengths.numel(), base.numel()),
+            **{
+                f"{key}_sign_flip_p": sign_flip_pvalue(
+                    _per_prompt(r, key, cap) - _per_prompt(plain, key, cap), permutations, seed
+                )
+                for key in ("length", "at_cap", "reward")
+            },
+        }
+    return arms
+
+
+def _module(config: dict[str, Any]) -> Any:
+    """The config's :class:`~tlt_lightning.rl.GRPOModule`, its models built (no trainer)."""
+    from lightning.pytorch.cli import instantiate_class
+
+    from tlt_lightning.rl import GRPOModule
+
+    model = copy.deepcopy(config.get("model") or {})
+    source = model.pop("prompt_source", None)
+    if isinstance(source, dict):
+        source = instantiate_class((), source)
+    module = GRPOModule(**model, prompt_source=source)
+    module.configure_model()
+    return module
+
+
+def _drafter_path(config: dict[str, Any], given: str | None) -> str | None:
+    """``--drafter``, else the config's ``SpotDrafterCallback`` start, else ``speculative.drafter_path``."""
+    if given is not None:
+        return given
+    for callback in (config.get("trainer") or {}).get("callbacks") or []:
+        if isinstance(callback, dict) and callback.get("class_path") == _SPOT:
+            path = ((callback.get("init_args") or {}).get("config") or {}).get("drafter_path")
+            if path is not None:
+                return path
+    return ((config.get("model") or {}).get("speculative") or {}).get("drafter_path")
+
+
+def _strategies(arms: list[str], seed: int) -> dict[str, Any]:
+    from tlt_lightning.scheduling import BEGMABStrategy, FixedStrategy
+    from tlt_lightning.speculative import parse_arm
+
+    if arms[:1] != ["off"] or len(set(arms)) != len(arms):
+        raise ValueError(f"--arms must start with 'off' (the reference) and repeat none, got {arms}")
+    # BEG-MAB keeps learning from group to group, as across a fit's steps.
+    return {a: BEGMABStrategy(seed=seed) if a == "begmab" else FixedStrategy(parse_arm(a)) for a in arms}
+
+
+def _rollout_rows(module: Any, result: Any, indices: list[int], group: int) -> list[dict[str, Any]]:
+    rows = []
+    for index, rollout in zip(indices, result.rollouts, strict=True):
+        reward = module.prompt_source.score(index, rollout.prompt_ids, rollout.token_ids)
+        rows.append(
+            {
+                "group": group,
+                "prompt": index,
+                "length": rollout.length,
+                "reward": float(reward.total),
+                "correct": float(reward.correctness >= 1),
+            }
+        )
+    return rows
+
+
+def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[str, list], dict[str, Any]]:
+    """Every arm's rollouts of every group: per-response rows and per-arm decode totals."""
+    from tlt_lightning.rl.rollout_models import rollout_backend
+
+    strategies = _strategies(list(args.arms), args.seed)
+    group_size = args.group_size or module.optim_config.group_size
+    threshold = args.threshold or module.speculative_config.threshold
+    config = module.rollout_config()
+    rows: dict[str, list[dict[str, Any]]] = {arm: [] for arm in strategies}
+    decode = {arm: {"seconds": [], "tokens": 0, "accept": []} for arm in strategies}
+    size = len(module.prompt_source)
+    for g in tqdm(range(args.groups), desc="bench lengths: prompt groups", unit="group"):
+        first = g * args.prompts
+        prompt_ids = [(first + i) % size for i in range(args.prompts)]
+        indices = [i for i in prompt_ids for _ in range(group_size)]
+        prompts = [module.prompt_source.prompt_ids(i) for i in indices]
+        order = list(strategies) if g % 2 == 0 else list(reversed(strategies))
+        for arm in order:
+            backend = rollout_backend(
+                module.rollout_target, config, None if arm == "off" else drafter, strategies[arm], threshold
+            )
+            gen = torch.Generator().manual_seed(args.seed + g)
+            result, seconds, _ = timed(functools.partial(backend.generate, prompts, generator=gen))
+            rows[arm] += _rollout_rows(module, result, indices, g)
+            decode[arm]["seconds"].append(seconds)
+            decode[arm]["tokens"] += sum(r.length for r in result.rollouts)
+            if result.stats.mean_accept_length > 0:  # 0: no speculative step in this group
+                decode[arm]["accept"].append(result.stats.mean_accept_length)
+    return rows, {
+        arm: {
+            "seconds": sum(d["seconds"]),
+            "tokens": d["tokens"],
+            "median_group_seconds": median(d["seconds"]),
+            "mean_accept_length": sum(d["accept"]) / len(d["accept"]) if d["accept"] else None,
+        }
+        for arm, d in decode.items()
+    }
+
+
+def plot(payload: dict[str, Any], rows: dict[str, list[dict[str, Any]]], path: Path) -> Path:
+    """Empirical CDFs of the response lengths of every arm (log scale), the cap marked."""
+    fig, ax = new_figure(figsize=(7, 4.2))
+    for arm, r in rows.items():
+        lengths = sorted(x["length"] for x in r)
+        cdf = [(i + 1) / len(lengths) for i in range(len(lengths))]
+        stats = payload["arms"][arm]
+        p = "" if arm == "off" else f", sign-flip p {stats['vs_off']['length_sign_flip_p']:.2f}"
+        ax.step(lengths, cdf, where="post", label=f"{arm}: mean {stats['mean_length']:.1f}{p}")
+    ax.axvline(payload["max_new_tokens"], color="gray", ls=":", lw=1, label="cap")
+    ax.set(
+        xscale="log",
+        xlabel="response length (tokens)",
+        ylabel="share of responses at most that long",
+        title=f"{payload['responses_per_arm']} responses per arm, same prompts, T={payload['temperature']:g}",
+    )
+    ax.legend(fontsize=8, loc="lower right")
+    return save_figure(fig, path)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    config_path = Path(args.config)
+    if not config_path.is_file():
+        raise ValueError(
+            f"--config {config_path}: no such file (a fit config, e.g. configs/grpo_smollm2.yaml)"
+        )
+    config = absolute_drafter_paths(yaml.safe_load(config_path.read_text()), config_path.parent)
+    for name in ("groups", "prompts", "permutations"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    _strategies(list(args.arms), args.seed)  # checks --arms before minutes of loading
+    torch.manual_seed(args.seed)
+    module = _module(config)
+    path = _drafter_path(config, args.drafter)
+    if path is not None:
+        from tlt_lightning.drafter import load_drafter
+
+        drafter = load_drafter(path, module.rollout_target).eval()
+    elif module.drafter is not None:
+        drafter = module.drafter.eval()
+    else:
+        raise ValueError(f"--config {config_path} names no drafter: pass --drafter DIR")
+    rows, decode = measure(module, drafter, args)
+    cap = module.rollout_settings.max_new_tokens
+    arms = summarise(rows, cap, args.permutations, args.seed)
+    for arm in arms:
+        arms[arm]["decode"] = decode[arm]
+    payload = {
+        "benchmark": "lengths",
+        "command": "python -m benchmarks " + " ".join(getattr(args, "argv", [])),
+        "config": str(config_path),
+        "drafter": str(path) if path is not None else "the config's fresh drafter",
+        "rollout_dtype": str(module.rollout_dtype),
+        "rollout_decode": module.rollout_decode,
+        "max_new_tokens": cap,
+        "temperature": module.rollout_settings.temperature,
+        "threshold": args.threshold or module.speculative_config.threshold,
+        "groups": args.groups,
+        "prompts_per_group": args.prompts,
+        "group_size": args.group_size or module.optim_config.group_size,
+        "responses_per_arm": len(rows["off"]),
+        "seed": args.seed,
+        "machine": machine_info(),
+        "arms": arms,
+        "lengths": {arm: [r["length"] for r in rs] for arm, rs in rows.items()},
+    }
+    json_path = write_json(args.json, payload)
+    payload["plot"] = str(
+        plot(payload, rows, Path(args.plot) if args.plot else json_path.with_suffix(".png"))
+    )
+    write_json(json_path, payload)
+    for arm, s in arms.items():
+        v = s.get("vs_off")
+        tail = (
+            ""
+            if v is None
+            else (
+                f"; vs off: length p {v['length_sign_flip_p']:.3f}, at-cap p {v['at_cap_sign_flip_p']:.3f}, "
+                f"reward p {v['reward_sign_flip_p']:.3f}, KS {v['ks_distance']:.3f} (p {v['ks_p']:.3f})"
+            )
+        )
+        print(
+            f"[bench lengths] {arm}: mean {s['mean_length']:.1f}, p50/p90 {s['p50']:.0f}/{s['p90']:.0f}, "
+            f"at the cap {s['at_cap']}/{s['responses']}, reward {s['reward']:.3f}{tail}",
+            flush=True,
+        )
+    print(f"[bench lengths] wrote {json_path}", flush=True)
+    return payload

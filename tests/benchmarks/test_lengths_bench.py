@@ -1,0 +1,84 @@
+"""``python -m benchmarks lengths``: a fit config's rollouts with and without speculation, side by side."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from benchmarks.__main__ import parse
+from benchmarks.lengths import ks_distance, ks_pvalue, run, sign_flip_pvalue, summarise
+from tests.benchmarks.test_e2e_config import tiny_config
+
+
+def test_the_sign_flip_test_tells_a_shift_from_noise():
+    noise = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    assert sign_flip_pvalue(noise, 1999) > 0.05
+    assert sign_flip_pvalue(noise + 1.0, 1999) == pytest.approx(1 / 2000)  # no flip reaches it
+    assert sign_flip_pvalue(torch.zeros(8), 99) == 1.0  # nothing to tell apart
+
+
+def test_the_ks_distance_and_its_p_value():
+    a = torch.arange(100.0)
+    assert ks_distance(a, a) == 0.0 and ks_pvalue(0.0, 100, 100) == 1.0
+    assert ks_distance(a, a + 100) == 1.0 and ks_pvalue(1.0, 100, 100) < 1e-20
+    assert ks_distance(a, a + 10) == pytest.approx(0.1)
+    assert 0.3 < ks_pvalue(0.1, 100, 100) < 0.9  # a tenth apart in 100 draws: within chance
+
+
+def _rows(lengths, rewards=None):
+    rewards = rewards or [0.0] * len(lengths)
+    return [
+        {"group": 0, "prompt": i // 2, "length": n, "reward": r, "correct": float(r >= 1)}
+        for i, (n, r) in enumerate(zip(lengths, rewards, strict=True))
+    ]
+
+
+def test_the_summary_compares_every_arm_with_plain_decoding():
+    plain = [10, 12, 30, 8, 64, 64, 5, 7] * 4
+    longer = [min(2 * n + 4, 64) for n in plain]  # what a length bias would do, capped
+    arms = summarise(
+        {"off": _rows(plain), "same": _rows(plain[::-1]), "longer": _rows(longer)}, cap=64, permutations=999
+    )
+    assert arms["off"]["at_cap"] == 8 and arms["off"]["max"] == 64 and "vs_off" not in arms["off"]
+    assert arms["same"]["vs_off"]["ks_distance"] == 0.0 and arms["same"]["vs_off"]["ks_p"] == 1.0
+    assert arms["longer"]["vs_off"]["mean_length_ratio"] > 1.4
+    assert arms["longer"]["vs_off"]["length_sign_flip_p"] < 0.01
+    assert arms["longer"]["at_cap"] > arms["off"]["at_cap"]
+
+
+def test_a_tiny_configs_arms_are_drawn_scored_and_compared(tmp_path, capsys):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config()))
+    argv = ["lengths", "--config", str(path), "--arms", "off", "chain2", "begmab", "--groups", "2"]
+    argv += ["--prompts", "3", "--permutations", "99", "--json", str(tmp_path / "lengths.json")]
+    payload = run(parse(["--threads", "1", *argv]))
+    assert payload["responses_per_arm"] == 2 * 3 * 4  # groups x prompts x the config's group size
+    assert set(payload["arms"]) == {"off", "chain2", "begmab"}
+    for arm, stats in payload["arms"].items():
+        assert len(payload["lengths"][arm]) == 24 and max(payload["lengths"][arm]) <= 16  # the config's cap
+        assert stats["decode"]["tokens"] == sum(payload["lengths"][arm]) and 0 <= stats["reward"] <= 1
+        if arm != "off":
+            assert stats["decode"]["mean_accept_length"] >= 1
+            assert 0 < stats["vs_off"]["length_sign_flip_p"] <= 1 and 0 <= stats["vs_off"]["ks_p"] <= 1
+    assert json.loads((tmp_path / "lengths.json").read_text())["arms"] == payload["arms"]
+    assert (tmp_path / "lengths.png").stat().st_size > 0
+    assert "[bench lengths] chain2: mean" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--arms", "chain2", "off"], "must start with 'off'"),
+        (["--arms", "off", "chain2", "chain2"], "repeat none"),
+        (["--groups", "0"], "--groups must be >= 1"),
+        (["--config", "missing.yaml"], "no such file"),
+    ],
+)
+def test_bad_options_are_refused_before_any_model_loads(tmp_path, argv, match):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config()))
+    with pytest.raises(ValueError, match=match):
+        run(parse(["lengths", "--config", str(path), *argv]))
