@@ -190,7 +190,8 @@ def _rollout_rows(module: Any, result: Any, indices: list[int], group: int) -> l
 
 
 def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[str, list], dict[str, Any]]:
-    """Every arm's rollouts of every group: per-response rows and per-arm decode totals."""
+    """Every arm's rollouts of every group: per-response rows and per-arm decode totals (the rows so far
+    written to ``args.json`` after each group)."""
     from tlt_lightning.rl.rollout_models import rollout_backend
 
     strategies = _strategies(list(args.arms), args.seed)
@@ -217,6 +218,8 @@ def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[s
             decode[arm]["tokens"] += sum(r.length for r in result.rollouts)
             if result.stats.mean_accept_length > 0:  # 0: no speculative step in this group
                 decode[arm]["accept"].append(result.stats.mean_accept_length)
+        # A crash keeps the groups done: the final write replaces this one.
+        write_json(args.json, {"benchmark": "lengths", "complete": False, "groups_done": g + 1, "rows": rows})
     return rows, {
         arm: {
             "seconds": sum(d["seconds"]),
@@ -277,6 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         arms[arm]["decode"] = decode[arm]
     payload = {
         "benchmark": "lengths",
+        "complete": True,
         "command": "python -m benchmarks " + " ".join(getattr(args, "argv", [])),
         "config": str(config_path),
         "drafter": str(path) if path is not None else "the config's fresh drafter",

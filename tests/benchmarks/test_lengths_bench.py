@@ -63,7 +63,8 @@ def test_a_tiny_configs_arms_are_drawn_scored_and_compared(tmp_path, capsys):
         if arm != "off":
             assert stats["decode"]["mean_accept_length"] >= 1
             assert 0 < stats["vs_off"]["length_sign_flip_p"] <= 1 and 0 <= stats["vs_off"]["ks_p"] <= 1
-    assert json.loads((tmp_path / "lengths.json").read_text())["arms"] == payload["arms"]
+    written = json.loads((tmp_path / "lengths.json").read_text())
+    assert written["arms"] == payload["arms"] and written["complete"]
     assert (tmp_path / "lengths.png").stat().st_size > 0
     assert "[bench lengths] chain2: mean" in capsys.readouterr().out
 
@@ -82,3 +83,24 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, argv, match):
     path.write_text(yaml.safe_dump(tiny_config()))
     with pytest.raises(ValueError, match=match):
         run(parse(["lengths", "--config", str(path), *argv]))
+
+
+def test_a_crash_keeps_the_groups_done(tmp_path, monkeypatch):
+    import benchmarks.lengths
+
+    rows = benchmarks.lengths._rollout_rows
+
+    def crash_in_the_second_group(module, result, indices, group):
+        if group == 1:
+            raise RuntimeError("killed")
+        return rows(module, result, indices, group)
+
+    monkeypatch.setattr(benchmarks.lengths, "_rollout_rows", crash_in_the_second_group)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config()))
+    argv = ["lengths", "--config", str(path), "--arms", "off", "chain2", "--groups", "2", "--prompts", "2"]
+    with pytest.raises(RuntimeError, match="killed"):
+        run(parse([*argv, "--json", str(tmp_path / "lengths.json")]))
+    kept = json.loads((tmp_path / "lengths.json").read_text())
+    assert not kept["complete"] and kept["groups_done"] == 1
+    assert [len(kept["rows"][arm]) for arm in ("off", "chain2")] == [8, 8]
