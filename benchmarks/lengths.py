@@ -5,13 +5,17 @@ how often it runs into the cap and its reward are distributed as under plain dec
 differ (another random stream). This benchmark checks that on a fit config's real rollouts: the
 config's policy, rollout settings (dtype mirror, decode path, cap, temperature, speculation threshold) and
 prompts, each prompt sampled ``group_size`` times as GRPO does, once per arm (plain decoding, fixed
-draft arms, BEG-MAB) through the fit's own rollout backend. Group ``g`` draws every arm with seed
-``seed + g``; arms alternate their order from group to group.
+draft arms, BEG-MAB) through the fit's own rollout backend, its graphs compiled first. Group ``g`` draws
+every arm with seed ``seed + g``; arms alternate their order from group to group. Until an arm first
+speculates (fewer than ``threshold`` requests active) it draws plain decoding's very tokens, so only the
+responses still running then test the law (``lengths_changed`` counts those that came out another
+length); ``--threshold`` above the group's size speculates from the first token, so that all do.
 
 Per arm it reports the length distribution (mean, p50 / p90, share at the cap), reward and accuracy,
 and against plain decoding a paired sign-flip test per prompt (under the null, each prompt's mean over
 its ``group_size`` samples is exchangeable between the two arms) and the two-sample KS distance of the
-pooled lengths. The policy does not train: this isolates the rollout from RL's own divergence.
+pooled lengths; and each arm's rollout seconds against plain decoding's, group by group. The policy does
+not train: this isolates the rollout from RL's own divergence.
 """
 
 from __future__ import annotations
@@ -116,6 +120,8 @@ def summarise(
     """
     arms = {arm: _describe(r, cap) for arm, r in rows.items()}
     plain = rows["off"]
+    # With one seed per group, every arm draws what plain decoding draws until it first speculates:
+    # responses that end before then are the same samples (only the others test the law).
     base = torch.tensor([r["length"] for r in plain], dtype=torch.float64)
     for arm, r in rows.items():
         if arm == "off":
@@ -124,6 +130,7 @@ def summarise(
         distance = ks_distance(lengths, base)
         arms[arm]["vs_off"] = {
             "mean_length_ratio": arms[arm]["mean_length"] / arms["off"]["mean_length"],
+            "lengths_changed": sum(x["length"] != y["length"] for x, y in zip(r, plain, strict=True)),
             "ks_distance": distance,
             "ks_p": ks_pvalue(distance, lengths.numel(), base.numel()),
             **{
@@ -192,12 +199,15 @@ def _rollout_rows(module: Any, result: Any, indices: list[int], group: int) -> l
 def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[str, list], dict[str, Any]]:
     """Every arm's rollouts of every group: per-response rows and per-arm decode totals (the rows so far
     written to ``args.json`` after each group)."""
-    from tlt_lightning.rl.rollout_models import rollout_backend
+    from tlt_lightning.rl.rollout_models import draft_arms, rollout_backend, warm_up_rollouts
 
     strategies = _strategies(list(args.arms), args.seed)
     group_size = args.group_size or module.optim_config.group_size
     threshold = args.threshold or module.speculative_config.threshold
     config = module.rollout_config()
+    arms = dict.fromkeys(a for strategy in strategies.values() for a in draft_arms(strategy))
+    sample = [module.prompt_source.prompt_ids(i) for i in range(min(2, len(module.prompt_source)))]
+    compile_seconds = warm_up_rollouts(module.rollout_target, config, sample, drafter, list(arms))
     rows: dict[str, list[dict[str, Any]]] = {arm: [] for arm in strategies}
     decode = {arm: {"seconds": [], "tokens": 0, "accept": []} for arm in strategies}
     size = len(module.prompt_source)
@@ -220,11 +230,15 @@ def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[s
                 decode[arm]["accept"].append(result.stats.mean_accept_length)
         # A crash keeps the groups done: the final write replaces this one.
         write_json(args.json, {"benchmark": "lengths", "complete": False, "groups_done": g + 1, "rows": rows})
+    plain = decode["off"]["seconds"]
     return rows, {
         arm: {
+            "compile_seconds": compile_seconds,  # before any timed group
             "seconds": sum(d["seconds"]),
             "tokens": d["tokens"],
             "median_group_seconds": median(d["seconds"]),
+            # Per group, plain decoding's seconds over this arm's (the same prompts and seed), median.
+            "speedup_vs_off": median([p / s for p, s in zip(plain, d["seconds"], strict=True)]),
             "mean_accept_length": sum(d["accept"]) / len(d["accept"]) if d["accept"] else None,
         }
         for arm, d in decode.items()
@@ -309,6 +323,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ""
             if v is None
             else (
+                f"; {s['decode']['speedup_vs_off']:.2f}x plain, {v['lengths_changed']} lengths changed"
                 f"; vs off: length p {v['length_sign_flip_p']:.3f}, at-cap p {v['at_cap_sign_flip_p']:.3f}, "
                 f"reward p {v['reward_sign_flip_p']:.3f}, KS {v['ks_distance']:.3f} (p {v['ks_p']:.3f})"
             )

@@ -63,6 +63,7 @@ def test_a_tiny_configs_arms_are_drawn_scored_and_compared(tmp_path, capsys):
         if arm != "off":
             assert stats["decode"]["mean_accept_length"] >= 1
             assert 0 < stats["vs_off"]["length_sign_flip_p"] <= 1 and 0 <= stats["vs_off"]["ks_p"] <= 1
+            assert 0 <= stats["vs_off"]["lengths_changed"] <= 24 and stats["decode"]["speedup_vs_off"] > 0
     written = json.loads((tmp_path / "lengths.json").read_text())
     assert written["arms"] == payload["arms"] and written["complete"]
     assert (tmp_path / "lengths.png").stat().st_size > 0
