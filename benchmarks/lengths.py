@@ -79,22 +79,22 @@ def ks_pvalue(distance: float, n: int, m: int) -> float:
     lam = (en + 0.12 + 0.11 / en) * distance
     if lam < 0.2:
         return 1.0
-    return max(
-        0.0, min(1.0, 2 * sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 101)))
-    )
+    series = sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 101))
+    return max(0.0, min(1.0, 2 * series))
 
 
 def _describe(rows: list[dict[str, Any]], cap: int) -> dict[str, Any]:
     lengths = torch.tensor([r["length"] for r in rows], dtype=torch.float64)
     q = torch.quantile(lengths, torch.tensor([0.5, 0.9], dtype=torch.float64)).tolist()
+    at_cap = int((lengths >= cap).sum())
     return {
         "responses": len(rows),
         "mean_length": float(lengths.mean()),
         "p50": q[0],
         "p90": q[1],
         "max": int(lengths.max()),
-        "at_cap": sum(r["length"] >= cap for r in rows),
-        "at_cap_share": sum(r["length"] >= cap for r in rows) / len(rows),
+        "at_cap": at_cap,
+        "at_cap_share": at_cap / len(rows),
         "reward": sum(r["reward"] for r in rows) / len(rows),
         "accuracy": sum(r["correct"] for r in rows) / len(rows),
     }
@@ -197,8 +197,8 @@ def _rollout_rows(module: Any, result: Any, indices: list[int], group: int) -> l
 
 
 def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[str, list], dict[str, Any]]:
-    """Every arm's rollouts of every group: per-response rows and per-arm decode totals (the rows so far
-    written to ``args.json`` after each group)."""
+    """Every arm's rollouts of every group: per-response rows and per-arm decode totals, with the seconds
+    the graphs took to compile before (the rows so far written to ``args.json`` after each group)."""
     from tlt_lightning.rl.rollout_models import draft_arms, rollout_backend, warm_up_rollouts
 
     strategies = _strategies(list(args.arms), args.seed)
@@ -231,9 +231,8 @@ def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[s
         # A crash keeps the groups done: the final write replaces this one.
         write_json(args.json, {"benchmark": "lengths", "complete": False, "groups_done": g + 1, "rows": rows})
     plain = decode["off"]["seconds"]
-    return rows, {
+    return rows, {"compile_seconds": compile_seconds} | {
         arm: {
-            "compile_seconds": compile_seconds,  # before any timed group
             "seconds": sum(d["seconds"]),
             "tokens": d["tokens"],
             "median_group_seconds": median(d["seconds"]),
@@ -292,6 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     arms = summarise(rows, cap, args.permutations, args.seed)
     for arm in arms:
         arms[arm]["decode"] = decode[arm]
+    compile_seconds = decode["compile_seconds"]
     payload = {
         "benchmark": "lengths",
         "complete": True,
@@ -300,6 +300,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "drafter": str(path) if path is not None else "the config's fresh drafter",
         "rollout_dtype": str(module.rollout_dtype),
         "rollout_decode": module.rollout_decode,
+        "compile_seconds": compile_seconds,  # before the timed groups
         "max_new_tokens": cap,
         "temperature": module.rollout_settings.temperature,
         "threshold": args.threshold or module.speculative_config.threshold,
