@@ -32,11 +32,9 @@ import yaml
 from tqdm.auto import tqdm
 
 from benchmarks.common import machine_info, median, new_figure, save_figure, timed, write_json
-from benchmarks.e2e_config import absolute_drafter_paths
+from benchmarks.e2e_config import absolute_drafter_paths, frozen_drafter
 
 __all__ = ["ks_distance", "ks_pvalue", "run", "sign_flip_pvalue", "summarise"]
-
-_SPOT = "tlt_lightning.callbacks.SpotDrafterCallback"
 
 
 def sign_flip_pvalue(diffs: torch.Tensor, permutations: int, seed: int = 0) -> float:
@@ -158,16 +156,23 @@ def _module(config: dict[str, Any]) -> Any:
     return module
 
 
-def _drafter_path(config: dict[str, Any], given: str | None) -> str | None:
-    """``--drafter``, else the config's ``SpotDrafterCallback`` start, else ``speculative.drafter_path``."""
-    if given is not None:
-        return given
-    for callback in (config.get("trainer") or {}).get("callbacks") or []:
-        if isinstance(callback, dict) and callback.get("class_path") == _SPOT:
-            path = ((callback.get("init_args") or {}).get("config") or {}).get("drafter_path")
-            if path is not None:
-                return path
-    return ((config.get("model") or {}).get("speculative") or {}).get("drafter_path")
+def _drafting(config: dict[str, Any], drafter: str | None) -> dict[str, Any]:
+    """``config`` whose ``model.speculative`` names the drafter the arms draft with: ``--drafter``, else
+    the one its ``SpotDrafterCallback`` starts from (:func:`frozen_drafter`), else its own."""
+    callbacks = (config.get("trainer") or {}).get("callbacks") or []
+    spot = any(str(c.get("class_path", "")).endswith("SpotDrafterCallback") for c in callbacks)
+    out = frozen_drafter(config) if spot else copy.deepcopy(config)
+    if drafter is not None:
+        out.setdefault("model", {}).setdefault("speculative", {})["drafter_path"] = drafter
+    return out
+
+
+def _group_size_and_threshold(module: Any, args: argparse.Namespace) -> tuple[int, int]:
+    """``--group-size`` and ``--threshold``, else the config's."""
+    return (
+        args.group_size or module.optim_config.group_size,
+        args.threshold or module.speculative_config.threshold,
+    )
 
 
 def _strategies(arms: list[str], seed: int) -> dict[str, Any]:
@@ -202,8 +207,7 @@ def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[s
     from tlt_lightning.rl.rollout_models import draft_arms, rollout_backend, warm_up_rollouts
 
     strategies = _strategies(list(args.arms), args.seed)
-    group_size = args.group_size or module.optim_config.group_size
-    threshold = args.threshold or module.speculative_config.threshold
+    group_size, threshold = _group_size_and_threshold(module, args)
     config = module.rollout_config()
     arms = dict.fromkeys(a for strategy in strategies.values() for a in draft_arms(strategy))
     sample = [module.prompt_source.prompt_ids(i) for i in range(min(2, len(module.prompt_source)))]
@@ -276,17 +280,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     _strategies(list(args.arms), args.seed)  # checks --arms before minutes of loading
     torch.manual_seed(args.seed)
+    config = _drafting(config, args.drafter)
     module = _module(config)
-    path = _drafter_path(config, args.drafter)
-    if path is not None:
-        from tlt_lightning.drafter import load_drafter
-
-        drafter = load_drafter(path, module.rollout_target).eval()
-    elif module.drafter is not None:
-        drafter = module.drafter.eval()
-    else:
+    if module.drafter is None:
         raise ValueError(f"--config {config_path} names no drafter: pass --drafter DIR")
-    rows, decode = measure(module, drafter, args)
+    path = module.speculative_config.drafter_path
+    group_size, threshold = _group_size_and_threshold(module, args)
+    rows, decode = measure(module, module.drafter.eval(), args)
     cap = module.rollout_settings.max_new_tokens
     arms = summarise(rows, cap, args.permutations, args.seed)
     for arm in arms:
@@ -303,10 +303,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "compile_seconds": compile_seconds,  # before the timed groups
         "max_new_tokens": cap,
         "temperature": module.rollout_settings.temperature,
-        "threshold": args.threshold or module.speculative_config.threshold,
+        "threshold": threshold,
         "groups": args.groups,
         "prompts_per_group": args.prompts,
-        "group_size": args.group_size or module.optim_config.group_size,
+        "group_size": group_size,
         "responses_per_arm": len(rows["off"]),
         "seed": args.seed,
         "machine": machine_info(),
