@@ -1,6 +1,8 @@
 """The C++ decode attention kernel equals grouped attention in fp32, in place on cache views, and
 fails clearly."""
 
+import os
+import time
 import warnings
 from pathlib import Path
 
@@ -156,3 +158,28 @@ def test_a_failing_build_warns_once_and_reports_unavailable(monkeypatch):
         module.available.cache_clear()
     monkeypatch.undo()
     assert module.available()
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(monkeypatch, tmp_path):
+    """torch's builder waits without a limit for its build lock: one left by a process killed mid-build
+    would hang every later build (it hung CI), so build() removes a lock older than STALE_LOCK_SECONDS."""
+    from torch.utils import cpp_extension
+
+    loads = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: loads.append(kwargs))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    module.build("stale")
+    lock = Path(loads[0]["build_directory"]) / "lock"
+    assert lock.parent.is_relative_to(tmp_path) and lock.parent.name.startswith("stale_")
+
+    lock.touch()  # a build running now: kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module.build("stale")
+    assert lock.exists()
+
+    old = time.time() - module.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="did not finish"):
+        module.build("stale")
+    assert not lock.exists() and len(loads) == 3

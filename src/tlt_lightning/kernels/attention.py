@@ -12,7 +12,8 @@ against 38-39 ms for the batched products, eager or compiled (``docs/benchmarks.
 attention kernel").
 
 The source is compiled once per source and CPU (``-O3 -march=native``, cached where torch caches
-extensions: ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), which needs a C++ compiler
+extensions: ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, under ``tlt_lightning/``; a
+build lock left by a process killed mid-build is removed after ten minutes), which needs a C++ compiler
 (Inductor needs one on CPUs too) and ``ninja``. :func:`available` says whether it built: where it does
 not, it warns once and the graphs keep PyTorch's kernels.
 """
@@ -21,7 +22,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -59,6 +63,41 @@ def _cpu_tag() -> str:
     return hashlib.sha1((platform.machine() + platform.processor() + described).encode()).hexdigest()[:10]
 
 
+STALE_LOCK_SECONDS = 600
+"""A build lock older than this is left by a process that stopped while building (a build takes ~10-60 s)."""
+
+
+def _build_directory(name: str) -> Path:
+    """Where ``name`` builds: under ``TORCH_EXTENSIONS_DIR`` (default torch's build root), per Python and
+    torch version (the library links against torch)."""
+    from torch.utils import cpp_extension
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    versions = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+    directory = root / "tlt_lightning" / versions / name
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _clear_stale_lock(directory: Path) -> None:
+    """Remove a build lock that nobody will release.
+
+    torch's builder holds ``lock`` in the build directory while it builds and waits, without a limit, for
+    another holder to remove it: a process killed mid-build would make every later build on the machine
+    hang."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        warnings.warn(
+            f"removing {lock}, left {age / 60:.0f} minutes ago by a build that did not finish",
+            stacklevel=3,
+        )
+        lock.unlink(missing_ok=True)
+
+
 def build(name: str = "tlt_decode_attention", flags: tuple[str, ...] = ()) -> None:
     """Compile (once per source, CPU and ``flags``: later calls load the cached build) and load the kernel.
 
@@ -67,11 +106,15 @@ def build(name: str = "tlt_decode_attention", flags: tuple[str, ...] = ()) -> No
     from torch.utils import cpp_extension
 
     tag = hashlib.sha1(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
+    name = f"{name}_{tag}_{_cpu_tag()}"
+    directory = _build_directory(name)
+    _clear_stale_lock(directory)
     cpp_extension.load(
-        name=f"{name}_{tag}_{_cpu_tag()}",
+        name=name,
         sources=[str(_SOURCE)],
         extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
         extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
         is_python_module=False,
     )
 
