@@ -14,13 +14,16 @@ length); ``--threshold`` above the group's size speculates from the first token,
 Per arm it reports the length distribution (mean, p50 / p90, share at the cap), reward and accuracy,
 and against plain decoding a paired sign-flip test per prompt (under the null, each prompt's mean over
 its ``group_size`` samples is exchangeable between the two arms) and the two-sample KS distance of the
-pooled lengths; and each arm's rollout seconds against plain decoding's, group by group. The policy does
+pooled lengths; each arm's rollout seconds against plain decoding's, group by group; and per batch-size
+bucket (BEG-MAB's below ``threshold``) its decode tokens/s against plain decoding's, wall and CPU time:
+whether speculation pays in each bucket where it runs. The policy does
 not train: this isolates the rollout from RL's own divergence.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import copy
 import functools
 import math
@@ -34,7 +37,16 @@ from tqdm.auto import tqdm
 from benchmarks.common import machine_info, median, new_figure, save_figure, timed, write_json
 from benchmarks.e2e_config import absolute_drafter_paths, frozen_drafter
 
-__all__ = ["ks_distance", "ks_pvalue", "run", "sign_flip_pvalue", "summarise"]
+__all__ = [
+    "add_step_buckets",
+    "bucket_edges",
+    "bucket_rates",
+    "ks_distance",
+    "ks_pvalue",
+    "run",
+    "sign_flip_pvalue",
+    "summarise",
+]
 
 
 def sign_flip_pvalue(diffs: torch.Tensor, permutations: int, seed: int = 0) -> float:
@@ -201,6 +213,51 @@ def _rollout_rows(module: Any, result: Any, indices: list[int], group: int) -> l
     return rows
 
 
+def bucket_edges(threshold: int) -> list[int]:
+    """Lower edges of the batch-size buckets a rollout's steps are counted in: BEG-MAB's buckets below
+    ``threshold`` (``1``, ``2-4``, ``5+``), cut at it, and ``threshold`` on (plain decoding in every arm).
+
+    Example:
+        >>> bucket_edges(8), bucket_edges(3)
+        ([1, 2, 5, 8], [1, 2, 3])
+    """
+    return sorted({e for e in (1, 2, 5) if e < threshold} | {threshold})
+
+
+def _bucket_label(edges: list[int], i: int) -> str:
+    low, high = edges[i], (edges[i + 1] - 1 if i + 1 < len(edges) else None)
+    return f"{low}+" if high is None else (str(low) if high == low else f"{low}-{high}")
+
+
+def add_step_buckets(totals: dict[str, list[float]], stats: Any, edges: list[int]) -> None:
+    """Add a rollout's decode steps to ``totals`` (per bucket label: seconds, CPU seconds, tokens, steps)."""
+    for n, wall, cpu, tokens in zip(
+        stats.step_batch_sizes, stats.step_times, stats.step_cpu_times, stats.step_tokens, strict=True
+    ):
+        i = bisect.bisect_right(edges, n) - 1
+        entry = totals.setdefault(_bucket_label(edges, i), [0.0, 0.0, 0, 0])
+        for k, value in enumerate((wall, cpu, tokens, 1)):
+            entry[k] += value
+
+
+def bucket_rates(totals: dict[str, list[float]], plain: dict[str, list[float]] | None) -> dict[str, Any]:
+    """Per bucket: seconds, tokens, tokens/s (wall and CPU) and, against ``plain``'s totals, the ratios of
+    both rates (a per-bucket "speculative >= plain")."""
+    out = {}
+    for label, (wall, cpu, tokens, steps) in totals.items():
+        row = {"seconds": wall, "cpu_seconds": cpu, "tokens": tokens, "steps": steps}
+        row |= {
+            "tokens_per_s": tokens / wall if wall else None,
+            "cpu_tokens_per_s": tokens / cpu if cpu else None,
+        }
+        if plain is not None and label in plain and row["tokens_per_s"] and row["cpu_tokens_per_s"]:
+            p_wall, p_cpu, p_tokens, _ = plain[label]
+            row["vs_off"] = row["tokens_per_s"] / (p_tokens / p_wall)
+            row["cpu_vs_off"] = row["cpu_tokens_per_s"] / (p_tokens / p_cpu)
+        out[label] = row
+    return out
+
+
 def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[str, list], dict[str, Any]]:
     """Every arm's rollouts of every group: per-response rows and per-arm decode totals, with the seconds
     the graphs took to compile before (the rows so far written to ``args.json`` after each group)."""
@@ -213,7 +270,10 @@ def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[s
     sample = [module.prompt_source.prompt_ids(i) for i in range(min(2, len(module.prompt_source)))]
     compile_seconds = warm_up_rollouts(module.rollout_target, config, sample, drafter, list(arms))
     rows: dict[str, list[dict[str, Any]]] = {arm: [] for arm in strategies}
-    decode = {arm: {"seconds": [], "tokens": 0, "accept": []} for arm in strategies}
+    decode = {
+        arm: {"seconds": [], "tokens": 0, "accept": [], "buckets": {}, "other": 0.0} for arm in strategies
+    }
+    edges = bucket_edges(threshold)
     size = len(module.prompt_source)
     for g in tqdm(range(args.groups), desc="bench lengths: prompt groups", unit="group"):
         first = g * args.prompts
@@ -230,6 +290,8 @@ def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[s
             rows[arm] += _rollout_rows(module, result, indices, g)
             decode[arm]["seconds"].append(seconds)
             decode[arm]["tokens"] += sum(r.length for r in result.rollouts)
+            add_step_buckets(decode[arm]["buckets"], result.stats, edges)
+            decode[arm]["other"] += result.stats.total_time - sum(result.stats.step_times)
             if result.stats.mean_accept_length > 0:  # 0: no speculative step in this group
                 decode[arm]["accept"].append(result.stats.mean_accept_length)
         # A crash keeps the groups done: the final write replaces this one.
@@ -243,6 +305,9 @@ def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[s
             # Per group, plain decoding's seconds over this arm's (the same prompts and seed), median.
             "speedup_vs_off": median([p / s for p, s in zip(plain, d["seconds"], strict=True)]),
             "mean_accept_length": sum(d["accept"]) / len(d["accept"]) if d["accept"] else None,
+            # Outside the decode steps: prefill, the engine's bookkeeping, the drafter's cache set-up.
+            "other_seconds": d["other"],
+            "buckets": bucket_rates(d["buckets"], None if arm == "off" else decode["off"]["buckets"]),
         }
         for arm, d in decode.items()
     }
@@ -334,5 +399,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"at the cap {s['at_cap']}/{s['responses']}, reward {s['reward']:.3f}{tail}",
             flush=True,
         )
+        buckets = [
+            f"{b}: {r['cpu_vs_off']:.2f}x" for b, r in s["decode"]["buckets"].items() if "cpu_vs_off" in r
+        ]
+        if buckets:
+            print(
+                f"[bench lengths]   {arm} tokens/s by batch bucket vs plain (CPU): {', '.join(buckets)}",
+                flush=True,
+            )
     print(f"[bench lengths] wrote {json_path}", flush=True)
     return payload

@@ -64,6 +64,11 @@ def test_a_tiny_configs_arms_are_drawn_scored_and_compared(tmp_path, capsys):
             assert stats["decode"]["mean_accept_length"] >= 1
             assert 0 < stats["vs_off"]["length_sign_flip_p"] <= 1 and 0 <= stats["vs_off"]["ks_p"] <= 1
             assert 0 <= stats["vs_off"]["lengths_changed"] <= 24 and stats["decode"]["speedup_vs_off"] > 0
+            assert all(b["cpu_vs_off"] > 0 for b in stats["decode"]["buckets"].values() if "cpu_vs_off" in b)
+        buckets = stats["decode"]["buckets"]
+        steps = sum(b["steps"] for b in buckets.values())
+        assert sum(b["tokens"] for b in buckets.values()) + 24 == stats["decode"]["tokens"]  # + the prefill's
+        assert steps > 0 and stats["decode"]["other_seconds"] > 0
     written = json.loads((tmp_path / "lengths.json").read_text())
     assert written["arms"] == payload["arms"] and written["complete"]
     assert (tmp_path / "lengths.png").stat().st_size > 0
@@ -105,3 +110,31 @@ def test_a_crash_keeps_the_groups_done(tmp_path, monkeypatch):
     kept = json.loads((tmp_path / "lengths.json").read_text())
     assert not kept["complete"] and kept["groups_done"] == 1
     assert [len(kept["rows"][arm]) for arm in ("off", "chain2")] == [8, 8]
+
+
+def test_steps_are_counted_in_batch_buckets_and_rated_against_plain():
+    from types import SimpleNamespace
+
+    from benchmarks.lengths import add_step_buckets, bucket_edges, bucket_rates
+
+    assert bucket_edges(8) == [1, 2, 5, 8] and bucket_edges(2) == [1, 2] and bucket_edges(1000)[-1] == 1000
+    edges = bucket_edges(8)
+    plain, fast = {}, {}
+    steps = SimpleNamespace(
+        step_batch_sizes=[40, 8, 6, 3, 1], step_times=[1.0, 0.5, 0.4, 0.3, 0.2],
+        step_cpu_times=[1.0, 0.5, 0.4, 0.3, 0.2], step_tokens=[40, 8, 6, 3, 1],
+    )  # fmt: skip
+    add_step_buckets(plain, steps, edges)
+    add_step_buckets(plain, steps, edges)
+    assert plain == {
+        "8+": [3.0, 3.0, 96, 4],
+        "5-7": [0.8, 0.8, 12, 2],
+        "2-4": [0.6, 0.6, 6, 2],
+        "1": [0.4, 0.4, 2, 2],
+    }
+    steps.step_tokens = [40, 8, 12, 3, 2]  # twice the tokens at 5-7 and at 1 in the same time
+    add_step_buckets(fast, steps, edges)
+    rates = bucket_rates(fast, plain)
+    assert rates["5-7"]["vs_off"] == pytest.approx(2.0) and rates["1"]["cpu_vs_off"] == pytest.approx(2.0)
+    assert rates["8+"]["vs_off"] == pytest.approx(1.0) and rates["2-4"]["tokens_per_s"] == pytest.approx(10.0)
+    assert "vs_off" not in bucket_rates(plain, None)["1"]

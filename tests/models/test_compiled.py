@@ -264,16 +264,19 @@ def test_new_cache_has_room_for_the_buckets(tiny_llama):
     config = CompileConfig(batch_buckets=(4, 8), kv_step=16, dynamic=False)
     cache = HFTarget(tiny_llama.model, decode="compiled", compile_config=config).new_cache(5, 20)
     assert cache.keys.shape[1] == 8 and cache.keys.shape[3] == 33 and cache.max_len == 20
-    static = CompiledDecode(tiny_llama.model, CompileConfig(dynamic=False))
+    static = CompiledDecode(tiny_llama.model, CompileConfig(query_buckets=(1, 2, 4, 8, 16), dynamic=False))
     assert static.bucket(3, 5, 300, (4,)) == static.graph(Bucket(4, 8, 512, (4,))) == Bucket(4, 8, 512, (4,))
+    # By default every query count up to 16 is its own bucket: no padded queries.
+    exact = CompiledDecode(tiny_llama.model, CompileConfig(dynamic=False))
+    assert exact.bucket(3, 5, 300, (4,)) == Bucket(4, 5, 512, (4,))
     # Dynamic graphs (the CPU default): rows and keys as they are, one spare slot for padded queries.
     dynamic = HFTarget(tiny_llama.model, decode="compiled", compile_config=replace(config, dynamic=None))
     assert dynamic._compiled.dynamic
     cache = dynamic.new_cache(5, 20)
     assert cache.keys.shape[1] == 5 and cache.keys.shape[3] == 21
-    assert dynamic._compiled.bucket(3, 5, 300, (4,)) == Bucket(3, 8, 300, (4,))
-    assert dynamic._compiled.graph(Bucket(3, 8, 300, (4,))) == Bucket(0, 8, 0, (4,))
-    assert dynamic._compiled.graph(Bucket(1, 8, 300, (4,))) == Bucket(1, 8, 0, (4,))
+    assert dynamic._compiled.bucket(3, 5, 300, (4,)) == Bucket(3, 5, 300, (4,))
+    assert dynamic._compiled.graph(Bucket(3, 5, 300, (4,))) == Bucket(0, 5, 0, (4,))
+    assert dynamic._compiled.graph(Bucket(1, 5, 300, (4,))) == Bucket(1, 5, 0, (4,))
     assert dynamic._compiled.bucket(9, 1, 30) is None  # rows beyond the largest batch bucket
 
 

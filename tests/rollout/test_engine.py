@@ -105,6 +105,40 @@ def test_sampling_is_reproducible_and_logprobs_match_a_direct_forward(tiny_targe
         )
 
 
+def test_a_groups_copies_of_a_prompt_share_one_prefill_and_sample_apart(tiny_target, monkeypatch):
+    """GRPO samples each prompt ``group_size`` times: the copies are prefilled once, their cache rows
+    copied, and each continues from its own draws (log-probabilities and features as a direct forward's)."""
+    distinct = random_prompts(3, seed=4, low=4)
+    prompts = [p for p in distinct for _ in range(4)][::-1]  # copies adjacent, in other chunks than theirs
+    prefilled = []
+    forward = tiny_target.forward
+
+    def counting(input_ids, *args, **kwargs):
+        if input_ids.shape[1] > 1:
+            prefilled.extend(input_ids.tolist())
+        return forward(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(tiny_target, "forward", counting)
+    cfg = RolloutConfig(max_new_tokens=12, temperature=1.0, feature_layers=(2,), prefill_chunk=2)
+    result = RolloutEngine(tiny_target, cfg).generate(prompts, generator=torch.Generator().manual_seed(3))
+    assert sorted(row[: len(p)] for row, p in zip(prefilled, distinct[::-1])) == sorted(distinct)
+    assert len(prefilled) == 3
+    for prompt, rollout in zip(prompts, result.rollouts):
+        assert rollout.prompt_ids.tolist() == prompt
+        seq = torch.tensor([prompt + rollout.token_ids.tolist()])
+        with torch.no_grad():
+            out = tiny_target.model(seq, output_hidden_states=True)
+        pred = slice(len(prompt) - 1, seq.shape[1] - 1)
+        expected = out.logits[0, pred].log_softmax(-1).gather(-1, rollout.token_ids[:, None]).squeeze(-1)
+        torch.testing.assert_close(rollout.logprobs, expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            rollout.features[:, 0], out.hidden_states[2][0, pred], atol=1e-4, rtol=1e-4
+        )
+    for g in range(3):
+        group = {tuple(r.token_ids.tolist()) for r in result.rollouts[4 * g : 4 * g + 4]}
+        assert len(group) > 1  # the copies drew apart
+
+
 def test_many_requests_at_once(tiny_llama):
     prompts = random_prompts(160, seed=3)
     result = RolloutEngine(tiny_llama, RolloutConfig(max_new_tokens=4, prefill_chunk=48)).generate(

@@ -30,7 +30,10 @@ from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import PackedWeight, set_weight_layout
 from tlt_lightning.models.target import TargetModel
 
-__all__ = ["AttentionCache", "Drafter"]
+__all__ = ["DRAFTER_QUERY_BUCKETS", "AttentionCache", "Drafter"]
+
+DRAFTER_QUERY_BUCKETS = (1, 2, 4, 8, 16)
+"""Query buckets of :meth:`Drafter.use_compiled_steps` by default (the target's are every count up to 16)."""
 
 
 class Drafter(nn.Module, DrafterHubMixin):
@@ -285,7 +288,9 @@ class Drafter(nn.Module, DrafterHubMixin):
 
         See :mod:`tlt_lightning.drafter.compiled`: same buckets and fallback as
         ``HFTarget(decode="compiled")``; caches from :meth:`new_cache` get the room padding needs.
-        Training forwards (no cache, autograd) stay eager. ``config=None``: default buckets.
+        Training forwards (no cache, autograd) stay eager. ``config=None``: the default buckets, but queries
+        padded to 1, 2, 4, 8 or 16 (:data:`DRAFTER_QUERY_BUCKETS`): a catch-up feeds any count of new
+        positions, and for one layer a padded query costs less than compiling a graph for each count.
 
         Example:
             >>> from tlt_lightning.models import HFTarget, load_model
@@ -294,7 +299,9 @@ class Drafter(nn.Module, DrafterHubMixin):
             >>> drafter.compile_seconds
             0.0
         """
-        self._compiled = CompiledDrafterStep(self, config)
+        self._compiled = CompiledDrafterStep(
+            self, config or CompileConfig(query_buckets=DRAFTER_QUERY_BUCKETS)
+        )
         return self
 
     @property

@@ -119,6 +119,15 @@ class KVCache:
         self.values[:, dst, :, :used] = self.values[:, src, :, :used]
         self.lengths[dst] = self.lengths[src]
 
+    def gather_rows(self, source: torch.Tensor) -> None:
+        """Rows ``[0, m)`` become copies of rows ``source`` (``[m]`` int64; repeats allowed, e.g. one
+        prefilled prompt fanned out to the rows of its GRPO group). All of ``source`` is read before any
+        row is written."""
+        m, used = source.numel(), int(self.lengths[source].max())
+        self.keys[:, :m, :, :used] = self.keys[:, source, :, :used]
+        self.values[:, :m, :, :used] = self.values[:, source, :, :used]
+        self.lengths[:m] = self.lengths[source]
+
     def gather_positions(self, rows: torch.Tensor, src: torch.Tensor, dst_start: torch.Tensor) -> None:
         """Within each row, copy the entries at ``src`` to consecutive slots from ``dst_start``.
 

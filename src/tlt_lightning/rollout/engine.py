@@ -4,6 +4,7 @@ Requests leave the batch as soon as they finish (EOS, ``max_new_tokens`` or the 
 the last active row moves into the finished row's slot, so every decode step runs on the active
 requests only: the long tail is cheap in wall-clock terms, and speculative decoding pays there (few
 rows, each step bound by reading the weights: verifying several drafts costs little more than one).
+Identical prompts (a GRPO group's copies) are prefilled once and their cache rows copied.
 
 A decode step is pluggable (:class:`DecodeStep`): :class:`PlainStep` samples one token per request;
 the speculative loop supplies steps that emit several.
@@ -261,6 +262,25 @@ def sample_tokens(
     return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
 
 
+def _distinct(ids: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The distinct prompts of ``ids`` in order of first occurrence, and ``[B]`` int64 each prompt's index
+    among them.
+
+    Example:
+        >>> _distinct([torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([5, 6])])[1].tolist()
+        [0, 1, 0]
+    """
+    index: dict[tuple[int, ...], int] = {}
+    distinct, source = [], []
+    for p in ids:
+        key = tuple(p.tolist())
+        if key not in index:
+            index[key] = len(distinct)
+            distinct.append(p)
+        source.append(index[key])
+    return distinct, torch.tensor(source, dtype=torch.long)
+
+
 class RolloutEngine:
     """Generates responses for many prompts at once on a local target model.
 
@@ -367,17 +387,26 @@ class RolloutEngine:
     def _prefill(
         self, ids: list[torch.Tensor], batch: ActiveBatch, generator: torch.Generator | None
     ) -> Emission:
-        """Run the prompts through the target in chunks; sample each request's first token.
+        """Run each distinct prompt through the target once, in chunks, and sample every request's first
+        token.
 
-        Prompt tokens (and their features, when requested) go into the batch transcripts.
+        Identical prompts (a GRPO group's ``group_size`` copies) share one prefill: the ``U`` distinct ones
+        fill cache rows ``[0, U)``, which are then copied to every request's own row
+        (:meth:`~tlt_lightning.models.KVCache.gather_rows`). Each request samples its own first token from
+        its prompt's logits, with the random draws a prefill of its own would make. Prompt tokens (and
+        their features, when requested) go into the batch transcripts.
         """
         cfg, device = self.config, batch.seq.device
-        tokens, logprobs = [], []
-        for start in range(0, len(ids), cfg.prefill_chunk):
-            chunk = ids[start : start + cfg.prefill_chunk]
-            lens = batch.prompt_len[start : start + len(chunk)]
+        for i, p in enumerate(ids):
+            batch.seq[i, : p.numel()] = p
+        distinct, source = _distinct(ids)
+        source = source.to(device)
+        hidden = []
+        for start in range(0, len(distinct), cfg.prefill_chunk):
+            chunk = distinct[start : start + cfg.prefill_chunk]
+            lens = torch.tensor([p.numel() for p in chunk], device=device)
             width = int(lens.max())
-            input_ids = batch.seq[start : start + len(chunk), :width]
+            input_ids = torch.zeros(len(chunk), width, dtype=torch.long, device=device)
             for i, p in enumerate(chunk):
                 input_ids[i, : p.numel()] = p
             positions = torch.arange(width, device=device).expand(len(chunk), width)
@@ -390,9 +419,18 @@ class RolloutEngine:
             out = self.target.forward(input_ids, positions, mask[:, None], rows, cfg.feature_layers)
             if out.features is not None:
                 batch.features[start : start + len(chunk), :width] = out.features
-            hidden = out.hidden[torch.arange(len(chunk), device=device), lens - 1]
-            t, lp = sample_tokens(self.target.lm_head(hidden), cfg, generator)
+            hidden.append(out.hidden[torch.arange(len(chunk), device=device), lens - 1])
             rows.lengths[:] = lens
+        if len(distinct) < len(ids):
+            batch.cache.gather_rows(source)
+            if batch.features is not None:
+                width = int(batch.prompt_len.max())
+                batch.features[:, :width] = batch.features[source, :width]
+        hidden_by_request = torch.cat(hidden)[source]
+        tokens, logprobs = [], []
+        for start in range(0, len(ids), cfg.prefill_chunk):
+            logits = self.target.lm_head(hidden_by_request[start : start + cfg.prefill_chunk])
+            t, lp = sample_tokens(logits, cfg, generator)
             tokens.append(t)
             logprobs.append(lp)
         t, lp = torch.cat(tokens), torch.cat(logprobs)
