@@ -6,7 +6,8 @@ differ (another random stream). This benchmark checks that on a fit config's rea
 config's policy, rollout settings (dtype mirror, decode path, cap, temperature, speculation threshold) and
 prompts, each prompt sampled ``group_size`` times as GRPO does, once per arm (plain decoding, fixed
 draft arms, BEG-MAB) through the fit's own rollout backend, its graphs compiled first. Group ``g`` draws
-every arm with seed ``seed + g``; arms alternate their order from group to group. Until an arm first
+every arm with seed ``seed + g``; the arms' order rotates from group to group (each arm runs in every
+position equally often: reversing it would keep the middle arm in the middle). Until an arm first
 speculates (fewer than ``threshold`` requests active) it draws plain decoding's very tokens, so only the
 responses still running then test the law (``lengths_changed`` counts those that came out another
 length); ``--threshold`` above the group's size speculates from the first token, so that all do.
@@ -280,7 +281,8 @@ def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[s
         prompt_ids = [(first + i) % size for i in range(args.prompts)]
         indices = [i for i in prompt_ids for _ in range(group_size)]
         prompts = [module.prompt_source.prompt_ids(i) for i in indices]
-        order = list(strategies) if g % 2 == 0 else list(reversed(strategies))
+        names = list(strategies)
+        order = names[g % len(names) :] + names[: g % len(names)]
         for arm in order:
             backend = rollout_backend(
                 module.rollout_target, config, None if arm == "off" else drafter, strategies[arm], threshold

@@ -36,7 +36,7 @@ class CompileConfig:
             at most :data:`~tlt_lightning.models.lean.MAX_LEAN_QUERIES`. By default every count up to 16
             is its own bucket (graphs compile on first use, so only the arms in use cost one): a padded
             query costs what a real one does, and on a CPU a verify is compute-bound from a few rows on
-            (SmolLM2 bf16, 7 rows over 600 keys: 3 queries 55 ms, padded to 4 67 ms).
+            (SmolLM2 bf16, 7 rows over 600 keys, one core: 3 queries 54.9 ms, padded to 4 65.2 ms).
         kv_step: key slots attention reads in static graphs, rounded up to a multiple of this (the rest
             masked).
         mode: ``torch.compile`` mode (:data:`COMPILE_MODES`); ``None``: ``"reduce-overhead"`` (CUDA
