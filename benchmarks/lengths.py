@@ -232,11 +232,11 @@ def _bucket_label(edges: list[int], i: int) -> str:
 
 def add_step_buckets(totals: dict[str, list[float]], stats: Any, edges: list[int]) -> None:
     """Add a rollout's decode steps to ``totals`` (per bucket label: seconds, CPU seconds, tokens, steps)."""
+    labels = [_bucket_label(edges, i) for i in range(len(edges))]
     for n, wall, cpu, tokens in zip(
         stats.step_batch_sizes, stats.step_times, stats.step_cpu_times, stats.step_tokens, strict=True
     ):
-        i = bisect.bisect_right(edges, n) - 1
-        entry = totals.setdefault(_bucket_label(edges, i), [0.0, 0.0, 0, 0])
+        entry = totals.setdefault(labels[bisect.bisect_right(edges, n) - 1], [0.0, 0.0, 0, 0])
         for k, value in enumerate((wall, cpu, tokens, 1)):
             entry[k] += value
 

@@ -13,7 +13,6 @@ path, and the prompts (the fit config's task), each repeated ``--group-size`` ti
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import replace
 from pathlib import Path
 from unittest import mock
@@ -21,7 +20,7 @@ from unittest import mock
 import torch
 import yaml
 
-from benchmarks.common import machine_info, write_json
+from benchmarks.common import machine_info, median, write_json
 from benchmarks.lengths import _module
 from tlt_lightning.rollout import RolloutEngine
 from tlt_lightning.rollout import engine as engine_module
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     config.get("model", {}).pop("speculative", None)  # plain rollouts: no drafter to load
     module = _module(config)
     seconds = measure(module, args.prompts, args.group_size, args.rounds)
-    shared, alone = statistics.median(seconds["shared"]), statistics.median(seconds["per_request"])
+    shared, alone = median(seconds["shared"]), median(seconds["per_request"])
     payload = {
         "benchmark": "prefill_sharing",
         "command": "python -m benchmarks.prefill_sharing " + " ".join(argv if argv is not None else []),
