@@ -1,16 +1,17 @@
 """``python -m benchmarks lengths``: does speculation change what a fit's rollouts look like?
 
-Speculative sampling is lossless: each response is drawn from the target's own law, so its length,
-how often it runs into the cap and its reward are distributed as under plain decoding, only the tokens
-differ (another random stream). This benchmark checks that on a fit config's real rollouts: the
-config's policy, rollout settings (dtype mirror, decode path, cap, temperature, speculation threshold) and
-prompts, each prompt sampled ``group_size`` times as GRPO does, once per arm (plain decoding, fixed
-draft arms, BEG-MAB) through the fit's own rollout backend, its graphs compiled first. Group ``g`` draws
-every arm with seed ``seed + g``; the arms' order rotates from group to group (each arm runs in every
-position equally often: reversing it would keep the middle arm in the middle). Until an arm first
-speculates (fewer than ``threshold`` requests active) it draws plain decoding's very tokens, so only the
-responses still running then test the law (``lengths_changed`` counts those that came out another
-length); ``--threshold`` above the group's size speculates from the first token, so that all do.
+Speculative sampling is lossless: each response is drawn from the target's own law, so its length, how
+often it runs into the cap and its reward are distributed as under plain decoding, only the tokens differ
+(another random stream). This benchmark checks that on a fit config's real rollouts: the config's policy,
+rollout settings (dtype mirror, decode path, cap, temperature, speculation threshold) and prompts, each
+prompt sampled ``group_size`` times as GRPO does, once per arm (plain decoding, fixed draft arms,
+BEG-MAB, and ``crossover``: BEG-MAB given this machine's step costs, measured after the compile,
+:mod:`tlt_lightning.rl.crossover`) through the fit's own rollout backend, its graphs compiled first.
+Group ``g`` draws every arm with seed ``seed + g``; the arms' order rotates from group to group (each arm
+runs in every position equally often: reversing it would keep the middle arm in the middle). Until an arm
+first speculates (fewer than ``threshold`` requests active) it draws plain decoding's very tokens, so
+only the responses still running then test the law (``lengths_changed`` counts those that came out
+another length); ``--threshold`` above the group's size speculates from the first token, so that all do.
 
 Per arm it reports the length distribution (mean, p50 / p90, share at the cap), reward and accuracy,
 and against plain decoding a paired sign-flip test per prompt (under the null, each prompt's mean over
@@ -195,7 +196,10 @@ def _strategies(arms: list[str], seed: int) -> dict[str, Any]:
     if arms[:1] != ["off"] or len(set(arms)) != len(arms):
         raise ValueError(f"--arms must start with 'off' (the reference) and repeat none, got {arms}")
     # BEG-MAB keeps learning from group to group, as across a fit's steps.
-    return {a: BEGMABStrategy(seed=seed) if a == "begmab" else FixedStrategy(parse_arm(a)) for a in arms}
+    return {
+        a: BEGMABStrategy(seed=seed) if a in ("begmab", "crossover") else FixedStrategy(parse_arm(a))
+        for a in arms
+    }
 
 
 def _rollout_rows(module: Any, result: Any, indices: list[int], group: int) -> list[dict[str, Any]]:
@@ -215,14 +219,14 @@ def _rollout_rows(module: Any, result: Any, indices: list[int], group: int) -> l
 
 
 def bucket_edges(threshold: int) -> list[int]:
-    """Lower edges of the batch-size buckets a rollout's steps are counted in: BEG-MAB's buckets below
-    ``threshold`` (``1``, ``2-4``, ``5+``), cut at it, and ``threshold`` on (plain decoding in every arm).
+    """Lower edges of the batch-size buckets a rollout's steps are counted in: ``1``, ``2-4``, ``5-7``,
+    ``8-15``, ``16+`` below ``threshold``, cut at it, and ``threshold`` on (plain decoding in every arm).
 
     Example:
-        >>> bucket_edges(8), bucket_edges(3)
-        ([1, 2, 5, 8], [1, 2, 3])
+        >>> bucket_edges(8), bucket_edges(3), bucket_edges(32)
+        ([1, 2, 5, 8], [1, 2, 3], [1, 2, 5, 8, 16, 32])
     """
-    return sorted({e for e in (1, 2, 5) if e < threshold} | {threshold})
+    return sorted({e for e in (1, 2, 5, 8, 16) if e < threshold} | {threshold})
 
 
 def _bucket_label(edges: list[int], i: int) -> str:
@@ -262,6 +266,7 @@ def bucket_rates(totals: dict[str, list[float]], plain: dict[str, list[float]] |
 def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[str, list], dict[str, Any]]:
     """Every arm's rollouts of every group: per-response rows and per-arm decode totals, with the seconds
     the graphs took to compile before (the rows so far written to ``args.json`` after each group)."""
+    from tlt_lightning.rl.crossover import calibrate_crossover
     from tlt_lightning.rl.rollout_models import draft_arms, rollout_backend, warm_up_rollouts
 
     strategies = _strategies(list(args.arms), args.seed)
@@ -270,6 +275,10 @@ def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[s
     arms = dict.fromkeys(a for strategy in strategies.values() for a in draft_arms(strategy))
     sample = [module.prompt_source.prompt_ids(i) for i in range(min(2, len(module.prompt_source)))]
     compile_seconds = warm_up_rollouts(module.rollout_target, config, sample, drafter, list(arms))
+    step_costs = None
+    if "crossover" in strategies:  # as the fit does: measured (or read back) right after the compile
+        module.draft_strategy = strategies["crossover"]
+        step_costs = calibrate_crossover(module, draft_arms(module.draft_strategy), threshold)
     rows: dict[str, list[dict[str, Any]]] = {arm: [] for arm in strategies}
     decode = {
         arm: {"seconds": [], "tokens": 0, "accept": [], "buckets": {}, "other": 0.0} for arm in strategies
@@ -299,7 +308,8 @@ def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[s
         # A crash keeps the groups done: the final write replaces this one.
         write_json(args.json, {"benchmark": "lengths", "complete": False, "groups_done": g + 1, "rows": rows})
     plain = decode["off"]["seconds"]
-    return rows, {"compile_seconds": compile_seconds} | {
+    costs = None if step_costs is None else step_costs.to_dict() | {"machine": None}
+    return rows, {"compile_seconds": compile_seconds, "step_costs": costs} | {
         arm: {
             "seconds": sum(d["seconds"]),
             "tokens": d["tokens"],
@@ -368,6 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rollout_dtype": str(module.rollout_dtype),
         "rollout_decode": module.rollout_decode,
         "compile_seconds": compile_seconds,  # before the timed groups
+        "step_costs": decode["step_costs"],  # the crossover arm's (seconds per step by rows and arm)
         "max_new_tokens": cap,
         "temperature": module.rollout_settings.temperature,
         "threshold": threshold,

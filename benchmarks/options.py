@@ -292,8 +292,9 @@ def bench_lengths(p: ArgumentParser) -> None:
         "--arms",
         nargs="+",
         default=["off", "chain2", "chain4", "begmab"],
-        help="'off' (plain decoding, the reference) first, then draft arms (chain2, tree4x2/8, ...) or "
-        "begmab (BEG-MAB choosing, as in the fit)",
+        help="'off' (plain decoding, the reference) first, then draft arms (chain2, tree4x2/8, ...), "
+        "begmab (BEG-MAB choosing, trying every arm) or crossover (BEG-MAB with this machine's step "
+        "costs, as in the fit with compiled rollouts)",
     )
     p.add_argument("--groups", type=int, default=12, help="prompt groups; group g samples with seed + g")
     p.add_argument("--prompts", type=int, default=32, help="prompts per group (the config's, in order)")

@@ -267,6 +267,7 @@ PUBLIC_API = {
         "FixedStrategy",
         "SimulatedSDEnvironment",
         "StepCostModel",
+        "StepCosts",
         "UCBStrategy",
     },
     "tracking": {

@@ -11,6 +11,7 @@ import yaml
 from benchmarks.__main__ import parse
 from benchmarks.lengths import ks_distance, ks_pvalue, run, sign_flip_pvalue, summarise
 from tests.benchmarks.test_e2e_config import tiny_config
+from tlt_lightning.rl.crossover import calibration_sizes
 
 
 def test_the_sign_flip_test_tells_a_shift_from_noise():
@@ -138,3 +139,19 @@ def test_steps_are_counted_in_batch_buckets_and_rated_against_plain():
     assert rates["5-7"]["vs_off"] == pytest.approx(2.0) and rates["1"]["cpu_vs_off"] == pytest.approx(2.0)
     assert rates["8+"]["vs_off"] == pytest.approx(1.0) and rates["2-4"]["tokens_per_s"] == pytest.approx(10.0)
     assert "vs_off" not in bucket_rates(plain, None)["1"]
+
+
+def test_the_crossover_arm_is_bandit_with_the_machines_step_costs(tmp_path, monkeypatch):
+    monkeypatch.setenv("TLT_LIGHTNING_CACHE", str(tmp_path / "cache"))
+    config = tiny_config()
+    # The tiny config decodes eagerly (where "auto" measures nothing); a low threshold: few sizes to measure.
+    config["model"].setdefault("speculative", {}).update(crossover="measure", threshold=4)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    argv = ["lengths", "--config", str(path), "--arms", "off", "crossover", "--groups", "1", "--prompts", "2"]
+    payload = run(parse(["--threads", "1", *argv, "--json", str(tmp_path / "lengths.json")]))
+    measured = payload["step_costs"]["seconds"]
+    # A size where the random tiny model ended rows too early to time a step is left out.
+    assert measured and {int(b) for b in measured} <= set(calibration_sizes(4))
+    assert all("off" in row for row in measured.values())
+    assert payload["arms"]["crossover"]["decode"]["tokens"] > 0

@@ -59,6 +59,24 @@ def test_both_callbacks_fit_two_steps(tmp_path):
             assert row["chosen"] == summary["best_arms"][label]["arm"]
 
 
+def test_with_step_costs_the_fit_logs_the_acceptance_and_the_arms_tried(tmp_path, monkeypatch):
+    monkeypatch.setenv("TLT_LIGHTNING_CACHE", str(tmp_path / "cache"))
+    arms = [None, DraftSpec(2), DraftSpec(4)]
+    bandit = BanditCallback(BEGMABStrategy(arms, (1, 2, 5)))
+    module = make_module(max_new_tokens=12, drafter_kind="eagle1", threshold=9, crossover="measure")
+    trainer = make_trainer(2, callbacks=[bandit], default_root_dir=tmp_path)
+    trainer.fit(module)
+    strategy = bandit.strategy
+    assert strategy.step_costs is not None and list((tmp_path / "cache" / "step_costs").glob("*.json"))
+    assert 0 < float(trainer.callback_metrics["bandit/accept_estimate"]) < 1
+    summary = json.loads((bandit.run_dir / "bandit" / "best_arms.json").read_text())["crossover"]
+    assert summary["accept_estimate"] == strategy.accept_estimate
+    for size, tried in summary["arms_tried"].items():
+        assert "off" in tried and tried == [arm_key(a) for a in strategy.candidates(int(size))]
+    # Every decision at a measured batch size was among the arms the costs let it try then.
+    assert all(d.arm in arms for d in strategy.history)
+
+
 def test_bucket_table_sets_plain_against_the_best_speculative_arm():
     table = bucket_table(
         {

@@ -87,9 +87,11 @@ class BanditCallback(L.Callback):
     ``reproducible=True``),
     ``bandit/{b}/best_arm`` (index into the bucket's arms of the arm it currently rates best) and,
     with ``log_arm_counts``, ``bandit/{b}/count/{arm}`` (how often each arm ran in this rollout).
+    With step costs (:mod:`tlt_lightning.rl.crossover`) also ``bandit/accept_estimate``.
     At the end of fit: ``bandit/heatmap.png`` (arm choice per bucket over time) and
     ``bandit/best_arms.json`` (with :func:`bucket_table`: plain against the best speculative arm per
-    bucket) under the run's own directory (:func:`~tlt_lightning.tracking.run_dir`;
+    bucket; :meth:`crossover`: the arms tried at each measured batch size) under the run's own
+    directory (:func:`~tlt_lightning.tracking.run_dir`;
     also as MLflow artifacts with an :class:`~lightning.pytorch.loggers.MLFlowLogger`).
 
     Args:
@@ -197,6 +199,10 @@ class BanditCallback(L.Callback):
             return
         self._last = new[-1].step
         best = self._best_per_bucket()
+        if self.strategy.step_costs is not None:
+            pl_module.log(
+                "bandit/accept_estimate", self.strategy.accept_estimate, on_step=True, on_epoch=False
+            )
         for b, label in enumerate(self.strategy.bucket_labels):
             mine = [d for d in new if d.bucket == label]
             if not mine:
@@ -238,6 +244,7 @@ class BanditCallback(L.Callback):
                     "best_arms": best,
                     "counts": self.strategy.counts,
                     "buckets": bucket_table(self.strategy.values()),
+                    "crossover": self.crossover(),
                 },
                 indent=2,
             )
@@ -246,6 +253,17 @@ class BanditCallback(L.Callback):
         for path in (heatmap, summary):
             if path is not None:  # no heat map without matplotlib (warned once)
                 log_artifact(trainer, path, "bandit")
+
+    def crossover(self) -> dict[str, Any] | None:
+        """With step costs (:meth:`~tlt_lightning.scheduling.BucketedStrategy.use_step_costs`): the acceptance
+        estimate and, at each measured batch size, the arms the strategy may try; ``None`` without."""
+        costs = self.strategy.step_costs
+        if costs is None:
+            return None
+        return {
+            "accept_estimate": self.strategy.accept_estimate,
+            "arms_tried": {str(b): [arm_key(a) for a in self.strategy.candidates(b)] for b in costs.seconds},
+        }
 
     def settings(self) -> dict[str, Any]:
         """What shapes the strategy's decisions, saved in every checkpoint and compared on resume

@@ -33,7 +33,10 @@ from tlt_lightning.drafter.location import DrafterLocation, drafter_location
 from tlt_lightning.rl.grpo import AGGREGATIONS
 from tlt_lightning.validation import check, is_int
 
-__all__ = ["OPTIMIZERS", "OptimConfig", "SpeculativeConfig", "as_config"]
+__all__ = ["CROSSOVER_MODES", "OPTIMIZERS", "OptimConfig", "SpeculativeConfig", "as_config"]
+
+CROSSOVER_MODES = ("auto", "measure", "off")
+"""What :attr:`SpeculativeConfig.crossover` accepts."""
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 """What :attr:`OptimConfig.optimizer` accepts."""
@@ -155,6 +158,11 @@ class SpeculativeConfig:
             names it (:mod:`~tlt_lightning.drafter.location`), kept as a string.
         sd_steps: draft depth of the default strategy (always a chain of this many tokens).
         threshold: speculate only while fewer requests than this are active.
+        crossover: where a bandit strategy may speculate below ``threshold``: ``"auto"`` measures the
+            machine's step costs (plain and each arm, at the batch sizes below ``threshold``) once per
+            machine where rollouts are compiled, and the strategy then never tries an arm predicted to
+            lose at the batch size at hand (:mod:`tlt_lightning.rl.crossover`); ``"measure"`` does so on
+            any decode path, ``"off"`` never (every arm is tried).
     """
 
     enabled: bool = True
@@ -162,6 +170,7 @@ class SpeculativeConfig:
     drafter_path: DrafterLocation | None = None
     sd_steps: int = 4
     threshold: int = 32
+    crossover: str = "auto"
 
     def __post_init__(self) -> None:
         check(
@@ -173,6 +182,9 @@ class SpeculativeConfig:
         for name in ("sd_steps", "threshold"):
             value = getattr(self, name)
             check(is_int(value) and value >= 1, f"speculative.{name}", value, "an int >= 1")
+        check(
+            self.crossover in CROSSOVER_MODES, "speculative.crossover", self.crossover, str(CROSSOVER_MODES)
+        )
         path = self.drafter_path
         check(
             path is None or isinstance(path, (str, os.PathLike)),

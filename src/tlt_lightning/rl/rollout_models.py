@@ -30,6 +30,7 @@ from tlt_lightning.drafter import Drafter, DrafterConfig, load_drafter
 from tlt_lightning.drafter.location import check_drafter_location
 from tlt_lightning.models import HFTarget, TargetModel, set_weight_layout
 from tlt_lightning.rl.config import SpeculativeConfig
+from tlt_lightning.rl.crossover import calibrate_crossover
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine, RolloutResult
 from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
 from tlt_lightning.scheduling import BucketedStrategy
@@ -217,10 +218,12 @@ def warm_up_rollouts(
 
 def compile_rollouts(module: GRPOModule) -> float:
     """Compile ``module``'s rollout graphs once, right before its first rollout, when the drafter, feature
-    layers and strategy arms are known (:func:`warm_up_rollouts` on two of its prompts).
+    layers and strategy arms are known (:func:`warm_up_rollouts` on two of its prompts), then give its
+    strategy this machine's step costs (:func:`~tlt_lightning.rl.crossover.calibrate_crossover`).
 
-    Returns the seconds it took: 0 after the first call, or without compiled decoding. They are logged
-    as ``time/compile_s``, printed, kept in ``module.compile_seconds`` and out of the rollout's time.
+    Returns the seconds both took, kept out of the rollout's time: 0 after the first call, or with nothing
+    to do. The compile's are logged as ``time/compile_s``, printed and kept in ``module.compile_seconds``;
+    the step costs' as ``time/crossover_s`` where they ran.
     """
     if module.compile_seconds is not None or module.vllm_rollouts is not None:
         return 0.0
@@ -233,4 +236,9 @@ def compile_rollouts(module: GRPOModule) -> float:
     if seconds is not None:
         rank_zero_info(f"Compiled the rollout graphs in {seconds:.1f} s, before the first rollout")
         module.log("time/compile_s", seconds)
-    return seconds or 0.0
+    start = time.perf_counter()
+    if calibrate_crossover(module, arms) is None:
+        return module.compile_seconds
+    crossover_seconds = time.perf_counter() - start
+    module.log("time/crossover_s", crossover_seconds)
+    return module.compile_seconds + crossover_seconds

@@ -74,7 +74,11 @@ class SpeculativeRolloutLoop:
         progress: bool = False,
     ) -> RolloutResult:
         """Sample one response per prompt; same distribution as plain decoding, fewer target passes."""
-        step = SpeculativeStep(
+        return self.engine.generate(prompts, generator=generator, step=self.decode_step(), progress=progress)
+
+    def decode_step(self) -> SpeculativeStep:
+        """A fresh decode step of this loop's settings (what :meth:`generate` runs; one per rollout)."""
+        return SpeculativeStep(
             self.engine.target,
             self.drafter,
             self.config,
@@ -83,4 +87,3 @@ class SpeculativeRolloutLoop:
             self.max_depth,
             self.drafter_context,
         )
-        return self.engine.generate(prompts, generator=generator, step=step, progress=progress)

@@ -3,6 +3,7 @@
 from tlt_lightning.scheduling.bandit import BEGMABStrategy
 from tlt_lightning.scheduling.baselines import FixedStrategy, UCBStrategy
 from tlt_lightning.scheduling.bucketed import BucketedStrategy
+from tlt_lightning.scheduling.crossover import StepCosts
 from tlt_lightning.scheduling.simulate import SimulatedSDEnvironment
 from tlt_lightning.scheduling.step_cost import StepCostModel
 
@@ -11,6 +12,7 @@ __all__ = [
     "BucketedStrategy",
     "FixedStrategy",
     "SimulatedSDEnvironment",
+    "StepCosts",
     "StepCostModel",
     "UCBStrategy",
 ]

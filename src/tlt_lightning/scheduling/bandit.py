@@ -136,10 +136,10 @@ class BEGMABStrategy(BucketedStrategy):
         n = sum(self._counts[bucket])
         return self.epsilon_floor + (self.epsilon - self.epsilon_floor) * 0.5 ** (n / self.epsilon_half_life)
 
-    def _choose(self, b: int) -> tuple[int, str]:
+    def _choose(self, b: int, candidates: Sequence[int]) -> tuple[int, str]:
         if self._rng.random() < self.epsilon_of(b):
-            return self._rng.randrange(len(self.arms[b])), "explore"
-        return max(range(len(self.arms[b])), key=lambda i: self._rate(b, i)), "exploit"
+            return candidates[self._rng.randrange(len(candidates))], "explore"
+        return max(candidates, key=lambda i: self._rate(b, i)), "exploit"
 
     def _rate(self, b: int, i: int) -> float:
         if (b, i) not in self._rated:

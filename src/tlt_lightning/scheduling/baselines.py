@@ -30,7 +30,7 @@ class FixedStrategy(BucketedStrategy):
         self.arm = arm
         self._sums = [0.0]
 
-    def _choose(self, b: int) -> tuple[int, str]:
+    def _choose(self, b: int, candidates: Sequence[int]) -> tuple[int, str]:
         return 0, "exploit"
 
     def _observe(self, b: int, i: int, reward: float) -> None:
@@ -99,9 +99,9 @@ class UCBStrategy(BucketedStrategy):
             sums[i] += r
         return n, sums
 
-    def _choose(self, b: int) -> tuple[int, str]:
+    def _choose(self, b: int, candidates: Sequence[int]) -> tuple[int, str]:
         n, sums = self._window_stats(b)
-        empty = next((i for i, k in enumerate(n) if k == 0), None)
+        empty = next((i for i in candidates if n[i] == 0), None)
         if empty is not None:
             return empty, "explore"
         top = max(r for _, r in self._plays[b]) or 1.0
@@ -110,7 +110,7 @@ class UCBStrategy(BucketedStrategy):
         def score(i: int) -> float:
             return sums[i] / n[i] / top + self.c * math.sqrt(log_n / n[i])
 
-        return max(range(len(n)), key=score), "exploit"
+        return max(candidates, key=score), "exploit"
 
     def _observe(self, b: int, i: int, reward: float) -> None:
         self._plays[b].append((i, reward))

@@ -25,6 +25,7 @@ from tlt_lightning.scheduling.checks import (
     check_thresholds,
     finite,
 )
+from tlt_lightning.scheduling.crossover import StepCosts, estimate_accept, paying_arms
 from tlt_lightning.scheduling.heatmap import save_heatmaps
 from tlt_lightning.scheduling.step_cost import StepCostModel
 from tlt_lightning.speculative import Arm, DraftSpec, arm_key
@@ -32,6 +33,10 @@ from tlt_lightning.speculative import Arm, DraftSpec, arm_key
 __all__ = ["DEFAULT_BUCKET_THRESHOLDS", "BucketedStrategy", "Decision", "default_arms"]
 
 DEFAULT_BUCKET_THRESHOLDS: tuple[int, ...] = (1, 2, 5, 21)
+ACCEPT_WINDOW = 512
+"""Speculative steps the acceptance estimate of :meth:`BucketedStrategy.use_step_costs` looks back on."""
+ACCEPT_MIN_REQUESTS = 32
+"""Request-steps observed before that estimate replaces the prior."""
 
 
 def default_arms() -> tuple[Arm, ...]:
@@ -110,6 +115,7 @@ class BucketedStrategy:
         self._pending: dict[int, tuple[int, str]] = {}  # bucket -> (arm index, mode) of the last select
         self.per_request = bool(per_request)
         self.cost_model = check_cost_model(cost_model)
+        self.use_step_costs(None)
 
     @property
     def reproducible(self) -> bool:
@@ -129,6 +135,53 @@ class BucketedStrategy:
                 "of the other kind): set it when the strategy is built"
             )
         self.cost_model = cost_model
+
+    def use_step_costs(self, costs: StepCosts | None, accept: float = 0.6, margin: float = 1.0) -> None:
+        """Try only arms predicted to pay at the batch size at hand (see :mod:`.crossover`).
+
+        From then on :meth:`select` leaves out every arm whose tokens/s, predicted from ``costs`` (measured
+        on this machine) and the acceptance per draft token, are below ``margin`` times plain decoding's
+        at that batch size; plain decoding and arms ``costs`` lack stay in. The acceptance starts at
+        ``accept`` and follows the speculative steps ``update`` sees (their last :data:`ACCEPT_WINDOW`,
+        once they hold :data:`ACCEPT_MIN_REQUESTS` request-steps). ``None`` tries every arm again.
+        Statistics are untouched: a bucket's pruned arms keep what they learned.
+
+        Args:
+            costs: step costs measured on this machine, or ``None``.
+            accept: the prior acceptance per draft token, in ``(0, 1)``.
+            margin: the predicted speed-up over plain decoding an arm needs (``> 0``).
+        """
+        if costs is not None and not isinstance(costs, StepCosts):
+            raise TypeError(f"costs must be StepCosts or None, got {type(costs).__name__}")
+        if not 0.0 < finite("accept", accept) < 1.0:
+            raise ValueError(f"accept must be a probability in (0, 1), got {accept!r}")
+        if not finite("margin", margin) > 0:
+            raise ValueError(f"margin must be > 0, got {margin!r}")
+        self.step_costs, self.accept_prior, self.margin = costs, float(accept), float(margin)
+        self._spec_steps: deque[tuple[Arm, float, int]] = deque(maxlen=ACCEPT_WINDOW)
+        self._candidates_cache: dict[tuple[int, float], tuple[int, ...]] = {}
+
+    @property
+    def accept_estimate(self) -> float:
+        """The acceptance per draft token the step costs are weighed with (see :meth:`use_step_costs`)."""
+        if sum(n for _, _, n in self._spec_steps) < ACCEPT_MIN_REQUESTS:
+            return self.accept_prior
+        return estimate_accept(self._spec_steps)
+
+    def candidates(self, batch_size: int) -> tuple[Arm, ...]:
+        """The arms :meth:`select` picks from at ``batch_size`` (all its bucket's without step costs)."""
+        b = self.bucket_of(batch_size)
+        return tuple(self.arms[b][i] for i in self._candidates(b, batch_size))
+
+    def _candidates(self, b: int, batch_size: int) -> tuple[int, ...]:
+        every = tuple(range(len(self.arms[b])))
+        if self.step_costs is None:
+            return every
+        key = (batch_size, round(self.accept_estimate, 2))
+        if key not in self._candidates_cache:
+            kept = paying_arms(self.step_costs, self.arms[b], batch_size, key[1], self.margin)
+            self._candidates_cache[key] = tuple(i for i in every if self.arms[b][i] in kept) or every
+        return self._candidates_cache[key]
 
     def _check_update(self, batch_size: int, arm: Arm, accepted_tokens: float, step_time: float):
         b = self.bucket_of(batch_size)
@@ -156,8 +209,9 @@ class BucketedStrategy:
     def select(self, batch_size: int) -> Arm:
         """The arm for a decode step of ``batch_size`` active requests; untried arms go first."""
         b = self.bucket_of(batch_size)
-        untried = next((i for i, n in enumerate(self._counts[b]) if n == 0), None)
-        i, mode = (untried, "untried") if untried is not None else self._choose(b)
+        candidates = self._candidates(b, batch_size)
+        untried = next((i for i in candidates if self._counts[b][i] == 0), None)
+        i, mode = (untried, "untried") if untried is not None else self._choose(b, candidates)
         self._pending[b] = (i, mode)
         return self.arms[b][i]
 
@@ -175,6 +229,8 @@ class BucketedStrategy:
         pending = self._pending.pop(b, None)
         mode = pending[1] if pending is not None and pending[0] == i else "unpaired"
         self._counts[b][i] += 1
+        if arm is not None and self.step_costs is not None:
+            self._spec_steps.append((arm, float(accepted_tokens), batch_size))
         self._observe(b, i, reward / batch_size if self.per_request else reward)
         self._history.append(Decision(self._num_updates, self.bucket_labels[b], arm, reward, mode))
         self._num_updates += 1
@@ -218,7 +274,8 @@ class BucketedStrategy:
         return out
 
     # ----------------------------------------------------------------------------- subclass hooks
-    def _choose(self, b: int) -> tuple[int, str]:
+    def _choose(self, b: int, candidates: Sequence[int]) -> tuple[int, str]:
+        """The index of the arm to run in bucket ``b``, among ``candidates`` (indices), and why."""
         raise NotImplementedError
 
     def _observe(self, b: int, i: int, reward: float) -> None:
