@@ -37,6 +37,8 @@ ACCEPT_WINDOW = 512
 """Speculative steps the acceptance estimate of :meth:`BucketedStrategy.use_step_costs` looks back on."""
 ACCEPT_MIN_REQUESTS = 32
 """Request-steps observed before that estimate replaces the prior."""
+ACCEPT_REFRESH = 16
+"""Speculative steps between two refreshes of that estimate (a refresh is a bisection over the arms)."""
 
 
 def default_arms() -> tuple[Arm, ...]:
@@ -159,14 +161,28 @@ class BucketedStrategy:
             raise ValueError(f"margin must be > 0, got {margin!r}")
         self.step_costs, self.accept_prior, self.margin = costs, float(accept), float(margin)
         self._spec_steps: deque[tuple[Arm, float, int]] = deque(maxlen=ACCEPT_WINDOW)
+        self._spec_sums: dict[Arm, list[float]] = {}  # arm -> [tokens, request-steps] in the window
+        self._spec_seen = 0
+        self.accept_estimate = self.accept_prior
+        """The acceptance per draft token the step costs are weighed with (see :meth:`use_step_costs`)."""
         self._candidates_cache: dict[tuple[int, float], tuple[int, ...]] = {}
 
-    @property
-    def accept_estimate(self) -> float:
-        """The acceptance per draft token the step costs are weighed with (see :meth:`use_step_costs`)."""
-        if sum(n for _, _, n in self._spec_steps) < ACCEPT_MIN_REQUESTS:
-            return self.accept_prior
-        return estimate_accept(self._spec_steps)
+    def _observe_acceptance(self, arm: Arm, tokens: float, batch_size: int) -> None:
+        """Add a speculative step to the window of :attr:`accept_estimate`; refresh it now and then."""
+        if len(self._spec_steps) == self._spec_steps.maxlen:
+            old, t, n = self._spec_steps[0]
+            self._spec_sums[old][0] -= t * n
+            self._spec_sums[old][1] -= n
+        self._spec_steps.append((arm, tokens, batch_size))
+        sums = self._spec_sums.setdefault(arm, [0.0, 0.0])
+        sums[0] += tokens * batch_size
+        sums[1] += batch_size
+        self._spec_seen += 1
+        requests = sum(n for _, n in self._spec_sums.values())
+        if requests >= ACCEPT_MIN_REQUESTS and self._spec_seen % ACCEPT_REFRESH == 0:
+            self.accept_estimate = estimate_accept(
+                (a, t / n, n) for a, (t, n) in self._spec_sums.items() if n
+            )
 
     def candidates(self, batch_size: int) -> tuple[Arm, ...]:
         """The arms :meth:`select` picks from at ``batch_size`` (all its bucket's without step costs)."""
@@ -230,7 +246,7 @@ class BucketedStrategy:
         mode = pending[1] if pending is not None and pending[0] == i else "unpaired"
         self._counts[b][i] += 1
         if arm is not None and self.step_costs is not None:
-            self._spec_steps.append((arm, float(accepted_tokens), batch_size))
+            self._observe_acceptance(arm, float(accepted_tokens), batch_size)
         self._observe(b, i, reward / batch_size if self.per_request else reward)
         self._history.append(Decision(self._num_updates, self.bucket_labels[b], arm, reward, mode))
         self._num_updates += 1
