@@ -326,8 +326,9 @@ def measure(module: Any, drafter: Any, args: argparse.Namespace) -> tuple[dict[s
 
 
 def plot(payload: dict[str, Any], rows: dict[str, list[dict[str, Any]]], path: Path) -> Path:
-    """Empirical CDFs of the response lengths of every arm (log scale), the cap marked."""
-    fig, ax = new_figure(figsize=(7, 4.2))
+    """Left: empirical CDFs of every arm's response lengths (log scale), the cap marked. Right: each
+    arm's decode tokens/s (CPU) over plain decoding's, per batch-size bucket (where speculation pays)."""
+    fig, (ax, bars) = new_figure(1, 2, figsize=(12, 4.2), width_ratios=(1.3, 1))
     for arm, r in rows.items():
         lengths = sorted(x["length"] for x in r)
         cdf = [(i + 1) / len(lengths) for i in range(len(lengths))]
@@ -342,6 +343,18 @@ def plot(payload: dict[str, Any], rows: dict[str, list[dict[str, Any]]], path: P
         title=f"{payload['responses_per_arm']} responses per arm, same prompts, T={payload['temperature']:g}",
     )
     ax.legend(fontsize=8, loc="lower right")
+    others = [arm for arm in rows if arm != "off"]
+    buckets = payload["arms"]["off"]["decode"]["buckets"]  # plain decoding runs in every bucket
+    labels = sorted(buckets, key=lambda label: int(label.split("-")[0].rstrip("+")))
+    width = 0.8 / max(1, len(others))
+    for k, arm in enumerate(others):
+        buckets = payload["arms"][arm]["decode"]["buckets"]
+        ratios = [buckets.get(label, {}).get("cpu_vs_off", math.nan) for label in labels]
+        bars.bar([i + k * width for i in range(len(labels))], ratios, width, label=arm, color=f"C{k + 1}")
+    bars.axhline(1.0, color="C0", lw=1, label="plain")
+    bars.set_xticks([i + width * (len(others) - 1) / 2 for i in range(len(labels))], labels)
+    bars.set(xlabel="active requests", ylabel="decode tokens/s (CPU) / plain", title="by batch bucket")
+    bars.legend(fontsize=8, loc="lower right")
     return save_figure(fig, path)
 
 
