@@ -65,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also time the compiled path without row_gemv (one-row graphs multiply with oneDNN)",
     )
+    p.add_argument(
+        "--compile-no-few-rows",
+        action="store_true",
+        help="also time the compiled path without few_rows_linear (one-row verifies multiply with oneDNN)",
+    )
     p.add_argument("--no-lean", action="store_true", help="leave out the eager lean path")
     p.add_argument(
         "--engine",
@@ -96,6 +101,10 @@ def main() -> None:
             packed_weights=not args.compile_unpacked,
         )
         targets["compiled"] = HFTarget(model, decode="compiled", compile_config=config)
+        if args.compile_no_few_rows:
+            targets["compiled-no-few-rows"] = HFTarget(
+                model, decode="compiled", compile_config=dataclasses.replace(config, few_rows_linear=False)
+            )
         if args.compile_onednn:
             targets["compiled-onednn"] = HFTarget(
                 model, decode="compiled", compile_config=dataclasses.replace(config, row_gemv=False)

@@ -49,28 +49,6 @@ def test_equals_grouped_attention_in_fp32(n, heads, kv_heads, q, kv, dim, dtype)
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-CPUINFO = Path("/proc/cpuinfo")
-AVX512_BF16 = CPUINFO.exists() and "avx512_bf16" in CPUINFO.read_text()
-
-
-@pytest.fixture(scope="module")
-def without_bf16_dots():
-    """The AVX-512 code a CPU without BF16 dot products runs (Skylake-X, Ice Lake), built into a namespace of
-    its own; where the CPU has none, the default build is that code already."""
-    if not AVX512_BF16:
-        yield torch.ops.tlt_lightning.decode_attention
-        return
-    library = torch.library.Library("tlt_lightning_test_nobf16", "DEF")
-    library.define(
-        "decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor"
-    )
-    module.build(
-        "tlt_decode_attention_test", ("-mno-avx512bf16", "-DTLT_NAMESPACE=tlt_lightning_test_nobf16")
-    )
-    yield torch.ops.tlt_lightning_test_nobf16.decode_attention
-    del library
-
-
 @pytest.mark.parametrize(("q", "dim"), [(1, 64), (4, 64), (3, 128)])
 def test_avx512_code_without_bf16_dots_equals_grouped_attention(without_bf16_dots, q, dim):
     query, key, value, mask = case(3, 6, 2, q, 45, dim, torch.bfloat16)

@@ -33,7 +33,9 @@ import torch
 
 __all__ = ["HEAD_DIMS", "available", "build", "decode_attention"]
 
-_SOURCE = Path(__file__).with_name("decode_attention.cpp")
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.cpp", "few_rows_linear.cpp"))
+"""Built into one extension: the decode attention and :mod:`~tlt_lightning.kernels.linear`'s product."""
+_HEADER = Path(__file__).with_name("simd.h")  # what both include (part of the build's tag)
 HEAD_DIMS = (64, 128)
 """Head dims :func:`decode_attention` has vectorised bf16 code for (others run a plain loop, also correct)."""
 
@@ -99,19 +101,20 @@ def _clear_stale_lock(directory: Path) -> None:
 
 
 def build(name: str = "tlt_decode_attention", flags: tuple[str, ...] = ()) -> None:
-    """Compile (once per source, CPU and ``flags``: later calls load the cached build) and load the kernel.
+    """Compile (once per source, CPU and ``flags``: later calls load the cached build) and load the kernels.
 
     ``flags`` are extra compiler flags (tests build the AVX-512 code without BF16 dot products into another
     op namespace: ``("-mno-avx512bf16", "-DTLT_NAMESPACE=...")``). Raises where it cannot build."""
     from torch.utils import cpp_extension
 
-    tag = hashlib.sha1(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
+    sources = b"".join(source.read_bytes() for source in (*_SOURCES, _HEADER))
+    tag = hashlib.sha1(sources + " ".join(flags).encode()).hexdigest()[:10]
     name = f"{name}_{tag}_{_cpu_tag()}"
     directory = _build_directory(name)
     _clear_stale_lock(directory)
     cpp_extension.load(
         name=name,
-        sources=[str(_SOURCE)],
+        sources=[str(source) for source in _SOURCES],
         extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),

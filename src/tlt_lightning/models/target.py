@@ -275,6 +275,11 @@ class HFTarget(nn.Module):
         return "compiled"
 
     @property
+    def compile_config(self) -> CompileConfig | None:
+        """The compiled graphs' settings (``None`` unless ``decode="compiled"``)."""
+        return None if self._compiled is None else self._compiled.config
+
+    @property
     def compile_times(self) -> dict[Bucket, float]:
         """Seconds each compiled bucket's first call took (empty unless ``decode="compiled"``)."""
         return {} if self._compiled is None else dict(self._compiled.compile_times)

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ["calibrate_crossover", "calibration_sizes", "measure_step_costs", "step_costs_path"]
 
+STEP_COSTS_VERSION = 2
+"""Part of a stored table's key: raised when the engine's speed changes (2: few_rows_linear verifies)."""
 WARM_STEPS = 2  # steps of each rollout left out of the median (caches and allocator settle)
 MAX_ROLLOUTS = 4  # rollouts a measurement may take when rows end early
 
@@ -168,8 +170,11 @@ def _costs_key(
     machine = {k: v for k, v in machine_info().items() if k != "python"}
     hp = module.hparams
     drafter_config = getattr(module.drafter, "config", None)
+    compile_config = getattr(module.rollout_target, "compile_config", None)
     key = {
+        "version": STEP_COSTS_VERSION,
         "machine": machine,
+        "compile_config": None if compile_config is None else repr(compile_config),
         "model": str(hp.model),
         "rollout_dtype": module.rollout_dtype,
         "decode": module.rollout_decode,

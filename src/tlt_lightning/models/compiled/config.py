@@ -64,6 +64,9 @@ class CompileConfig:
             :func:`tlt_lightning.kernels.decode_attention` (built on first use; where it does not build,
             as ``matmul_attention`` says), which reads each key/value head of the cache once for all
             the query heads and tokens it serves.
+        few_rows_linear: on a CPU in bf16, graphs of one row and several tokens (a verify at batch 1)
+            multiply by the C++ :func:`tlt_lightning.kernels.few_rows_linear` (where it builds), which
+            streams each weight once for all the tokens, instead of oneDNN.
         dynamic: rows and key slots as dynamic dimensions of the graphs: one graph per query bucket
             (and one for a single row), no padded rows, attention reads exactly the cached keys.
             ``None``: on unless the graphs are CUDA graphs (they need static shapes).
@@ -91,6 +94,7 @@ class CompileConfig:
     all_slots_ratio: float = 2.0
     merged_projections: bool = True
     cpp_attention: bool = True
+    few_rows_linear: bool = True
     dynamic: bool | None = None
     skip_guards: bool = True
 

@@ -65,6 +65,12 @@ class CompiledDecode(BucketedGraphs):
             and head_dim in kernels.HEAD_DIMS
             and kernels.available()
         )
+        self._few_rows = (
+            self.config.few_rows_linear
+            and model.device.type == "cpu"
+            and model.dtype == torch.bfloat16
+            and kernels.available()
+        )
         linears = {n: m for n, m in model.get_decoder().named_modules() if isinstance(m, nn.Linear)}
         self._groups = [
             ("+".join(group), [linears[name] for name in group])  # keyed as static_forward reads them
@@ -103,10 +109,11 @@ class CompiledDecode(BucketedGraphs):
         if many_rows and cache.keys.shape[3] <= self.config.all_slots_ratio * bucket.kv_len:
             bucket = bucket._replace(all_slots=True)
         gemv = self._gemv and p.input_ids.numel() == 1  # the graph multiplies by row_gemv: no packed weights
+        few = self._few_rows and p.input_ids.shape[0] == 1 and p.input_ids.numel() <= kernels.FEW_ROWS
         hidden, features = self.launch(
             bucket,
             self.model,
-            None if gemv else self._packed(),
+            None if gemv or few else self._packed(),  # few_rows_linear multiplies by the plain weights
             p.input_ids,
             p.positions,
             p.slots,
@@ -117,5 +124,6 @@ class CompiledDecode(BucketedGraphs):
             self._matmul_attention,
             bucket.all_slots,
             self._cpp_attention,
+            self._few_rows,
         )
         return self.unpad(hidden, p), self.unpad(features, p)

@@ -86,6 +86,7 @@ def static_forward(
     matmul_attention: bool,
     all_slots: bool = False,
     cpp_attention: bool = False,
+    few_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The traced function: :func:`lean_decoder` over a :class:`StaticKV`, linears multiplying by
     ``packed`` (keyed by name, projections of one input by their merged copy, keyed
@@ -93,8 +94,10 @@ def static_forward(
     by :func:`row_gemv`); with ``matmul_attention`` and several rows, attending by
     :func:`grouped_matmul_attention`, over every cache slot if ``all_slots`` (the slots past ``mask``
     masked out; they hold zeros or earlier keys, finite either way); with ``cpp_attention``,
-    attending by :func:`~tlt_lightning.kernels.decode_attention` instead."""
+    attending by :func:`~tlt_lightning.kernels.decode_attention` instead; with ``few_rows`` and one row of
+    several tokens, multiplying by :func:`~tlt_lightning.kernels.few_rows_linear`."""
     gemv = one_row_gemv and input_ids.numel() == 1
+    few = few_rows and input_ids.shape[0] == 1 and 1 < input_ids.numel() <= kernels.FEW_ROWS
     attention = grouped_matmul_attention if matmul_attention and input_ids.shape[0] > 1 else None
     attention = kernels.decode_attention if cpp_attention else attention
     if all_slots:
@@ -103,6 +106,8 @@ def static_forward(
     def linear(x: torch.Tensor, module: nn.Module, name: str) -> torch.Tensor:
         if gemv:
             return row_gemv(x, module.weight, module.bias)
+        if few:
+            return kernels.few_rows_linear(x, module.weight, module.bias)
         if packed is None:
             return F.linear(x, module.weight, module.bias)
         return packed_linear(x, packed[name], module.bias, module.out_features)
@@ -111,7 +116,7 @@ def static_forward(
         x: torch.Tensor, modules: tuple[nn.Module, ...], names: tuple[str, ...]
     ) -> list[torch.Tensor]:
         key = "+".join(names)
-        if gemv or packed is None or key not in packed:
+        if gemv or few or packed is None or key not in packed:
             return [linear(x, module, name) for module, name in zip(modules, names)]
         bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
         sizes = [m.out_features for m in modules]
