@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
@@ -24,7 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from tlt_lightning.models.registry import cache_dir
-from tlt_lightning.reports import machine_info
+from tlt_lightning.reports import machine_info, median
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.drafting import DraftModel
 from tlt_lightning.rollout.engine import ActiveBatch, DecodeStep, Emission, PlainStep
@@ -98,7 +97,7 @@ def _median_step(
             pass
         if len(times) >= steps:
             break
-    return statistics.median(times) if len(times) >= 3 else None
+    return median(times) if len(times) >= 3 else None
 
 
 def measure_step_costs(
@@ -209,7 +208,8 @@ def calibrate_crossover(
     prompt = module.prompt_source.prompt_ids(0)
     context = len(prompt) + config.max_new_tokens // 2
     sizes = calibration_sizes(threshold or module.speculative_config.threshold)
-    path = step_costs_path(_costs_key(module, sizes, arms, context))
+    key = _costs_key(module, sizes, arms, context)
+    path = step_costs_path(key)
     if path.exists():
         costs = StepCosts.load(path)
         rank_zero_info(f"Step costs of this machine read from {path}")
@@ -226,7 +226,7 @@ def calibrate_crossover(
             context=context,
             progress=rank_zero_info,
         )
-        costs = replace(costs, machine=_costs_key(module, sizes, arms, context))
+        costs = replace(costs, machine=key)
         costs.save(path)
         rank_zero_info(f"Step costs measured in {time.perf_counter() - start:.0f} s, stored in {path}")
     strategy.use_step_costs(costs, strategy.accept_prior, strategy.margin)
