@@ -106,6 +106,9 @@ def test_grpo_profile_batch_is_the_largest_micro_batch():
     assert data.input_ids[0, :4].tolist() == [10, 11, 12, 13]
     loss = grpo_policy_loss(module, data)
     assert loss.shape == () and loss.requires_grad
+    budgeted = make_module(micro_batch_tokens=2 * 9 + 8, max_new_tokens=5)  # 2 rows of 4 + 5 tokens fit
+    budgeted.configure_model()
+    assert grpo_profile_batch(budgeted, torch.tensor([1, 2])).input_ids.shape == (2, 9)
 
 
 def test_dynamic_checkpointing_errors_name_the_argument():

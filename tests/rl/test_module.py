@@ -163,11 +163,15 @@ def test_state_dict_holds_only_the_policy():
 @pytest.mark.parametrize(("aggregation", "kl_coef"), [("token", 0.0), ("sequence", 0.0), ("token", 0.5)])
 def test_micro_batches_give_the_big_batch_gradient(aggregation, kl_coef):
     grads = []
-    for micro in (None, 3, 1):
+    # all rows at once, 3 rows, 1 row, and packed longest first to 30 padded tokens (1-3 rows)
+    for micro in (
+        {"micro_batch_size": None},
+        {"micro_batch_size": 3},
+        {"micro_batch_size": 1},
+        {"micro_batch_tokens": 30},
+    ):
         record = Record()
-        module = make_module(
-            micro_batch_size=micro, aggregation=aggregation, kl_coef=kl_coef, max_grad_norm=None
-        )
+        module = make_module(**micro, aggregation=aggregation, kl_coef=kl_coef, max_grad_norm=None)
         make_trainer(1, callbacks=[record]).fit(module)
         grads.append(record.grads[0])
     assert any(float(g.abs().max()) > 0 for g in grads[0].values())

@@ -8,7 +8,8 @@ the callback's ``profile_batch_fn`` and ``forward_fn`` for it:
 
 * :func:`grpo_profile_batch` builds the largest micro-batch the step can train on, without
   generating anything: the step's longest prompts, each followed by ``max_new_tokens`` completion
-  tokens, ``micro_batch_size`` rows (all ``P * G`` without micro-batching). Rollout lengths change
+  tokens, as many rows as ``micro_batch_size`` and ``micro_batch_tokens`` allow (all ``P * G`` without
+  micro-batching). Rollout lengths change
   from step to step; the worst case is what the memory budget must hold for, so the plan made on it
   holds on every step.
 * :func:`grpo_policy_loss` is the step's training forward on it: the module's own
@@ -48,10 +49,11 @@ def grpo_profile_batch(module: GRPOModule, batch: Any) -> PolicyBatch:
         batch: ``[P]`` prompt indices, the step's batch.
 
     Returns:
-        ``B = min(micro_batch_size, P * G)`` rows: the ``B`` longest of the step's ``P * G`` prompts,
-        each followed by ``max_new_tokens`` completion tokens (token 0: values do not change memory
-        or time), right-padded to ``S = longest prompt + max_new_tokens``; advantages 1 (every row
-        trains, as none is skipped for a zero advantage), rollout log-probabilities 0.
+        ``B = min(micro_batch_size, micro_batch_tokens // S, P * G)`` rows (at least 1): the ``B``
+        longest of the step's ``P * G`` prompts, each followed by ``max_new_tokens`` completion
+        tokens (token 0: values do not change memory or time), right-padded to
+        ``S = longest prompt + max_new_tokens``; advantages 1 (every row trains, as none is skipped
+        for a zero advantage), rollout log-probabilities 0.
     """
     from tlt_lightning.rl.batch import PolicyBatch  # here: importing efficiency must not import rl
 
@@ -60,10 +62,14 @@ def grpo_profile_batch(module: GRPOModule, batch: Any) -> PolicyBatch:
     prompts = [
         torch.as_tensor(module.prompt_source.prompt_ids(int(i)), dtype=torch.long).flatten() for i in indices
     ]
-    prompts = sorted(prompts, key=len, reverse=True)[: optim.micro_batch_size or len(prompts)]
-    B, T = len(prompts), module.rollout_settings.max_new_tokens
-    prompt_lens = torch.tensor([p.numel() for p in prompts])
-    S = int(prompt_lens.max()) + T
+    T = module.rollout_settings.max_new_tokens
+    prompts = sorted(prompts, key=len, reverse=True)
+    S = prompts[0].numel() + T
+    rows = min(
+        optim.micro_batch_size or len(prompts), max(1, (optim.micro_batch_tokens or S * len(prompts)) // S)
+    )
+    prompts = prompts[:rows]
+    B, prompt_lens = len(prompts), torch.tensor([p.numel() for p in prompts])
     input_ids = torch.zeros(B, S, dtype=torch.long)
     for row, p in enumerate(prompts):
         input_ids[row, : p.numel()] = p

@@ -7,6 +7,7 @@ log-probabilities of the completion tokens only, computing logits just where the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -16,7 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tlt_lightning.rl.grpo import token_logprobs
 from tlt_lightning.rollout import RolloutResult
 
-__all__ = ["PolicyBatch", "completion_logprobs", "policy_batch"]
+__all__ = ["PolicyBatch", "completion_logprobs", "head_logprobs", "micro_batches", "policy_batch"]
 
 
 class PolicyBatch(NamedTuple):
@@ -85,16 +86,74 @@ def policy_batch(
     )
 
 
+def micro_batches(
+    seq_lens: torch.Tensor, max_rows: int | None = None, max_tokens: int | None = None
+) -> list[torch.Tensor]:
+    """The rows of each forward/backward of an optimizer step (gradient accumulation).
+
+    Without ``max_tokens``: runs of ``max_rows`` consecutive rows (``None``: all in one). With it
+    (verl's dynamic batch size): the rows longest first, each micro-batch filled while its rows
+    times its longest stay within ``max_tokens`` padded tokens (and within ``max_rows`` rows); a
+    row longer than the budget goes alone. Rows of like length train together, so little of a
+    forward is padding, and one forward's activations are bounded whatever the lengths.
+
+    Args:
+        seq_lens: ``[N]`` int64 sequence lengths (prompt + completion).
+        max_rows: at most this many rows per micro-batch; ``None``: no bound.
+        max_tokens: at most this many padded tokens (rows x longest) per micro-batch.
+
+    Returns:
+        ``[b]`` int64 indices into ``seq_lens`` per micro-batch, every row in exactly one.
+
+    Example:
+        >>> [m.tolist() for m in micro_batches(torch.tensor([10, 50, 20, 40]), max_rows=2)]
+        [[0, 1], [2, 3]]
+        >>> [m.tolist() for m in micro_batches(torch.tensor([10, 50, 20, 40]), max_tokens=80)]
+        [[1], [3, 2], [0]]
+    """
+    N = seq_lens.shape[0]
+    if max_tokens is None:
+        return list(torch.arange(N, device=seq_lens.device).split(max_rows or max(N, 1)))
+    order = torch.sort(seq_lens, descending=True, stable=True).indices
+    lens, chunks, start = seq_lens[order].tolist(), [], 0
+    while start < N:
+        rows = max(1, min(max_tokens // max(lens[start], 1), max_rows or N, N - start))
+        chunks.append(order[start : start + rows])
+        start += rows
+    return chunks
+
+
 def completion_logprobs(model: nn.Module, batch: PolicyBatch, temperature: float) -> torch.Tensor:
     """``[B, T]`` log-probabilities of the completion tokens under ``model`` at ``temperature``.
 
-    Logits are computed only at the positions that predict completion tokens (position
-    ``prompt_len + t - 1`` predicts token ``t``), never for the prompt: ``[B, T, V]``, not ``[B, S, V]``.
+    The LM head runs only where a completion token is predicted (:func:`head_logprobs`).
     """
     hidden = model.get_decoder()(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
     ).last_hidden_state  # [B, S, H]
-    S, T = hidden.shape[1], batch.tokens.shape[1]
-    idx = (batch.prompt_lens[:, None] - 1 + torch.arange(T, device=hidden.device)).clamp(max=S - 1)
-    picked = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, T, H]
-    return token_logprobs(model.get_output_embeddings()(picked), batch.tokens, temperature)
+    return head_logprobs(hidden, batch, model.get_output_embeddings(), temperature)
+
+
+def head_logprobs(
+    hidden: torch.Tensor, batch: PolicyBatch, head: Callable[[torch.Tensor], torch.Tensor], temperature: float
+) -> torch.Tensor:
+    """``[B, T]`` log-probabilities of the completion tokens from a causal LM's last hidden states.
+
+    Position ``prompt_len + t - 1`` predicts completion token ``t``: ``head`` runs on the ``N`` positions
+    that predict a real completion token only, ``[N, V]`` logits, never ``[B, S, V]`` over the prompts
+    nor ``[B, T, V]`` over the padding (in a long-tail batch most of it).
+
+    Args:
+        hidden: ``[B, S, H]`` hidden states over ``batch.input_ids``, the head's input.
+        batch: the padded sequences.
+        head: ``[N, H] -> [N, V]`` logits (the LM head; with a final norm where the model has it there).
+        temperature: the sampling temperature (logits are divided by it).
+
+    Returns:
+        ``[B, T]`` float32, 0 at padding.
+    """
+    rows, t = batch.mask.nonzero(as_tuple=True)  # [N] each
+    picked = hidden[rows, batch.prompt_lens[rows] - 1 + t]  # [N, H]
+    logprobs = token_logprobs(head(picked)[None], batch.tokens[rows, t][None], temperature)[0]  # [N]
+    zeros = torch.zeros(batch.mask.shape, dtype=logprobs.dtype, device=logprobs.device)
+    return zeros.index_put((rows, t), logprobs)

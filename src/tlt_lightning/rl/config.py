@@ -76,8 +76,12 @@ class OptimConfig:
         scale_advantages: divide advantages by the group std (``False``: Dr. GRPO).
         aggregation: ``"token"`` (DAPO) or ``"sequence"`` loss aggregation.
         micro_batch_size: sequences per forward/backward (gradient accumulation inside the
-            optimizer step); ``None``: all at once. The forward holds ``[B, T, vocab]`` fp32 logits
-            and their log-softmax: SmolLM2 (49k vocabulary), 32 sequences of 384 tokens, is ~5 GB.
+            optimizer step); ``None``: all at once. The forward holds every layer's activations
+            and ``[N, vocab]`` logits of its ``N`` completion tokens (SmolLM2: 49k vocabulary).
+        micro_batch_tokens: at most this many padded tokens (rows x longest) per forward/backward:
+            the step's sequences longest first, packed to the budget (a longer one alone), so one
+            forward's activations are bounded whatever the lengths and little of it is padding
+            (:func:`~tlt_lightning.rl.batch.micro_batches`); ``None``: by ``micro_batch_size`` only.
         max_grad_norm: gradient clipping norm; ``None``: no clipping.
         gradient_checkpointing: recompute activations in backward (less memory, ~30% slower).
         optimizer: ``"adamw"`` (PyTorch's, fused on CPU and CUDA; fp32 moments, 8 bytes per parameter)
@@ -97,6 +101,7 @@ class OptimConfig:
     scale_advantages: bool = True
     aggregation: str = "token"
     micro_batch_size: int | None = 8
+    micro_batch_tokens: int | None = None
     max_grad_norm: float | None = 1.0
     gradient_checkpointing: bool = False
     optimizer: str = "adamw"
@@ -120,6 +125,13 @@ class OptimConfig:
             "optim.micro_batch_size",
             self.micro_batch_size,
             "an int >= 1 or None",
+        )
+        check(
+            self.micro_batch_tokens is None
+            or (is_int(self.micro_batch_tokens) and self.micro_batch_tokens >= 1),
+            "optim.micro_batch_tokens",
+            self.micro_batch_tokens,
+            "an int >= 1 (padded tokens per forward, e.g. 2048) or None",
         )
         check(0 < self.lr < math.inf, "optim.lr", self.lr, "finite and > 0")
         check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 
-from tlt_lightning.rl.batch import PolicyBatch
+from tlt_lightning.rl.batch import PolicyBatch, micro_batches
 from tlt_lightning.rl.scoring import NonFiniteLossError
 
 if TYPE_CHECKING:
@@ -75,7 +75,8 @@ def optimize(module: GRPOModule, data: PolicyBatch) -> dict[str, torch.Tensor]:
         rows = rows[data.advantages != 0]
         if rows.numel() == 0:  # still one backward, so DDP syncs (zero) gradients on every rank
             rows = torch.zeros(1, dtype=torch.long, device=module.device)
-    chunks = rows.split(optim.micro_batch_size or rows.numel())
+    seq_lens = data.attention_mask[rows].sum(1)
+    chunks = [rows[i] for i in micro_batches(seq_lens, optim.micro_batch_size, optim.micro_batch_tokens)]
     sampling = module.rollout_settings
     check_logprobs = module.hparams.check_logprobs and sampling.top_p == 1 and sampling.top_k == 0
     sixteen_bit_training = str(module.trainer.precision).startswith(("16", "bf16"))  # e.g. "bf16-mixed"

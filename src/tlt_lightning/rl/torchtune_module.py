@@ -42,8 +42,7 @@ from tlt_lightning.models import ModelNotFoundError, load_model, load_tokenizer,
 from tlt_lightning.models.registry import DTYPES
 from tlt_lightning.models.target import TargetModel, eos_ids
 from tlt_lightning.models.torchtune_target import TorchtuneTarget, TransformerDecoder, torchtune_from_hf
-from tlt_lightning.rl.batch import PolicyBatch
-from tlt_lightning.rl.grpo import token_logprobs
+from tlt_lightning.rl.batch import PolicyBatch, head_logprobs
 from tlt_lightning.rl.module import GRPOModule
 from tlt_lightning.rl.sources import PromptSource, TaskPromptSource
 from tlt_lightning.rl.tasks import TaskDataset
@@ -84,8 +83,8 @@ def torchtune_completion_logprobs(
     The torchtune twin of :func:`~tlt_lightning.rl.completion_logprobs`. Sequences are right-padded
     (``batch.input_ids`` ``[B, S]``), so every row's token ``s`` sits at position ``s`` and the
     ``[B, S, S]`` mask is causal over each row's real tokens (a padding query sees the row's real
-    tokens, never an empty row). The LM head runs only at the positions that predict completion
-    tokens (``prompt_len + t - 1``): ``[B, T, V]`` logits, never ``[B, S, V]``.
+    tokens, never an empty row). The LM head runs only where a completion token is predicted
+    (:func:`~tlt_lightning.rl.batch.head_logprobs`).
 
     Args:
         decoder: a ``TransformerDecoder`` without torchtune KV caches set up.
@@ -94,7 +93,7 @@ def torchtune_completion_logprobs(
         gradient_checkpointing: recompute each layer's activations in backward (less memory).
     """
     ids, valid = batch.input_ids, batch.attention_mask.bool()
-    S, T = ids.shape[1], batch.tokens.shape[1]
+    S = ids.shape[1]
     causal = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()
     mask = causal & valid[:, None, :]  # [B, S, S]: query s sees real keys <= s
     h = decoder.tok_embeddings(ids)  # [B, S, H]
@@ -103,9 +102,7 @@ def torchtune_completion_logprobs(
             h = checkpoint(layer, h, mask=mask, use_reentrant=False)
         else:
             h = layer(h, mask=mask)
-    idx = (batch.prompt_lens[:, None] - 1 + torch.arange(T, device=h.device)).clamp(max=S - 1)
-    picked = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))  # [B, T, H]
-    return token_logprobs(decoder.output(decoder.norm(picked)), batch.tokens, temperature)
+    return head_logprobs(h, batch, lambda x: decoder.output(decoder.norm(x)), temperature)
 
 
 class TorchtuneGRPOModule(GRPOModule):
