@@ -9,9 +9,8 @@ the callback's ``profile_batch_fn`` and ``forward_fn`` for it:
 * :func:`grpo_profile_batch` builds the largest micro-batch the step can train on, without
   generating anything: the step's longest prompts, each followed by ``max_new_tokens`` completion
   tokens, as many rows as ``micro_batch_size`` and ``micro_batch_tokens`` allow (all ``P * G`` without
-  micro-batching). Rollout lengths change
-  from step to step; the worst case is what the memory budget must hold for, so the plan made on it
-  holds on every step.
+  micro-batching). Rollout lengths change from step to step; the worst case is what the memory budget
+  must hold for, so the plan made on it holds on every step.
 * :func:`grpo_policy_loss` is the step's training forward on it: the module's own
   :meth:`~tlt_lightning.rl.GRPOModule.policy_logprobs` and
   :meth:`~tlt_lightning.rl.GRPOModule.policy_loss` hooks, so a subclass's model and loss are profiled.
