@@ -54,7 +54,8 @@ def grpo_profile_batch(module: GRPOModule, batch: Any) -> PolicyBatch:
         ``S = longest prompt + max_new_tokens``; advantages 1 (every row trains, as none is skipped
         for a zero advantage), rollout log-probabilities 0.
     """
-    from tlt_lightning.rl.batch import PolicyBatch  # here: importing efficiency must not import rl
+    # here: importing efficiency must not import rl
+    from tlt_lightning.rl.batch import PolicyBatch, micro_batches
 
     optim, device = module.optim_config, module.device
     indices = torch.as_tensor(batch).cpu().long().repeat_interleave(optim.group_size)
@@ -64,10 +65,9 @@ def grpo_profile_batch(module: GRPOModule, batch: Any) -> PolicyBatch:
     T = module.rollout_settings.max_new_tokens
     prompts = sorted(prompts, key=len, reverse=True)
     S = prompts[0].numel() + T
-    rows = min(
-        optim.micro_batch_size or len(prompts), max(1, (optim.micro_batch_tokens or S * len(prompts)) // S)
-    )
-    prompts = prompts[:rows]
+    # the step's first micro-batch if every sequence were the longest possible
+    first = micro_batches(torch.full((len(prompts),), S), optim.micro_batch_size, optim.micro_batch_tokens)[0]
+    prompts = prompts[: first.numel()]
     B, prompt_lens = len(prompts), torch.tensor([p.numel() for p in prompts])
     input_ids = torch.zeros(B, S, dtype=torch.long)
     for row, p in enumerate(prompts):
