@@ -35,6 +35,7 @@ VARIANTS = {
     "dynamic+matmul+all-slots": CompileConfig(dynamic=True, matmul_attention=True, cpp_attention=False),
     "cpp-attention+guards": CompileConfig(dynamic=True, skip_guards=False),
     "cpp-attention": CompileConfig(dynamic=True),
+    "cpp-attention+onednn": CompileConfig(dynamic=True, few_rows_linear=False),
 }
 
 

@@ -165,7 +165,7 @@ class RankRecorder(L.Callback):
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
         if trainer.global_step == 1 or trainer.global_step % 4 == 0:  # a walk over every live tensor
-            record["tensors_mb"] = tensor_breakdown(pl_module, trainer, spot)
+            record["tensors"] = tensor_breakdown(pl_module, trainer, spot)
         self._write(trainer, record)
 
     def _write(self, trainer: L.Trainer, record: dict[str, Any]) -> None:

@@ -7,7 +7,8 @@ things into each rank's step records:
 - ``tensors_mb``: the bytes of every live tensor (storages counted once), by owner: the policy's
   weights, their gradients, the optimizer's state, the rollout target's own tensors (the bf16 mirror,
   packed weights), the drafters (the module's and the spot trainer's, with its optimizer), and the
-  rest (KV caches, buffers, anything else alive between steps);
+  rest (KV caches, buffers, anything else alive between steps), with its largest storages named by
+  shape and dtype (``other_largest``);
 - ``phase_peak_mb``: the process's resident memory sampled every 10 ms, its peak in each phase of the
   step (rollout, reward and training, the drafter's idle time) and before the first step.
 
@@ -36,20 +37,22 @@ __all__ = ["MemoryProbe", "run", "tensor_breakdown"]
 MB = 2**20
 
 
+def _storage(t: Any) -> tuple[int, int] | None:
+    """``(storage address, bytes)`` of a CPU tensor (oneDNN-packed ones: their own), else ``None``."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_meta:
+        return None
+    if t.is_mkldnn:  # opaque (oneDNN-packed weights): no storage to share
+        return id(t), t.numel() * t.element_size()
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # fake tensors (a compiler's) hold no memory
+        return None
+
+
 def _storages(tensors) -> dict[int, int]:
     """``{storage address: bytes}`` of ``tensors`` (views of one storage counted once)."""
-    out = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
-            if t.is_mkldnn:  # opaque (oneDNN-packed weights): no storage to share
-                out[id(t)] = t.numel() * t.element_size()
-                continue
-            try:
-                storage = t.untyped_storage()
-                out[storage.data_ptr()] = storage.nbytes()
-            except (RuntimeError, NotImplementedError):  # fake tensors (a compiler's) hold no memory
-                continue
-    return out
+    return dict(filter(None, map(_storage, tensors)))
 
 
 def _module_tensors(module: nn.Module | None) -> list[torch.Tensor]:
@@ -79,8 +82,10 @@ def _object_tensors(root: Any, depth: int = 4) -> list[torch.Tensor]:
     return found
 
 
-def tensor_breakdown(module: Any, trainer: Any, spot: Any = None) -> dict[str, float]:
-    """MiB of every live CPU tensor by owner (each storage in the first part that holds it)."""
+def tensor_breakdown(module: Any, trainer: Any, spot: Any = None, largest: int = 8) -> dict[str, Any]:
+    """MiB of every live CPU tensor by owner (each storage in the first part that holds it), under
+    ``"mb"``; and the ``largest`` storages of ``"other"`` (none of the parts' tensors) as
+    ``"[shape] dtype MiB"`` strings, under ``"other_largest"``, to tell what they are."""
     policy = getattr(module, "policy", None)
     params = list(policy.parameters()) if policy is not None else []
     states = [v for opt in trainer.optimizers for s in opt.state.values() for v in s.values()]
@@ -100,9 +105,19 @@ def tensor_breakdown(module: Any, trainer: Any, spot: Any = None) -> dict[str, f
         counted.update(mine)
         out[name] = sum(mine.values()) / MB
     gc.collect()
-    rest = _storages(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
-    out["other"] = sum(v for k, v in rest.items() if k not in counted) / MB
-    return {k: round(v, 1) for k, v in out.items()}
+    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    rest = {k: v for k, v in _storages(live).items() if k not in counted}
+    out["other"] = sum(rest.values()) / MB
+    named = {}
+    for t in live:  # a name for each storage of the rest: the shape of one tensor over it
+        key = (_storage(t) or (None,))[0]
+        if key in rest and key not in named:
+            named[key] = f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+    top = sorted(rest, key=rest.get, reverse=True)[:largest]
+    return {
+        "mb": {k: round(v, 1) for k, v in out.items()},
+        "other_largest": [f"{named.get(k, '?')} {rest[k] / MB:.1f}" for k in top],
+    }
 
 
 class MemoryProbe(RolloutListener):
@@ -160,12 +175,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload = {"config": args.config, "machine": machine_info(), "wall_s": wall, "ranks": {}}
     for rank in starts:
         mine = [ranks[rank] for ranks in steps if rank < len(ranks)]
+        tensors = next((r["tensors"] for r in reversed(mine) if "tensors" in r), {})
         phases: dict[str, float] = {}
         for record in mine:
             for phase, peak in record["phase_peak_mb"].items():
                 phases[phase] = max(phases.get(phase, 0.0), peak)
         payload["ranks"][rank] = {
-            "tensors_mb": next((r["tensors_mb"] for r in reversed(mine) if "tensors_mb" in r), {}),
+            "tensors_mb": tensors.get("mb", {}),
+            "other_largest": tensors.get("other_largest", []),
             "phase_peak_mb": phases,
             # The kernel updates getrusage's high-water mark lazily: a sample may top it by a page or two.
             "peak_rss_mb": max([*(r["peak_rss_mb"] for r in mine), *phases.values()], default=0.0),
@@ -176,5 +193,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         phases = ", ".join(f"{k} {v:.0f}" for k, v in data["phase_peak_mb"].items())
         print(f"[bench memory] rank {rank}: peak RSS {data['peak_rss_mb']:.0f} MiB")
         print(f"  tensors after the last step (MiB): {tensors}")
+        print(f"  the largest of 'other': {', '.join(data['other_largest'])}")
         print(f"  peak RSS by phase (MiB): {phases}")
     return payload

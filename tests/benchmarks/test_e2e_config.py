@@ -111,7 +111,7 @@ def test_both_runs_of_a_tiny_config_are_recorded_per_rank_and_step(tmp_path):
                 assert arms.get("off") == modes.get("plain")
                 spec = [sum(row[i] for arm, row in arms.items() if arm != "off") for i in range(4)]
                 assert spec == pytest.approx(modes.get("spec", [0, 0.0, 0.0, 0]))
-        tensors = steps[0][0]["tensors_mb"]  # after step 1: Adam's state exists, the gradients are freed
+        tensors = steps[0][0]["tensors"]["mb"]  # after step 1: Adam's state exists, the gradients are freed
         assert tensors["policy"] > 0 and tensors["optimizer"] > tensors["policy"] and tensors["grads"] == 0
         assert payload["runs"][name] == summarise(steps, 0)
     assert all(r["accept_length"] == 0.0 for (r,) in base)  # no speculative step without TLT

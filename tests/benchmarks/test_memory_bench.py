@@ -41,6 +41,10 @@ def test_a_tiny_fit_is_broken_down_by_owner_and_phase(tmp_path, capsys):
     assert rank["peak_rss_mb"] >= max(rank["phase_peak_mb"].values()) > 0
     assert {"setup", "rollout", "train"} <= set(rank["phase_peak_mb"])
     assert rank["tensors_mb"]["policy"] > 0 and rank["tensors_mb"]["drafter"] > 0
+    assert 0 < len(rank["other_largest"]) <= 8  # "[shape] dtype MiB", largest first
+    sizes = [float(entry.rsplit(" ", 1)[1]) for entry in rank["other_largest"]]
+    assert sizes == sorted(sizes, reverse=True)
+    assert sum(sizes) <= rank["tensors_mb"]["other"] + 0.1 * len(sizes)  # each rounded to 0.1
     assert json.loads((tmp_path / "memory.json").read_text())["ranks"]["0"] == rank
     assert "peak RSS by phase" in capsys.readouterr().out
 

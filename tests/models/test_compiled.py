@@ -565,17 +565,22 @@ def test_bf16_graphs_attend_by_the_cpp_kernel_within_the_tolerance(cpp_attention
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels did not build here")
 @pytest.mark.parametrize("few_rows_linear", [True, False])
-def test_one_row_of_several_tokens_multiplies_by_the_few_rows_kernel(few_rows_linear, fresh_compile):
-    """A verify of one row (4 tokens) in bf16 multiplies by few_rows_linear (unless turned off), which the
-    profiler sees once per linear; several rows keep oneDNN. Hidden states within the tolerance either way."""
+def test_few_tokens_multiply_by_the_few_rows_kernel(few_rows_linear, fresh_compile):
+    """A verify of one row (3 tokens), or a decode step of 2 rows, in bf16 multiplies by few_rows_linear
+    (unless turned off), which the profiler sees once per linear; 3 rows of 3 tokens keep oneDNN. Hidden
+    states within the tolerance either way."""
     model = load_model("tiny-qwen2", dtype="bfloat16", seed=0).model
-    config = CompileConfig(query_buckets=(4,), few_rows_linear=few_rows_linear)
+    config = CompileConfig(query_buckets=(1, 3), few_rows_linear=few_rows_linear)
     hf, target = HFTarget(model), HFTarget(model, decode="compiled", compile_config=config)
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.get_decoder().modules())
-    for lens, rows in ((torch.tensor([7]), 1), (torch.tensor([7, 3, 9]), 3)):
-        expected, got = decode_once(hf, lens).float(), decode_once(target, lens).float()  # compiles
+    for lens, q, few in (
+        (torch.tensor([7]), 3, True),
+        (torch.tensor([7, 3]), 1, True),
+        (torch.tensor([7, 3, 9]), 3, False),
+    ):
+        expected, got = decode_once(hf, lens, q).float(), decode_once(target, lens, q).float()  # compiles
         assert (got - expected).abs().max() <= 5e-2 * expected.abs().max()
         with torch.profiler.profile() as prof:
-            decode_once(target, lens)
+            decode_once(target, lens, q)
         calls = [e for e in prof.events() if e.name == "tlt_lightning::few_rows_linear"]
-        assert len(calls) == (linears if few_rows_linear and rows == 1 else 0)
+        assert len(calls) == (linears if few_rows_linear and few else 0)

@@ -5,9 +5,10 @@ import pytest
 import torch
 from torch import nn
 
+from tlt_lightning import kernels
 from tlt_lightning.drafter import Drafter, DrafterConfig
 from tlt_lightning.models import HFTarget, load_model, set_weight_layout
-from tlt_lightning.models.layout import _PACKABLE, PackedLinear, _packable_dtypes
+from tlt_lightning.models.layout import _PACKABLE, FEW_ROWS_LINEAR, PackedLinear, _packable_dtypes
 from tlt_lightning.rollout import RolloutConfig, RolloutEngine
 from tlt_lightning.rollout.speculative import SpeculativeRolloutLoop
 from tlt_lightning.speculative import DraftSpec
@@ -175,6 +176,26 @@ def test_packed_linear_follows_autocast():
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             torch.testing.assert_close(bf16(x), linear.to(torch.bfloat16)(x.bfloat16()))
         assert bf16._packed_weight._packed is not None
+
+
+@pytest.mark.skipif(
+    torch.bfloat16 not in _PACKABLE or not kernels.available(), reason="no bf16 packing or C++ kernels here"
+)
+def test_one_or_two_bf16_rows_multiply_by_the_few_rows_kernel():
+    """Once the kernels are loaded, a packed bf16 linear of up to FEW_ROWS_LINEAR rows multiplies by
+    few_rows_linear (oneDNN is slow for a row or two); more rows by the packed copy. Same values."""
+    linear = nn.Linear(64, 96, dtype=torch.bfloat16)
+    packed = copy.deepcopy(linear)
+    set_weight_layout(packed, "packed")
+    for rows in (1, FEW_ROWS_LINEAR, FEW_ROWS_LINEAR + 1):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        with torch.no_grad(), torch.profiler.profile() as prof:
+            got = packed(x)
+        names = {e.name for e in prof.events()}
+        few = rows <= FEW_ROWS_LINEAR
+        assert ("tlt_lightning::few_rows_linear" in names) == few
+        assert ("mkldnn::_linear_pointwise" in names) != few
+        torch.testing.assert_close(got.float(), linear(x).float(), atol=2e-2, rtol=2e-2)
 
 
 @needs_packing

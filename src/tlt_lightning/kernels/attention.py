@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["HEAD_DIMS", "available", "build", "decode_attention"]
+__all__ = ["HEAD_DIMS", "available", "build", "decode_attention", "loaded"]
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.cpp", "few_rows_linear.cpp"))
 """Built into one extension: the decode attention and :mod:`~tlt_lightning.kernels.linear`'s product."""
@@ -136,6 +136,11 @@ def available() -> bool:
         )
         return False
     return True
+
+
+def loaded() -> bool:
+    """Whether :func:`available` has built and loaded the kernels in this process (never builds)."""
+    return available.cache_info().currsize > 0 and available()
 
 
 def decode_attention(

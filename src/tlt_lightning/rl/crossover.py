@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 __all__ = ["calibrate_crossover", "calibration_sizes", "measure_step_costs", "step_costs_path"]
 
-STEP_COSTS_VERSION = 2
-"""Part of a stored table's key: raised when the engine's speed changes (2: few_rows_linear verifies)."""
+STEP_COSTS_VERSION = 3
+"""Part of a stored table's key: raised when the engine's speed changes (2: few_rows_linear verifies, 3: and
+decode steps of 2-8 rows, one- and two-row packed linears)."""
 WARM_STEPS = 2  # steps of each rollout left out of the median (caches and allocator settle)
 MAX_ROLLOUTS = 4  # rollouts a measurement may take when rows end early
 

@@ -49,7 +49,7 @@ dynamo API), :mod:`~tlt_lightning.models.compiled.decode` (:class:`CompiledDecod
 """
 
 from tlt_lightning.models.compiled.config import COMPILE_MODES, CompileConfig
-from tlt_lightning.models.compiled.decode import CompiledDecode, check_compiled_model
+from tlt_lightning.models.compiled.decode import CompiledDecode, check_compiled_model, few_rows_pay
 from tlt_lightning.models.compiled.forward import StaticKV, merged_groups
 from tlt_lightning.models.compiled.graphs import Bucket, BucketedGraphs, Padded
 from tlt_lightning.models.compiled.ops import packed_linear, row_gemv
@@ -63,6 +63,7 @@ __all__ = [
     "Padded",
     "StaticKV",
     "check_compiled_model",
+    "few_rows_pay",
     "merged_groups",
     "packed_linear",
     "row_gemv",

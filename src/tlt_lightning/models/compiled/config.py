@@ -64,9 +64,10 @@ class CompileConfig:
             :func:`tlt_lightning.kernels.decode_attention` (built on first use; where it does not build,
             as ``matmul_attention`` says), which reads each key/value head of the cache once for all
             the query heads and tokens it serves.
-        few_rows_linear: on a CPU in bf16, graphs of one row and several tokens (a verify at batch 1)
-            multiply by the C++ :func:`tlt_lightning.kernels.few_rows_linear` (where it builds), which
-            streams each weight once for all the tokens, instead of oneDNN.
+        few_rows_linear: on a CPU in bf16, graphs of one row and up to 16 tokens (a verify at batch 1),
+            or of a few rows and up to 8 tokens in all (decode steps at batch 2-8), multiply by the C++
+            :func:`tlt_lightning.kernels.few_rows_linear` (where it builds), which streams each weight once
+            for all the tokens, instead of oneDNN (:func:`~tlt_lightning.models.compiled.few_rows_pay`).
         dynamic: rows and key slots as dynamic dimensions of the graphs: one graph per query bucket
             (and one for a single row), no padded rows, attention reads exactly the cached keys.
             ``None``: on unless the graphs are CUDA graphs (they need static shapes).

@@ -13,7 +13,26 @@ from tlt_lightning.models.kv_cache import KVCache
 from tlt_lightning.models.layout import PackedLinear, PackedWeight, packable_dtypes
 from tlt_lightning.models.lean import check_lean_model
 
-__all__ = ["CompiledDecode", "check_compiled_model"]
+__all__ = ["CompiledDecode", "check_compiled_model", "few_rows_pay"]
+
+FEW_DECODE_TOKENS = 8
+"""Tokens (rows x queries) up to which a forward of several rows multiplies by ``few_rows_linear``: SmolLM2
+in bf16 on a Zen 4 (``benchmarks.compiled_steps``), 2-8 rows of one token 1.54-1.07x faster than oneDNN's
+packed weights, 2 rows of 3 tokens 1.04x, 4 rows of 3 0.81x."""
+
+
+def few_rows_pay(rows: int, queries: int) -> bool:
+    """Whether a compiled forward of ``rows`` x ``queries`` new tokens multiplies by
+    :func:`~tlt_lightning.kernels.few_rows_linear` (where it is on) rather than oneDNN's packed weights:
+    one row of up to :data:`~tlt_lightning.kernels.FEW_ROWS` tokens (a verify at batch 1), or a few rows of
+    :data:`FEW_DECODE_TOKENS` tokens in all. One token alone multiplies by ``row_gemv`` where that is on.
+
+    Example:
+        >>> few_rows_pay(1, 16), few_rows_pay(2, 1), few_rows_pay(8, 1), few_rows_pay(4, 3)
+        (True, True, True, False)
+    """
+    tokens = rows * queries
+    return 1 <= tokens <= (kernels.FEW_ROWS if rows == 1 else FEW_DECODE_TOKENS)
 
 
 def check_compiled_model(model: nn.Module) -> None:
@@ -109,11 +128,12 @@ class CompiledDecode(BucketedGraphs):
         if many_rows and cache.keys.shape[3] <= self.config.all_slots_ratio * bucket.kv_len:
             bucket = bucket._replace(all_slots=True)
         gemv = self._gemv and p.input_ids.numel() == 1  # the graph multiplies by row_gemv: no packed weights
-        few = self._few_rows and p.input_ids.shape[0] == 1 and p.input_ids.numel() <= kernels.FEW_ROWS
+        if not gemv and self._few_rows and few_rows_pay(*p.input_ids.shape):
+            bucket = bucket._replace(few_rows=True)
         hidden, features = self.launch(
             bucket,
             self.model,
-            None if gemv or few else self._packed(),  # few_rows_linear multiplies by the plain weights
+            None if gemv or bucket.few_rows else self._packed(),  # few_rows_linear: the plain weights
             p.input_ids,
             p.positions,
             p.slots,
@@ -124,6 +144,6 @@ class CompiledDecode(BucketedGraphs):
             self._matmul_attention,
             bucket.all_slots,
             self._cpp_attention,
-            self._few_rows,
+            bucket.few_rows,
         )
         return self.unpad(hidden, p), self.unpad(features, p)

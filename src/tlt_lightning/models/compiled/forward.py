@@ -94,10 +94,10 @@ def static_forward(
     by :func:`row_gemv`); with ``matmul_attention`` and several rows, attending by
     :func:`grouped_matmul_attention`, over every cache slot if ``all_slots`` (the slots past ``mask``
     masked out; they hold zeros or earlier keys, finite either way); with ``cpp_attention``,
-    attending by :func:`~tlt_lightning.kernels.decode_attention` instead; with ``few_rows`` and one row of
-    several tokens, multiplying by :func:`~tlt_lightning.kernels.few_rows_linear`."""
+    attending by :func:`~tlt_lightning.kernels.decode_attention` instead; with ``few_rows`` (and not
+    ``row_gemv``), multiplying by :func:`~tlt_lightning.kernels.few_rows_linear`."""
     gemv = one_row_gemv and input_ids.numel() == 1
-    few = few_rows and input_ids.shape[0] == 1 and 1 < input_ids.numel() <= kernels.FEW_ROWS
+    few = few_rows and not gemv
     attention = grouped_matmul_attention if matmul_attention and input_ids.shape[0] > 1 else None
     attention = kernels.decode_attention if cpp_attention else attention
     if all_slots:

@@ -38,7 +38,8 @@ _RECOMPILE_LIMIT = 4096  # one graph per bucket is the design, not a recompile s
 
 class Bucket(NamedTuple):
     """The shape a forward runs at: padded rows, queries per row, key slots; requested features; whether
-    attention reads all the cache's slots (:attr:`CompileConfig.all_slots_ratio`).
+    attention reads all the cache's slots (:attr:`CompileConfig.all_slots_ratio`); whether the linears
+    multiply by :func:`~tlt_lightning.kernels.few_rows_linear` (:attr:`CompileConfig.few_rows_linear`).
 
     As a key of :attr:`BucketedGraphs.compile_times` (one compiled graph), a ``batch`` or ``kv_len`` of 0
     is a dynamic dimension: any."""
@@ -48,6 +49,7 @@ class Bucket(NamedTuple):
     kv_len: int
     feature_layers: tuple[int, ...]
     all_slots: bool = False
+    few_rows: bool = False
 
 
 def _bucket(sizes: tuple[int, ...], value: int) -> int | None:
