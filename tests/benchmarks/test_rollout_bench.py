@@ -92,6 +92,7 @@ def test_compile_report_lists_buckets_and_their_seconds():
         "kv_len": 512,
         "feature_layers": [30],
         "all_slots": False,
+        "few_rows": False,
         "seconds": 3.5,
     }
     assert compile_report(object()) == {"compile_seconds": 0, "compile_buckets": []}
