@@ -17,8 +17,8 @@ __all__ = ["CompiledDecode", "check_compiled_model", "few_rows_pay"]
 
 FEW_DECODE_TOKENS = 8
 """Tokens (rows x queries) up to which a forward of several rows multiplies by ``few_rows_linear``: SmolLM2
-in bf16 on a Zen 4 (``benchmarks.compiled_steps``), 2-8 rows of one token 1.54-1.07x faster than oneDNN's
-packed weights, 2 rows of 3 tokens 1.04x, 4 rows of 3 0.81x."""
+in bf16 on a Zen 4 (``benchmarks.compiled_steps``, docs/benchmarks.md), 2 rows of one token 1.46x faster
+than oneDNN's packed weights, 4-8 rows 1.03-1.08x, 2 rows of 3 tokens 1.07x; 4 rows of 3 were 0.81x."""
 
 
 def few_rows_pay(rows: int, queries: int) -> bool:
