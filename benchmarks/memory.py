@@ -105,18 +105,17 @@ def tensor_breakdown(module: Any, trainer: Any, spot: Any = None, largest: int =
         counted.update(mine)
         out[name] = sum(mine.values()) / MB
     gc.collect()
-    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    rest = {k: v for k, v in _storages(live).items() if k not in counted}
+    rest, named = {}, {}  # each storage of the rest, named by the shape and dtype of one tensor over it
+    for t in (o for o in gc.get_objects() if isinstance(o, torch.Tensor)):
+        storage = _storage(t)
+        if storage is not None and storage[0] not in counted and storage[0] not in rest:
+            rest[storage[0]] = storage[1]
+            named[storage[0]] = f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
     out["other"] = sum(rest.values()) / MB
-    named = {}
-    for t in live:  # a name for each storage of the rest: the shape of one tensor over it
-        key = (_storage(t) or (None,))[0]
-        if key in rest and key not in named:
-            named[key] = f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
     top = sorted(rest, key=rest.get, reverse=True)[:largest]
     return {
         "mb": {k: round(v, 1) for k, v in out.items()},
-        "other_largest": [f"{named.get(k, '?')} {rest[k] / MB:.1f}" for k in top],
+        "other_largest": [f"{named[k]} {rest[k] / MB:.1f}" for k in top],
     }
 
 

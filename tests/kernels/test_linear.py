@@ -25,7 +25,7 @@ def case(shape: tuple[int, ...], out: int, bias: bool, dtype: torch.dtype):
         ((1, 3, 576), 1536, True, torch.bfloat16),  # a chain-2 verify of one row, [n, q, K]
         ((5, 1536), 578, False, torch.bfloat16),  # N not a multiple of the tile: the rest by the loop
         ((FEW_ROWS, 64), 192, True, torch.bfloat16),  # the most rows the graphs give it
-        ((2, 96), 40, False, torch.bfloat16),  # K % 64 == 32: a last block of 32
+        ((2, 96), 40, False, torch.bfloat16),  # K an odd number of 32-element blocks
         ((3, 40), 7, True, torch.bfloat16),  # K not a multiple of 32: the plain loop
         ((4, 96), 33, True, torch.float32),  # fp32: the plain loop
     ],
