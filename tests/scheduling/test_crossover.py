@@ -4,6 +4,7 @@ import random
 import pytest
 
 from tlt_lightning.scheduling import BEGMABStrategy, StepCosts, UCBStrategy
+from tlt_lightning.scheduling.bucketed import ACCEPT_REFRESH, PROBE_EVERY
 from tlt_lightning.scheduling.crossover import (
     estimate_accept,
     expected_tokens,
@@ -74,25 +75,28 @@ def test_paying_arms_keep_plain_and_unmeasured_arms_and_drop_predicted_losers():
     assert paying_arms(COSTS, arms, 7, 0.75) == (None, CHAIN2, DraftSpec(6))  # a better drafter pays there
 
 
-def drive(strategy, batch_size: int, alpha: float, steps: int, rng: random.Random) -> list[str]:
+def drive(strategy, batch_size: int, alpha: float, steps: int, rng: random.Random, costs=COSTS) -> list[str]:
     """Decode ``steps`` steps at ``batch_size`` with acceptance ``alpha``; the arms chosen."""
     chosen = []
     for _ in range(steps):
         arm = strategy.select(batch_size)
         tokens = 1.0 if arm is None else sample_tokens(arm, alpha, rng)
-        seconds = COSTS.step_seconds(batch_size, arm) or 0.05
+        seconds = costs.step_seconds(batch_size, arm) or 0.05
         strategy.update(batch_size, arm, tokens, seconds)
         chosen.append(arm_key(arm))
     return chosen
 
 
 @pytest.mark.parametrize("cls", [BEGMABStrategy, UCBStrategy])
-def test_a_strategy_with_step_costs_never_tries_a_predicted_loser(cls):
+def test_a_strategy_with_step_costs_tries_a_predicted_loser_only_as_a_probe(cls):
     strategy = cls([None, CHAIN2, CHAIN4, TREE], (1, 2, 5))
     strategy.use_step_costs(COSTS, accept=0.64)
     rng = random.Random(1)
-    assert set(drive(strategy, 7, 0.64, 200, rng)) == {"off"}
-    assert strategy.candidates(7) == (None,)
+    chosen = drive(strategy, 7, 0.64, 200, rng)
+    probes = [d for d in strategy.history if d.mode == "probe"]
+    # Only a probe every PROBE_EVERY selections runs speculation there (the one predicted closest).
+    assert chosen.count("off") == 200 - len(probes) and len(probes) == 200 // (PROBE_EVERY + 1)
+    assert {d.arm for d in probes} == {CHAIN2} and strategy.candidates(7) == (None,)
     assert "chain2" in drive(strategy, 1, 0.64, 200, rng)  # where a verify rides along, arms are tried
     # Its acceptance estimate follows the steps it sees: a drafter at 0.97 makes chain 2 pay at 7 rows.
     drive(strategy, 1, 0.97, 600, rng)
@@ -100,6 +104,28 @@ def test_a_strategy_with_step_costs_never_tries_a_predicted_loser(cls):
     assert CHAIN2 in strategy.candidates(7)
     strategy.use_step_costs(None)
     assert strategy.candidates(7) == tuple(strategy.arms[2])
+
+
+def test_an_estimate_fallen_below_every_crossover_recovers_through_probes():
+    # Verifies cost more here (chain 2 needs alpha ~0.47 at one row): a poor start prunes every arm.
+    costs = StepCosts({1: {"off": 0.024, "chain2": 0.040, "chain4": 0.055}}, context=480)
+    strategy = BEGMABStrategy([None, CHAIN2, CHAIN4], (1, 2, 5), seed=0)
+    strategy.use_step_costs(costs, accept=0.64)
+    rng = random.Random(1)
+    drive(strategy, 1, 0.1, 300, rng, costs)
+    assert strategy.accept_estimate < 0.47 and strategy.candidates(1) == (None,)
+    # The drafter learns: probes see it, the estimate follows, and speculation comes back.
+    drive(strategy, 1, 0.9, 600, rng, costs)
+    assert strategy.accept_estimate > 0.8 and strategy.candidates(1) == (None, CHAIN2, CHAIN4)
+    assert drive(strategy, 1, 0.9, 300, rng, costs).count("off") < 30
+
+
+def test_the_prior_acceptance_outweighs_a_few_early_steps():
+    strategy = BEGMABStrategy([None, CHAIN2], (1,), seed=0)
+    strategy.use_step_costs(COSTS, accept=0.64)
+    for _ in range(ACCEPT_REFRESH):  # one refresh's worth of chain-2 steps that accept nothing
+        strategy.update(1, CHAIN2, 1.0, 0.03)
+    assert 0.3 < strategy.accept_estimate < 0.64
 
 
 def test_without_step_costs_the_bandit_decides_as_before():

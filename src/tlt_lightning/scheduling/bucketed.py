@@ -25,7 +25,7 @@ from tlt_lightning.scheduling.checks import (
     check_thresholds,
     finite,
 )
-from tlt_lightning.scheduling.crossover import StepCosts, estimate_accept, paying_arms
+from tlt_lightning.scheduling.crossover import StepCosts, estimate_accept, paying_arms, predicted_speedup
 from tlt_lightning.scheduling.heatmap import save_heatmaps
 from tlt_lightning.scheduling.step_cost import StepCostModel
 from tlt_lightning.speculative import Arm, DraftSpec, arm_key
@@ -35,10 +35,13 @@ __all__ = ["DEFAULT_BUCKET_THRESHOLDS", "BucketedStrategy", "Decision", "default
 DEFAULT_BUCKET_THRESHOLDS: tuple[int, ...] = (1, 2, 5, 21)
 ACCEPT_WINDOW = 512
 """Speculative steps the acceptance estimate of :meth:`BucketedStrategy.use_step_costs` looks back on."""
-ACCEPT_MIN_REQUESTS = 32
-"""Request-steps observed before that estimate replaces the prior."""
+ACCEPT_PRIOR_REQUESTS = 32
+"""Request-steps the prior acceptance counts for in that estimate (a few early steps cannot swing it)."""
 ACCEPT_REFRESH = 16
 """Speculative steps between two refreshes of that estimate (a refresh is a bisection over the arms)."""
+PROBE_EVERY = 32
+"""Selections without a speculative step after which one runs anyway where every speculative arm is
+pruned (a probe): without them an estimate fallen below every crossover would never see a step again."""
 
 
 def default_arms() -> tuple[Arm, ...]:
@@ -55,8 +58,9 @@ def default_arms() -> tuple[Arm, ...]:
 class Decision(NamedTuple):
     """One logged update: which arm ran in which bucket, its reward, and why it was chosen.
 
-    ``mode`` is ``"untried"`` (first try of the arm in the bucket), ``"explore"``, ``"exploit"``, or
-    ``"unpaired"`` when ``update`` did not follow a ``select`` of the same arm in the same bucket.
+    ``mode`` is ``"untried"`` (first try of the arm in the bucket), ``"explore"``, ``"exploit"``,
+    ``"probe"`` (see :meth:`BucketedStrategy.use_step_costs`), or ``"unpaired"`` when ``update`` did
+    not follow a ``select`` of the same arm in the same bucket.
     """
 
     step: int
@@ -145,8 +149,10 @@ class BucketedStrategy:
         on this machine) and the acceptance per draft token, are below ``margin`` times plain decoding's
         at that batch size; plain decoding and arms ``costs`` lack stay in. The acceptance starts at
         ``accept`` and follows the speculative steps ``update`` sees (their last :data:`ACCEPT_WINDOW`,
-        once they hold :data:`ACCEPT_MIN_REQUESTS` request-steps). ``None`` tries every arm again.
-        Statistics are untouched: a bucket's pruned arms keep what they learned.
+        the prior counting as :data:`ACCEPT_PRIOR_REQUESTS` request-steps). So that it keeps following
+        the drafter when every arm is pruned, after :data:`PROBE_EVERY` selections without a speculative
+        step the next one runs the arm predicted fastest (mode ``"probe"``). ``None`` tries every arm
+        again. Statistics are untouched: a bucket's pruned arms keep what they learned.
 
         Args:
             costs: step costs measured on this machine, or ``None``.
@@ -163,6 +169,7 @@ class BucketedStrategy:
         self._spec_steps: deque[tuple[Arm, float, int]] = deque(maxlen=ACCEPT_WINDOW)
         self._spec_sums: dict[Arm, list[float]] = {}  # arm -> [tokens, request-steps] in the window
         self._spec_seen = 0
+        self._since_spec = 0  # selections since the last speculative step
         self.accept_estimate = self.accept_prior
         """The acceptance per draft token the step costs are weighed with (see :meth:`use_step_costs`)."""
         self._candidates_cache: dict[tuple[int, float], tuple[int, ...]] = {}
@@ -178,11 +185,10 @@ class BucketedStrategy:
         sums[0] += tokens * batch_size
         sums[1] += batch_size
         self._spec_seen += 1
-        requests = sum(n for _, n in self._spec_sums.values())
-        if requests >= ACCEPT_MIN_REQUESTS and self._spec_seen % ACCEPT_REFRESH == 0:
-            self.accept_estimate = estimate_accept(
-                (a, t / n, n) for a, (t, n) in self._spec_sums.items() if n
-            )
+        if self._spec_seen % ACCEPT_REFRESH == 0:
+            prior = (DraftSpec(1), 1.0 + self.accept_prior, ACCEPT_PRIOR_REQUESTS)  # E = 1 + alpha
+            observed = ((a, t / n, n) for a, (t, n) in self._spec_sums.items() if n)
+            self.accept_estimate = estimate_accept([prior, *observed])
 
     def candidates(self, batch_size: int) -> tuple[Arm, ...]:
         """The arms :meth:`select` picks from at ``batch_size`` (all its bucket's without step costs)."""
@@ -198,6 +204,21 @@ class BucketedStrategy:
             kept = paying_arms(self.step_costs, self.arms[b], batch_size, key[1], self.margin)
             self._candidates_cache[key] = tuple(i for i in every if self.arms[b][i] in kept) or every
         return self._candidates_cache[key]
+
+    def _probe(self, b: int, batch_size: int, candidates: tuple[int, ...]) -> int | None:
+        """The arm to probe with at ``batch_size`` (see :meth:`use_step_costs`), or ``None``."""
+        if self.step_costs is None or self._since_spec < PROBE_EVERY:
+            return None
+        if any(self.arms[b][i] is not None for i in candidates):
+            return None  # the bandit may run a speculative arm here itself
+
+        predicted = {
+            i: predicted_speedup(self.step_costs, batch_size, arm, self.accept_estimate)
+            for i, arm in enumerate(self.arms[b])
+            if arm is not None
+        }
+        measured = {i: rate for i, rate in predicted.items() if rate is not None}
+        return max(measured, key=measured.__getitem__) if measured else None
 
     def _check_update(self, batch_size: int, arm: Arm, accepted_tokens: float, step_time: float):
         b = self.bucket_of(batch_size)
@@ -227,7 +248,14 @@ class BucketedStrategy:
         b = self.bucket_of(batch_size)
         candidates = self._candidates(b, batch_size)
         untried = next((i for i in candidates if self._counts[b][i] == 0), None)
-        i, mode = (untried, "untried") if untried is not None else self._choose(b, candidates)
+        probe = self._probe(b, batch_size, candidates)
+        if untried is not None:
+            i, mode = untried, "untried"
+        elif probe is not None:
+            i, mode = probe, "probe"
+        else:
+            i, mode = self._choose(b, candidates)
+        self._since_spec += 1
         self._pending[b] = (i, mode)
         return self.arms[b][i]
 
@@ -246,6 +274,7 @@ class BucketedStrategy:
         mode = pending[1] if pending is not None and pending[0] == i else "unpaired"
         self._counts[b][i] += 1
         if arm is not None and self.step_costs is not None:
+            self._since_spec = 0
             self._observe_acceptance(arm, float(accepted_tokens), batch_size)
         self._observe(b, i, reward / batch_size if self.per_request else reward)
         self._history.append(Decision(self._num_updates, self.bucket_labels[b], arm, reward, mode))

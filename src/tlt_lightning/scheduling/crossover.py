@@ -7,8 +7,8 @@ verify is weight-bound at one row (drafted tokens ride along almost free) and co
 rows on (SmolLM2, one core, 7 rows: 3 queries cost 1.8x one), so the crossover moves with the machine:
 :class:`StepCosts` holds ``t`` measured on it
 (:func:`~tlt_lightning.rl.crossover.measure_step_costs`), and a strategy given them
-(:meth:`~tlt_lightning.scheduling.BucketedStrategy.use_step_costs`) never tries an arm predicted to lose
-at the batch size at hand. The bandit still picks among the rest, and learns ``alpha`` from its steps.
+(:meth:`~tlt_lightning.scheduling.BucketedStrategy.use_step_costs`) tries an arm predicted to lose at the
+batch size at hand only as a rare probe. The bandit picks among the rest, and learns ``alpha`` from its steps.
 """
 
 from __future__ import annotations
