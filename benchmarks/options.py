@@ -168,7 +168,7 @@ def bench_strategies(p: ArgumentParser) -> None:
         default=None,
         metavar="ARM",
         help="candidate arms of every bucket and the fixed runs, e.g. off chain2 chain4 chain6 "
-        "(default: default_arms(): off, chains of 2/4/6, trees 4x2/8 and 5x4/16)",
+        "(default: default_arms(): off, chains of 1/2/4, trees 4x2/8 and 5x4/15)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="runs/bench/strategies.json")

@@ -43,9 +43,9 @@ def test_bench_strategies_runs_every_arm_and_the_bandit(tmp_path):
     assert set(runs) == {
         "off",
         "off (again)",
+        "chain1",
         "chain2",
         "chain4",
-        "chain6",
         "tree4x2/8",
         "tree5x4/15",
         "BEG-MAB batch/1,2,5,21",

@@ -173,8 +173,8 @@ class SpeculativeConfig:
         crossover: where a bandit strategy may speculate below ``threshold``: ``"auto"`` measures the
             machine's step costs (plain and each arm, at the batch sizes below ``threshold``) once per
             machine where rollouts are compiled, and the strategy then tries an arm predicted to lose
-            at the batch size at hand only as a rare probe (:mod:`tlt_lightning.rl.crossover`); ``"measure"`` does so on
-            any decode path, ``"off"`` never (every arm is tried).
+            at the batch size at hand only as a rare probe (:mod:`tlt_lightning.rl.crossover`);
+            ``"measure"`` does so on any decode path, ``"off"`` never (every arm is tried).
     """
 
     enabled: bool = True
