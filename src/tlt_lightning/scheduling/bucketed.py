@@ -50,9 +50,9 @@ def default_arms() -> tuple[Arm, ...]:
     Off and the short chains win at large batch, deep trees at batch 1 with a greedy target; every
     bucket gets all six so that each one really explores (one arm per bucket would make the bandit a
     lookup table). At temperature 1 (acceptance ~0.6 per draft) a chain of one pays best on a CPU
-    core, where every verified token costs compute: SmolLM2 at batch 1 (Zen 4), 16.4 ms a token
-    plain, 12.0 with chain 1, 13.4 with chain 2. Every verify is at most 16 tokens per row (the
-    larger tree drafts 15), the largest query bucket of the compiled graphs.
+    core, where every verified token costs compute: SmolLM2 rollouts at batch 1 (Zen 4, benchmark
+    ``few_rows_verify``) chain 1 1.47x plain, chain 2 1.36x. Every verify is at most 16 tokens per
+    row (the larger tree drafts 15), the largest query bucket of the compiled graphs.
     """
     return (None, DraftSpec(1), DraftSpec(2), DraftSpec(4), DraftSpec(4, 2, 8), DraftSpec(5, 4, 15))
 
