@@ -213,7 +213,6 @@ class BucketedStrategy:
             return None
         if any(self.arms[b][i] is not None for i in candidates):
             return None  # the bandit may run a speculative arm here itself
-
         predicted = {
             i: predicted_speedup(self.step_costs, batch_size, arm, self.accept_estimate)
             for i, arm in enumerate(self.arms[b])
@@ -250,10 +249,9 @@ class BucketedStrategy:
         b = self.bucket_of(batch_size)
         candidates = self._candidates(b, batch_size)
         untried = next((i for i in candidates if self._counts[b][i] == 0), None)
-        probe = self._probe(b, batch_size, candidates)
         if untried is not None:
             i, mode = untried, "untried"
-        elif probe is not None:
+        elif (probe := self._probe(b, batch_size, candidates)) is not None:
             i, mode = probe, "probe"
         else:
             i, mode = self._choose(b, candidates)
