@@ -262,7 +262,7 @@ def test_fit_tiny_config_logs_metrics_and_params_to_mlflow(tmp_path, monkeypatch
     assert params["trainer/max_steps"] == "2" and params["threads"] == "None"
     assert not [name for name in params if name.startswith("_")]  # no internals (LightningCLI's instantiator)
     assert params["bandit/strategy"] == "BEGMABStrategy" and params["bandit/strategy/epsilon"] == "0.1"
-    assert params["bandit/strategy/arms"].startswith("1: off chain2")
+    assert params["bandit/strategy/arms"].startswith("1: off chain1 chain2")
     # The resolved config, as an MLflow artifact and beside the run's checkpoints.
     config = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
     assert yaml.safe_load(Path(config).read_text())["trainer"]["max_steps"] == 2

@@ -52,7 +52,7 @@ class SimulatedSDEnvironment:
         >>> from tlt_lightning.speculative import arm_key
         >>> env = SimulatedSDEnvironment(change_at=None)
         >>> arm_key(env.best_arm(1, step=0)), arm_key(env.best_arm(48, step=0))
-        ('tree5x4/15', 'off')
+        ('tree5x4/15', 'chain1')
     """
 
     batch_sizes: tuple[int, ...] = (1, 3, 12, 48)
