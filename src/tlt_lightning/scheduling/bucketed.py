@@ -213,13 +213,13 @@ class BucketedStrategy:
             return None
         if any(self.arms[b][i] is not None for i in candidates):
             return None  # the bandit may run a speculative arm here itself
-        predicted = {
-            i: predicted_speedup(self.step_costs, batch_size, arm, self.accept_estimate)
+        costs, accept = self.step_costs, self.accept_estimate
+        rates = {  # predicted speed-ups of the measured speculative arms
+            i: rate
             for i, arm in enumerate(self.arms[b])
-            if arm is not None
+            if arm is not None and (rate := predicted_speedup(costs, batch_size, arm, accept)) is not None
         }
-        measured = {i: rate for i, rate in predicted.items() if rate is not None}
-        return max(measured, key=measured.__getitem__) if measured else None
+        return max(rates, key=rates.__getitem__, default=None)
 
     def _check_update(self, batch_size: int, arm: Arm, accepted_tokens: float, step_time: float):
         b = self.bucket_of(batch_size)
