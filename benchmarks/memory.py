@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tlt_lightning.efficiency.host_memory import rss_mb
+from tlt_lightning.efficiency.host_memory import malloc_mb, resident_kinds_mb, rss_mb
 from tlt_lightning.rl.listeners import RolloutListener
 from tlt_lightning.rollout.types import RolloutResult
 
@@ -84,8 +84,10 @@ def _object_tensors(root: Any, depth: int = 4) -> list[torch.Tensor]:
 
 def tensor_breakdown(module: Any, trainer: Any, spot: Any = None, largest: int = 8) -> dict[str, Any]:
     """MiB of every live CPU tensor by owner (each storage in the first part that holds it), under
-    ``"mb"``; and the ``largest`` storages of ``"other"`` (none of the parts' tensors) as
-    ``"[shape] dtype MiB"`` strings, under ``"other_largest"``, to tell what they are."""
+    ``"mb"``; the ``largest`` storages of ``"other"`` (none of the parts' tensors) as
+    ``"[shape] dtype MiB"`` strings, under ``"other_largest"``, to tell what they are; and what the
+    process holds besides, under ``"resident_mb"`` (anonymous / file-backed) and ``"malloc_mb"`` (glibc's
+    blocks in use / freed but kept), where the system tells."""
     policy = getattr(module, "policy", None)
     params = list(policy.parameters()) if policy is not None else []
     states = [v for opt in trainer.optimizers for s in opt.state.values() for v in s.values()]
@@ -116,7 +118,13 @@ def tensor_breakdown(module: Any, trainer: Any, spot: Any = None, largest: int =
     return {
         "mb": {k: round(v, 1) for k, v in out.items()},
         "other_largest": [f"{named[k]} {rest[k] / MB:.1f}" for k in top],
+        "resident_mb": _rounded(resident_kinds_mb()),
+        "malloc_mb": _rounded(malloc_mb()),
     }
+
+
+def _rounded(values: dict[str, float] | None) -> dict[str, float]:
+    return {k: round(v, 1) for k, v in (values or {}).items()}
 
 
 class MemoryProbe(RolloutListener):
@@ -182,6 +190,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         payload["ranks"][rank] = {
             "tensors_mb": tensors.get("mb", {}),
             "other_largest": tensors.get("other_largest", []),
+            "resident_mb": tensors.get("resident_mb", {}),
+            "malloc_mb": tensors.get("malloc_mb", {}),
             "phase_peak_mb": phases,
             # The kernel updates getrusage's high-water mark lazily: a sample may top it by a page or two.
             "peak_rss_mb": max([*(r["peak_rss_mb"] for r in mine), *phases.values()], default=0.0),
@@ -194,4 +204,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  tensors after the last step (MiB): {tensors}")
         print(f"  the largest of 'other': {', '.join(data['other_largest'])}")
         print(f"  peak RSS by phase (MiB): {phases}")
+        kinds = {**data["resident_mb"], **{f"malloc {k}": v for k, v in data["malloc_mb"].items()}}
+        print(f"  resident after the last step (MiB): {', '.join(f'{k} {v:.0f}' for k, v in kinds.items())}")
     return payload

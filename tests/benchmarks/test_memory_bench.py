@@ -45,8 +45,12 @@ def test_a_tiny_fit_is_broken_down_by_owner_and_phase(tmp_path, capsys):
     sizes = [float(entry.rsplit(" ", 1)[1]) for entry in rank["other_largest"]]
     assert sizes == sorted(sizes, reverse=True)
     assert sum(sizes) <= rank["tensors_mb"]["other"] + 0.1 * len(sizes)  # each rounded to 0.1
+    if rank["resident_mb"]:  # Linux: the anonymous memory holds every tensor
+        assert rank["resident_mb"]["anonymous"] >= sum(rank["tensors_mb"].values()) - 1
+        assert rank["resident_mb"]["anonymous"] + rank["resident_mb"]["file"] <= rank["peak_rss_mb"] + 1
     assert json.loads((tmp_path / "memory.json").read_text())["ranks"]["0"] == rank
-    assert "peak RSS by phase" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "peak RSS by phase" in out and "resident after the last step" in out
 
 
 def test_a_drafter_path_relative_to_the_config_file_reaches_the_fit_absolute(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tlt_lightning.efficiency import host_memory
 
@@ -30,23 +31,32 @@ grown = hm.rss_mb() - base
 del big
 if mode == "trim":
     hm.trim()
-print(grown, hm.rss_mb() - base)
+print(grown, hm.rss_mb() - base, (hm.malloc_mb() or {"free_held": float("nan")})["free_held"])
 """
 
 
-def _kept_mb(mode: str) -> tuple[float, float]:
+def _kept_mb(mode: str) -> tuple[float, float, float]:
+    """MiB the 64 tensors grew the process by, MiB resident once they are freed, MiB glibc says it keeps."""
     out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True)
-    grown, kept = map(float, out.stdout.split())
-    return grown, kept
+    grown, kept, held = map(float, out.stdout.split())
+    return grown, kept, held
 
 
 @needs_glibc
 def test_freed_large_tensors_stay_resident_by_default_and_go_back_with_a_threshold_or_a_trim():
-    grown, kept = _kept_mb("default")
+    grown, kept, _ = _kept_mb("default")
     assert grown >= 60 and kept >= 48  # the control: glibc keeps them
     for mode in ("threshold", "trim"):
-        grown, kept = _kept_mb(mode)
+        grown, kept, _ = _kept_mb(mode)
         assert grown >= 60 and kept <= 16, mode
+
+
+@needs_glibc
+def test_malloc_accounts_freed_blocks_its_heaps_keep_and_not_those_mapped_on_their_own():
+    _, _, held = _kept_mb("default")
+    assert held >= 48  # mallinfo2 (glibc >= 2.33): the freed tensors wait in the heaps
+    _, _, held = _kept_mb("threshold")
+    assert held <= 16  # each was its own mapping, unmapped when freed
 
 
 @pytest.mark.parametrize("bad", [-1, 32 * 2**20 + 1, 1.5, True, "128k"])
@@ -58,3 +68,14 @@ def test_a_threshold_outside_glibcs_range_is_refused_with_a_usual_value(bad):
 def test_rss_is_measured_where_proc_exists():
     rss = host_memory.rss_mb()
     assert rss is None or rss > 10
+
+
+def test_a_live_tensor_is_anonymous_resident_memory_in_malloc_use():
+    kinds, blocks = host_memory.resident_kinds_mb(), host_memory.malloc_mb()
+    if kinds is None or blocks is None:
+        pytest.skip("no /proc/self/smaps_rollup or no glibc >= 2.33 here")
+    x = torch.ones(16 * 2**20)  # 64 MiB, touched
+    grown = host_memory.resident_kinds_mb()["anonymous"] - kinds["anonymous"]
+    used = host_memory.malloc_mb()["in_use"] - blocks["in_use"]
+    assert 60 <= grown and 60 <= used <= 68 and kinds["file"] > 1, (grown, used, kinds)
+    del x

@@ -21,7 +21,15 @@ import ctypes.util
 import functools
 import os
 
-__all__ = ["check_mmap_threshold", "glibc", "rss_mb", "set_mmap_threshold", "trim"]
+__all__ = [
+    "check_mmap_threshold",
+    "glibc",
+    "malloc_mb",
+    "resident_kinds_mb",
+    "rss_mb",
+    "set_mmap_threshold",
+    "trim",
+]
 
 M_MMAP_THRESHOLD = -3
 """``mallopt`` parameter number of the mmap threshold (glibc's ``malloc.h``)."""
@@ -95,3 +103,41 @@ def rss_mb() -> float | None:
     except OSError:
         return None
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def resident_kinds_mb() -> dict[str, float] | None:
+    """Resident memory by kind, in MiB (Linux ``/proc/self/smaps_rollup``), ``None`` elsewhere.
+
+    ``"anonymous"``: memory no file backs (the C heaps, with every tensor, freed blocks glibc keeps, and
+    Python's objects); ``"file"``: mapped files (the libraries' code, weights read by ``mmap``).
+    """
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            fields = {k: v.split() for k, _, v in (line.partition(":") for line in f) if v.strip()}
+        rss, anonymous = int(fields["Rss"][0]), int(fields["Anonymous"][0])
+    except (OSError, KeyError, ValueError):
+        return None
+    return {"anonymous": anonymous / 1024, "file": (rss - anonymous) / 1024}
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks")
+        + ("fordblks", "keepcost")
+    ]
+
+
+def malloc_mb() -> dict[str, float] | None:
+    """glibc's account of ``malloc`` memory over all its arenas, in MiB (``mallinfo2``), else ``None``.
+
+    ``"in_use"``: blocks allocated and not freed (heap blocks and mmapped ones); ``"free_held"``: freed
+    blocks its heaps keep for reuse, resident unless trimmed (what :func:`set_mmap_threshold` and
+    :func:`trim` are about).
+    """
+    libc = glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):  # mallinfo2: glibc >= 2.33
+        return None
+    libc.mallinfo2.restype = _Mallinfo2
+    info = libc.mallinfo2()
+    return {"in_use": (info.uordblks + info.hblkhd) / 2**20, "free_held": info.fordblks / 2**20}
