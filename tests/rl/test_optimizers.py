@@ -9,7 +9,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tests.rl.test_module import initial_params, make_module, make_trainer, params
-from tlt_lightning.rl.optimizers import PACKED, pack_optimizer_states
+from tlt_lightning.rl.config import OptimConfig
+from tlt_lightning.rl.optimizers import PACKED, build_optimizer, pack_optimizer_states
 
 
 def test_adamw8bit_keeps_8_bit_moments_and_trains():
@@ -57,3 +58,44 @@ def test_adamw8bit_without_torchao_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.optim", None)
     with pytest.raises(ImportError, match=r"tlt-lightning\[efficiency\]"):
         make_trainer(1).fit(make_module(optimizer="adamw8bit"))
+
+
+def _moved(optimizer: str | None, steps: int = 50) -> float:
+    """Mean change of bf16 weights ~N(0, 1) after ``steps`` AdamW steps of lr 1e-4 on a gradient of ones
+    (each should move every weight by ~ -1e-4, a 64th of a bf16 step at 1); ``None``: PyTorch's AdamW."""
+    weight = torch.nn.Parameter(torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).bfloat16())
+    start = weight.detach().float().clone()
+    opt = (
+        torch.optim.AdamW([weight], lr=1e-4)
+        if optimizer is None
+        else build_optimizer([weight], OptimConfig(lr=1e-4, optimizer=optimizer), torch.device("cpu"))
+    )
+    for _ in range(steps):
+        weight.grad = torch.ones_like(weight)
+        opt.step()
+    return float((weight.detach().float() - start).mean())
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
+def test_bf16_weights_take_updates_below_their_rounding_step_in_expectation(optimizer):
+    pytest.importorskip("torchao.optim")
+    assert _moved(optimizer) == pytest.approx(-50 * 1e-4, rel=0.1)
+    assert abs(_moved(None)) < 0.1 * 50 * 1e-4  # the control: rounded to nearest, most updates are lost
+
+
+def test_a_bf16_policy_trains_with_stochastic_rounding_and_no_fp32_copy():
+    pytest.importorskip("torchao.optim")
+    module = make_module(dtype="bfloat16", lr=1e-3)
+    make_trainer(2).fit(module)
+    (optimizer,) = module.trainer.optimizers
+    embed = module.policy.get_input_embeddings().weight
+    assert embed.dtype == torch.bfloat16 and optimizer.bf16_stochastic_round
+    assert optimizer.state[embed]["exp_avg"].dtype == torch.bfloat16
+    assert not torch.equal(embed.detach().float(), initial_params()["model.embed_tokens.weight"].float())
+
+
+def test_a_bf16_policy_without_torchao_says_what_to_install_or_to_train_in_fp32(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)
+    weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    with pytest.raises(ImportError, match=r"tlt-lightning\[efficiency\].*model.dtype='float32'"):
+        build_optimizer([weight], OptimConfig(), torch.device("cpu"))

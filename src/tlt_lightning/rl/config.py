@@ -88,7 +88,8 @@ class OptimConfig:
             or ``"adamw8bit"`` (torchao's ``AdamW8bit``, the ``efficiency`` extra: moments in 8 bits
             with a scale per 256 values, ~2 bytes per parameter: SmolLM2-135M's 1.03 GB -> ~0.27 GB;
             its step compiles with Inductor on first use and is slower than fused AdamW on a CPU:
-            docs/efficiency.md).
+            docs/efficiency.md). A bfloat16 policy (``model.dtype``) is updated with stochastic rounding
+            by torchao's AdamW or ``AdamW8bit`` (:mod:`~tlt_lightning.rl.optimizers`).
     """
 
     group_size: int = 4

@@ -65,7 +65,8 @@ class GRPOModule(L.LightningModule):
 
     Args:
         model: registry name (``"smollm2-135m"``, ``"tiny-llama"``, ...) or a local HF directory.
-        dtype: parameter dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        dtype: parameter dtype, ``"float32"``, ``"bfloat16"`` (updated with stochastic rounding, no
+            rollout mirror: half the memory of float32's weights, gradients and moments) or ``"float16"``.
         rollout_dtype: sample on a mirror of the policy in this dtype, refreshed after every optimizer
             step; ``"auto"``: bf16 where the device multiplies it natively
             (:func:`~tlt_lightning.models.resolve_dtype`), else, like ``None``, the policy itself.

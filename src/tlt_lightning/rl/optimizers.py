@@ -1,6 +1,10 @@
 """The policy's optimizer (:attr:`OptimConfig.optimizer`) and its state in Lightning checkpoints.
 
-``"adamw"`` is PyTorch's AdamW (fused on CPU and CUDA). ``"adamw8bit"`` is torchao's ``AdamW8bit``,
+``"adamw"`` is PyTorch's AdamW (fused on CPU and CUDA). A bfloat16 policy (``model.dtype: bfloat16``)
+is updated with stochastic rounding instead (torchao's AdamW): rounded to nearest, an update smaller than
+half a bf16 step is lost, and at RL learning rates most are (lr 2e-5 against weights ~0.05, whose bf16 step
+is ~2.4e-4; weights ~N(0, 1) at lr 1e-4 moved by 3% of the intended amount in 50 steps of PyTorch's AdamW,
+by all of it with stochastic rounding, in expectation). ``"adamw8bit"`` is torchao's ``AdamW8bit``,
 whose moments are ``OptimState8bit`` tensor subclasses (8-bit codes, a scale per block, a lookup
 table). ``torch.load`` cannot rebuild those with the ``map_location`` function Lightning passes, nor
 under ``weights_only``: :func:`pack_optimizer_states` stores them in a checkpoint as their plain
@@ -25,23 +29,35 @@ PACKED = "torchao.optim.OptimState8bit"
 def build_optimizer(
     params: Iterable[torch.nn.Parameter], config: OptimConfig, device: torch.device
 ) -> torch.optim.Optimizer:
-    """The optimizer ``config.optimizer`` names over ``params``, with ``config``'s lr and weight decay.
+    """The optimizer ``config.optimizer`` names over ``params``, with ``config``'s lr and weight decay;
+    bfloat16 parameters are updated with stochastic rounding (module docstring).
 
     Raises:
-        ImportError: ``"adamw8bit"`` without torchao; the message says what to install.
+        ImportError: ``"adamw8bit"``, or bfloat16 parameters, without torchao; the message says what to
+            install.
     """
+    params = list(params)
     lr, decay = config.lr, config.weight_decay
+    bf16 = any(p.dtype == torch.bfloat16 for p in params)
+    if config.optimizer == "adamw" and not bf16:
+        fused = device.type in ("cpu", "cuda")  # one kernel: faster, and no param-sized temporaries
+        return torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)
+    try:
+        from torchao.optim import AdamW8bit, _AdamW
+    except ImportError as err:
+        need = "optim.optimizer='adamw8bit'" if config.optimizer == "adamw8bit" else "a bfloat16 policy"
+        instead = (
+            "optim.optimizer='adamw'"
+            if config.optimizer == "adamw8bit"
+            else "model.dtype='float32' (AdamW rounded to nearest loses most updates in bf16)"
+        )
+        raise ImportError(
+            f"{need} needs torchao (stochastic rounding, 8-bit moments): pip install "
+            f"'tlt-lightning[efficiency]' (or {instead})"
+        ) from err
     if config.optimizer == "adamw8bit":
-        try:
-            from torchao.optim import AdamW8bit
-        except ImportError as err:
-            raise ImportError(
-                "optim.optimizer='adamw8bit' needs torchao: pip install 'tlt-lightning[efficiency]' "
-                "(or optim.optimizer='adamw')"
-            ) from err
-        return AdamW8bit(params, lr=lr, weight_decay=decay)
-    fused = device.type in ("cpu", "cuda")  # one kernel: faster, and no param-sized temporaries
-    return torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)
+        return AdamW8bit(params, lr=lr, weight_decay=decay, bf16_stochastic_round=bf16)
+    return _AdamW(params, lr=lr, weight_decay=decay, bf16_stochastic_round=True)
 
 
 def _is_8bit(value: Any) -> bool:
