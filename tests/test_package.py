@@ -334,6 +334,7 @@ PUBLIC_API = {
         "QATCallback",
         "RhoLossScorer",
         "Scorer",
+        "StreamingCheckpointIO",
         "apply_activation_checkpointing",
         "apply_dora",
         "convert_qat",

@@ -4,6 +4,7 @@
 * :mod:`.memory`: activation memory measured on any device (CPU included);
 * :mod:`.host_memory`: glibc's mmap threshold and ``malloc_trim``: a CPU fit's resident memory near
   what its tensors need;
+* :mod:`.checkpoint_io`: :class:`StreamingCheckpointIO`, checkpoints written without a copy in memory;
 * :mod:`.precision`: embeddings and head in fp32, attention and MLP in bf16/fp16, per-group fp16
   loss scalers;
 * :mod:`.dora`: DoRA adapters through peft for the policy and the drafter, merged on export
@@ -32,6 +33,7 @@ from tlt_lightning.efficiency.callbacks import (
     HostMemoryCallback,
     LayerwisePrecisionCallback,
 )
+from tlt_lightning.efficiency.checkpoint_io import StreamingCheckpointIO
 from tlt_lightning.efficiency.distill import DistillConfig, HierarchicalDistillation, distill_step
 from tlt_lightning.efficiency.dora import DoraConfig, apply_dora, merge_dora
 from tlt_lightning.efficiency.grpo import grpo_policy_loss, grpo_profile_batch
@@ -70,6 +72,7 @@ __all__ = [
     "QATCallback",
     "RhoLossScorer",
     "Scorer",
+    "StreamingCheckpointIO",
     "apply_activation_checkpointing",
     "apply_dora",
     "convert_qat",
