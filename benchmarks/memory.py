@@ -116,7 +116,7 @@ def tensor_breakdown(module: Any, trainer: Any, spot: Any = None, largest: int =
     out["other"] = sum(rest.values()) / MB
     top = sorted(rest, key=rest.get, reverse=True)[:largest]
     return {
-        "mb": {k: round(v, 1) for k, v in out.items()},
+        "mb": _rounded(out),
         "other_largest": [f"{named[k]} {rest[k] / MB:.1f}" for k in top],
         "resident_mb": _rounded(resident_kinds_mb()),
         "malloc_mb": _rounded(malloc_mb()),

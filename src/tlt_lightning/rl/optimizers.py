@@ -45,11 +45,10 @@ def build_optimizer(
     try:
         from torchao.optim import AdamW8bit, _AdamW
     except ImportError as err:
-        need = "optim.optimizer='adamw8bit'" if config.optimizer == "adamw8bit" else "a bfloat16 policy"
-        instead = (
-            "optim.optimizer='adamw'"
+        need, instead = (
+            ("optim.optimizer='adamw8bit'", "optim.optimizer='adamw'")
             if config.optimizer == "adamw8bit"
-            else "model.dtype='float32' (AdamW rounded to nearest loses most updates in bf16)"
+            else ("a bfloat16 policy", "model.dtype='float32' (rounded to nearest, bf16 loses most updates)")
         )
         raise ImportError(
             f"{need} needs torchao (stochastic rounding, 8-bit moments): pip install "
