@@ -24,14 +24,17 @@ bench-demo: setup
 		--json runs/demo/rollout.json
 
 ## The whole test suite (fast tests on tiny random models, slow ones on the real model), with the
-## optional torchtune and efficiency extras installed so their tests run too.
+## optional torchtune and efficiency extras installed so their tests run too; in TEST_WORKERS processes
+## (pytest-xdist), a test file to each, one thread each.
+TEST_WORKERS ?= 2
+PYTEST_WORKERS = -n $(TEST_WORKERS) --dist loadfile
 test: EXTRAS = smollm2,tasks,mlflow,plots,test,torchtune,efficiency,peers
 test: setup
-	$(PY) -m pytest -m "not gpu" -q
+	$(PY) -m pytest -m "not gpu" -q $(PYTEST_WORKERS)
 
 test-fast: EXTRAS = smollm2,tasks,mlflow,plots,test,torchtune,efficiency,peers
 test-fast: setup
-	$(PY) -m pytest -m "not slow and not gpu" -q
+	$(PY) -m pytest -m "not slow and not gpu" -q $(PYTEST_WORKERS)
 
 ## The full rollout benchmark summarised in docs/benchmarks.md.
 bench-rollout: setup

@@ -103,6 +103,7 @@ def _fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     module = GRPOModule(
         model=args.model,
         rollout_dtype=args.rollout_dtype,
+        rollout_decode=args.decode,
         task=TaskConfig(name=args.task),
         rollout=RolloutConfig(max_new_tokens=args.max_new_tokens),
         optim=OptimConfig(

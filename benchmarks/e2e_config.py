@@ -26,7 +26,6 @@ import argparse
 import copy
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from benchmarks.common import machine_info, median, new_figure, save_figure, wri
 from benchmarks.e2e_peers import PeerUnavailable, peer_ratios, trl_peer, vllm_python, with_vllm
 from benchmarks.memory import MemoryProbe, tensor_breakdown
 from tlt_lightning.callbacks import SpotDrafterCallback
+from tlt_lightning.efficiency.host_memory import peak_rss_mb
 from tlt_lightning.speculative.arms import arm_key
 
 __all__ = [
@@ -162,7 +162,7 @@ class RankRecorder(L.Callback):
             "reward": float(rewards.total.mean()),
             "accuracy": float((rewards.correctness >= 1).float().mean()),
             "phase_peak_mb": self.memory.take(),  # before the peak below, which bounds every sample in it
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mb": peak_rss_mb(),
         }
         if trainer.global_step == 1 or trainer.global_step % 4 == 0:  # a walk over every live tensor
             record["tensors"] = tensor_breakdown(pl_module, trainer, spot)

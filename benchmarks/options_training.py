@@ -19,6 +19,16 @@ __all__ = [
 # spot --parts (benchmarks.spot.PARTS)
 SPOT_PARTS = ("packing", "preemption", "checkpoint", "ddp", "contention")
 EFFICIENCY_PARTS = ("sampler", "distill", "qat")  # efficiency --part (benchmarks.efficiency.PARTS)
+ROLLOUT_DECODES = ("auto", "hf", "lean", "compiled")  # tlt_lightning.rl.module_settings.ROLLOUT_DECODES
+
+
+def _rollout_decode(p) -> None:
+    p.add_argument(
+        "--decode",
+        default="auto",
+        choices=ROLLOUT_DECODES,
+        help="the fits' rollout decode path (GRPOModule rollout_decode; auto: compiled where it pays)",
+    )
 
 
 def bench_activation_checkpointing(parser: ArgumentParser) -> None:
@@ -84,6 +94,7 @@ def bench_e2e(p: ArgumentParser) -> None:
     p.add_argument(
         "--drift-tokens", type=PositiveInt, default=128, help="response cap of the drift probe rollouts"
     )
+    _rollout_decode(p)
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer as a peer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="Lightning progress bars")
@@ -165,6 +176,7 @@ def bench_spot(p: ArgumentParser) -> None:
         "--threshold", type=PositiveInt, default=8, help="speculate below this many active requests"
     )
     g.add_argument("--depth", type=PositiveInt, default=6, help="chain depth")
+    _rollout_decode(g)
     g.add_argument("--out", default="runs/bench/spot", help="working directory of the fits")
     g = p.add_argument_group("contention (--max-new-tokens: the decode's steps)")
     g.add_argument("--contention-repeats", type=PositiveInt, default=5, help="alone / beside pairs")

@@ -208,6 +208,7 @@ def _ddp_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     module = GRPOModule(
         model=args.model,
         rollout_dtype="bfloat16",
+        rollout_decode=args.decode,
         task=TaskConfig(name=args.task),
         rollout=RolloutConfig(max_new_tokens=args.max_new_tokens),
         optim=OptimConfig(

@@ -28,6 +28,8 @@ def test_e2e_bench_on_the_real_model(tmp_path):
             "5",
             "--depth",
             "2",
+            "--decode",  # the fits' plumbing: compiled rollouts have tests of their own
+            "hf",
             "--drafter-steps",
             "1",
             "--drift-every",

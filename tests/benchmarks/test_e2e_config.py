@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 from pathlib import Path
@@ -33,7 +34,7 @@ TLT = [
 
 def tiny_config() -> dict:
     config = yaml.safe_load((ROOT / "configs" / "grpo_tiny.yaml").read_text())
-    config["trainer"].update(logger=False, callbacks=TLT, enable_progress_bar=False)
+    config["trainer"].update(logger=False, callbacks=copy.deepcopy(TLT), enable_progress_bar=False)
     config["model"]["rollout_progress"] = False
     return config
 

@@ -40,6 +40,8 @@ def test_spot_bench_on_the_real_model(tmp_path):
             "4",
             "--depth",
             "2",
+            "--decode",  # the fits' plumbing: compiled rollouts have tests of their own
+            "hf",
             "--out",
             str(tmp_path / "runs"),
             "--json",

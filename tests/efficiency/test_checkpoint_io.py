@@ -15,14 +15,15 @@ from tlt_lightning.efficiency import checkpoint_io as module
 
 # The high-water mark of resident memory a save adds for 256 MiB of weights, with either CheckpointIO.
 SCRIPT = """
-import resource, sys, torch
+import sys, torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from tlt_lightning.efficiency import StreamingCheckpointIO
+from tlt_lightning.efficiency.host_memory import peak_rss_mb
 io = StreamingCheckpointIO() if sys.argv[1] == "streaming" else TorchCheckpointIO()
 weights = torch.ones(64 * 2**20)  # 256 MiB, touched
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+before = peak_rss_mb()
 io.save_checkpoint({"state_dict": {"w": weights}}, sys.argv[2])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before)
+print(peak_rss_mb() - before)
 """
 
 

@@ -72,6 +72,25 @@ def test_rss_is_measured_where_proc_exists():
     assert rss is None or rss > 10
 
 
+PEAK = """
+import torch
+from tlt_lightning.efficiency import host_memory as hm
+start = hm.peak_rss_mb()
+x = torch.ones(32 * 2**20); del x  # 128 MiB, touched, freed
+print(start, hm.peak_rss_mb(), hm.rss_mb())
+"""
+
+
+def test_the_peak_is_the_processs_own_and_holds_after_a_free():
+    # This test run's process is far above the child's whole size: its peak must not carry over.
+    assert host_memory.peak_rss_mb() is None or host_memory.peak_rss_mb() >= host_memory.rss_mb()
+    out = subprocess.run([sys.executable, "-c", PEAK], capture_output=True, text=True, check=True)
+    start, peak, now = (float(v) if v != "None" else None for v in out.stdout.split()[-3:])
+    if start is None:
+        pytest.skip("no /proc/self/status here")
+    assert start < 1024 and 120 <= peak - start <= 140 and now < peak - 100, (start, peak, now)
+
+
 LIVE = """
 import json, torch
 from tlt_lightning.efficiency import host_memory as hm

@@ -25,6 +25,7 @@ __all__ = [
     "check_mmap_threshold",
     "glibc",
     "malloc_mb",
+    "peak_rss_mb",
     "resident_kinds_mb",
     "rss_mb",
     "set_mmap_threshold",
@@ -103,6 +104,19 @@ def rss_mb() -> float | None:
     except OSError:
         return None
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float | None:
+    """The process's peak resident memory so far, in MiB (Linux ``VmHWM``), ``None`` elsewhere.
+
+    Not ``getrusage``'s ``ru_maxrss``: a process started by another keeps its parent's peak in that one.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["VmHWM"].split()[0]) / 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def resident_kinds_mb() -> dict[str, float] | None:
