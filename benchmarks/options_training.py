@@ -19,10 +19,10 @@ __all__ = [
 # spot --parts (benchmarks.spot.PARTS)
 SPOT_PARTS = ("packing", "preemption", "checkpoint", "ddp", "contention")
 EFFICIENCY_PARTS = ("sampler", "distill", "qat")  # efficiency --part (benchmarks.efficiency.PARTS)
-ROLLOUT_DECODES = ("auto", "hf", "lean", "compiled")  # tlt_lightning.rl.module_settings.ROLLOUT_DECODES
+ROLLOUT_DECODES = ("auto", "hf", "lean", "compiled")  # e2e/spot --decode (rl.module_settings.ROLLOUT_DECODES)
 
 
-def _rollout_decode(p) -> None:
+def _rollout_decode(p: ArgumentParser) -> None:
     p.add_argument(
         "--decode",
         default="auto",

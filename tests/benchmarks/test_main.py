@@ -130,10 +130,13 @@ def test_the_command_line_runs_a_benchmark_with_threads(tmp_path):
 
 def test_choices_match_the_library():
     from benchmarks import efficiency, spot
+    from benchmarks.options_training import ROLLOUT_DECODES
     from tlt_lightning.models import DECODE_PATHS as decode_paths
     from tlt_lightning.models.layout import WEIGHT_LAYOUTS as weight_layouts
+    from tlt_lightning.rl.module_settings import ROLLOUT_DECODES as rollout_decodes
 
     assert DECODE_PATHS == decode_paths and WEIGHT_LAYOUTS == weight_layouts
+    assert ROLLOUT_DECODES == rollout_decodes
     assert SPOT_PARTS == spot.PARTS and EFFICIENCY_PARTS == efficiency.PARTS
 
 
