@@ -106,17 +106,23 @@ def rss_mb() -> float | None:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _proc_kb(path: str, *keys: str) -> list[int] | None:
+    """The ``kB`` values of ``keys`` in a ``Key:  value kB`` file of ``/proc``; ``None`` where unreadable."""
+    try:
+        with open(path) as f:
+            fields = {k: v.split() for k, _, v in (line.partition(":") for line in f) if v.strip()}
+        return [int(fields[k][0]) for k in keys]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def peak_rss_mb() -> float | None:
     """The process's peak resident memory so far, in MiB (Linux ``VmHWM``), ``None`` elsewhere.
 
     Not ``getrusage``'s ``ru_maxrss``: a process started by another keeps its parent's peak in that one.
     """
-    try:
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields["VmHWM"].split()[0]) / 1024
-    except (OSError, KeyError, ValueError):
-        return None
+    kb = _proc_kb("/proc/self/status", "VmHWM")
+    return None if kb is None else kb[0] / 1024
 
 
 def resident_kinds_mb() -> dict[str, float] | None:
@@ -125,12 +131,10 @@ def resident_kinds_mb() -> dict[str, float] | None:
     ``"anonymous"``: memory no file backs (the C heaps, with every tensor, freed blocks glibc keeps, and
     Python's objects); ``"file"``: mapped files (the libraries' code, weights read by ``mmap``).
     """
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            fields = {k: v.split() for k, _, v in (line.partition(":") for line in f) if v.strip()}
-        rss, anonymous = int(fields["Rss"][0]), int(fields["Anonymous"][0])
-    except (OSError, KeyError, ValueError):
+    kb = _proc_kb("/proc/self/smaps_rollup", "Rss", "Anonymous")
+    if kb is None:
         return None
+    rss, anonymous = kb
     return {"anonymous": anonymous / 1024, "file": (rss - anonymous) / 1024}
 
 
