@@ -174,12 +174,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import yaml
 
     from benchmarks.common import machine_info, write_json
-    from benchmarks.e2e_config import absolute_drafter_paths, fit_config, read_records
+    from benchmarks.e2e_config import absolute_drafter_paths, fit_config, read_records, summarise
 
     config = absolute_drafter_paths(yaml.safe_load(Path(args.config).read_text()), Path(args.config).parent)
     records, wall = fit_config(config, "memory", args)
     starts, steps = read_records(records)
     payload = {"config": args.config, "machine": machine_info(), "wall_s": wall, "ranks": {}}
+    # The step's times (medians after the first, which warms up), to weigh a variant's memory against them.
+    summary = summarise(steps, skip=1)
+    payload["times"] = {k: summary[k] for k in ("step_s", "rollout_s", "train_s", "rollout_tokens_per_s")}
     for rank in starts:
         mine = [ranks[rank] for ranks in steps if rank < len(ranks)]
         tensors = next((r["tensors"] for r in reversed(mine) if "tensors" in r), {})
@@ -197,6 +200,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "peak_rss_mb": max([*(r["peak_rss_mb"] for r in mine), *phases.values()], default=0.0),
         }
     write_json(args.json, payload)
+    print(
+        "[bench memory] medians after step 1: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in payload["times"].items())
+    )
     for rank, data in payload["ranks"].items():
         tensors = ", ".join(f"{k} {v:.0f}" for k, v in data["tensors_mb"].items())
         phases = ", ".join(f"{k} {v:.0f}" for k, v in data["phase_peak_mb"].items())

@@ -49,6 +49,9 @@ def test_a_tiny_fit_is_broken_down_by_owner_and_phase(tmp_path, capsys):
         assert rank["resident_mb"]["anonymous"] >= sum(rank["tensors_mb"].values()) - 1
         assert rank["resident_mb"]["anonymous"] + rank["resident_mb"]["file"] <= rank["peak_rss_mb"] + 1
     assert json.loads((tmp_path / "memory.json").read_text())["ranks"]["0"] == rank
+    times = payload["times"]  # medians of step 2 alone here
+    assert 0 < times["rollout_s"] <= times["step_s"] and 0 < times["train_s"] <= times["step_s"]
+    assert times["rollout_tokens_per_s"] > 0
     out = capsys.readouterr().out
     assert "peak RSS by phase" in out and "resident after the last step" in out
 
