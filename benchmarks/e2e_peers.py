@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from tlt_lightning.models.hardware import training_precision
+from tlt_lightning.models.hardware import resolve_dtype, training_precision
 from tlt_lightning.rl.module_settings import config_groups
 
 __all__ = ["PeerUnavailable", "merge", "peer_ratios", "trl_peer", "vllm_python", "with_vllm"]
@@ -109,7 +109,7 @@ def trl_peer(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             lr=optim.lr,
             temperature=rollout.temperature,
             seed=int(model.get("seed", 0)),
-            dtype=model.get("dtype", "float32"),
+            dtype=resolve_dtype(model.get("dtype", "float32")),
             output_dir=Path(args.out) / "trl",
             bf16_mixed=str(precision).startswith("bf16"),
             micro_batch_size=optim.micro_batch_size,

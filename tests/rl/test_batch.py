@@ -62,3 +62,27 @@ def test_head_logprobs_runs_the_head_on_real_completion_tokens_only():
         sum(full[b, prompt_lens[b] - 1 + t, tokens[b, t]] for b, t in mask.nonzero().tolist()), hidden
     )
     torch.testing.assert_close(grad, expected_grad)
+
+
+@pytest.mark.parametrize("multiple", [1, 8, 16])
+def test_selected_rows_pad_to_a_multiple_and_keep_their_logprobs(multiple):
+    from tlt_lightning.models import load_model
+    from tlt_lightning.rl.batch import completion_logprobs
+
+    torch.manual_seed(0)
+    model = load_model("tiny-llama").model.eval()
+    prompt_lens, lengths = torch.tensor([3, 5, 2]), torch.tensor([4, 2, 6])
+    S, T = int((prompt_lens + lengths).max()), int(lengths.max())  # 8 tokens at most
+    mask = torch.arange(T) < lengths[:, None]
+    batch = PolicyBatch(
+        torch.randint(1, 100, (3, S)) * (torch.arange(S) < (prompt_lens + lengths)[:, None]),
+        (torch.arange(S) < (prompt_lens + lengths)[:, None]).long(),
+        prompt_lens, torch.randint(1, 100, (3, T)) * mask, mask, torch.ones(3), torch.zeros(3, T),
+    )  # fmt: skip
+    rows = torch.tensor([0, 1])  # their longest: 7 tokens
+    picked = batch.select(rows, multiple)
+    assert picked.input_ids.shape[1] == -(-7 // multiple) * multiple  # 7, 8 or 16: past the batch's 8
+    assert picked.attention_mask.sum(1).tolist() == [7, 7]
+    with torch.no_grad():
+        padded, trimmed = (completion_logprobs(model, b, 1.0) for b in (picked, batch.select(rows)))
+    torch.testing.assert_close(padded, trimmed)

@@ -17,6 +17,7 @@ from tlt_lightning.rollout import RolloutConfig
         ({"prompts_per_step": 0}, "optim.prompts_per_step must be an int >= 1, got 0"),
         ({"micro_batch_size": 0}, "optim.micro_batch_size must be an int >= 1 or None, got 0"),
         ({"micro_batch_tokens": 0.5}, "optim.micro_batch_tokens must be an int >= 1 .* or None, got 0.5"),
+        ({"sequence_multiple": 0}, "optim.sequence_multiple must be an int >= 1 .*, got 0"),
         ({"lr": 0.0}, "optim.lr must be finite and > 0, got 0.0"),
         ({"lr": float("inf")}, "optim.lr must be finite and > 0, got inf"),
         ({"weight_decay": -1.0}, "optim.weight_decay must be >= 0, got -1.0"),

@@ -506,6 +506,20 @@ def test_auto_rollout_dtype_mirrors_in_bf16_only_where_bf16_is_native(monkeypatc
     assert (module.rollout_policy.dtype if module.rollout_policy is not None else None) == mirror
 
 
+@pytest.mark.parametrize(("flags", "dtype"), [(["amx_bf16"], torch.bfloat16), ([], torch.float32)])
+def test_auto_dtype_trains_a_bf16_policy_only_where_bf16_is_native(monkeypatch, flags, dtype):
+    monkeypatch.setattr("tlt_lightning.models.hardware.cpu_bf16_instructions", lambda: flags)
+    module = make_module(dtype="auto", rollout_dtype="auto")
+    make_trainer(1).fit(module)
+    assert module.hparams.dtype == "auto" and module.policy.dtype == dtype
+    assert module.policy_dtype == str(dtype).removeprefix("torch.")
+    assert module.rollout_policy is None  # bf16: the policy samples itself; fp32: no bf16 mirror either
+    optimizer = module.optimizers().optimizer
+    assert isinstance(optimizer, torch.optim.AdamW) == (dtype == torch.float32)  # bf16: stochastic rounding
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        make_module(dtype="fp8")
+
+
 @pytest.mark.parametrize(
     ("layout", "rollout_dtype", "column_major"),
     [("in_out", None, True), ("out_in", None, False), ("in_out", "bfloat16", True)],

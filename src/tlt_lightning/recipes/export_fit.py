@@ -35,7 +35,7 @@ from torch import nn
 
 from tlt_lightning.drafter import Drafter, DrafterConfig, export_drafter_model, load_drafter
 from tlt_lightning.drafter.io import replace_directory
-from tlt_lightning.models import HFTarget, load_model
+from tlt_lightning.models import HFTarget, load_model, resolve_dtype
 from tlt_lightning.resume import read_checkpoint
 from tlt_lightning.vllm.backend import METHODS
 
@@ -288,11 +288,12 @@ def export_fit(
         raise ValueError(
             f"{ckpt_path} records no model (hyper_parameters['model']): pass --model NAME_OR_HF_DIR"
         )
-    dtype = dtype or hp.get("dtype", "float32")
+    trained = resolve_dtype(hp.get("dtype", "float32"))  # "auto": what it means here; the values load exactly
+    dtype = dtype or trained
     out = Path(out_dir)
     check_replaceable(out)
 
-    loaded = load_model(model, dtype=hp.get("dtype", "float32"), seed=int(hp.get("seed", 0)))
+    loaded = load_model(model, dtype=trained, seed=int(hp.get("seed", 0)))
     policy = loaded.model
     _load_policy(policy, policy_state_dict(checkpoint), ckpt_path)
     policy = policy.to(getattr(torch, dtype)).eval()

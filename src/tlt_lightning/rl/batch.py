@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
@@ -41,13 +42,15 @@ class PolicyBatch(NamedTuple):
     advantages: torch.Tensor
     rollout_logprobs: torch.Tensor
 
-    def select(self, rows: torch.Tensor) -> PolicyBatch:
-        """The sequences ``rows`` (``[b]`` int64), padding trimmed to their own longest."""
+    def select(self, rows: torch.Tensor, multiple: int = 1) -> PolicyBatch:
+        """The sequences ``rows`` (``[b]`` int64), padding trimmed to their own longest, rounded up to a
+        ``multiple`` of tokens (fewer distinct shapes for the kernels, which are built per shape)."""
         lens = self.attention_mask[rows].sum(1)
-        S, T = int(lens.max()), int(self.mask[rows].sum(1).max())
+        S, T = -(-int(lens.max()) // multiple) * multiple, int(self.mask[rows].sum(1).max())
+        extra = (0, max(0, S - self.input_ids.shape[1]))  # right padding past the batch's own width
         return PolicyBatch(
-            self.input_ids[rows, :S],
-            self.attention_mask[rows, :S],
+            F.pad(self.input_ids[rows, :S], extra),
+            F.pad(self.attention_mask[rows, :S], extra),
             self.prompt_lens[rows],
             self.tokens[rows, :T],
             self.mask[rows, :T],

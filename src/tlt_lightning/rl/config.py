@@ -82,6 +82,9 @@ class OptimConfig:
             the step's sequences longest first, packed to the budget (a longer one alone), so one
             forward's activations are bounded whatever the lengths and little of it is padding
             (:func:`~tlt_lightning.rl.batch.micro_batches`); ``None``: by ``micro_batch_size`` only.
+        sequence_multiple: each forward's sequences padded to a multiple of this many tokens (1: to
+            their longest). oneDNN builds and caches a kernel for every matrix shape it meets; on a CPU
+            with a bf16 policy, fewer distinct shapes mean fewer builds and a bounded cache.
         max_grad_norm: gradient clipping norm; ``None``: no clipping.
         gradient_checkpointing: recompute activations in backward (less memory, ~30% slower).
         optimizer: ``"adamw"`` (PyTorch's, fused on CPU and CUDA; fp32 moments, 8 bytes per parameter)
@@ -103,6 +106,7 @@ class OptimConfig:
     aggregation: str = "token"
     micro_batch_size: int | None = 8
     micro_batch_tokens: int | None = None
+    sequence_multiple: int = 1
     max_grad_norm: float | None = 1.0
     gradient_checkpointing: bool = False
     optimizer: str = "adamw"
@@ -133,6 +137,12 @@ class OptimConfig:
             "optim.micro_batch_tokens",
             self.micro_batch_tokens,
             "an int >= 1 (padded tokens per forward, e.g. 2048) or None",
+        )
+        check(
+            is_int(self.sequence_multiple) and self.sequence_multiple >= 1,
+            "optim.sequence_multiple",
+            self.sequence_multiple,
+            "an int >= 1 (e.g. 32; 1: no padding)",
         )
         check(0 < self.lr < math.inf, "optim.lr", self.lr, "finite and > 0")
         check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")

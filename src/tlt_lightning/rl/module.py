@@ -66,7 +66,9 @@ class GRPOModule(L.LightningModule):
     Args:
         model: registry name (``"smollm2-135m"``, ``"tiny-llama"``, ...) or a local HF directory.
         dtype: parameter dtype, ``"float32"``, ``"bfloat16"`` (updated with stochastic rounding, no
-            rollout mirror: half the memory of float32's weights, gradients and moments) or ``"float16"``.
+            rollout mirror: half the memory of float32's weights, gradients and moments), ``"float16"``
+            or ``"auto"``: bf16 where the device multiplies it natively, else float32
+            (:func:`~tlt_lightning.models.resolve_dtype`; resolved in :meth:`configure_model`).
         rollout_dtype: sample on a mirror of the policy in this dtype, refreshed after every optimizer
             step; ``"auto"``: bf16 where the device multiplies it natively
             (:func:`~tlt_lightning.models.resolve_dtype`), else, like ``None``, the policy itself.
@@ -168,6 +170,7 @@ class GRPOModule(L.LightningModule):
         self._rollout_listeners = RolloutListeners()
         self.policy: nn.Module | None = None  # built in configure_model (no I/O here)
         self.reference: nn.Module | None = None
+        self.policy_dtype: str = dtype  # "auto" resolves in configure_model
         self.rollout_dtype: str | None = rollout_dtype  # "auto" resolves in configure_model
         self.rollout_policy: nn.Module | None = None  # the rollout_dtype mirror, when there is one
         self.rollout_target: TargetModel | None = None
@@ -191,12 +194,14 @@ class GRPOModule(L.LightningModule):
         if self.policy is not None:
             return
         hp = self.hparams
-        self.policy, self.tokenizer, self.policy_target = self.configure_policy()
         device = self.trainer.strategy.root_device if self._trainer is not None else self.device
+        self.policy_dtype = resolve_dtype(hp.dtype, device)
+        self.policy, self.tokenizer, self.policy_target = self.configure_policy()
         self.rollout_dtype = resolve_dtype(hp.rollout_dtype, device)
         self.rollout_policy, self.rollout_target = rollout_models(
-            self.policy, self.policy_target, self.rollout_dtype, hp.dtype, hp.weight_layout, self.make_target
-        )
+            self.policy, self.policy_target, self.rollout_dtype, self.policy_dtype, hp.weight_layout,
+            self.make_target,
+        )  # fmt: skip
         size = sum(p.numel() for p in self.policy.parameters())
         self.rollout_decode = apply_decode(
             self.rollout_target, resolve_decode(hp.rollout_decode, device, size)
@@ -211,14 +216,14 @@ class GRPOModule(L.LightningModule):
     def configure_policy(self) -> tuple[nn.Module, Any, TargetModel]:
         """Build the trained policy: ``(module in train mode, tokenizer or None, its target adapter)``.
 
-        Called once by :meth:`configure_model`. The default loads ``model`` in ``dtype`` with
+        Called once by :meth:`configure_model`. The default loads ``model`` in ``policy_dtype`` with
         :func:`~tlt_lightning.models.load_model` (a transformers causal LM) and wraps it with
         :meth:`make_target`. A subclass that builds another kind of model overrides this,
         :meth:`make_target` and :meth:`policy_logprobs` together (see
         :class:`~tlt_lightning.rl.TorchtuneGRPOModule`).
         """
         hp = self.hparams
-        loaded = load_model(hp.model, dtype=hp.dtype, seed=hp.seed)
+        loaded = load_model(hp.model, dtype=self.policy_dtype, seed=hp.seed)
         policy = loaded.model.train()
         if self.optim_config.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
@@ -227,7 +232,7 @@ class GRPOModule(L.LightningModule):
     def configure_reference(self) -> nn.Module:
         """The KL reference (``kl_coef > 0``): the initial policy, rebuilt from ``model``; frozen by the
         caller."""
-        return load_model(self.hparams.model, dtype=self.hparams.dtype, seed=self.hparams.seed).model
+        return load_model(self.hparams.model, dtype=self.policy_dtype, seed=self.hparams.seed).model
 
     def make_target(self, module: nn.Module) -> TargetModel:
         """The target adapter rollouts and drafters use for ``module`` (the policy or its ``rollout_dtype``

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any, NamedTuple
 
 from tlt_lightning.models import DECODE_PATHS, WEIGHT_LAYOUTS
+from tlt_lightning.models.registry import DTYPES
 from tlt_lightning.rl.config import OptimConfig, SpeculativeConfig, as_config
 from tlt_lightning.rl.sources import PromptSource
 from tlt_lightning.rl.tasks import TaskConfig
@@ -50,7 +51,7 @@ def config_groups(task: Any, rollout: Any, optim: Any, speculative: Any) -> Conf
 def check_settings(rollout: RolloutConfig, hparams: Mapping[str, Any], prompt_source: Any) -> None:
     """Check :class:`~tlt_lightning.rl.GRPOModule`'s arguments beside its groups: the rollout
     temperature, ``prompt_source`` and, from ``hparams`` (its saved arguments), ``max_abs_reward``,
-    ``seed``, ``logprob_tolerance``, ``rollout_dtype``, ``weight_layout``, ``rollout_backend`` and
+    ``seed``, ``logprob_tolerance``, ``dtype``, ``rollout_dtype``, ``weight_layout``, ``rollout_backend`` and
     ``rollout_decode``.
 
     Raises:
@@ -80,6 +81,8 @@ def check_settings(rollout: RolloutConfig, hparams: Mapping[str, Any], prompt_so
         logprob_tolerance,
         "> 0 or None",
     )
+    dtype = hparams["dtype"]
+    check(dtype in ("auto", *DTYPES), "dtype", dtype, f"'auto' or one of {tuple(DTYPES)}")
     check(
         rollout_dtype in (None, "auto", "float32", "bfloat16", "float16"),
         "rollout_dtype",

@@ -75,19 +75,21 @@ def optimize(module: GRPOModule, data: PolicyBatch) -> dict[str, torch.Tensor]:
         rows = rows[data.advantages != 0]
         if rows.numel() == 0:  # still one backward, so DDP syncs (zero) gradients on every rank
             rows = torch.zeros(1, dtype=torch.long, device=module.device)
-    seq_lens = data.attention_mask[rows].sum(1)
+    multiple = optim.sequence_multiple
+    seq_lens = -(-data.attention_mask[rows].sum(1) // multiple) * multiple  # as the forwards will pad them
     chunks = [rows[i] for i in micro_batches(seq_lens, optim.micro_batch_size, optim.micro_batch_tokens)]
     sampling = module.rollout_settings
     check_logprobs = module.hparams.check_logprobs and sampling.top_p == 1 and sampling.top_k == 0
     sixteen_bit_training = str(module.trainer.precision).startswith(("16", "bf16"))  # e.g. "bf16-mixed"
     hp = module.hparams
-    full = hp.dtype == "float32" and module.rollout_dtype in (None, "float32") and not sixteen_bit_training
+    full_precision = module.policy_dtype == "float32" and module.rollout_dtype in (None, "float32")
+    full = full_precision and not sixteen_bit_training
     tolerance = hp.logprob_tolerance or (0.01 if full else 0.2)
     sums = dict.fromkeys(("loss", "pg_loss", "kl", "clip", "ratio", "tokens", "drift"), 0.0)
     finite = True
     opt.zero_grad()
     for k, idx in enumerate(chunks):
-        mb = data.select(idx)
+        mb = data.select(idx, multiple)
         sync = k == len(chunks) - 1
         local = not sync and isinstance(strategy, ParallelStrategy)
         with strategy.block_backward_sync() if local else nullcontext():

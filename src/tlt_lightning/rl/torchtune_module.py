@@ -170,7 +170,7 @@ class TorchtuneGRPOModule(GRPOModule):
         if hp.get("builder") is not None:
             decoder, tokenizer = self._build_from_nodes()
         else:
-            loaded = load_model(hp.model, dtype=hp.dtype, seed=hp.seed)
+            loaded = load_model(hp.model, dtype=self.policy_dtype, seed=hp.seed)
             self._hf_config, self._eos_token_ids = loaded.model.config, eos_ids(loaded.model)
             decoder, tokenizer = torchtune_from_hf(loaded.model), loaded.tokenizer
         decoder.train()
@@ -213,7 +213,7 @@ class TorchtuneGRPOModule(GRPOModule):
             tokenizer = config.instantiate(OmegaConf.create(dict(hp.tokenizer)))
         else:
             tokenizer = load_tokenizer(directory)
-        return decoder.to(DTYPES[hp.dtype]), tokenizer
+        return decoder.to(DTYPES[self.policy_dtype]), tokenizer
 
     def configure_prompt_source(self) -> PromptSource:
         """The task's prompts, rendered by a torchtune tokenizer (:func:`torchtune_chat_render`) or the
