@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+import warnings
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tests.rl.test_module import initial_params, make_module, make_trainer, params
 from tlt_lightning.rl.config import OptimConfig
-from tlt_lightning.rl.optimizers import PACKED, build_optimizer, pack_optimizer_states
+from tlt_lightning.rl.optimizers import PACKED, build_optimizer, pack_optimizer_states, policy_dtype
 
 
 def test_adamw8bit_keeps_8_bit_moments_and_trains():
@@ -99,3 +101,18 @@ def test_a_bf16_policy_without_torchao_says_what_to_install_or_to_train_in_fp32(
     weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
     with pytest.raises(ImportError, match=r"tlt-lightning\[efficiency\].*model.dtype='float32'"):
         build_optimizer([weight], OptimConfig(), torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("torchao", "expected"), [(True, "bfloat16"), (False, "float32")])
+def test_auto_policy_dtype_is_bf16_only_with_stochastic_rounding_at_hand(monkeypatch, torchao, expected):
+    monkeypatch.setattr("tlt_lightning.models.hardware.cpu_bf16_instructions", lambda: ["amx_bf16"])
+    find_spec = importlib.util.find_spec
+    if not torchao:
+        monkeypatch.setattr(
+            "importlib.util.find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a)
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert policy_dtype("auto") == expected
+    assert any("tlt-lightning[efficiency]" in str(w.message) for w in caught) == (not torchao)
+    assert policy_dtype("float16") == "float16"

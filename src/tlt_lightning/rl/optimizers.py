@@ -13,17 +13,40 @@ tensors, and :func:`unpack_optimizer_states` rebuilds them before Lightning rest
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
+from tlt_lightning.models.hardware import resolve_dtype
 from tlt_lightning.rl.config import OptimConfig
 
-__all__ = ["build_optimizer", "pack_optimizer_states", "unpack_optimizer_states"]
+__all__ = ["build_optimizer", "pack_optimizer_states", "policy_dtype", "unpack_optimizer_states"]
 
 PACKED = "torchao.optim.OptimState8bit"
 """Marks an optimizer state stored as the plain tensors of an ``OptimState8bit``."""
+
+
+def policy_dtype(name: str, device: torch.device | str = "cpu") -> str:
+    """The policy's dtype for ``GRPOModule(dtype=name)``: ``"auto"`` is bfloat16 where ``device`` multiplies
+    it natively and torchao (stochastic rounding) is installed, else float32, with a warning naming the
+    extra; other names as given.
+
+    Example:
+        >>> policy_dtype("float32")
+        'float32'
+    """
+    dtype = resolve_dtype(name, device)
+    if name == "auto" and dtype == "bfloat16" and importlib.util.find_spec("torchao") is None:
+        rank_zero_warn(
+            "dtype='auto' trains the policy in float32 here: a bfloat16 policy (faster and half the memory "
+            "where bf16 is native) is updated with torchao's stochastic rounding: pip install "
+            "'tlt-lightning[efficiency]'"
+        )
+        return "float32"
+    return dtype
 
 
 def build_optimizer(
