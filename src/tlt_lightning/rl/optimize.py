@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 
-from tlt_lightning.rl.batch import PolicyBatch, micro_batches
+from tlt_lightning.rl.batch import PolicyBatch, micro_batches, round_up
 from tlt_lightning.rl.scoring import NonFiniteLossError
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def optimize(module: GRPOModule, data: PolicyBatch) -> dict[str, torch.Tensor]:
         if rows.numel() == 0:  # still one backward, so DDP syncs (zero) gradients on every rank
             rows = torch.zeros(1, dtype=torch.long, device=module.device)
     multiple = optim.sequence_multiple
-    seq_lens = -(-data.attention_mask[rows].sum(1) // multiple) * multiple  # as the forwards will pad them
+    seq_lens = round_up(data.attention_mask[rows].sum(1), multiple)  # as the forwards will pad them
     chunks = [rows[i] for i in micro_batches(seq_lens, optim.micro_batch_size, optim.micro_batch_tokens)]
     sampling = module.rollout_settings
     check_logprobs = module.hparams.check_logprobs and sampling.top_p == 1 and sampling.top_k == 0
