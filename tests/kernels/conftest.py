@@ -23,6 +23,10 @@ def without_bf16_dots():
         "decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor"
     )
     library.define("few_rows_linear(Tensor input, Tensor weight, Tensor? bias) -> Tensor")  # built with it
+    library.define(
+        "adamw_bf16_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, float lr, "
+        "float beta1, float beta2, float weight_decay, float eps, float step, int seed) -> ()"
+    )
     module.build(
         "tlt_decode_attention_test", ("-mno-avx512bf16", "-DTLT_NAMESPACE=tlt_lightning_test_nobf16")
     )

@@ -1,10 +1,9 @@
-"""The policy's optimizer choice, and torchao's 8-bit AdamW state through Lightning checkpoints."""
+"""The policy's optimizer choice, the bf16 policy's stochastically rounded AdamW, and torchao's 8-bit AdamW
+state through Lightning checkpoints."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-import warnings
 
 import pytest
 import torch
@@ -12,7 +11,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tests.rl.test_module import initial_params, make_module, make_trainer, params
 from tlt_lightning.rl.config import OptimConfig
-from tlt_lightning.rl.optimizers import PACKED, build_optimizer, pack_optimizer_states, policy_dtype
+from tlt_lightning.rl.optimizers import (
+    PACKED,
+    AdamWBF16,
+    build_optimizer,
+    pack_optimizer_states,
+    policy_dtype,
+)
 
 
 def test_adamw8bit_keeps_8_bit_moments_and_trains():
@@ -80,39 +85,56 @@ def _moved(optimizer: str | None, steps: int = 50) -> float:
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
 def test_bf16_weights_take_updates_below_their_rounding_step_in_expectation(optimizer):
-    pytest.importorskip("torchao.optim")
+    if optimizer == "adamw8bit":
+        pytest.importorskip("torchao.optim")
     assert _moved(optimizer) == pytest.approx(-50 * 1e-4, rel=0.1)
     assert abs(_moved(None)) < 0.1 * 50 * 1e-4  # the control: rounded to nearest, most updates are lost
 
 
 def test_a_bf16_policy_trains_with_stochastic_rounding_and_bf16_moments():
-    pytest.importorskip("torchao.optim")
     module = make_module(dtype="bfloat16", lr=1e-3)
     make_trainer(2).fit(module)
     (optimizer,) = module.trainer.optimizers
     embed = module.policy.get_input_embeddings().weight
-    assert embed.dtype == torch.bfloat16 and optimizer.bf16_stochastic_round
-    assert optimizer.state[embed]["exp_avg"].dtype == torch.bfloat16
+    assert embed.dtype == torch.bfloat16 and isinstance(optimizer, AdamWBF16)
+    assert (
+        optimizer.state[embed]["exp_avg"].dtype == torch.bfloat16 and int(optimizer.state[embed]["step"]) == 2
+    )
     assert not torch.equal(embed.detach().float(), initial_params()["model.embed_tokens.weight"].float())
 
 
-def test_a_bf16_policy_without_torchao_says_what_to_install_or_to_train_in_fp32(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torchao.optim", None)
-    weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
-    with pytest.raises(ImportError, match=r"tlt-lightning\[efficiency\].*model.dtype='float32'"):
-        build_optimizer([weight], OptimConfig(), torch.device("cpu"))
+def test_a_bf16_fit_resumes_from_its_checkpoint_as_if_it_had_not_stopped(tmp_path):
+    full = make_module(dtype="bfloat16", lr=1e-3)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    make_trainer(2, callbacks=[ckpt], enable_checkpointing=True).fit(full)
+    resumed = make_module(dtype="bfloat16", lr=1e-3)
+    make_trainer(2).fit(resumed, ckpt_path=tmp_path / "epoch=0-step=1.ckpt", weights_only=True)
+    for name, value in params(full).items():
+        assert torch.equal(params(resumed)[name], value), name
 
 
-@pytest.mark.parametrize(("torchao", "expected"), [(True, "bfloat16"), (False, "float32")])
-def test_auto_policy_dtype_is_bf16_only_with_stochastic_rounding_at_hand(monkeypatch, torchao, expected):
-    monkeypatch.setattr("tlt_lightning.models.hardware.cpu_bf16_instructions", lambda: ["amx_bf16"])
-    find_spec = importlib.util.find_spec
-    if not torchao:
-        monkeypatch.setattr(
-            "importlib.util.find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a)
-        )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert policy_dtype("auto") == expected
-    assert any("tlt-lightning[efficiency]" in str(w.message) for w in caught) == (not torchao)
+def test_torchaos_adamw_state_resumes_in_adamw_bf16():
+    """Checkpoints of bf16 policies trained before AdamWBF16 (torchao's _AdamW) resume with it."""
+    optim = pytest.importorskip("torchao.optim")
+    weight = torch.nn.Parameter(torch.randn(8, 16).bfloat16())
+    theirs = optim._AdamW([weight], lr=1e-3, bf16_stochastic_round=True)
+    weight.grad = torch.randn_like(weight)
+    theirs.step()
+    ours = AdamWBF16([weight], lr=1e-3)
+    ours.load_state_dict(theirs.state_dict())  # lr a tensor there
+    ours.step()
+    state = ours.state[weight]
+    assert int(state["step"]) == 2 and state["exp_avg"].dtype == torch.bfloat16
+    assert set(state) == set(theirs.state[weight])
+
+
+def test_adamw_bf16_refuses_bad_hyperparameters():
+    with pytest.raises(ValueError, match=r"betas in \[0, 1\)"):
+        AdamWBF16([torch.nn.Parameter(torch.zeros(2))], betas=(0.9, 1.0))
+
+
+@pytest.mark.parametrize(("flags", "expected"), [(["amx_bf16"], "bfloat16"), ([], "float32")])
+def test_auto_policy_dtype_is_bf16_where_bf16_is_native(monkeypatch, flags, expected):
+    monkeypatch.setattr("tlt_lightning.models.hardware.cpu_bf16_instructions", lambda: flags)
+    assert policy_dtype("auto") == expected
     assert policy_dtype("float16") == "float16"

@@ -11,11 +11,11 @@ Measured on SmolLM2 (bf16, one AMD Zen 5 core, 30 layers, 32 rows over 280 cache
 against 38-39 ms for the batched products, eager or compiled (``docs/benchmarks.md``, "A C++ decode
 attention kernel").
 
-The source is compiled once per source and CPU (``-O3 -march=native``, cached where torch caches
-extensions: ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, under ``tlt_lightning/``; a
-build lock left by a process killed mid-build is removed after ten minutes), which needs a C++ compiler
-(Inductor needs one on CPUs too) and ``ninja``. :func:`available` says whether it built: where it does
-not, it warns once and the graphs keep PyTorch's kernels.
+The sources are compiled once per source and CPU (``-O3 -march=native -fno-math-errno``, cached where
+torch caches extensions: ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, under
+``tlt_lightning/``; a build lock left by a process killed mid-build is removed after ten minutes), which
+needs a C++ compiler (Inductor needs one on CPUs too) and ``ninja``. :func:`available` says whether they
+built: where they did not, it warns once and the graphs keep PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ import torch
 
 __all__ = ["HEAD_DIMS", "available", "build", "decode_attention", "loaded"]
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.cpp", "few_rows_linear.cpp"))
-"""Built into one extension: the decode attention and :mod:`~tlt_lightning.kernels.linear`'s product."""
+_SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("decode_attention.cpp", "few_rows_linear.cpp", "adamw_bf16.cpp")
+)
+"""Built into one extension: the decode attention, :mod:`~tlt_lightning.kernels.linear`'s product and
+:mod:`~tlt_lightning.kernels.adamw`'s optimizer step."""
 _HEADER = Path(__file__).with_name("simd.h")  # what both include (part of the build's tag)
 HEAD_DIMS = (64, 128)
 """Head dims :func:`decode_attention` has vectorised bf16 code for (others run a plain loop, also correct)."""
@@ -115,7 +119,7 @@ def build(name: str = "tlt_decode_attention", flags: tuple[str, ...] = ()) -> No
     cpp_extension.load(
         name=name,
         sources=[str(source) for source in _SOURCES],
-        extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
+        extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp", *flags],
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         is_python_module=False,
@@ -130,8 +134,9 @@ def available() -> bool:
         build()
     except Exception as err:  # noqa: BLE001 - no compiler, no ninja, a failing build: any of them means "not here"
         warnings.warn(
-            f"tlt_lightning's C++ decode attention did not build ({type(err).__name__}: {err}); "
-            "compiled decoding attends by PyTorch's kernels instead (slower on CPUs)",
+            f"tlt_lightning's C++ kernels did not build ({type(err).__name__}: {err}); compiled decoding "
+            "attends by PyTorch's kernels instead, and a bf16 policy's AdamW steps by PyTorch's operations "
+            "(slower on CPUs)",
             stacklevel=2,
         )
         return False

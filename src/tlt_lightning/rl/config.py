@@ -92,7 +92,7 @@ class OptimConfig:
             with a scale per 256 values, ~2 bytes per parameter: SmolLM2-135M's 1.03 GB -> ~0.27 GB;
             its step compiles with Inductor on first use and is slower than fused AdamW on a CPU:
             docs/efficiency.md). A bfloat16 policy (``model.dtype``) is updated with stochastic rounding
-            by torchao's AdamW or ``AdamW8bit`` (:mod:`~tlt_lightning.rl.optimizers`).
+            by :class:`~tlt_lightning.rl.optimizers.AdamWBF16` or ``AdamW8bit``.
     """
 
     group_size: int = 4

@@ -72,7 +72,7 @@ class GRPOModule(L.LightningModule):
         model: registry name (``"smollm2-135m"``, ``"tiny-llama"``, ...) or a local HF directory.
         dtype: parameter dtype, ``"float32"``, ``"bfloat16"`` (updated with stochastic rounding, no
             rollout mirror: half the memory of float32's weights, gradients and moments), ``"float16"``
-            or ``"auto"``: bf16 where the device multiplies it natively and torchao is installed, else
+            or ``"auto"``: bf16 where the device multiplies it natively, else
             float32 (:func:`~tlt_lightning.rl.optimizers.policy_dtype`; resolved in :meth:`configure_model`).
         rollout_dtype: sample on a mirror of the policy in this dtype, refreshed after every optimizer
             step; ``"auto"``: bf16 where the device multiplies it natively

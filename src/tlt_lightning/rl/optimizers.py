@@ -1,7 +1,7 @@
 """The policy's optimizer (:attr:`OptimConfig.optimizer`) and its state in Lightning checkpoints.
 
 ``"adamw"`` is PyTorch's AdamW (fused on CPU and CUDA). A bfloat16 policy (``model.dtype: bfloat16``)
-is updated with stochastic rounding instead (torchao's AdamW): rounded to nearest, an update smaller than
+is updated with stochastic rounding instead (:class:`AdamWBF16`): rounded to nearest, an update smaller than
 half a bf16 step is lost, and at RL learning rates most are (lr 2e-5 against weights ~0.05, whose bf16 step
 is ~2.4e-4; weights ~N(0, 1) at lr 1e-4 moved by 3% of the intended amount in 50 steps of PyTorch's AdamW,
 by all of it with stochastic rounding, in expectation). ``"adamw8bit"`` is torchao's ``AdamW8bit``,
@@ -13,17 +13,16 @@ tensors, and :func:`unpack_optimizer_states` rebuilds them before Lightning rest
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 
+from tlt_lightning.kernels.adamw import adamw_bf16_
 from tlt_lightning.models.hardware import resolve_dtype
 from tlt_lightning.rl.config import OptimConfig
 
-__all__ = ["build_optimizer", "pack_optimizer_states", "policy_dtype", "unpack_optimizer_states"]
+__all__ = ["AdamWBF16", "build_optimizer", "pack_optimizer_states", "policy_dtype", "unpack_optimizer_states"]
 
 PACKED = "torchao.optim.OptimState8bit"
 """Marks an optimizer state stored as the plain tensors of an ``OptimState8bit``."""
@@ -31,22 +30,68 @@ PACKED = "torchao.optim.OptimState8bit"
 
 def policy_dtype(name: str, device: torch.device | str = "cpu") -> str:
     """The policy's dtype for ``GRPOModule(dtype=name)``: ``"auto"`` is bfloat16 where ``device`` multiplies
-    it natively and torchao (stochastic rounding) is installed, else float32, with a warning naming the
-    extra; other names as given.
+    it natively (updated by :class:`AdamWBF16`), else float32; other names as given.
 
     Example:
         >>> policy_dtype("float32")
         'float32'
     """
-    dtype = resolve_dtype(name, device)
-    if name == "auto" and dtype == "bfloat16" and importlib.util.find_spec("torchao") is None:
-        rank_zero_warn(
-            "dtype='auto' trains the policy in float32 here: a bfloat16 policy (faster and half the memory "
-            "where bf16 is native) is updated with torchao's stochastic rounding: pip install "
-            "'tlt-lightning[efficiency]'"
-        )
-        return "float32"
-    return dtype
+    return resolve_dtype(name, device)
+
+
+class AdamWBF16(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, no amsgrad) whose bfloat16 parameters round stochastically.
+
+    One fused pass per parameter (:func:`~tlt_lightning.kernels.adamw.adamw_bf16_`); the moments in the
+    parameter's dtype. The state is torchao's ``_AdamW``'s (``step``, ``exp_avg``, ``exp_avg_sq``), so
+    checkpoints of either resume with the other. Each parameter's step draws its rounding seed from torch's
+    generator: runs seeded alike update alike.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        >>> w.grad = torch.ones(4, dtype=torch.bfloat16)
+        >>> AdamWBF16([w], lr=1e-2, weight_decay=0.0).step()  # 1 - 1e-2: between two bf16 below 1
+        >>> bool((w < 1).all())
+        True
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ) -> None:
+        if not lr >= 0 or not eps >= 0 or not weight_decay >= 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(
+                f"AdamWBF16 needs lr, eps, weight_decay >= 0 and betas in [0, 1): got lr={lr}, eps={eps}, "
+                f"weight_decay={weight_decay}, betas={betas}"
+            )
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                state["step"] += 1
+                adamw_bf16_(
+                    param, param.grad, state["exp_avg"], state["exp_avg_sq"],
+                    lr=float(group["lr"]), betas=tuple(group["betas"]), weight_decay=group["weight_decay"],
+                    eps=group["eps"], step=float(state["step"]), seed=int(torch.randint(2**62, ())),
+                )  # fmt: skip
+        return loss
 
 
 def build_optimizer(
@@ -56,30 +101,24 @@ def build_optimizer(
     bfloat16 parameters are updated with stochastic rounding (module docstring).
 
     Raises:
-        ImportError: ``"adamw8bit"``, or bfloat16 parameters, without torchao; the message says what to
-            install.
+        ImportError: ``"adamw8bit"`` without torchao; the message says what to install.
     """
     params = list(params)
     lr, decay = config.lr, config.weight_decay
     bf16 = any(p.dtype == torch.bfloat16 for p in params)
-    if config.optimizer == "adamw" and not bf16:
+    if config.optimizer == "adamw":
+        if bf16:
+            return AdamWBF16(params, lr=lr, weight_decay=decay)
         fused = device.type in ("cpu", "cuda")  # one kernel: faster, and no param-sized temporaries
         return torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)
     try:
-        from torchao.optim import AdamW8bit, _AdamW
+        from torchao.optim import AdamW8bit
     except ImportError as err:
-        need, instead = (
-            ("optim.optimizer='adamw8bit'", "optim.optimizer='adamw'")
-            if config.optimizer == "adamw8bit"
-            else ("a bfloat16 policy", "model.dtype='float32' (rounded to nearest, bf16 loses most updates)")
-        )
         raise ImportError(
-            f"{need} needs torchao (stochastic rounding, 8-bit moments): pip install "
-            f"'tlt-lightning[efficiency]' (or {instead})"
+            "optim.optimizer='adamw8bit' needs torchao (8-bit moments): pip install "
+            "'tlt-lightning[efficiency]' (or optim.optimizer='adamw')"
         ) from err
-    if config.optimizer == "adamw8bit":
-        return AdamW8bit(params, lr=lr, weight_decay=decay, bf16_stochastic_round=bf16)
-    return _AdamW(params, lr=lr, weight_decay=decay, bf16_stochastic_round=True)
+    return AdamW8bit(params, lr=lr, weight_decay=decay, bf16_stochastic_round=bf16)
 
 
 def _is_8bit(value: Any) -> bool:
