@@ -36,11 +36,11 @@ def _mix(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def random_bits(numel: int, seed: int) -> torch.Tensor:
+def random_bits(numel: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The kernel's 32 random bits of elements ``0 .. numel - 1`` under ``seed``: ``[numel]`` int64 in
-    ``[0, 2**32)``."""
+    ``[0, 2**32)``, on ``device``."""
     low, high = seed & _LOW32, (seed >> 32) & _LOW32
-    index = torch.arange(numel, dtype=torch.int64) & _LOW32
+    index = torch.arange(numel, dtype=torch.int64, device=device) & _LOW32
     return _mix((_mix(index ^ low) + high) & _LOW32)
 
 
@@ -68,7 +68,8 @@ def adamw_bf16_reference(
     denom = v.sqrt() / (1 - beta2**step) ** 0.5 + eps
     new = param.float() * (1 - lr * weight_decay) - lr / (1 - beta1**step) * m / denom
     if param.dtype == torch.bfloat16:
-        bits = new.view(torch.int32).to(torch.int64) + (random_bits(new.numel(), seed).view(new.shape) >> 16)
+        random = random_bits(new.numel(), seed, new.device).view(new.shape)
+        bits = new.view(torch.int32).to(torch.int64) + (random >> 16)
         new = (bits >> 16 << 16).to(torch.int32).view(torch.float32)  # the low half is zero: exact in bf16
     param.copy_(new)
 
