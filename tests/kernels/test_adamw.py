@@ -18,6 +18,14 @@ def tensors(numel: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> l
     return [t.to(dtype) for t in (param, grad, exp_avg, exp_avg_sq)]
 
 
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a view with a stride of 2, which the kernel does not take: the reference runs."""
+    view = t.new_empty(2 * t.numel())[::2]
+    view.copy_(t)
+    assert not view.is_contiguous()
+    return view
+
+
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """How many bf16 steps apart the elements of two bf16 tensors of one sign are."""
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
@@ -63,7 +71,7 @@ def test_updates_below_a_bf16_step_are_kept_in_expectation(fused):
     exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
     hyper = {**HYPER, "weight_decay": 0.0, "step": 1.0, "seed": 7}  # Adam's first step: lr * sign(grad)
     if not fused:
-        param = param[None].expand(2, n)[0]  # a view the kernel does not take: the reference runs
+        param = strided(param)
     adamw_bf16_(param, grad, exp_avg, exp_avg_sq, **hyper)
     values = set(param.float().unique().tolist())
     assert values == {1.0, 1.0 - 2**-8}  # the two bf16 neighbours of 0.999
@@ -85,6 +93,17 @@ def test_the_seed_alone_picks_the_rounding_on_any_number_of_threads():
         torch.set_num_threads(threads)
     assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
     assert not torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_step_bumps_the_version_counters_as_in_place_ops_do(fused):
+    """Packed weight copies and a tied head's copy are refreshed when the weight's version changes."""
+    param, grad, exp_avg, exp_avg_sq = tensors(64)
+    if not fused:
+        param = strided(param)
+    before = [t._version for t in (param, exp_avg, exp_avg_sq)]
+    adamw_bf16_(param, grad, exp_avg, exp_avg_sq, **HYPER, step=1.0, seed=0)
+    assert all(t._version > v for t, v in zip((param, exp_avg, exp_avg_sq), before, strict=True))
 
 
 def test_random_bits_are_uniform_and_differ_by_seed():

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tests.rl.test_module import initial_params, make_module, make_trainer, params
@@ -101,6 +102,10 @@ def test_a_bf16_policy_trains_with_stochastic_rounding_and_bf16_moments():
         optimizer.state[embed]["exp_avg"].dtype == torch.bfloat16 and int(optimizer.state[embed]["step"]) == 2
     )
     assert not torch.equal(embed.detach().float(), initial_params()["model.embed_tokens.weight"].float())
+    # The rollouts sample the updated policy: its packed weight copies were refreshed after the steps.
+    hidden = torch.randn(1, 3, embed.shape[1], dtype=torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(module.rollout_target.lm_head(hidden), F.linear(hidden, embed.detach()))
 
 
 def test_a_bf16_fit_resumes_from_its_checkpoint_as_if_it_had_not_stopped(tmp_path):

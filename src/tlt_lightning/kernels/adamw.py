@@ -104,6 +104,9 @@ def adamw_bf16_(
     if fused and available():
         beta1, beta2 = betas
         torch.ops.tlt_lightning.adamw_bf16_(*tensors, lr, beta1, beta2, weight_decay, eps, step, seed)
+        # The op writes through data pointers: bump the version counters as an in-place op would, so
+        # that what is keyed on them (packed weight copies, a tied head's copy) sees the new values.
+        torch.autograd.graph.increment_version((param, exp_avg, exp_avg_sq))
         return
     hyper = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps, "step": step, "seed": seed}
     adamw_bf16_reference(*tensors, **hyper)
