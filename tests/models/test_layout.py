@@ -242,3 +242,22 @@ def test_speculative_greedy_output_is_the_same_packed(arm):
     assert drafter.weight_layout == "packed"  # it follows the target: fc and the layer's 7 projections
     assert sum(type(m) is PackedLinear for m in drafter.modules()) == 8
     assert result.stats.mean_accept_length >= 1
+
+
+@needs_packing
+@pytest.mark.parametrize("layout", ["packed", "in_out"])
+def test_released_weight_copies_are_remade_on_next_use(layout):
+    """An RL step drops the decoding copies between its rollouts and its update: the next rollout remakes
+    them, with the same outputs."""
+    torch.manual_seed(0)
+    target = HFTarget(load_model("tiny-llama", seed=0).model.eval())
+    target.set_weight_layout(layout)
+    ids = torch.randint(3, 128, (1, 9))
+    hidden = torch.randn(4, target.info.hidden_size)
+    with torch.inference_mode():
+        logits, head = target.model(input_ids=ids).logits, target.lm_head(hidden)
+        assert target.release_weight_copies() > 0
+        assert target.release_weight_copies() == 0  # nothing left to drop
+        torch.testing.assert_close(target.model(input_ids=ids).logits, logits, rtol=0, atol=0)
+        torch.testing.assert_close(target.lm_head(hidden), head, rtol=0, atol=0)
+    assert target.release_weight_copies() > 0

@@ -520,6 +520,16 @@ def test_auto_dtype_trains_a_bf16_policy_only_where_bf16_is_native(monkeypatch, 
         make_module(dtype="fp8")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_trains_without_the_rollouts_weight_copies(dtype):
+    """The packed copies the rollouts decode with are stale once the policy steps: dropped before training
+    (remade by the next rollouts), not held through the training peak."""
+    module = make_module(dtype=dtype)
+    make_trainer(2).fit(module)
+    assert module.rollout_target.weight_layout == "packed"
+    assert module.rollout_target.release_weight_copies() == 0
+
+
 @pytest.mark.parametrize(
     ("layout", "rollout_dtype", "column_major"),
     [("in_out", None, True), ("out_in", None, False), ("in_out", "bfloat16", True)],

@@ -153,6 +153,15 @@ class PackedWeight:
             return kernels.few_rows_linear(x.to(dtype), weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x.to(dtype), self.packed(weight), bias, "none", [], "")
 
+    def release(self) -> int:
+        """Drop the packed copy (remade on next use); returns its bytes (its logical size: oneDNN's blocks
+        may pad it a little). What an RL step does between
+        the rollouts and the next ones: the update changes the weights, so the copy would be remade
+        anyway, and training need not hold it."""
+        freed = 0 if self._packed is None else self._packed.numel() * self._packed.element_size()
+        self._key = self._packed = None
+        return freed
+
     def packed(self, *weights: torch.Tensor) -> torch.Tensor:
         """The packed copy of ``weights`` (CPU tensors of a dtype in ``packable_dtypes()``), remade if
         one changed.

@@ -21,7 +21,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from tlt_lightning.models.attention import GROUPED_SDPA, use_grouped_attention
 from tlt_lightning.models.compiled import Bucket, CompileConfig, CompiledDecode, check_compiled_model
 from tlt_lightning.models.kv_cache import KVCache
-from tlt_lightning.models.layout import column_major, set_weight_layout
+from tlt_lightning.models.layout import PackedLinear, column_major, set_weight_layout
 from tlt_lightning.models.lean import check_lean_model, lean_applies, lean_forward
 
 __all__ = [
@@ -317,6 +317,18 @@ class HFTarget(nn.Module):
             with torch.inference_mode(False):
                 self._head_copy = (key, column_major(head.weight.detach()))
         return F.linear(hidden, self._head_copy[1], head.bias)
+
+    def release_weight_copies(self) -> int:
+        """Drop the copies of the weights laid out for decoding (packed weights, a tied head's column-major
+        copy), remade on next use; returns their bytes. An RL step calls it once its rollouts are done:
+        the update changes the weights, so the copies would be remade anyway."""
+        freed = sum(m._packed_weight.release() for m in self.model.modules() if isinstance(m, PackedLinear))
+        if self._compiled is not None:
+            freed += self._compiled.release_packed()
+        if self._head_copy is not None:
+            freed += self._head_copy[1].numel() * self._head_copy[1].element_size()
+            self._head_copy = None
+        return freed
 
     def set_weight_layout(self, layout: str) -> int:
         """Lay out the model's linear weights ``"out_in"`` (PyTorch's), ``"in_out"`` or ``"packed"``, see

@@ -376,6 +376,8 @@ class GRPOModule(L.LightningModule):
         result = self.rollout(prompts, self.rollout_generator())
         self.last_rollout = result
         listeners.after_rollout(result)
+        if isinstance(self.rollout_target, HFTarget):  # stale after the update: not held while training
+            self.rollout_target.release_weight_copies()
 
         start = time.perf_counter()
         rewards = agreed_rewards(

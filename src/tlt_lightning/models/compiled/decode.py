@@ -109,6 +109,10 @@ class CompiledDecode(BucketedGraphs):
             out[name] = packer.packed(*(m.weight for m in modules))
         return out
 
+    def release_packed(self) -> int:
+        """Drop the packed copies of the merged projections (:meth:`PackedWeight.release`); their bytes."""
+        return sum(pack.release() for pack in self._own_packs.values())
+
     def __call__(
         self,
         input_ids: torch.Tensor,
