@@ -572,9 +572,10 @@ class SaveRankState(L.Callback):
         )
 
 
-def test_ddp_two_processes_on_gloo(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: stochastic rounding alike on both ranks
+def test_ddp_two_processes_on_gloo(tmp_path, monkeypatch, dtype):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    module = make_module(prompts_per_step=1, micro_batch_size=2)
+    module = make_module(prompts_per_step=1, micro_batch_size=2, dtype=dtype)
     strategy = DDPStrategy(process_group_backend="gloo", start_method="spawn")
     trainer = make_trainer(2, devices=2, strategy=strategy, callbacks=[SaveRankState(tmp_path)])
     trainer.fit(module)

@@ -133,6 +133,22 @@ def test_torchaos_adamw_state_resumes_in_adamw_bf16():
     assert set(state) == set(theirs.state[weight])
 
 
+def test_adamw_bf16_rounds_by_its_seed_not_by_torchs_generator():
+    """DDP replicas whose global generators drifted apart still round alike (and stay identical)."""
+
+    def stepped(seed: int, rng_state: int) -> torch.Tensor:
+        weight = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+        optimizer = AdamWBF16([weight], lr=1e-3, weight_decay=0.0, seed=seed)
+        torch.manual_seed(rng_state)
+        for _ in range(3):
+            weight.grad = torch.ones_like(weight)
+            optimizer.step()
+        return weight.detach()
+
+    assert torch.equal(stepped(0, rng_state=1), stepped(0, rng_state=2))
+    assert not torch.equal(stepped(0, rng_state=1), stepped(1, rng_state=1))
+
+
 def test_adamw_bf16_refuses_bad_hyperparameters():
     with pytest.raises(ValueError, match=r"betas in \[0, 1\)"):
         AdamWBF16([torch.nn.Parameter(torch.zeros(2))], betas=(0.9, 1.0))

@@ -279,7 +279,7 @@ class GRPOModule(L.LightningModule):
             sync_mirror(self.policy, self.rollout_policy)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.policy.parameters(), self.optim_config, self.device)
+        return build_optimizer(self.policy.parameters(), self.optim_config, self.device, self.hparams.seed)
 
     def train_dataloader(self) -> PromptIndexLoader:
         # Sequential order (reasoning-gym already draws its problems at random); under DDP Lightning

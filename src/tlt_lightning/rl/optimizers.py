@@ -22,7 +22,14 @@ from tlt_lightning.kernels.adamw import adamw_bf16_
 from tlt_lightning.models.hardware import resolve_dtype
 from tlt_lightning.rl.config import OptimConfig
 
-__all__ = ["AdamWBF16", "build_optimizer", "pack_optimizer_states", "policy_dtype", "unpack_optimizer_states"]
+__all__ = [
+    "AdamWBF16",
+    "build_optimizer",
+    "step_seed",
+    "pack_optimizer_states",
+    "policy_dtype",
+    "unpack_optimizer_states",
+]
 
 PACKED = "torchao.optim.OptimState8bit"
 """Marks an optimizer state stored as the plain tensors of an ``OptimState8bit``."""
@@ -39,13 +46,32 @@ def policy_dtype(name: str, device: torch.device | str = "cpu") -> str:
     return resolve_dtype(name, device)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def step_seed(seed: int, step: int, index: int) -> int:
+    """The rounding seed of parameter ``index``'s step ``step`` under ``seed``: splitmix64's finalizer of
+    the three, in ``[0, 2**63)``.
+
+    Example:
+        >>> step_seed(0, 1, 0) != step_seed(0, 2, 0) != step_seed(0, 1, 1)
+        True
+    """
+    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
 class AdamWBF16(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, no amsgrad) whose bfloat16 parameters round stochastically.
 
     One fused pass per parameter (:func:`~tlt_lightning.kernels.adamw.adamw_bf16_`); the moments in the
     parameter's dtype. The state is torchao's ``_AdamW``'s (``step``, ``exp_avg``, ``exp_avg_sq``), so
-    checkpoints of either resume with the other. Each parameter's step draws its rounding seed from torch's
-    generator: runs seeded alike update alike.
+    checkpoints of either resume with the other. The rounding bits of a parameter's step are a hash of
+    ``seed``, the step and the parameter's index (:func:`step_seed`), not draws from torch's generator: DDP
+    replicas, whose generators other work may move apart, round alike and stay identical, and a resumed
+    run rounds as the uninterrupted one.
 
     Example:
         >>> w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
@@ -62,6 +88,7 @@ class AdamWBF16(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        seed: int = 0,
     ) -> None:
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(
@@ -69,6 +96,7 @@ class AdamWBF16(torch.optim.Optimizer):
                 f"weight_decay={weight_decay}, betas={betas}"
             )
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.seed = seed
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -76,29 +104,30 @@ class AdamWBF16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-                state["step"] += 1
-                adamw_bf16_(
-                    param, param.grad, state["exp_avg"], state["exp_avg_sq"],
-                    lr=float(group["lr"]), betas=tuple(group["betas"]), weight_decay=group["weight_decay"],
-                    eps=group["eps"], step=float(state["step"]), seed=int(torch.randint(2**62, ())),
-                )  # fmt: skip
+        params = [(group, param) for group in self.param_groups for param in group["params"]]
+        for index, (group, param) in enumerate(params):
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            state["step"] += 1
+            step = int(state["step"])
+            adamw_bf16_(
+                param, param.grad, state["exp_avg"], state["exp_avg_sq"],
+                lr=float(group["lr"]), betas=tuple(group["betas"]), weight_decay=group["weight_decay"],
+                eps=group["eps"], step=float(step), seed=step_seed(self.seed, step, index),
+            )  # fmt: skip
         return loss
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], config: OptimConfig, device: torch.device
+    params: Iterable[torch.nn.Parameter], config: OptimConfig, device: torch.device, seed: int = 0
 ) -> torch.optim.Optimizer:
     """The optimizer ``config.optimizer`` names over ``params``, with ``config``'s lr and weight decay;
-    bfloat16 parameters are updated with stochastic rounding (module docstring).
+    bfloat16 parameters are updated with stochastic rounding (module docstring), by ``seed``.
 
     Raises:
         ImportError: ``"adamw8bit"`` without torchao; the message says what to install.
@@ -108,7 +137,7 @@ def build_optimizer(
     bf16 = any(p.dtype == torch.bfloat16 for p in params)
     if config.optimizer == "adamw":
         if bf16:
-            return AdamWBF16(params, lr=lr, weight_decay=decay)
+            return AdamWBF16(params, lr=lr, weight_decay=decay, seed=seed)
         fused = device.type in ("cpu", "cuda")  # one kernel: faster, and no param-sized temporaries
         return torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)
     try:
