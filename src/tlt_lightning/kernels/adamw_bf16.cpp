@@ -1,8 +1,8 @@
 // ``tlt_lightning::adamw_bf16_`` (the op is defined in Python): one AdamW step of a bf16 parameter, fused
 // into one pass over the parameter, its gradient and its two bf16 moments. In fp32 as torchao's AdamW
 // computes it (the moments by lerp, rounded to nearest when stored; the update from their fp32 values), the
-// parameter rounded to bf16 stochastically: up with the probability of its fp32 value's distance from the
-// bf16 below it, so that an update smaller than a bf16 step is kept in expectation. The random bits are a
+// parameter rounded to bf16 stochastically: away from zero with the probability of its fp32 value's distance
+// from the bf16 next to it toward zero, so that an update smaller than a bf16 step is kept in expectation. The random bits are a
 // hash of the element's index and the step's seed: the result depends on neither the thread count nor the
 // order. No temporaries; the loop vectorises (-O3 -march=native). Built with decode_attention.cpp by
 // tlt_lightning.kernels.
