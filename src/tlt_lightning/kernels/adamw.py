@@ -3,11 +3,12 @@ attention).
 
 A bf16 policy is updated with stochastic rounding (:class:`~tlt_lightning.rl.optimizers.AdamWBF16`): in fp32,
 the moments stored in bf16, the parameter rounded away from zero with the probability of its distance from
-the bf16 next to it toward zero (in bf16 steps). torchao's ``_AdamW`` computes this by a graph compiled per parameter shape and spent 1.7-2.0 s a
-step on SmolLM2-135M (one Xeon core); :func:`adamw_bf16_` reads each parameter, gradient and moment once and
-writes them once, with no temporaries. The random bits are a hash of each element's index and a seed
-(:func:`random_bits`): the same seed gives the same parameters, on any number of threads.
-:func:`adamw_bf16_reference` is the same step in PyTorch's operations (where the kernels did not build).
+the bf16 next to it toward zero (in bf16 steps). torchao's ``_AdamW`` computes this by a graph compiled per
+parameter shape and spent 1.7-2.0 s a step on SmolLM2-135M (one Xeon core); :func:`adamw_bf16_` reads each
+parameter, gradient and moment once and writes them once, with no temporaries. The random bits are a hash
+of each element's index and a seed (:func:`random_bits`): the same seed gives the same parameters, on any
+number of threads. :func:`adamw_bf16_reference` is the same step in PyTorch's operations (where the
+kernels did not build).
 """
 
 from __future__ import annotations

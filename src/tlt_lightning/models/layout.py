@@ -155,9 +155,8 @@ class PackedWeight:
 
     def release(self) -> int:
         """Drop the packed copy (remade on next use); returns its bytes (its logical size: oneDNN's blocks
-        may pad it a little). What an RL step does between
-        the rollouts and the next ones: the update changes the weights, so the copy would be remade
-        anyway, and training need not hold it."""
+        may pad it a little). An RL step drops it once its rollouts end: the update changes the weights, so
+        the copy would be remade anyway, and training need not hold it."""
         freed = 0 if self._packed is None else self._packed.numel() * self._packed.element_size()
         self._key = self._packed = None
         return freed

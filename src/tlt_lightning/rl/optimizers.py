@@ -25,9 +25,9 @@ from tlt_lightning.rl.config import OptimConfig
 __all__ = [
     "AdamWBF16",
     "build_optimizer",
-    "step_seed",
     "pack_optimizer_states",
     "policy_dtype",
+    "step_seed",
     "unpack_optimizer_states",
 ]
 
