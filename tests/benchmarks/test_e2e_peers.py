@@ -15,6 +15,7 @@ import benchmarks.trl_peer as trl_peer_module
 from benchmarks.e2e_config import read_records, run, without_tlt
 from benchmarks.e2e_peers import PeerUnavailable, merge, peer_ratios, trl_peer, vllm_python, with_vllm
 from tests.benchmarks.test_e2e_config import tiny_config
+from tlt_lightning.models.hardware import resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER_OVERLAY = ROOT / "benchmarks" / "vllm_cpu_peer.yaml"
@@ -99,7 +100,8 @@ def test_the_trl_peer_runs_one_workers_share_of_the_configs_step(monkeypatch, tm
     assert seen["micro_batch_size"] == model["optim"]["micro_batch_size"]
     assert seen["max_new_tokens"] == model["rollout"]["max_new_tokens"] and seen["steps"] == 4
     assert seen["task"].system_prompt == model["task"]["system_prompt"] and seen["task"].size == 512
-    assert seen["group_size"] == model["optim"]["group_size"] and seen["dtype"] == "float32"
+    assert model["dtype"] == "auto" and seen["dtype"] == resolve_dtype("auto")  # as the fit resolves it
+    assert seen["group_size"] == model["optim"]["group_size"]
     assert out["step_s"] == 5.0 and out["step_cpu_s"] == 2.5 and out["steps"] == 3  # steps 2-4
     assert out["reward"] == [0.1, 0.2, None, 0.4] and out["length_mean"] == 15.0 and out["workers"] == 1
 
