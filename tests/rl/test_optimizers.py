@@ -11,13 +11,13 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tests.rl.test_module import initial_params, make_module, make_trainer, params
+from tlt_lightning.models import resolve_dtype
 from tlt_lightning.rl.config import OptimConfig
 from tlt_lightning.rl.optimizers import (
     PACKED,
     AdamWBF16,
     build_optimizer,
     pack_optimizer_states,
-    policy_dtype,
 )
 
 
@@ -157,5 +157,5 @@ def test_adamw_bf16_refuses_bad_hyperparameters():
 @pytest.mark.parametrize(("flags", "expected"), [(["amx_bf16"], "bfloat16"), ([], "float32")])
 def test_auto_policy_dtype_is_bf16_where_bf16_is_native(monkeypatch, flags, expected):
     monkeypatch.setattr("tlt_lightning.models.hardware.cpu_bf16_instructions", lambda: flags)
-    assert policy_dtype("auto") == expected
-    assert policy_dtype("float16") == "float16"
+    assert resolve_dtype("auto") == expected
+    assert resolve_dtype("float16") == "float16"

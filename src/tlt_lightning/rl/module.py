@@ -32,7 +32,6 @@ from tlt_lightning.rl.optimize import StepCheck, any_rank, clip_and_check, optim
 from tlt_lightning.rl.optimizers import (
     build_optimizer,
     pack_optimizer_states,
-    policy_dtype,
     unpack_optimizer_states,
 )
 from tlt_lightning.rl.rollout_models import (
@@ -73,7 +72,7 @@ class GRPOModule(L.LightningModule):
         dtype: parameter dtype, ``"float32"``, ``"bfloat16"`` (updated with stochastic rounding, no
             rollout mirror: half the memory of float32's weights, gradients and moments), ``"float16"``
             or ``"auto"``: bf16 where the device multiplies it natively, else
-            float32 (:func:`~tlt_lightning.rl.optimizers.policy_dtype`; resolved in :meth:`configure_model`).
+            float32 (:func:`~tlt_lightning.models.resolve_dtype`; resolved in :meth:`configure_model`).
         rollout_dtype: sample on a mirror of the policy in this dtype, refreshed after every optimizer
             step; ``"auto"``: bf16 where the device multiplies it natively
             (:func:`~tlt_lightning.models.resolve_dtype`), else, like ``None``, the policy itself.
@@ -200,7 +199,7 @@ class GRPOModule(L.LightningModule):
             return
         hp = self.hparams
         device = self.trainer.strategy.root_device if self._trainer is not None else self.device
-        self.policy_dtype = policy_dtype(hp.dtype, device)
+        self.policy_dtype = resolve_dtype(hp.dtype, device)
         self.policy, self.tokenizer, self.policy_target = self.configure_policy()
         self.rollout_dtype = resolve_dtype(hp.rollout_dtype, device)
         self.rollout_policy, self.rollout_target = rollout_models(

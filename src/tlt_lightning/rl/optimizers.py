@@ -19,31 +19,18 @@ from typing import Any
 import torch
 
 from tlt_lightning.kernels.adamw import adamw_bf16_
-from tlt_lightning.models.hardware import resolve_dtype
 from tlt_lightning.rl.config import OptimConfig
 
 __all__ = [
     "AdamWBF16",
     "build_optimizer",
     "pack_optimizer_states",
-    "policy_dtype",
     "step_seed",
     "unpack_optimizer_states",
 ]
 
 PACKED = "torchao.optim.OptimState8bit"
 """Marks an optimizer state stored as the plain tensors of an ``OptimState8bit``."""
-
-
-def policy_dtype(name: str, device: torch.device | str = "cpu") -> str:
-    """The policy's dtype for ``GRPOModule(dtype=name)``: ``"auto"`` is bfloat16 where ``device`` multiplies
-    it natively (updated by :class:`AdamWBF16`), else float32; other names as given.
-
-    Example:
-        >>> policy_dtype("float32")
-        'float32'
-    """
-    return resolve_dtype(name, device)
 
 
 _MASK64 = (1 << 64) - 1
