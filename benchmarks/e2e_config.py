@@ -155,6 +155,7 @@ class RankRecorder(L.Callback):
             "idle_s": float(spot_stats.get("idle_s", 0.0)),
             "tail_share": tail / max(sum(stats.step_times), 1e-9),
             "tokens": stats.generated_tokens,
+            "forward_tokens": outputs.get("forward_tokens"),  # the training's work (padded tokens forwarded)
             "decode": decode_table(stats),
             "decode_arms": decode_table(stats, by_arm=True),
             "lengths": [int(n) for n in result.lengths],
@@ -320,6 +321,12 @@ def summarise(steps: list[list[dict[str, Any]]], skip: int) -> dict[str, Any]:
     def quantile(q: float) -> float:
         return float(lengths[min(len(lengths) - 1, int(q * len(lengths)))]) if lengths else 0.0
 
+    # Training on equal work: ms per padded token forwarded (the runs' samples differ, and with them the
+    # zero-advantage groups that training skips); records without the count are left out.
+    per_token = [
+        1e3 * r["train_s"] / r["forward_tokens"] for ranks in kept for r in ranks if r.get("forward_tokens")
+    ]
+
     return {
         "steps": len(kept),
         "step_s": median(step_s),
@@ -329,6 +336,7 @@ def summarise(steps: list[list[dict[str, Any]]], skip: int) -> dict[str, Any]:
         "rollout_share": median([r / s for r, s in zip(rollout_s, step_s)]),
         "tail_share": median([r["tail_share"] for ranks in kept for r in ranks]),
         "rollout_tokens_per_s": median([t / r for t, r in zip(tokens, rollout_s)]),
+        "train_ms_per_forward_token": median(per_token) if per_token else None,
         "length_p50": quantile(0.5),
         "length_p90": quantile(0.9),
         "length_max": lengths[-1] if lengths else 0,
@@ -365,6 +373,14 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         ratios = [equal_work_speedup(b, summary, rate) for b in bases]
         return None if None in ratios else statistics.fmean(ratios)
 
+    base_train = [b["train_ms_per_forward_token"] for b in bases]
+    out["train_speedup_equal_work"] = {
+        name: statistics.fmean(base_train) / summary["train_ms_per_forward_token"]
+        for name, summary in runs.items()
+        if not name.startswith("baseline")
+        and None not in base_train
+        and summary["train_ms_per_forward_token"]
+    }
     out["decode_speedup_equal_work"] = {
         name: {rate: equal_work(summary, rate) for rate in ("tokens_per_s", "tokens_per_cpu_s")}
         for name, summary in runs.items()

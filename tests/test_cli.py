@@ -566,10 +566,13 @@ def test_fit_default_config_one_small_step_on_smollm2(tmp_path, monkeypatch):
     metrics, params = run.data.metrics, run.data.params
     assert 0 <= metrics["reward/mean"] <= 1.1
     assert 1 <= metrics["response/length_max"] <= 16
-    # TLT is on: 4 requests are below the threshold of 8, so every step speculates with the spot
-    # drafter, which then trains 4 paid steps (a single worker) and is published.
+    # TLT is on: 4 requests are below the threshold of 8, so BEG-MAB may speculate with the spot
+    # drafter at every step, which then trains paid steps (a single worker), up to 4 and only as far as
+    # half the savings of speculation fund them, and is published if it trained.
     assert metrics["rollout/accept_length"] >= 1.0
-    assert metrics["drafter/paid_steps"] == 4 and metrics["drafter/version"] == 1
+    paid = metrics["drafter/paid_steps"]
+    assert 0 <= paid <= 4 and (paid > 0) == (metrics["drafter/saved_seconds"] > 0)
+    assert metrics["drafter/version"] == float(paid > 0)
     assert params["rollout_dtype"] == "auto"
     assert params["model"] == "smollm2-135m" and params["task/name"] == "chain_sum"
     assert params["task/easy"] == "True" and params["rollout/max_new_tokens"] == "16"

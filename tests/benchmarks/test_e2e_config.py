@@ -102,6 +102,9 @@ def test_both_runs_of_a_tiny_config_are_recorded_per_rank_and_step(tmp_path):
         for (record,) in steps:
             assert record["wall_s"] >= record["rollout_s"] + record["train_s"] > 0
             assert len(record["lengths"]) == 16 and record["tokens"] == sum(record["lengths"])
+            assert (
+                record["forward_tokens"] > 0
+            )  # zero-advantage groups are skipped: not bounded below by tokens
             assert 0 <= record["tail_share"] <= 1 and record["peak_rss_mb"] > 0
             assert record["graph_compile_s"] == 0.0  # grpo_tiny decodes eagerly: nothing compiles
             assert {"rollout", "train"} <= set(record["phase_peak_mb"])
@@ -165,10 +168,17 @@ def test_steps_whose_decode_waited_for_a_core_are_flagged():
 
 def test_a_bracketed_baseline_is_averaged_and_its_drift_reported():
     def summary(step_s: float) -> dict:
-        return {"step_s": step_s, "rollout_s": step_s / 2, "decode_buckets": {}}
+        return {
+            "step_s": step_s,
+            "rollout_s": step_s / 2,
+            "decode_buckets": {},
+            "train_ms_per_forward_token": 10.0,
+        }
 
     runs = {"baseline": summary(50.0), "tlt": summary(40.0), "frozen": summary(45.0)}
     assert compare(runs)["speedup"] == 1.25 and "drift" not in compare(runs)
     out = compare({**runs, "baseline_again": summary(40.0)})  # the machine got faster: the mean is 45 s
     assert out["speedup"] == 45 / 40 and out["frozen_speedup"] == 1.0 and out["drift"] == 0.8
     assert out["rollout_speedup"] == 22.5 / 20 and list(out["decode_speedup_equal_work"]) == ["tlt", "frozen"]
+    slower = compare({**runs, "tlt": {**runs["tlt"], "train_ms_per_forward_token": 12.5}})
+    assert slower["train_speedup_equal_work"] == {"tlt": 0.8, "frozen": 1.0}

@@ -102,6 +102,9 @@ def test_defaults_fit_trains_publishes_and_logs(tmp_path):
     assert metrics["drafter/tail_steps"] == 0 and metrics["drafter/idle_fraction_recovered"] == 0.0
     assert metrics["drafter/train_seconds"] == metrics["drafter/paid_seconds"] > 0
     assert metrics["drafter/overhead_fraction"] > 0
+    # What the speculative steps saved against the rollouts' plain steps (tests/spot/test_savings.py),
+    # logged whether or not it bounds the paid budget.
+    assert math.isfinite(metrics["drafter/saved_seconds"])
     # Timeline PNGs, the summary and a final async checkpoint, loadable as a deployable drafter, all in
     # the run's own directory (no logger: the first free version_N under default_root_dir).
     assert callback.run_dir == tmp_path / "version_0"

@@ -20,8 +20,10 @@ def llama() -> HFTarget:
     return HFTarget(load_model("tiny-llama").model)
 
 
-def make_spot(llama, tmp_path, state=None, **config) -> SpotDrafter:
-    training = SpotTrainerConfig(packing_budget=32, max_steps_per_rollout=2, max_seconds_per_rollout=None)
+def make_spot(llama, tmp_path, state=None, share=None, **config) -> SpotDrafter:
+    training = SpotTrainerConfig(
+        packing_budget=32, max_steps_per_rollout=2, max_seconds_per_rollout=None, paid_share_of_savings=share
+    )
     config = SpotConfig(training=training, draft_vocab_size=None, checkpoint_interval=2, **config)
     return SpotDrafter(config, llama, tmp_path / "checkpoints", state=state)
 
@@ -62,6 +64,31 @@ def test_a_training_loop_drives_it_with_plain_calls(llama, tmp_path):
     assert spot.summary()["drafter_steps"] == 4 and spot.params()["effective_kind"] == "eagle1"
     segments, paid = spot.timeline()
     assert {s.state.value for s in segments} >= {"busy"} and len(paid) == 2
+
+
+def test_paid_training_spends_only_what_speculation_saved(llama, tmp_path):
+    spot = make_spot(llama, tmp_path, share=1.0)
+
+    def step(step: int, drafted: bool) -> dict[str, float]:
+        credit, serving = spot.savings.budget_s(), spot.begin_step(step)
+        spot.before_rollout()
+        result = rollout(llama, spot, serving, seed=step)
+        spot.after_rollout(result)
+        if drafted:  # as if the last decode step had drafted: three tokens a row in one step's time
+            result.stats.step_speculative[-1] = True
+            result.stats.step_tokens[-1] *= 3
+        total = spot.end_step(result)
+        assert spot.savings.budget_s() == pytest.approx(credit + total["saved_s"] - total["paid_s"])
+        return total
+
+    plain = step(0, drafted=False)
+    assert plain["saved_s"] == 0 and plain["paid_steps"] == 0  # nothing saved, nothing to spend
+    drafted = step(1, drafted=True)
+    assert drafted["saved_s"] > 0 and drafted["paid_steps"] >= 1
+    credit = spot.savings.budget_s()
+    assert (step(2, drafted=False)["paid_steps"] > 0) == (credit > 0)  # trains on credit only
+    assert spot.state_dict()["savings"]["credit"] == spot.savings.budget_s()
+    spot.close()
 
 
 def test_rollouts_outside_a_step_are_ignored(llama, tmp_path):

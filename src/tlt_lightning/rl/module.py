@@ -117,8 +117,9 @@ class GRPOModule(L.LightningModule):
         own trainer and checkpoints), ``rollout_target`` and ``policy_target`` (the adapters of the
         rollout model and of the policy), ``rollout_feature_layers`` (extra layers the rollouts return),
         ``last_rollout``, :meth:`add_rollout_listener`. ``training_step`` returns ``{"loss", "rollout",
-        "rewards", "advantages", "times"}`` (``times``: this rank's ``rollout_s``, ``reward_s``,
-        ``train_s``, ``compile_s``).
+        "rewards", "advantages", "forward_tokens", "times"}`` (``forward_tokens``: the padded tokens
+        this rank's training forwards ran on; ``times``: its ``rollout_s``, ``reward_s``, ``train_s``,
+        ``compile_s``).
 
     Example:
         >>> source = TokenPromptSource([[5, 6, 7], [8, 9], [3], [4, 2]], reward_fn)  # doctest: +SKIP
@@ -398,6 +399,7 @@ class GRPOModule(L.LightningModule):
         listeners.end_step(self, result)
         times = {"rollout_s": result.stats.total_time, "reward_s": reward_time, "train_s": train_time}
         out = {"loss": parts["loss"], "rollout": result, "rewards": rewards, "advantages": advantages}
+        out["forward_tokens"] = int(parts["forward_tokens"])
         return {**out, "times": {**times, "compile_s": compile_s}}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

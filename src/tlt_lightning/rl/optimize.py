@@ -58,7 +58,8 @@ def optimize(module: GRPOModule, data: PolicyBatch) -> dict[str, torch.Tensor]:
 
     Returns:
         Scalars of the step: ``loss``, ``pg_loss``, ``kl``, ``clip_fraction``, ``ratio_mean``,
-        ``grad_norm`` (before clipping) and ``logprob_drift``.
+        ``grad_norm`` (before clipping), ``logprob_drift`` and ``forward_tokens`` (the padded tokens the
+        forwards ran on: the step's training work, zero-advantage groups skipped).
     """
     optim, strategy = module.optim_config, module.trainer.strategy
     opt = module.optimizers()
@@ -86,10 +87,12 @@ def optimize(module: GRPOModule, data: PolicyBatch) -> dict[str, torch.Tensor]:
     full = full_precision and not sixteen_bit_training
     tolerance = hp.logprob_tolerance or (0.01 if full else 0.2)
     sums = dict.fromkeys(("loss", "pg_loss", "kl", "clip", "ratio", "tokens", "drift"), 0.0)
+    forward_tokens = 0
     finite = True
     opt.zero_grad()
     for k, idx in enumerate(chunks):
         mb = data.select(idx, multiple)
+        forward_tokens += mb.input_ids.numel()
         sync = k == len(chunks) - 1
         local = not sync and isinstance(strategy, ParallelStrategy)
         with strategy.block_backward_sync() if local else nullcontext():
@@ -127,6 +130,7 @@ def optimize(module: GRPOModule, data: PolicyBatch) -> dict[str, torch.Tensor]:
         "ratio_mean": sums["ratio"] / tokens,
         "grad_norm": grad_norm.detach(),
         "logprob_drift": drift,
+        "forward_tokens": torch.tensor(float(forward_tokens)),
     }
 
 

@@ -19,8 +19,10 @@ def step_metrics(total: dict[str, float], world_size: int, version: int) -> dict
     (tail + paid), ``drafter/paid_seconds``, ``drafter/idle_seconds`` (idle and not training),
     ``drafter/idle_fraction_recovered`` (tail training over idle + tail training time: ``0`` for a
     single worker, which has no idle time), ``drafter/overhead_fraction`` (paid seconds over the RL
-    step without them), ``drafter/buffer_mb`` and ``drafter/buffer_tokens`` (per rank) and
-    ``drafter/preemption_latency_s`` (when a tail window was preempted).
+    step without them), ``drafter/saved_seconds`` (what the rollouts' speculative steps saved against
+    plain decoding, :mod:`~tlt_lightning.spot.savings`), ``drafter/buffer_mb`` and
+    ``drafter/buffer_tokens`` (per rank) and ``drafter/preemption_latency_s`` (when a tail window
+    was preempted).
 
     Example:
         >>> from tlt_lightning.spot import STEP_STATS
@@ -40,6 +42,7 @@ def step_metrics(total: dict[str, float], world_size: int, version: int) -> dict
         "drafter/idle_seconds": total["idle_s"],
         "drafter/idle_fraction_recovered": total["tail_s"] / idle_pool if idle_pool > 0 else 0.0,
         "drafter/overhead_fraction": total["paid_s"] / max(1e-9, total["step_s"]),
+        "drafter/saved_seconds": total["saved_s"],
         "drafter/buffer_mb": total["buffer_mb"] / world_size,
         "drafter/buffer_tokens": total["buffer_tokens"] / world_size,
     }

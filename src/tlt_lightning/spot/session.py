@@ -13,7 +13,9 @@ TRAINING), a :class:`~tlt_lightning.spot.DrafterPublisher` and an
    drafter (TRAINING) until the *last* rank has finished its share, preempted between drafter
    steps. In-window steps are local: no collectives.
 3. :meth:`end_step` (after the policy update): the one sync point. If no rank trained in the tail
-   (a single worker never can), every rank trains a *paid* bounded budget. The ranks' drafters are
+   (a single worker never can), every rank trains a *paid* bounded budget (with
+   ``training.paid_share_of_savings``, no more than speculation saved: :mod:`~tlt_lightning.spot.savings`).
+   The ranks' drafters are
    made identical by a step-weighted average (one ``reduce``), the result is published (version + 1)
    and, every ``checkpoint_interval`` steps, saved asynchronously (rank 0).
 
@@ -42,12 +44,13 @@ from tlt_lightning.spot.checkpoint import AsyncCheckpointer
 from tlt_lightning.spot.config import SpotConfig
 from tlt_lightning.spot.coordinator import CoordinatorConfig, Segment, WorkerCoordinator, WorkerState
 from tlt_lightning.spot.publish import DrafterLease, DrafterPublisher
+from tlt_lightning.spot.savings import SavingsAccount
 from tlt_lightning.spot.trainer import SpotTrainer
 
 __all__ = ["STEP_STATS", "SpotDrafter"]
 
 STEP_STATS = ("tail_steps", "paid_steps", "loss", "top1", "tail_s", "idle_s", "paid_s", "step_s",
-              "latency_sum", "latency_n", "buffer_mb", "buffer_tokens")  # fmt: skip
+              "latency_sum", "latency_n", "buffer_mb", "buffer_tokens", "saved_s")  # fmt: skip
 """The per-step statistics every rank contributes to one summed reduce (:meth:`SpotDrafter.end_step`)."""
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # a sum over ranks (``None``: one process)
@@ -99,6 +102,7 @@ class SpotDrafter:
 
     Attributes:
         drafter, optimizer, buffer, coordinator, publisher, checkpointer, spot_trainer: what it drives.
+        savings: what speculation saved against plain decoding, and the paid training's credit.
         steps, tail_steps, paid_steps, rl_steps, paid_seconds: counters over all ranks (in the state).
         local_stats: this rank's share of the last RL step (:data:`STEP_STATS`).
         last_checkpoint: the directory of the newest save.
@@ -136,6 +140,7 @@ class SpotDrafter:
         )
         self.drafter, self.optimizer = drafter, self.spot_trainer.optimizer
         self.checkpointer = AsyncCheckpointer(Path(checkpoint_dir))
+        self.savings = SavingsAccount(config.training.paid_share_of_savings)
         self.steps = self.tail_steps = self.paid_steps = self.rl_steps = 0
         self.paid_seconds = 0.0
         self.last_checkpoint: str | None = None
@@ -207,14 +212,16 @@ class SpotDrafter:
             self.buffer.add(result.rollouts, step=spot.policy_step)
         self._in_step = False
         stats["step_s"] = time.perf_counter() - self._step_start
+        stats["saved_s"] = self.savings.deposit(result.stats)
         summed: Reduce = reduce or (lambda t: t)
         tail = (
             float(summed(torch.tensor(stats["tail_steps"], dtype=torch.float64, device=device)))
             if coord.distributed
             else stats["tail_steps"]
         )
-        paid = spot.train_paid() if tail == 0 else None
+        paid = spot.train_paid(self.savings.budget_s()) if tail == 0 else None
         if paid is not None:
+            self.savings.withdraw(paid.seconds)
             stats["paid_steps"] += paid.steps
             stats["paid_s"] += paid.seconds
             self.paid_seconds += paid.seconds
@@ -266,6 +273,7 @@ class SpotDrafter:
             "coordinator": self.coordinator.state_dict(),
             "publisher": self.publisher.state_dict(),
             "checkpointer": self.checkpointer.state_dict(),
+            "savings": self.savings.state_dict(),
             "counters": {
                 "steps": self.steps,
                 "tail_steps": self.tail_steps,
@@ -280,7 +288,7 @@ class SpotDrafter:
         """Restore a :meth:`state_dict`; missing keys keep their current values. With
         ``publisher_too`` the restored drafter is published again."""
         self.spot_trainer.load_state_dict(state)  # drafter weights, optimizer
-        for key in ("buffer", "coordinator", "checkpointer"):
+        for key in ("buffer", "coordinator", "checkpointer", "savings"):
             if key in state:
                 getattr(self, key).load_state_dict(state[key])
         if publisher_too and "publisher" in state:
@@ -304,6 +312,7 @@ class SpotDrafter:
             "min_idle_s": c.min_idle_s,
             "max_steps_per_rollout": t.max_steps_per_rollout,
             "max_seconds_per_rollout": t.max_seconds_per_rollout,
+            "paid_share_of_savings": t.paid_share_of_savings,
             "kind": c.kind,
             "draft_vocab_size": c.draft_vocab_size,
             "drafter_path": c.drafter_path,

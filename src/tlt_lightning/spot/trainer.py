@@ -70,6 +70,7 @@ class SpotTrainerConfig:
     packing_budget: int = 1024
     max_steps_per_rollout: int | None = 4
     max_seconds_per_rollout: float | None = 2.0
+    paid_share_of_savings: float | None = None
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     seed: int = 0
@@ -86,6 +87,10 @@ class SpotTrainerConfig:
              "an int >= 0 or None"),
             ("max_seconds_per_rollout", seconds, seconds is None or (is_number(seconds) and seconds > 0),
              "a finite number > 0 or None"),
+            ("paid_share_of_savings", self.paid_share_of_savings,
+             self.paid_share_of_savings is None or (is_number(self.paid_share_of_savings)
+                                                    and self.paid_share_of_savings > 0),
+             "a number > 0 or None"),
             ("weight_decay", self.weight_decay, is_number(self.weight_decay) and self.weight_decay >= 0,
              "a number >= 0"),
             ("max_grad_norm", self.max_grad_norm,
@@ -219,18 +224,24 @@ class SpotTrainer:
         self.steps += 1
         return True
 
-    def train_paid(self) -> PaidTraining | None:
+    def train_paid(self, max_seconds: float | None = None) -> PaidTraining | None:
         """Bounded training the RL step pays for (no idle device to hide it in).
 
         At most ``max_steps_per_rollout`` steps and ``max_seconds_per_rollout`` seconds; a step the
         remaining time cannot hold (judged by the mean step so far) is not started.
+
+        Args:
+            max_seconds: a tighter time bound for this call (e.g. the credit of a
+                :class:`~tlt_lightning.spot.savings.SavingsAccount`); ``<= 0``: no step.
 
         Returns:
             Steps, seconds and start; ``None`` when there was nothing to do (a step budget of ``0``
             or an empty buffer).
         """
         limit_steps, limit_s = self.config.max_steps_per_rollout, self.config.max_seconds_per_rollout
-        if limit_steps == 0 or not len(self.buffer):
+        if max_seconds is not None:
+            limit_s = max_seconds if limit_s is None else min(limit_s, max_seconds)
+        if limit_steps == 0 or not len(self.buffer) or (limit_s is not None and limit_s <= 0):
             return None
         t0, start, steps = time.time(), time.perf_counter(), 0
         while limit_steps is None or steps < limit_steps:
