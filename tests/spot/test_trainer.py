@@ -119,6 +119,11 @@ def test_paid_budget_in_seconds_starts_no_step_the_time_left_cannot_hold(llama, 
     trainer = make_trainer(llama, max_steps_per_rollout=2, max_seconds_per_rollout=0.1)
     trainer.train_one = clock.step
     assert trainer.train_paid().steps == 2  # the step budget binds first
+    # A tighter bound for one call (a savings account's credit): 0.05 s holds one step then stops.
+    trainer = make_trainer(llama, max_steps_per_rollout=None, max_seconds_per_rollout=0.1)
+    trainer.train_one = clock.step
+    assert trainer.train_paid(max_seconds=0.05).steps == 1 and trainer.train_paid(max_seconds=1.0).steps == 3
+    assert trainer.train_paid(max_seconds=0.0) is None and trainer.train_paid(max_seconds=-0.2) is None
 
 
 def test_paid_training_stops_when_the_stream_runs_dry(llama):
