@@ -49,8 +49,6 @@ def test_pack_batches_layout(llama):
     assert not mask[0, 0, 5:, :5].any() and mask[0, 0, 7, 5:].all()  # block-diagonal, causal
     (wide,) = pack_batches(rs, cfg, budget=8, rows=2, shuffle=False, pad_to_budget=True)
     assert wide.tokens.shape == (2, 8)
-    (rounded,) = pack_batches(rs, cfg, budget=16, rows=2, shuffle=False, width_multiple=6)
-    assert rounded.tokens.shape == (1, 12) and rounded.mask.sum() == 10  # one row of 10 samples, padded to 12
     # A rollout longer than the budget is split into budget-sized documents.
     long = pack_batches(rollouts_for(cfg, [12]), cfg, budget=4, shuffle=False)
     assert [b.num_samples for b in long] == [4, 4, 3]
@@ -62,8 +60,6 @@ def test_pack_batches_errors(llama):
         pack_batches([], cfg, budget=0)
     with pytest.raises(ValueError, match="rows must be a positive int, got -1"):
         pack_batches([], cfg, budget=8, rows=-1)
-    with pytest.raises(ValueError, match="width_multiple must be a positive int, got 0"):
-        pack_batches([], cfg, budget=8, width_multiple=0)
     r = rollouts_for(cfg, [5])[0]
     r.features = None
     with pytest.raises(ValueError, match=r"rollouts\[0\] has no features"):
@@ -77,15 +73,13 @@ def test_packed_loss_equals_padded_loss(llama, kind, unroll):
     loss_cfg = DrafterLoss.for_kind(kind, unroll_steps=unroll)
     (padded,) = make_batches(rs, d.config, batch_size=len(rs), shuffle=False)
     packed = pack_batches(rs, d.config, budget=10, rows=8, shuffle=False)
-    (rounded,) = pack_batches(rs, d.config, budget=10, rows=8, shuffle=False, width_multiple=16)
-    assert len(packed) == 1 and packed[0].tokens.shape[0] < len(rs) and rounded.tokens.shape[1] == 16
+    assert len(packed) == 1 and packed[0].tokens.shape[0] < len(rs)
     with torch.no_grad():
         loss_pad, m_pad = drafter_losses(d, llama, padded, loss_cfg)
-        for batch in (packed[0], rounded):  # extra padding changes nothing
-            loss_pack, m_pack = drafter_losses(d, llama, batch, loss_cfg)
-            torch.testing.assert_close(loss_pack, loss_pad, rtol=1e-5, atol=1e-6)
-            for key in m_pad:
-                torch.testing.assert_close(m_pack[key], m_pad[key], rtol=1e-5, atol=1e-6)
+        loss_pack, m_pack = drafter_losses(d, llama, packed[0], loss_cfg)
+    torch.testing.assert_close(loss_pack, loss_pad, rtol=1e-5, atol=1e-6)
+    for key in m_pad:
+        torch.testing.assert_close(m_pack[key], m_pad[key], rtol=1e-5, atol=1e-6)
 
 
 def test_packed_per_sample_losses_match_alone(llama):

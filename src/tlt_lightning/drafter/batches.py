@@ -143,22 +143,19 @@ def split_rollout(rollout: Rollout, index: int, config: DrafterConfig, max_len: 
     return [tuple(t[i : i + step] for t in sample) for i in range(0, S, step)]
 
 
-def _collate(
-    rows: Sequence[Sequence[Chunk]], width: int | None = None, packed: bool = False, multiple: int = 1
-) -> DrafterBatch:
+def _collate(rows: Sequence[Sequence[Chunk]], width: int | None = None, packed: bool = False) -> DrafterBatch:
     """Copy the chunks of each row side by side into one right-padded :class:`DrafterBatch`.
 
     Args:
         rows: ``B`` rows, each a list of chunks (one chunk per row unless packed).
-        width: samples per row (default: the fullest row's, rounded up to a ``multiple``).
+        width: samples per row (default: the fullest row's).
         packed: set :attr:`DrafterBatch.doc_ids` (each chunk its own document).
-        multiple: without ``width``, pad the rows to a multiple of this many samples.
 
     Returns:
         A batch of ``[B, width]`` samples in the chunks' dtype.
     """
     fill = [sum(chunk[0].shape[0] for chunk in row) for row in rows]
-    S = width or -(-max(fill) // multiple) * multiple
+    S = width or max(fill)
     tokens, feats, final, pos = (
         torch.zeros((len(rows), S, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in rows[0][0]
     )
@@ -185,20 +182,12 @@ class LazyBatches(Sequence[DrafterBatch]):
 
     Args:
         groups: per batch, its rows of chunks (see :func:`_collate`).
-        width: samples per row (``None``: each batch as wide as its fullest row, rounded up to a
-            ``multiple``).
+        width: samples per row (``None``: each batch as wide as its fullest row).
         packed: batches carry ``doc_ids``.
-        multiple: see ``width``.
     """
 
-    def __init__(
-        self,
-        groups: list[list[list[Chunk]]],
-        width: int | None = None,
-        packed: bool = False,
-        multiple: int = 1,
-    ):
-        self._groups, self._width, self._packed, self._multiple = groups, width, packed, multiple
+    def __init__(self, groups: list[list[list[Chunk]]], width: int | None = None, packed: bool = False):
+        self._groups, self._width, self._packed = groups, width, packed
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -206,7 +195,7 @@ class LazyBatches(Sequence[DrafterBatch]):
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        return _collate(self._groups[index], self._width, self._packed, self._multiple)
+        return _collate(self._groups[index], self._width, self._packed)
 
 
 def make_batches(

@@ -75,7 +75,6 @@ def pack_batches(
     shuffle: bool = True,
     generator: torch.Generator | None = None,
     pad_to_budget: bool = False,
-    width_multiple: int = 1,
 ) -> LazyBatches:
     """Turn rollouts (with features) into packed training batches of ``rows x budget`` samples.
 
@@ -90,8 +89,7 @@ def pack_batches(
         shuffle: shuffle the packed rows (with ``generator``) before grouping them into batches.
         generator: CPU random source for the shuffle.
         pad_to_budget: pad every row to exactly ``budget`` (static shapes, e.g. for CUDA graphs);
-            otherwise a batch is as wide as its fullest row, rounded up to ``width_multiple``.
-        width_multiple: a few widths instead of any (CPU kernels are built and cached per shape).
+            otherwise a batch is as wide as its fullest row.
 
     Returns:
         :class:`DrafterBatch` es with ``doc_ids`` set (``-1`` on padding), each built when accessed.
@@ -102,13 +100,12 @@ def pack_batches(
     """
     positive_int("budget", budget)
     positive_int("rows", rows)
-    positive_int("width_multiple", width_multiple)
     docs = [chunk for i, r in enumerate(rollouts) for chunk in split_rollout(r, i, config, budget)]
     bins = pack_bins([d[0].shape[0] for d in docs], budget)
     if shuffle:
         bins = [bins[i] for i in torch.randperm(len(bins), generator=generator).tolist()]
     groups = [[[docs[i] for i in b] for b in bins[at : at + rows]] for at in range(0, len(bins), rows)]
-    return LazyBatches(groups, budget if pad_to_budget else None, packed=True, multiple=width_multiple)
+    return LazyBatches(groups, budget if pad_to_budget else None, packed=True)
 
 
 def fill_ratio(batches: Sequence[DrafterBatch]) -> float:

@@ -52,8 +52,6 @@ class SpotTrainerConfig:
     Args:
         lr: AdamW learning rate (``> 0``).
         packing_budget: samples (tokens) packed into one drafter step (``>= 2``).
-        width_multiple: each drafter step's batch padded to a multiple of this many samples (``>= 1``):
-            a few shapes, so the CPU kernels built per shape (oneDNN's cache) stop growing step after step.
         max_steps_per_rollout: paid training (:meth:`SpotTrainer.train_paid`): at most this many
             drafter steps (``>= 0``; ``None``: no step limit).
         max_seconds_per_rollout: paid training: at most this many seconds (``> 0`` or ``None``); a
@@ -70,7 +68,6 @@ class SpotTrainerConfig:
 
     lr: float = 3e-4
     packing_budget: int = 1024
-    width_multiple: int = 64
     max_steps_per_rollout: int | None = 4
     max_seconds_per_rollout: float | None = 2.0
     paid_share_of_savings: float | None = None
@@ -86,8 +83,6 @@ class SpotTrainerConfig:
             ("lr", self.lr, is_number(self.lr) and self.lr > 0, "a finite number > 0"),
             ("packing_budget", self.packing_budget,
              is_int(self.packing_budget) and self.packing_budget >= 2, "an int >= 2"),
-            ("width_multiple", self.width_multiple,
-             is_int(self.width_multiple) and self.width_multiple >= 1, "an int >= 1"),
             ("max_steps_per_rollout", steps, steps is None or (is_int(steps) and steps >= 0),
              "an int >= 0 or None"),
             ("max_seconds_per_rollout", seconds, seconds is None or (is_number(seconds) and seconds > 0),
@@ -205,7 +200,6 @@ class SpotTrainer:
                 rows=1,
                 shuffle=True,
                 generator=generator,
-                width_multiple=self.config.width_multiple,
             )
             if not batches:
                 return
