@@ -16,7 +16,8 @@ included, is 1.67 GB), 0.18 MiB on tiny-llama after 4 steps of 16 x 16 tokens. W
 checkpoint cannot hold is the clock: a bandit that learns from wall time (the default;
 ``BanditCallback(reproducible=True)`` learns from a modelled cost) or drafter training bounded by
 seconds (the spot config's ``training.max_seconds_per_rollout`` when the step bound is not
-reached first) makes the uninterrupted run and the resumed one differ as two uninterrupted runs would.
+reached first, or ``training.paid_share_of_savings``, which prices speculation in seconds) makes the
+uninterrupted run and the resumed one differ as two uninterrupted runs would.
 Resuming with other settings (``seed``, ``optim.lr``, ...) is refused by ``tlt-lightning fit`` unless
 ``--resume_overrides=apply``; a changed seed then warns here. Resuming on other prompts (another task,
 dataset, size or seed: :func:`prompt_source_identity`) is refused here, unless the module's

@@ -48,14 +48,5 @@ def log_step(
         log("rollout/weights_version", float(stats.weights_version))
     log("time/reward_s", reward_time)
     log("time/train_s", train_time)
-    for name in (
-        "loss",
-        "pg_loss",
-        "kl",
-        "clip_fraction",
-        "ratio_mean",
-        "grad_norm",
-        "logprob_drift",
-        "forward_tokens",
-    ):
-        log(f"train/{name}", parts[name])
+    for name, value in parts.items():  # loss, pg_loss, kl, clip_fraction, ..., forward_tokens (optimize)
+        log(f"train/{name}", value)

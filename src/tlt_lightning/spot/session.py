@@ -15,9 +15,8 @@ TRAINING), a :class:`~tlt_lightning.spot.DrafterPublisher` and an
 3. :meth:`end_step` (after the policy update): the one sync point. If no rank trained in the tail
    (a single worker never can), every rank trains a *paid* bounded budget (with
    ``training.paid_share_of_savings``, no more than speculation saved: :mod:`~tlt_lightning.spot.savings`).
-   The ranks' drafters are
-   made identical by a step-weighted average (one ``reduce``), the result is published (version + 1)
-   and, every ``checkpoint_interval`` steps, saved asynchronously (rank 0).
+   The ranks' drafters are made identical by a step-weighted average (one ``reduce``), the result is
+   published (version + 1) and, every ``checkpoint_interval`` steps, saved asynchronously (rank 0).
 
 :class:`~tlt_lightning.callbacks.SpotDrafterCallback` hands these verbs to a
 :class:`~tlt_lightning.rl.GRPOModule` as its rollout listener, whose training step calls them in this
