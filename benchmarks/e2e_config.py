@@ -517,6 +517,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{base['step_s']:.1f} s), rollout {payload['rollout_speedup']:.2f}x; baseline rollout share "
         f"{base['rollout_share']:.2f}{drift}; wrote {args.json} and {figure}"
     )
+    decode, train = (
+        payload["decode_speedup_equal_work"]["tlt"]["tokens_per_s"],
+        payload["train_speedup_equal_work"].get("tlt"),
+    )
+    if decode is not None and train is not None:  # the runs' samples differ: the same work compared
+        print(
+            f"[bench e2e] equal work: TLT's decode {decode:.2f}x, training per forwarded token {train:.2f}x"
+        )
     for peer, ratios in payload["vs_peers"].items():
         print(f"[bench e2e] vs {peer}: TLT {ratios['tlt']['step']:.2f}x per step, without TLT "
               f"{ratios['baseline']['step']:.2f}x", flush=True)  # fmt: skip
