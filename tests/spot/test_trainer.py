@@ -63,6 +63,20 @@ def test_train_one_takes_a_local_step_and_begin_step_restarts_the_sums(llama):
     assert trainer.policy_step == 1 and trainer.loss_sum == trainer.top1_sum == 0.0 and trainer.steps == 2
 
 
+def test_steps_inside_a_callers_autocast_region_train_as_outside_it(llama):
+    """A fit under bf16-mixed calls the trainer inside autocast, which caches each weight's cast for the
+    whole region: without its own precision, the second step would run on the first one's weights."""
+    outside, inside = make_trainer(llama), make_trainer(llama)
+    outside.begin_step(0), inside.begin_step(0)
+    for _ in range(3):
+        outside.train_one()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(3):
+            inside.train_one()
+    assert inside.loss_sum == outside.loss_sum
+    assert_equal(snapshot(inside), snapshot(outside))
+
+
 def test_unrolled_total_variation_training_is_the_configured_objective(llama):
     trainer = make_trainer(llama, unroll_steps=3, accept_weight=1.0)
     assert (trainer.loss_cfg.unroll_steps, trainer.loss_cfg.accept_weight) == (3, 1.0)

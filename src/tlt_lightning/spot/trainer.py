@@ -208,6 +208,11 @@ class SpotTrainer:
     def train_one(self) -> bool:
         """One local drafter step (no collectives: it may run inside a coordinator window).
 
+        In float32 whatever the caller's autocast: an autocast region casts each weight once and reuses
+        the cast until the region ends, so inside a training step under Lightning's ``bf16-mixed`` every
+        drafter step after the first would run on the first one's weights (the optimizer updates them
+        in place).
+
         Returns:
             Whether a step was taken (``False``: no data).
         """
@@ -216,9 +221,10 @@ class SpotTrainer:
         batch = next(self._batches, None)
         if batch is None:
             return False
-        metrics = drafter_train_step(
-            self.drafter, self.target, batch, self.optimizer, self.loss_cfg, self.config.max_grad_norm
-        )
+        with torch.autocast(self.drafter.device.type, enabled=False):
+            metrics = drafter_train_step(
+                self.drafter, self.target, batch, self.optimizer, self.loss_cfg, self.config.max_grad_norm
+            )
         self.loss_sum += metrics["loss"]
         self.top1_sum += metrics["top1"]
         self.steps += 1
