@@ -398,8 +398,8 @@ class GRPOModule(L.LightningModule):
         log_step(self, result, rewards, parts, reward_time, train_time)
         listeners.end_step(self, result)
         times = {"rollout_s": result.stats.total_time, "reward_s": reward_time, "train_s": train_time}
-        out = {"loss": parts["loss"], "rollout": result, "rewards": rewards, "advantages": advantages}
-        out["forward_tokens"] = int(parts["forward_tokens"])
+        out = {"loss": parts["loss"], "rollout": result, "rewards": rewards, "advantages": advantages,
+               "forward_tokens": int(parts["forward_tokens"])}  # fmt: skip
         return {**out, "times": {**times, "compile_s": compile_s}}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
